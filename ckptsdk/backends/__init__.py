@@ -1,0 +1,102 @@
+"""Storage backends, chosen by URL. ``open_backend(url)`` is the one door in.
+
+A lazy table maps each URL scheme to the module that implements it, so an optional dependency
+(gcsfs) is imported only when its scheme is used, and a missing one names the extra to install.
+Implementations live in sibling modules; the contract in ``base.py``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from typing import Any
+
+from ..errors import MissingDependencyError, UnknownSchemeError
+from .base import Backend, Capabilities, ObjectInfo, check_key
+
+__all__ = ["Backend", "Capabilities", "ObjectInfo", "open_backend", "check_key", "DRIVE_MOUNT"]
+
+# Where Colab mounts "My Drive". CKPTSDK_DRIVE_ROOT overrides it (tests, other mounts).
+DRIVE_MOUNT = "/content/drive/MyDrive"
+
+# scheme -> (module, class, pip extra that provides its dependencies or None)
+_REGISTRY: dict[str, tuple[str, str, str | None]] = {
+    "file": ("ckptsdk.backends.local", "LocalBackend", None),
+    "drive": ("ckptsdk.backends.drive", "DriveBackend", None),
+    "memory": ("ckptsdk.backends.memory", "MemoryBackend", None),
+    "gs": ("ckptsdk.backends.gcs", "GCSBackend", "gcs"),
+}
+
+
+def drive_root() -> str:
+    """The Drive mount root: ``$CKPTSDK_DRIVE_ROOT`` if set, else Colab's ``/content/drive/MyDrive``."""
+    return os.environ.get("CKPTSDK_DRIVE_ROOT") or DRIVE_MOUNT
+
+
+def _load(scheme: str, url: str) -> Any:
+    module_name, class_name, extra = _REGISTRY[scheme]
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        if extra is None or exc.name is None or exc.name.startswith("ckptsdk"):
+            raise
+        raise MissingDependencyError(
+            f"opening {url!r} needs the optional dependency {exc.name!r}, which is not installed; "
+            f"install it with: pip install 'ckptsdk[{extra}]'",
+            extra=extra,
+        ) from exc
+    return getattr(module, class_name)
+
+
+def open_backend(url: str, **storage_options: Any) -> Backend:
+    """Open the storage at ``url``.
+
+    Args:
+        url: a plain path or ``file://PATH`` (local disk); ``drive://REL`` (the Colab Drive mount,
+            ``$CKPTSDK_DRIVE_ROOT`` or ``/content/drive/MyDrive``, plus REL); a path under
+            ``/content/drive/`` (detected as Drive); ``gs://BUCKET/PREFIX`` (GCS through gcsfs);
+            ``memory://NAME`` (in-process, shared by every ``open_backend`` of the same NAME).
+        **storage_options: passed to fsspec/gcsfs for ``gs://`` (``endpoint_url``, ``token``,
+            ``project``...). ``STORAGE_EMULATOR_HOST`` is honoured too.
+
+    Returns:
+        A :class:`Backend`.
+
+    Raises:
+        UnknownSchemeError: the URL has a scheme with no backend.
+        MissingDependencyError: the scheme needs an extra that is not installed.
+
+    Example:
+        >>> b = open_backend("memory://demo")
+        >>> b.write("a/b.txt", b"hi").size
+        2
+    """
+    if not isinstance(url, (str, os.PathLike)):
+        raise UnknownSchemeError(f"a storage URL must be a str or path, got {type(url).__name__}", url=str(url))
+    url = os.fspath(url)
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        scheme, rest = "file", url
+    scheme = scheme.lower()
+    if scheme not in _REGISTRY:
+        known = ", ".join(f"{s}://" for s in sorted(_REGISTRY))
+        raise UnknownSchemeError(
+            f"no storage backend for {url!r}: unknown scheme {scheme + '://'!r}. "
+            f"Use a plain path or one of {known}",
+            url=url,
+        )
+    if scheme == "file":
+        path = os.path.abspath(os.path.expanduser(rest))
+        if path == "/content/drive" or path.startswith("/content/drive/"):
+            scheme = "drive"
+        cls = _load(scheme, url)
+        return cls(path, url=url)
+    if scheme == "drive":
+        rel = rest.strip("/")
+        if rel:
+            check_key(rel, url=url)
+        path = os.path.join(drive_root(), rel) if rel else drive_root()
+        return _load(scheme, url)(path, url=url)
+    if scheme == "memory":
+        return _load(scheme, url)(rest.strip("/"), url=url)
+    return _load(scheme, url)(rest.strip("/"), url=url, **storage_options)

@@ -1,0 +1,188 @@
+"""The storage contract every backend meets, and the small records it returns.
+
+Object-store shaped (GCS is the strictest store we target): flat ``/``-separated keys under a
+root, whole-object atomic publish, optional conditional writes. Nothing here knows about
+checkpoints, leases or manifests; implementations live in sibling modules.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import BinaryIO, Protocol, Union, runtime_checkable
+
+from ..errors import InvalidKey
+
+# What ``write``/``create``/``replace`` accept: one bytes-like object, or an iterable of them
+# streamed in order (lets a checkpoint go from tensor memory to storage without a joined copy).
+Data = Union[bytes, bytearray, memoryview, Iterable[Union[bytes, bytearray, memoryview]]]
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """Which guarantees a backend really has; upper layers pick their strategy from these.
+
+    Attributes:
+        exclusive_create: ``create`` excludes every other writer, on every host.
+        compare_and_swap: ``replace(key, data, version)`` is atomic against every other writer.
+        atomic_publish: a reader sees the old object or the new one, never a part (all backends).
+        durable_on_return: once ``write`` returns, the bytes survive a crash of this machine.
+        immediately_consistent: another host sees a write (and a delete) as soon as it returns.
+            False on the Drive mount, where other VMs see changes minutes late and out of order.
+        trash_on_delete: deletes keep costing quota for a while (Drive's 30-day trash).
+    """
+
+    exclusive_create: bool
+    compare_and_swap: bool
+    atomic_publish: bool = True
+    durable_on_return: bool = True
+    immediately_consistent: bool = True
+    trash_on_delete: bool = False
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """One stored object: its key (relative to the root), size in bytes, and version token.
+
+    ``version`` is opaque: equal tokens mean the same write. GCS: the generation. Local disk: the
+    inode, size and mtime of the published file (a new file is published at every write).
+    """
+
+    key: str
+    size: int
+    version: str
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """A flat key-value store under one root URL. Keys are relative, ``/``-separated.
+
+    Every method raises :class:`~ckptsdk.errors.InvalidKey` for a key that could escape the root,
+    :class:`~ckptsdk.errors.ObjectNotFound` (also a ``FileNotFoundError``) for a missing key where
+    the object is required, and :class:`~ckptsdk.errors.StorageUnavailable` when the store itself
+    is gone (bucket missing, mount dropped). Any other storage failure is a ``BackendError``
+    chained (``from``) to the original exception.
+    """
+
+    url: str
+    capabilities: Capabilities
+
+    def read(self, key: str) -> bytes:
+        """Return the whole object.
+
+        Hint: local ``open(path, 'rb').read()``; GCS ``fs.cat_file``. Map "not found" to
+        ``ObjectNotFound``; never return partial content.
+        """
+        ...
+
+    def open(self, key: str) -> BinaryIO:
+        """Open the object for streaming reads (``read``, ``readinto``, ``seek``); caller closes.
+
+        Hint: large objects (checkpoints, datasets) are read in 8 MiB chunks through this; GCS
+        should use a large block size so each chunk is one ranged GET.
+        """
+        ...
+
+    def write(self, key: str, data: Data) -> ObjectInfo:
+        """Atomically publish ``data`` at ``key``, replacing any previous object.
+
+        Hint: local/Drive write a temp file *in the same folder* (so the rename cannot cross a
+        filesystem), flush + fsync it, ``os.replace`` it over the key, fsync the folder. GCS: one
+        upload, which GCS itself makes atomic. A crash at any moment leaves the old object or the
+        new one, plus at worst a temp file that ``list`` ignores and ``sweep`` removes.
+        """
+        ...
+
+    def create(self, key: str, data: Data) -> ObjectInfo:
+        """Publish ``data`` only if ``key`` does not exist; else raise ``PreconditionFailed``.
+
+        Hint: GCS ``ifGenerationMatch=0``. Local: write a temp file, then ``os.link`` it to the
+        key (link fails if the key exists, and the key is never seen half-written). Backends
+        without cross-host exclusion (Drive) still do this, but say so in ``capabilities``.
+        """
+        ...
+
+    def replace(self, key: str, data: Data, version: str) -> ObjectInfo:
+        """Publish ``data`` only if the current object's version is ``version``.
+
+        Raises ``PreconditionFailed`` (with ``expected``/``actual``) when it moved on or vanished.
+        Hint: GCS ``ifGenerationMatch=<generation>``. Local: under an exclusive lock, compare the
+        version, then ``os.replace``.
+        """
+        ...
+
+    def stat(self, key: str) -> ObjectInfo:
+        """Return the object's size and version, or raise ``ObjectNotFound``."""
+        ...
+
+    def exists(self, key: str) -> bool:
+        """Whether ``key`` exists now (as this host sees it)."""
+        ...
+
+    def list(self, prefix: str = "") -> list[ObjectInfo]:
+        """Every object whose key starts with ``prefix`` (recursively), sorted by key.
+
+        Hint: temp files of in-flight or crashed writes are never listed; a missing root lists
+        as empty.
+        """
+        ...
+
+    def delete(self, key: str, *, version: str | None = None) -> None:
+        """Delete ``key``; with ``version``, only if that is still its version.
+
+        Raises ``ObjectNotFound`` if absent, ``PreconditionFailed`` if the version moved on.
+        """
+        ...
+
+    def sweep(self, older_than: float) -> list[str]:
+        """Remove leftovers of crashed writes (temp files) older than ``older_than`` seconds.
+
+        Returns what was removed. Stores without temp files (GCS, memory) return ``[]``.
+        """
+        ...
+
+
+def check_key(key: str, *, url: str = "", allow_empty: bool = False) -> str:
+    """Return ``key`` if it is a safe relative key, else raise ``InvalidKey``.
+
+    Args:
+        key: the key to check.
+        url: the backend root, for the error message.
+        allow_empty: accept ``""`` (a list prefix meaning "everything").
+    """
+    if not isinstance(key, str):
+        raise InvalidKey(f"key must be a str, got {type(key).__name__}", url=url, key=str(key))
+    if key == "" and allow_empty:
+        return key
+    bad = (
+        key == ""
+        or key.startswith("/")
+        or "\\" in key
+        or "\x00" in key
+        or any(part in ("", ".", "..") for part in key.split("/"))
+    )
+    if bad:
+        raise InvalidKey(
+            f"invalid key {key!r} under {url or 'the backend root'}: keys are relative, "
+            "'/'-separated, with no empty, '.' or '..' components and no backslashes",
+            url=url,
+            key=key,
+        )
+    return key
+
+
+def check_prefix(prefix: str, *, url: str = "") -> str:
+    """Validate a list prefix: ``""`` or a key, optionally ending in ``/``."""
+    if prefix == "":
+        return prefix
+    check_key(prefix[:-1] if prefix.endswith("/") else prefix, url=url)
+    return prefix
+
+
+def iter_chunks(data: Data) -> Iterable[memoryview]:
+    """Yield ``data`` as byte memoryviews, whether it is one buffer or an iterable of them."""
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        yield memoryview(data).cast("B")
+        return
+    for chunk in data:
+        yield memoryview(chunk).cast("B")

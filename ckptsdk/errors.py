@@ -1,0 +1,215 @@
+"""Every error ckptsdk raises, in one tree. Nothing else belongs here.
+
+    CkptError                                  anything ckptsdk raises on purpose
+     ├── ConfigError (ValueError)              a bad URL, option or argument
+     │    ├── UnknownSchemeError                open_backend() got a scheme it does not know
+     │    └── MissingDependencyError (ImportError)  an optional extra is not installed
+     ├── BackendError (OSError)                storage failed
+     │    ├── ObjectNotFound (FileNotFoundError)    the key does not exist
+     │    ├── InvalidKey (ValueError)               '..', absolute or empty key components
+     │    ├── PreconditionFailed                    a conditional write/delete lost (GCS 412)
+     │    └── StorageUnavailable                    bucket missing, root unreadable, mount gone
+     ├── LeaseError
+     │    ├── LeaseHeldError                   another live writer holds the lease
+     │    └── LeaseLostError                   this writer was fenced; it must stop writing
+     ├── CheckpointError
+     │    ├── CorruptCheckpointError           size/digest mismatch, torn or missing files
+     │    ├── ManifestError                    unreadable, unknown-format or invalid manifest
+     │    ├── NoValidCheckpointError           checkpoints exist but none could be restored
+     │    └── StateMismatchError (ValueError)  the saved tree does not fit the live objects
+     ├── UnsupportedStateError (TypeError)     a state leaf the codec refuses (names the path)
+     └── DataError                             the data cache and datasets
+          ├── DigestMismatchError              bytes differ from the expected digest
+          ├── AllSourcesFailedError            every source was tried; lists each and why
+          ├── UnsafeArchiveError               an archive member escapes its target or links out
+          └── DatasetMismatchError             decoded tensors differ from the recorded hash
+
+Errors that refine a builtin also inherit it, so ``except FileNotFoundError`` keeps working.
+Each carries the fields a caller needs (``url``, ``key``, ``step``, ``holder``...) and a message
+that says what happened, where, and what to do next.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class CkptError(Exception):
+    """Base of every error ckptsdk raises on purpose."""
+
+
+class ConfigError(CkptError, ValueError):
+    """A URL, option or argument that cannot work."""
+
+
+class UnknownSchemeError(ConfigError):
+    """``open_backend`` got a URL scheme it has no backend for."""
+
+    def __init__(self, message: str, *, url: str) -> None:
+        super().__init__(message)
+        self.url = url
+
+
+class MissingDependencyError(CkptError, ImportError):
+    """An optional dependency is missing; the message names the extra to install."""
+
+    def __init__(self, message: str, *, extra: str) -> None:
+        super().__init__(message)
+        self.extra = extra
+
+
+class BackendError(CkptError, OSError):
+    """A storage operation failed. ``url`` is the backend root, ``key`` the object (or None)."""
+
+    def __init__(self, message: str, *, url: str = "", key: str | None = None) -> None:
+        super().__init__(message)
+        self.url = url
+        self.key = key
+
+    def __str__(self) -> str:  # OSError.__str__ would print errno fields we never set
+        return str(self.args[0]) if self.args else ""
+
+
+class ObjectNotFound(BackendError, FileNotFoundError):
+    """The key does not exist under the backend root."""
+
+
+class InvalidKey(BackendError, ValueError):
+    """A key with '..', a leading '/', a backslash or an empty component."""
+
+
+class PreconditionFailed(BackendError):
+    """A conditional write or delete lost: the object existed, or its version moved on.
+
+    ``expected`` is the version the caller required (``None`` for create-if-absent), ``actual``
+    the version found (``None`` when unknown or absent).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        url: str = "",
+        key: str | None = None,
+        expected: str | None = None,
+        actual: str | None = None,
+    ) -> None:
+        super().__init__(message, url=url, key=key)
+        self.expected = expected
+        self.actual = actual
+
+
+class StorageUnavailable(BackendError):
+    """The storage itself cannot be used: missing bucket, unreadable root, dropped mount."""
+
+
+class LeaseError(CkptError):
+    """Problems with the writer lease. ``holder`` is the lease record seen (a dict), if any."""
+
+    def __init__(self, message: str, *, url: str = "", holder: Any = None) -> None:
+        super().__init__(message)
+        self.url = url
+        self.holder = holder
+
+
+class LeaseHeldError(LeaseError):
+    """Another writer holds a live lease on this checkpoint root."""
+
+
+class LeaseLostError(LeaseError):
+    """This writer was fenced (a newer epoch took over); it must stop writing."""
+
+    def __init__(
+        self, message: str, *, url: str = "", holder: Any = None, epoch: int | None = None,
+        newer_epoch: int | None = None,
+    ) -> None:
+        super().__init__(message, url=url, holder=holder)
+        self.epoch = epoch
+        self.newer_epoch = newer_epoch
+
+
+class CheckpointError(CkptError):
+    """Problems with a stored checkpoint. ``url`` is the root, ``step`` the checkpoint's step."""
+
+    def __init__(
+        self, message: str, *, url: str = "", step: int | None = None, key: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.url = url
+        self.step = step
+        self.key = key
+
+
+class CorruptCheckpointError(CheckpointError):
+    """A committed checkpoint whose files are missing, torn, or fail their digest."""
+
+
+class ManifestError(CheckpointError):
+    """A manifest that cannot be read: not JSON, wrong fields, or an unknown format version."""
+
+
+class NoValidCheckpointError(CheckpointError):
+    """Checkpoints exist but none can be restored. ``tried`` maps each checkpoint to why."""
+
+    def __init__(self, message: str, *, url: str = "", tried: dict[str, str] | None = None) -> None:
+        super().__init__(message, url=url)
+        self.tried = dict(tried or {})
+
+
+class StateMismatchError(CheckpointError, ValueError):
+    """The saved state does not fit the live objects (missing/unexpected keys, shapes)."""
+
+    def __init__(self, message: str, *, url: str = "", step: int | None = None,
+                 mismatches: list[str] | None = None) -> None:
+        super().__init__(message, url=url, step=step)
+        self.mismatches = list(mismatches or [])
+
+
+class UnsupportedStateError(CkptError, TypeError):
+    """A state leaf the codec refuses. ``path`` is where in the tree, ``type_name`` what it was."""
+
+    def __init__(self, message: str, *, path: str, type_name: str) -> None:
+        super().__init__(message)
+        self.path = path
+        self.type_name = type_name
+
+
+class DataError(CkptError):
+    """Problems fetching or verifying data (the data cache, datasets)."""
+
+
+class DigestMismatchError(DataError):
+    """Bytes whose digest differs from the one expected."""
+
+    def __init__(self, message: str, *, source: str = "", expected: str = "", actual: str = "") -> None:
+        super().__init__(message)
+        self.source = source
+        self.expected = expected
+        self.actual = actual
+
+
+class AllSourcesFailedError(DataError):
+    """Every source of an artifact failed. ``failures`` maps each source to why."""
+
+    def __init__(self, message: str, *, name: str = "", failures: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.name = name
+        self.failures = dict(failures or {})
+
+
+class UnsafeArchiveError(DataError):
+    """An archive member would land outside the target or link out of it."""
+
+    def __init__(self, message: str, *, member: str = "") -> None:
+        super().__init__(message)
+        self.member = member
+
+
+class DatasetMismatchError(DataError):
+    """Decoded tensors whose hash differs from the pinned or recorded one."""
+
+    def __init__(self, message: str, *, source: str = "", expected: str = "", actual: str = "") -> None:
+        super().__init__(message)
+        self.source = source
+        self.expected = expected
+        self.actual = actual
