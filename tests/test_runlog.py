@@ -1,0 +1,318 @@
+"""The per-attempt step log, the resume audit and its plot (ckptsdk.runlog, ckptsdk.plot)."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from ckptsdk.backends import open_backend
+from ckptsdk.errors import ConfigError, MissingDependencyError, PreconditionFailed, StorageUnavailable
+from ckptsdk.plot import plot_audit
+from ckptsdk.runlog import AuditReport, RunLog, audit, chunk_key, read_runlog
+
+CHUNK_RE = re.compile(r"^runlog/attempt-\d{6}/(attempt\.json|chunk-\d{6}\.jsonl)$")
+
+
+def loss_at(step: int) -> float:
+    """A deterministic, irregular loss curve (what a bit-exact resume reproduces)."""
+    return 2.5 * math.exp(-step / 90.0) + 0.05 * math.sin(step * 0.7) + 0.3
+
+
+def run_attempt(backend, attempt, steps, *, resumed_from=None, close=True, flush_every=40, loss=loss_at, **extra):
+    log = RunLog(
+        backend, run_id="run-1", attempt=attempt, lease_epoch=attempt, resumed_from_step=resumed_from,
+        flush_every=flush_every, host=f"host-{attempt}", device="cpu",
+    )
+    for s in steps:
+        log.log_step(s, loss=loss(s), lr=0.1 * 0.99 ** (s // 10), **{k: f(s) for k, f in extra.items()})
+    if close:
+        log.close()
+    else:
+        log.flush()  # a killed runtime's last periodic flush; never closed
+    return log
+
+
+def story(backend, *, loss2=loss_at):
+    """Attempt 1 runs 0..149 and dies (checkpoint at 100); attempt 2 resumes from 100 to 249."""
+    run_attempt(backend, 1, range(0, 150), close=False)
+    run_attempt(backend, 2, range(100, 250), resumed_from=100, loss=loss2)
+
+
+def test_two_attempts_overlapping_50_steps_bit_exact(backend):
+    story(backend)
+    report = audit(backend)
+    assert report.verdict == "bit-exact"
+    assert report.ok and report.diverged_at is None and report.first_divergence is None
+    assert report.overlap_steps == 50
+    assert [(o.attempts, o.first_step, o.last_step, o.steps) for o in report.overlaps] == [([1, 2], 100, 149, 50)]
+    a1, a2 = report.attempts
+    assert (a1.attempt, a1.first_step, a1.last_step, a1.steps, a1.closed, a1.resumed_from_step) == (1, 0, 149, 150, False, None)
+    assert (a2.attempt, a2.first_step, a2.last_step, a2.steps, a2.closed, a2.resumed_from_step) == (2, 100, 249, 150, True, 100)
+    assert (a1.lease_epoch, a1.host, a1.run_id, a2.host) == (1, "host-1", "run-1", "host-2")
+    assert a1.versions["python"] and a1.started_at
+    assert set(report.scalars) == {"loss", "lr"}
+    for diff in report.scalars.values():
+        assert (diff.max_abs_diff, diff.at_step, diff.compared_steps) == (0.0, None, 50)
+    assert report.warnings == []
+
+
+def test_a_difference_at_one_step_is_diverged_at_that_step(backend):
+    story(backend, loss2=lambda s: loss_at(s) + (3e-7 if s >= 123 else 0.0))
+    report = audit(backend)
+    assert report.verdict == "DIVERGED at step 123"
+    assert not report.ok and report.diverged_at == 123
+    div = report.first_divergence
+    assert div is not None and (div.step, div.scalar) == (123, "loss")
+    assert div.values == {1: loss_at(123), 2: loss_at(123) + 3e-7}
+    assert report.scalars["loss"].max_abs_diff == pytest.approx(3e-7, rel=1e-3)
+    assert report.scalars["lr"].max_abs_diff == 0.0
+    # The same logs within a tolerance: accepted, but not called bit-exact.
+    loose = audit(backend, tolerance=1e-6)
+    assert (loose.verdict, loose.ok, loose.diverged_at) == ("within tolerance", True, None)
+
+
+def test_nan_and_inf_are_kept_and_compared(backend):
+    nan_from = lambda s: math.nan if s >= 120 else loss_at(s)  # noqa: E731
+    run_attempt(backend, 1, range(0, 150), close=False, loss=nan_from, g=lambda s: math.inf if s == 130 else 1.0)
+    run_attempt(backend, 2, range(100, 200), resumed_from=100, loss=nan_from, g=lambda s: math.inf if s == 130 else 1.0)
+    report = audit(backend)
+    assert report.verdict == "bit-exact"  # nan against nan, inf against inf: the same
+    _, steps, _ = read_runlog(backend)
+    assert math.isnan(steps[1][125]["loss"]) and steps[2][130]["g"] == math.inf
+
+    # A nan against a number is a divergence, whatever the tolerance.
+    run_attempt(backend, 3, range(140, 160), resumed_from=140, loss=loss_at, g=lambda s: 1.0)
+    report = audit(backend, tolerance=1e9)
+    assert report.verdict == "DIVERGED at step 140"
+    assert report.first_divergence.scalar == "loss"
+    assert report.scalars["loss"].max_abs_diff == math.inf
+    doc = json.loads(report.model_dump_json())  # strict JSON even with inf inside
+    assert doc["scalars"]["loss"]["max_abs_diff"] == "Infinity"
+
+
+def test_chunks_are_never_rewritten(backend):
+    log = RunLog(backend, run_id="r", attempt=7, lease_epoch=3, resumed_from_step=None, flush_every=10)
+    seen: dict[str, str] = {}
+    for step in range(55):
+        log.log_step(step, loss=loss_at(step))
+        now = {o.key: o.version for o in backend.list("runlog/")}
+        for key, version in seen.items():
+            assert now.get(key) == version, f"{key} was rewritten or removed"
+        seen.update(now)
+    log.close()
+    final = {o.key: o.version for o in backend.list("runlog/")}
+    assert all(final[k] == v for k, v in seen.items())
+    assert all(CHUNK_RE.match(k) for k in final)
+    # 5 full chunks of 10 steps, then close() publishes the last 5 steps with the closing header.
+    assert sorted(final) == ["runlog/attempt-000007/attempt.json"] + [chunk_key(7, i) for i in range(6)]
+    last = backend.read(chunk_key(7, 5)).decode().splitlines()
+    header = json.loads(last[0])
+    assert (header["closed"], header["last_step"], header["steps_logged"], header["chunk"]) == (True, 54, 55, 5)
+    assert len(last) == 1 + 5
+    log.close()  # idempotent: nothing new
+    assert {o.key: o.version for o in backend.list("runlog/")} == final
+
+
+def test_reopened_attempt_continues_numbering(backend):
+    run_attempt(backend, 4, range(0, 30), close=False, flush_every=10)
+    again = run_attempt(backend, 4, range(30, 45), flush_every=10)
+    keys = [o.key for o in backend.list("runlog/attempt-000004/")]
+    assert keys[-1] == chunk_key(4, 4) and again.record.closed
+    (summary,) = audit(backend).attempts
+    assert (summary.first_step, summary.last_step, summary.steps, summary.chunks) == (0, 44, 45, 5)
+
+
+def test_two_writers_of_one_attempt_collide_loudly(backend):
+    a = RunLog(backend, run_id="r", attempt=2, lease_epoch=1, resumed_from_step=None)
+    b = RunLog(backend, run_id="r", attempt=2, lease_epoch=1, resumed_from_step=None)
+    a.log_step(1, loss=1.0)
+    b.log_step(1, loss=2.0)
+    b._next_seq = 0  # both listed before either wrote: the race the create() guards against
+    a.flush()
+    with pytest.raises(PreconditionFailed) as info:
+        b.flush()
+    assert info.value.key == chunk_key(2, 0)
+    assert json.loads(backend.read(chunk_key(2, 0)).decode().splitlines()[1])["scalars"]["loss"] == 1.0
+    assert b._buffer, "the losing writer keeps its steps"
+
+
+def test_scalar_types(backend):
+    log = RunLog(backend, run_id="r", attempt=1, lease_epoch=1, resumed_from_step=None)
+    t = torch.tensor(0.25, dtype=torch.float32)
+    log.log_step(
+        3, loss=t, lr=np.float32(0.1), n=np.int64(7), i=5, f=1.5, b=True, one=torch.tensor([2.0]),
+        half=torch.tensor(1.0 / 3.0, dtype=torch.bfloat16), neg_inf=-math.inf,
+    )
+    t.add_(1.0)  # a later in-place update must not change what was logged
+    log.close()
+    _, steps, _ = read_runlog(backend)
+    got = steps[1][3]
+    assert got == {
+        "loss": 0.25, "lr": float(np.float32(0.1)), "n": 7.0, "i": 5.0, "f": 1.5, "b": 1.0, "one": 2.0,
+        "half": float(torch.tensor(1.0 / 3.0, dtype=torch.bfloat16)), "neg_inf": -math.inf,
+    }
+    log2 = RunLog(backend, run_id="r", attempt=2, lease_epoch=1, resumed_from_step=None)
+    with pytest.raises(ConfigError, match="'acc'.*str"):
+        log2.log_step(1, acc="high")
+    with pytest.raises(ConfigError, match="shape"):
+        log2.log_step(1, loss=torch.zeros(3))
+    with pytest.raises(ConfigError, match="step"):
+        log2.log_step(-1, loss=1.0)
+    with pytest.raises(ConfigError, match="no scalars"):
+        log2.log_step(1)
+    with pytest.raises(ConfigError, match="after close"):
+        log.log_step(4, loss=1.0)
+
+
+def test_step_logged_twice_in_one_attempt_last_wins(backend):
+    log = RunLog(backend, run_id="r", attempt=1, lease_epoch=1, resumed_from_step=None, flush_every=3)
+    for s, v in [(1, 1.0), (2, 2.0), (2, 2.5), (3, 3.0), (2, 2.75)]:
+        log.log_step(s, loss=v)
+    log.close()
+    _, steps, _ = read_runlog(backend)
+    assert steps[1] == {1: {"loss": 1.0}, 2: {"loss": 2.75}, 3: {"loss": 3.0}}
+
+
+class _Shuffled:
+    """A view of a backend that lists in reverse order and hides some keys (Drive, mid-sync)."""
+
+    def __init__(self, inner, hidden=()):
+        self.inner, self.hidden, self.url = inner, set(hidden), inner.url
+
+    def list(self, prefix=""):
+        return [o for o in reversed(self.inner.list(prefix)) if o.key not in self.hidden]
+
+    def read(self, key):
+        return self.inner.read(key)
+
+
+def test_out_of_order_and_missing_chunks(backend):
+    story(backend)
+    hidden = {chunk_key(1, 0), chunk_key(1, 2), "runlog/attempt-000002/attempt.json"}
+    report = audit(_Shuffled(backend, hidden))
+    assert report.verdict == "bit-exact"
+    a1, a2 = report.attempts
+    assert a1.missing_chunks == [0, 2] and a1.first_step == 40 and a1.host == "host-1"
+    assert a2.resumed_from_step == 100 and a2.missing_chunks == []
+    assert any("attempt 1: chunks 0, 2 not found" in w for w in report.warnings)
+    # Only the newest chunk of attempt 2 is visible: its header still says who wrote it, and
+    # that chunk numbers before it are missing.
+    keys = [o.key for o in backend.list("runlog/attempt-000002/")]
+    only_last = audit(_Shuffled(backend, set(keys[:-1])))
+    assert only_last.attempts[1].missing_chunks == list(range(0, 3))
+    assert only_last.attempts[1].closed and only_last.attempts[1].run_id == "run-1"
+
+
+def test_unreadable_chunk_is_reported_not_fatal(backend):
+    story(backend)
+    backend.write("runlog/attempt-000002/chunk-000009.jsonl", b"\x00not json\n")
+    backend.write("runlog/attempt-000009/chunk-000000.jsonl", b'{"format": "ckptsdk.runlog/9"}\n')
+    report = audit(backend)
+    assert report.verdict == "bit-exact"
+    assert any("unreadable chunk runlog/attempt-000002/chunk-000009.jsonl" in w for w in report.warnings)
+    assert any("ckptsdk.runlog/9" in w for w in report.warnings)
+
+
+def test_no_overlap_and_empty(backend):
+    assert audit(backend).verdict == "no overlap"
+    run_attempt(backend, 1, range(0, 20))
+    report = audit(backend)
+    assert (report.verdict, report.ok, report.overlap_steps) == ("no overlap", True, 0)
+    with pytest.raises(ConfigError):
+        audit(backend, tolerance=-1.0)
+
+
+def test_time_based_flush_and_failed_flush_keeps_steps(backend):
+    now = [0.0]
+    fail = [True]
+
+    class Flaky:
+        def __init__(self, inner):
+            self.inner, self.url = inner, inner.url
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def create(self, key, data):
+            if fail[0]:
+                raise StorageUnavailable("the mount is gone", url=self.url, key=key)
+            return self.inner.create(key, data)
+
+    log = RunLog(Flaky(backend), run_id="r", attempt=1, lease_epoch=1, resumed_from_step=None,
+                 flush_every=1000, flush_interval=15.0, clock=lambda: now[0])
+    log.log_step(0, loss=1.0)
+    now[0] = 16.0
+    log.log_step(1, loss=2.0)  # due by time; the store fails; training goes on
+    assert backend.list("runlog/") == [] and len(log._buffer) == 2
+    with pytest.raises(StorageUnavailable):
+        log.flush()  # an explicit flush does report it
+    fail[0] = False
+    now[0] = 40.0
+    log.log_step(2, loss=3.0)  # due again: now it goes out, nothing was lost
+    assert not log._buffer
+    _, steps, _ = read_runlog(backend)
+    assert steps[1] == {0: {"loss": 1.0}, 1: {"loss": 2.0}, 2: {"loss": 3.0}}
+
+
+def test_resumed_from_step_set_after_construction(backend):
+    log = RunLog(backend, run_id="r", attempt=3, lease_epoch=2, resumed_from_step=None)
+    log.resumed_from_step = 5700  # what the manager does in restore()
+    log.log_step(5701, loss=1.0)
+    log.close()
+    assert audit(backend).attempts[0].resumed_from_step == 5700
+    with pytest.raises(ConfigError):
+        log.resumed_from_step = -3
+
+
+def test_report_json_round_trip(backend):
+    story(backend, loss2=lambda s: loss_at(s) + (1e-3 if s == 140 else 0.0))
+    report = audit(backend)
+    doc = json.loads(report.model_dump_json())
+    assert "series" not in doc and doc["verdict"] == "DIVERGED at step 140"
+    back = AuditReport.model_validate_json(report.model_dump_json())
+    assert back.model_dump(exclude={"series"}) == report.model_dump(exclude={"series"})
+
+
+def _png_ok(path) -> tuple[int, int]:
+    from PIL import Image
+
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    assert len(data) > 15_000, f"suspiciously small plot: {len(data)} bytes"
+    with Image.open(path) as img:
+        img.verify()
+    with Image.open(path) as img:
+        return img.size
+
+
+def test_plot_is_a_real_png(backend, tmp_path):
+    tmp_path = tmp_path / "plots"
+    tmp_path.mkdir()
+    story(backend, loss2=lambda s: loss_at(s) + (1e-2 if s >= 130 else 0.0))
+    out = tmp_path / "audit.png"
+    assert plot_audit(backend, out) == str(out)
+    width, height = _png_ok(out)
+    assert width >= 600 and height >= 300
+    # From an in-process report too; a JSON-parsed report has no series and says what to do.
+    report = audit(backend)
+    plot_audit(report, tmp_path / "again.png")
+    _png_ok(tmp_path / "again.png")
+    parsed = AuditReport.model_validate_json(report.model_dump_json())
+    with pytest.raises(ConfigError, match="pass the backend"):
+        plot_audit(parsed, tmp_path / "x.png")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["again.png", "audit.png"]  # no temp left
+
+
+def test_plot_without_matplotlib_names_the_extra(monkeypatch, tmp_path):
+    for name in ("matplotlib", "matplotlib.figure", "matplotlib.backends", "matplotlib.backends.backend_agg"):
+        monkeypatch.setitem(sys.modules, name, None)
+    with pytest.raises(MissingDependencyError) as info:
+        plot_audit(open_backend("memory://plot-no-mpl"), tmp_path / "x.png")
+    assert info.value.extra == "plot" and "ckptsdk[plot]" in str(info.value)
+    assert not (tmp_path / "x.png").exists()
