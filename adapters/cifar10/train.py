@@ -1,0 +1,460 @@
+"""The CIFAR-10 ResNet-18 training job, resumable bit-for-bit through a CheckpointManager.
+
+What makes a killed-and-resumed run equal an uninterrupted one (DESIGN.md, "Determinism
+contract"): the shuffle comes from a generator seeded by (seed, epoch), the augmentation from one
+seeded by (seed, global step), kernels are deterministic, and every stateful object (model,
+optimizer, scheduler, grad scaler, RNGs) is in the checkpoint. The loop uses only the manager's
+public API. Data fetching lives in ``data.py``/``synthetic.py``, storage in ``ckptsdk``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import math
+import os
+import time
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import ckptsdk
+from ckptsdk.errors import ConfigError, DatasetMismatchError
+
+from .model import build_model
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["TrainConfig", "PRESETS", "JobResult", "run_job", "set_deterministic", "resolve_amp"]
+
+# Per-channel statistics of the CIFAR-10 training set (the usual published figures).
+_MEAN = (0.4914, 0.4822, 0.4465)
+_STD = (0.2470, 0.2435, 0.2616)
+
+# Fields that shape the trajectory: a resume with any of them changed would silently train a
+# different run, so it is refused. max_steps, save_every, keep_last may change between attempts.
+_TRAJECTORY_FIELDS = (
+    "epochs", "batch_size", "lr", "momentum", "nesterov", "weight_decay", "width", "seed", "pct_start",
+)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything that defines one training run.
+
+    Attributes:
+        epochs: passes over the training set; the one-cycle schedule spans all of them.
+        batch_size: images per step; an epoch is ``n_train // batch_size`` steps (last partial
+            batch dropped, so every epoch has the same number of steps).
+        lr: the one-cycle peak learning rate.
+        momentum, nesterov, weight_decay: SGD settings.
+        pct_start: fraction of the steps spent warming the LR up.
+        width: channels of the first ResNet stage (64 = ResNet-18 proper).
+        seed: seeds model init, the shuffle of each epoch and the augmentation of each step.
+        save_every: checkpoint every this many steps (and always at each epoch end).
+        keep_last: committed checkpoints kept on storage.
+        max_steps: stop after this global step (with a checkpoint), None = all epochs.
+        amp: "auto" (fp16 + GradScaler on CUDA, off on CPU), "off", "fp16" (CUDA only), "bf16".
+        eval_batch_size: images per evaluation batch.
+        n_train, n_test: sizes of the synthetic data set when the job runs on synthetic data.
+    """
+
+    epochs: int = 40
+    batch_size: int = 256
+    lr: float = 0.1
+    momentum: float = 0.9
+    nesterov: bool = True
+    weight_decay: float = 5e-4
+    pct_start: float = 0.25
+    width: int = 64
+    seed: int = 0
+    save_every: int = 100
+    keep_last: int = 3
+    max_steps: int | None = None
+    amp: str = "auto"
+    eval_batch_size: int = 1000
+    n_train: int = 50_000
+    n_test: int = 10_000
+
+    def replace(self, **changes: Any) -> TrainConfig:
+        """A copy with ``changes`` applied (None values are ignored, for CLI wiring)."""
+        return dataclasses.replace(self, **{k: v for k, v in changes.items() if v is not None})
+
+    def trajectory(self) -> dict[str, Any]:
+        """The fields that must not change across a resume, as JSON."""
+        return {name: getattr(self, name) for name in _TRAJECTORY_FIELDS}
+
+
+PRESETS: dict[str, TrainConfig] = {
+    # The job of the story: 40 epochs x 195 steps = 7,800 steps, ~94-95 % test accuracy.
+    "full": TrainConfig(),
+    # Seconds per epoch on 2 CPU cores: a 16-wide ResNet-18 on 512 synthetic images, 6 epochs of
+    # 8 steps; same code path, same checkpoint layout as the full job, only smaller.
+    "quick": TrainConfig(
+        epochs=6, batch_size=64, lr=0.05, width=16, save_every=5, n_train=512, n_test=256,
+        eval_batch_size=256,
+    ),
+}
+
+
+@dataclass
+class JobResult:
+    """What one attempt of the job did.
+
+    Attributes:
+        start_step: the step it resumed from (0 on a fresh run).
+        final_step: the global step it stopped at.
+        resumed_key: the checkpoint folder it restored, or None.
+        restore_seconds: time spent in ``restore()`` (reading + verifying + loading).
+        save_seconds: duration of each ``save()`` of this attempt.
+        losses: ``{step: loss}`` for the steps this attempt ran.
+        test_accuracy: ``{epoch: accuracy}`` for the epochs this attempt finished.
+        audit: the manager's audit report at the end (``.verdict``), or None.
+    """
+
+    start_step: int = 0
+    final_step: int = 0
+    resumed_key: str | None = None
+    restore_seconds: float = 0.0
+    save_seconds: list[float] = field(default_factory=list)
+    losses: dict[int, float] = field(default_factory=dict)
+    test_accuracy: dict[int, float] = field(default_factory=dict)
+    audit: Any = None
+
+
+def set_deterministic(device: torch.device) -> None:
+    """Select deterministic kernels everywhere (and fail loudly on an op that has none).
+
+    ``CUBLAS_WORKSPACE_CONFIG`` must be set before cuBLAS is first used in the process, which is
+    why the examples call this before touching CUDA.
+    """
+    if device.type == "cuda":
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.benchmark = False
+    torch.backends.cudnn.deterministic = True
+
+
+def resolve_amp(amp: str, device: torch.device) -> torch.dtype | None:
+    """The autocast dtype for ``amp`` on ``device`` (None = full fp32).
+
+    "auto" is fp16 on CUDA (the T4 of the story has fast fp16, no bf16) and **off on CPU**: bf16
+    autocast only pays on CPUs with AVX512-BF16/AMX (about 2x here), is slower on common laptop
+    and Colab CPUs, and the CPU path exists to prove bit-exact resume, where fp32 is the reference.
+
+    Raises:
+        ConfigError: an unknown mode, or fp16 asked for on a CPU.
+    """
+    modes = {"off": None, "fp16": torch.float16, "bf16": torch.bfloat16}
+    if amp == "auto":
+        return torch.float16 if device.type == "cuda" else None
+    if amp not in modes:
+        raise ConfigError(f"amp must be one of auto, off, fp16, bf16; got {amp!r}")
+    if amp == "fp16" and device.type != "cuda":
+        raise ConfigError("amp='fp16' needs a CUDA device; use amp='bf16' or 'off' on a CPU")
+    return modes[amp]
+
+
+class _ScalerSlot:
+    """A GradScaler with the same checkpoint layout whether it is enabled (CUDA) or not (CPU).
+
+    A disabled GradScaler saves ``{}`` and an enabled one refuses to load ``{}``, so a run could
+    not move between a CPU and a GPU; this slot always saves the five fields.
+    """
+
+    def __init__(self, scaler: torch.amp.GradScaler) -> None:
+        self.scaler = scaler
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.scaler.is_enabled():
+            return self.scaler.state_dict()
+        # A disabled GradScaler keeps no fields; these are its constructor defaults, what an
+        # enabled one saves before its first step.
+        return {"scale": 65536.0, "growth_factor": 2.0, "backoff_factor": 0.5,
+                "growth_interval": 2000, "_growth_tracker": 0}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if self.scaler.is_enabled():
+            self.scaler.load_state_dict(dict(state))
+
+
+def _derived_seed(seed: int, purpose: str, index: int) -> int:
+    # Independent streams per (purpose, index): seeding a generator with seed+index would make
+    # epoch 1 of seed 0 replay epoch 0 of seed 1.
+    digest = hashlib.blake2b(f"{seed}/{purpose}/{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+def _augment(images: torch.Tensor, seed: int, step: int) -> torch.Tensor:
+    """Random crop (zero padding 4) and horizontal flip of a uint8 NCHW batch, on its device.
+
+    The offsets and flips are drawn on the CPU from a generator seeded by (seed, step), so they
+    do not depend on the device, on the batch's history, or on any global RNG.
+    """
+    n, _, h, w = images.shape
+    gen = torch.Generator().manual_seed(_derived_seed(seed, "augment", step))
+    offsets = torch.randint(0, 9, (n, 2), generator=gen)
+    flips = torch.randint(0, 2, (n,), generator=gen).bool()
+    dev = images.device
+    rows = (offsets[:, 0:1] + torch.arange(h)).to(dev)
+    cols = offsets[:, 1:2] + torch.arange(w)
+    cols = torch.where(flips[:, None], cols.flip(1), cols).to(dev)  # a flip is reversed columns
+    padded = F.pad(images, (4, 4, 4, 4))
+    batch = torch.arange(n, device=dev)[:, None, None, None]
+    chan = torch.arange(images.shape[1], device=dev)[None, :, None, None]
+    return padded[batch, chan, rows[:, None, :, None], cols[:, None, None, :]]
+
+
+def _cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    # F.cross_entropy goes through nll_loss, which has no deterministic CUDA kernel; a one-hot
+    # product is the same function built from deterministic elementwise ops and reductions.
+    logp = F.log_softmax(logits.float(), dim=1)
+    return -(F.one_hot(labels, logp.shape[1]).to(logp.dtype) * logp).sum(dim=1).mean()
+
+
+class _DeviceData:
+    """The data set on the training device: uint8 NCHW images, int64 labels."""
+
+    def __init__(self, data: Any, device: torch.device) -> None:
+        def nchw(x: torch.Tensor) -> torch.Tensor:
+            return x.permute(0, 3, 1, 2).contiguous().to(device)
+
+        self.train_x = nchw(data.train_images)
+        self.train_y = data.train_labels.to(device=device, dtype=torch.int64)
+        self.test_x = nchw(data.test_images)
+        self.test_y = data.test_labels.to(device=device, dtype=torch.int64)
+        self.mean = torch.tensor(_MEAN, device=device).view(1, 3, 1, 1)
+        self.std = torch.tensor(_STD, device=device).view(1, 3, 1, 1)
+
+    def normalise(self, x: torch.Tensor) -> torch.Tensor:
+        return (x.float().div_(255.0) - self.mean) / self.std
+
+
+def _evaluate(model: nn.Module, dd: _DeviceData, cfg: TrainConfig, amp_dtype: torch.dtype | None) -> float:
+    model.eval()
+    correct = 0
+    with torch.no_grad(), torch.autocast(dd.test_x.device.type, dtype=amp_dtype or torch.float32,
+                                         enabled=amp_dtype is not None):
+        for i in range(0, dd.test_x.shape[0], cfg.eval_batch_size):
+            logits = model(dd.normalise(dd.test_x[i:i + cfg.eval_batch_size]))
+            correct += int((logits.argmax(dim=1) == dd.test_y[i:i + cfg.eval_batch_size]).sum())
+    model.train()
+    return correct / max(1, dd.test_x.shape[0])
+
+
+def _check_resume(pos: Any, cfg: TrainConfig, data_hash: str, steps_per_epoch: int, url: str) -> None:
+    """Refuse a resume that would silently continue a different run."""
+    saved_hash = (getattr(pos, "tags", None) or {}).get("data_hash") or pos.extra.get("data_hash")
+    if saved_hash and saved_hash != data_hash:
+        raise DatasetMismatchError(
+            f"the checkpoint at {url} (step {pos.step}) was trained on data with tensor hash "
+            f"{saved_hash}, but the data loaded now hashes to {data_hash}: resuming would train on "
+            "different data. Load the same data set (same source/seed), or start a new run under "
+            "another --ckpt root.",
+            source=url, expected=saved_hash, actual=data_hash,
+        )
+    saved = pos.extra.get("config") or {}
+    diff = {k: (saved[k], v) for k, v in cfg.trajectory().items() if k in saved and saved[k] != v}
+    if diff:
+        listed = ", ".join(f"{k}: saved {a!r}, now {b!r}" for k, (a, b) in diff.items())
+        raise ConfigError(
+            f"the checkpoint at {url} (step {pos.step}) belongs to a run with other settings "
+            f"({listed}); resume with the same settings, or start a new run under another --ckpt root"
+        )
+    if (pos.epoch, pos.batch_idx) != divmod(pos.step, steps_per_epoch):
+        raise ConfigError(
+            f"the checkpoint at {url} says step {pos.step} is epoch {pos.epoch} batch "
+            f"{pos.batch_idx}, but with {steps_per_epoch} steps per epoch it would be "
+            f"{divmod(pos.step, steps_per_epoch)}: the data size or batch size changed"
+        )
+
+
+def run_job(
+    cfg: TrainConfig,
+    data: Any,
+    ckpt_url: str,
+    *,
+    device: str | torch.device = "cpu",
+    lease_ttl: float = 60.0,
+    force: bool = False,
+    storage_options: Mapping[str, Any] | None = None,
+    echo: Callable[[str], None] = logger.info,
+    progress: bool = False,
+    on_event: Callable[[str, int], None] | None = None,
+) -> JobResult:
+    """Train (or resume) the CIFAR-10 job under ``ckpt_url`` until ``cfg.max_steps`` or the end.
+
+    Args:
+        cfg: the run's settings (see :data:`PRESETS`).
+        data: a ``CifarData`` (uint8 N x 32 x 32 x 3 images, int64 labels, ``tensor_hash``).
+        ckpt_url: checkpoint root, any backend URL (``/path``, ``drive://...``, ``gs://...``).
+        device: where to train; the data is copied there once, as uint8.
+        lease_ttl: seconds before a silent previous writer's lease may be taken over.
+        force: break a live lease at once (only when the previous writer is known dead).
+        storage_options: fsspec options for ``gs://`` roots.
+        echo: where the human-readable lines go (the examples pass ``tqdm.write``).
+        progress: show a tqdm bar over the steps.
+        on_event: called as ``on_event(name, step)`` at "step" (after each step is logged),
+            "saving" (just before a save) and "saved"; test harnesses kill the job on these.
+
+    Returns:
+        A :class:`JobResult`, with the audit of every attempt so far.
+
+    Raises:
+        DatasetMismatchError: the checkpoint was trained on data with another tensor hash.
+        ConfigError: the checkpoint belongs to a run with other settings, or a bad option.
+        LeaseHeldError: another live writer holds ``ckpt_url``.
+
+    Example:
+        >>> from adapters.cifar10.synthetic import synthetic_cifar10
+        >>> cfg = PRESETS["quick"].replace(max_steps=3)
+        >>> data = synthetic_cifar10(n_train=cfg.n_train, n_test=cfg.n_test, seed=0)
+        >>> run_job(cfg, data, "memory://doc-job").final_step
+        3
+    """
+    dev = torch.device(device)
+    set_deterministic(dev)
+    amp_dtype = resolve_amp(cfg.amp, dev)
+    n_train = int(data.train_images.shape[0])
+    steps_per_epoch = n_train // cfg.batch_size
+    if steps_per_epoch < 1:
+        raise ConfigError(f"batch_size {cfg.batch_size} is larger than the {n_train} training images")
+    total_steps = cfg.epochs * steps_per_epoch
+    end_step = min(total_steps, cfg.max_steps) if cfg.max_steps is not None else total_steps
+    data_hash = str(data.tensor_hash)
+    emit = on_event or (lambda _name, _step: None)
+
+    torch.manual_seed(cfg.seed)  # model init; a resume overwrites it
+    model = build_model(width=cfg.width).to(dev)
+    optimizer = torch.optim.SGD(
+        model.parameters(), lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov,
+        weight_decay=cfg.weight_decay,
+    )
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(
+        optimizer, max_lr=cfg.lr, total_steps=total_steps, pct_start=cfg.pct_start,
+    )
+    # Enabled only for fp16 on CUDA (bf16 has fp32's range); in the state either way.
+    scaler = torch.amp.GradScaler("cuda", enabled=amp_dtype == torch.float16 and dev.type == "cuda")
+    state = ckptsdk.TrainState(
+        model=model, optimizer=optimizer, scheduler=scheduler, scaler=_ScalerSlot(scaler),
+    )
+    dd = _DeviceData(data, dev)
+    result = JobResult()
+    extra = {"data_hash": data_hash, "config": cfg.trajectory()}
+    tags = {"data_hash": data_hash}
+
+    with ckptsdk.CheckpointManager(
+        ckpt_url, keep_last=cfg.keep_last, save_every=cfg.save_every, lease_ttl=lease_ttl,
+        force=force, storage_options=storage_options,
+    ) as mgr:
+        t0 = time.perf_counter()
+        pos = mgr.restore(state)
+        result.restore_seconds = time.perf_counter() - t0
+        if pos is None:
+            echo(f"fresh run under {ckpt_url}: {end_step} steps ({steps_per_epoch} per epoch)")
+        else:
+            _check_resume(pos, cfg, data_hash, steps_per_epoch, ckpt_url)
+            result.start_step, result.resumed_key = pos.step, pos.key
+            echo(
+                f"resumed from step {pos.step} (epoch {pos.epoch}, batch {pos.batch_idx}) of "
+                f"{ckpt_url} in {result.restore_seconds:.2f} s"
+            )
+        step = result.start_step
+
+        def save(epoch: int, batch_idx: int, metrics: dict[str, float]) -> None:
+            emit("saving", step)
+            t = time.perf_counter()
+            mgr.save(state, step=step, epoch=epoch, batch_idx=batch_idx, metrics=metrics,
+                     extra=extra, tags=tags)
+            result.save_seconds.append(time.perf_counter() - t)
+            emit("saved", step)
+
+        bar = None
+        if progress:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=end_step, initial=step, unit="step", dynamic_ncols=True)
+        epoch, batch_idx = divmod(step, steps_per_epoch)
+        try:
+            while step < end_step:
+                if dev.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats(dev)
+                t_epoch, epoch_steps, loss_sum = time.perf_counter(), 0, 0.0
+                shuffle = torch.Generator().manual_seed(_derived_seed(cfg.seed, "shuffle", epoch))
+                order = torch.randperm(n_train, generator=shuffle).to(dev)
+                while batch_idx < steps_per_epoch and step < end_step:
+                    idx = order[batch_idx * cfg.batch_size:(batch_idx + 1) * cfg.batch_size]
+                    x = dd.normalise(_augment(dd.train_x[idx], cfg.seed, step + 1))
+                    lr = scheduler.get_last_lr()[0]
+                    with torch.autocast(dev.type, dtype=amp_dtype or torch.float32,
+                                        enabled=amp_dtype is not None):
+                        loss = _cross_entropy(model(x), dd.train_y[idx])
+                    optimizer.zero_grad(set_to_none=True)
+                    scaler.scale(loss).backward()
+                    scaler.step(optimizer)
+                    scaler.update()
+                    with warnings.catch_warnings():
+                        # GradScaler skips the optimizer step on an fp16 overflow; the schedule
+                        # still advances, as it should, and torch warns about exactly that.
+                        warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)`")
+                        scheduler.step()
+                    step += 1
+                    batch_idx += 1
+                    epoch_steps += 1
+                    loss_value = float(loss.item())
+                    loss_sum += loss_value
+                    result.losses[step] = loss_value
+                    mgr.log_step(step, loss=loss_value, lr=lr)
+                    if bar is not None:
+                        bar.update(1)
+                        bar.set_postfix(epoch=epoch, loss=f"{loss_value:.3f}", refresh=False)
+                    emit("step", step)
+                    if not math.isfinite(loss_value) and amp_dtype is None:
+                        raise FloatingPointError(f"loss became {loss_value} at step {step}")
+                    if batch_idx < steps_per_epoch and (mgr.should_save(step) or step == end_step):
+                        save(epoch, batch_idx, {"loss": loss_value})
+                if batch_idx < steps_per_epoch:
+                    break  # stopped mid-epoch at max_steps; saved above
+                acc = _evaluate(model, dd, cfg, amp_dtype)
+                result.test_accuracy[epoch] = acc
+                peak = (
+                    f", peak GPU memory {torch.cuda.max_memory_allocated(dev) / 2**30:.2f} GiB"
+                    if dev.type == "cuda" else ""
+                )
+                echo(
+                    f"epoch {epoch + 1}/{cfg.epochs}: steps {step - epoch_steps + 1}-{step}, "
+                    f"{time.perf_counter() - t_epoch:.1f} s, loss {loss_sum / max(1, epoch_steps):.4f}, "
+                    f"test accuracy {acc:.2%}{peak}"
+                )
+                epoch, batch_idx = epoch + 1, 0
+                # The epoch-end checkpoint records the next batch to run: (next epoch, 0).
+                save(epoch, 0, {"loss": loss_sum / max(1, epoch_steps), "test_accuracy": acc})
+        finally:
+            if bar is not None:
+                bar.close()
+        result.final_step = step
+        result.audit = mgr.audit()
+    if result.save_seconds:
+        echo(
+            f"{len(result.save_seconds)} checkpoints saved, "
+            f"{sum(result.save_seconds) / len(result.save_seconds):.3f} s each on average"
+        )
+    echo(f"audit: {_describe_audit(result.audit)}")
+    return result
+
+
+def _describe_audit(report: Any) -> str:
+    """One line from an AuditReport, tolerant of which summary fields it carries."""
+    parts = [str(getattr(report, "verdict", report))]
+    for name in ("attempts", "overlapping_steps", "overlap_steps", "max_abs_diff"):
+        value = getattr(report, name, None)
+        if value is not None:
+            shown = len(value) if isinstance(value, (list, tuple)) and name != "max_abs_diff" else value
+            parts.append(f"{name.replace('_', ' ')} {shown}")
+    return ", ".join(parts)
