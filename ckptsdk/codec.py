@@ -1,0 +1,461 @@
+"""The state codec: a state tree <-> (tensors keyed by path, a JSON skeleton), with no pickle.
+
+A state tree is nested dicts/lists/tuples whose leaves are tensors, numpy arrays, numpy scalars or
+JSON-like scalars. ``encode`` splits it into the tensors (for safetensors) and a JSON skeleton that
+says where each one goes; ``decode`` puts it back together exactly. Storage, digests and the
+manifest do not belong here. The skeleton format is documented in docs/FORMAT.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+import struct
+from collections import OrderedDict
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from .errors import CorruptCheckpointError, ManifestError, UnsupportedStateError
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["decode", "encode", "decode_float", "encode_float", "tensor_paths", "MAX_DEPTH"]
+
+#: Deepest nesting accepted; deeper trees are almost surely a mistake and would hit Python's
+#: recursion limit in json as well.
+MAX_DEPTH = 200
+
+# Only dtypes the safetensors format can hold (safetensors.torch's table); some are missing on
+# older torch builds, hence getattr.
+_DTYPE_NAMES = (
+    "float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8",
+    "bool", "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "complex64",
+    "uint64", "uint32", "uint16",
+)
+_DTYPES: dict[str, torch.dtype] = {
+    n: getattr(torch, n) for n in _DTYPE_NAMES if isinstance(getattr(torch, n, None), torch.dtype)
+}
+_DTYPE_TO_NAME = {v: k for k, v in _DTYPES.items()}
+
+# Python ints outside int64 are written as hex strings: other JSON readers lose precision on big
+# numbers, and CPython refuses to print ints over 4300 decimal digits.
+_INT_MIN, _INT_MAX = -(2**63), 2**63 - 1
+_CANONICAL_NAN_BITS = struct.unpack("<Q", struct.pack("<d", float("nan")))[0]
+_INTLIKE = re.compile(r"-?[0-9]+")
+
+_TAGS = ("$tensor", "$ndarray", "$tuple", "$dict", "$float", "$int", "$npscalar")
+_HINT = "convert it to a tensor or a JSON value (None, bool, int, float, str), or leave it out of state_dict()"
+
+
+def encode(tree: Any) -> tuple[dict[str, torch.Tensor], Any]:
+    """Split a state tree into its tensors, keyed by readable paths, and a JSON skeleton.
+
+    Tensors are detached, never copied: device tensors stay on their device, non-contiguous and
+    storage-sharing tensors are returned as they are (the writer copies their values). Numpy
+    arrays become tensors through ``torch.from_numpy`` (sharing memory; only read-only,
+    non-native byte order or negative-stride arrays are copied). Sharing between leaves is not
+    preserved: two leaves that view one storage come back as two independent tensors.
+
+    Args:
+        tree: nested dict/OrderedDict/list/tuple; leaves ``torch.Tensor``, ``np.ndarray``,
+            numpy scalars, ``None``, ``bool``, ``int``, ``float``, ``str``.
+
+    Returns:
+        ``(tensors, skeleton)``: ``skeleton`` survives ``json.dumps(allow_nan=False)``/``loads``.
+
+    Raises:
+        UnsupportedStateError: a leaf or key the codec cannot store; names the path and type.
+
+    Example:
+        >>> tensors, skel = encode({"w": torch.ones(2), "step": 3})
+        >>> skel
+        {'w': {'$tensor': 'w', 'dtype': 'float32', 'shape': [2]}, 'step': 3}
+    """
+    tensors: dict[str, torch.Tensor] = {}
+    skeleton = _Encoder(tensors).node(tree, (), set())
+    return tensors, skeleton
+
+
+def decode(skeleton: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
+    """Rebuild the state tree from a skeleton and the tensors it references.
+
+    Tensors are used as given (not copied); numpy leaves share memory with them (CPU tensors).
+    Tensors the skeleton does not reference are ignored.
+
+    Args:
+        skeleton: what ``encode`` returned (after any JSON round trip).
+        tensors: path -> tensor, e.g. from ``safetensors.torch.load_file``.
+
+    Returns:
+        The tree, equal to the encoded one in types, dtypes, shapes and values.
+
+    Raises:
+        ManifestError: the skeleton is malformed (unknown tag, wrong field types).
+        CorruptCheckpointError: a referenced tensor is missing or has another dtype or shape.
+    """
+    try:
+        return _decode(skeleton, tensors, 0)
+    except RecursionError as exc:
+        raise ManifestError("state skeleton nests too deeply to decode") from exc
+
+
+def tensor_paths(skeleton: Any) -> list[str]:
+    """Every tensor path a skeleton references, in tree order (no tensors needed).
+
+    Raises:
+        ManifestError: the skeleton is malformed.
+    """
+    found: list[str] = []
+
+    def visit(node: Any, depth: int) -> None:
+        if depth > MAX_DEPTH:
+            raise ManifestError("state skeleton nests too deeply")
+        if isinstance(node, list):
+            for item in node:
+                visit(item, depth + 1)
+        elif isinstance(node, dict):
+            tag = _tag_of(node)
+            if tag in ("$tensor", "$ndarray"):
+                found.append(node[tag])
+            elif tag == "$tuple":
+                visit(node[tag], depth + 1)
+            elif tag == "$dict":
+                for pair in node[tag]:
+                    visit(pair[1], depth + 1)
+            elif tag is None:
+                for value in node.values():
+                    visit(value, depth + 1)
+
+    visit(skeleton, 0)
+    return found
+
+
+def encode_float(x: float) -> Any:
+    """A float as a JSON value that strict JSON can hold: itself, or ``{"$float": ...}``.
+
+    nan, inf, -inf and -0.0 are tagged (``"nan"``, ``"inf"``, ``"-inf"``, ``"-0.0"``); a nan with
+    another sign or payload is tagged with its 64-bit pattern as 16 hex digits.
+    """
+    if math.isfinite(x):
+        if x == 0.0 and math.copysign(1.0, x) < 0:
+            return {"$float": "-0.0"}
+        return x
+    if math.isinf(x):
+        return {"$float": "inf" if x > 0 else "-inf"}
+    bits = struct.unpack("<Q", struct.pack("<d", x))[0]
+    return {"$float": "nan" if bits == _CANONICAL_NAN_BITS else f"{bits:016x}"}
+
+
+def decode_float(value: Any) -> float:
+    """The inverse of ``encode_float`` (accepts a JSON number or a ``{"$float": ...}`` object).
+
+    Raises:
+        ValueError: not a float encoding.
+    """
+    if isinstance(value, dict):
+        if set(value) != {"$float"} or not isinstance(value["$float"], str):
+            raise ValueError(f"not a float encoding: {value!r}")
+        text = value["$float"]
+        named = {"nan": float("nan"), "inf": math.inf, "-inf": -math.inf, "-0.0": -0.0}
+        if text in named:
+            return named[text]
+        if re.fullmatch(r"[0-9a-f]{16}", text):
+            result = struct.unpack("<d", struct.pack("<Q", int(text, 16)))[0]
+            if not math.isnan(result):
+                raise ValueError(f"bit pattern {text} is not a nan; write the number itself")
+            return result
+        raise ValueError(f"unknown float encoding {text!r}")
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    raise ValueError(f"not a float: {value!r}")
+
+
+# --- encoding ---------------------------------------------------------------------------------
+
+
+def _show(path: tuple[str, ...]) -> str:
+    return "/".join(path) if path else "<root>"
+
+
+def _refuse(path: tuple[str, ...], obj: Any, why: str = "") -> UnsupportedStateError:
+    type_name = f"{type(obj).__module__}.{type(obj).__qualname__}"
+    if type(obj).__module__ == "builtins":
+        type_name = type(obj).__qualname__
+    where = _show(path)
+    message = f"cannot checkpoint a {type_name} at {where!r}: {why or _HINT}"
+    return UnsupportedStateError(message, path=where, type_name=type_name)
+
+
+def _escape_str_key(key: str) -> str:
+    # '%' and '/' are escaped so that '/' only ever separates components; a key that could be read
+    # as an int key, a '#'-prefixed special key or safetensors' reserved '__metadata__' gets its
+    # first character escaped. The mapping is injective, so paths are unique.
+    out = []
+    for ch in key:
+        if ch in "%/" or ch < " " or ch == "\x7f" or 0xD800 <= ord(ch) <= 0xDFFF:
+            out.append("".join(f"%{b:02X}" for b in ch.encode("utf-8", "surrogatepass")))
+        else:
+            out.append(ch)
+    text = "".join(out)
+    if _INTLIKE.fullmatch(text) or text.startswith("#") or text == "__metadata__":
+        text = f"%{ord(text[0]):02X}{text[1:]}"
+    return text
+
+
+def _component(key: Any) -> str:
+    if type(key) is str:
+        return _escape_str_key(key)
+    if type(key) is int:
+        return str(key) if _INT_MIN <= key <= _INT_MAX else f"#{key:#x}"
+    if key is None or type(key) is bool:
+        return f"#{key}"
+    if type(key) is float:
+        return f"#{key!r}" if not math.isnan(key) else f"#{encode_float(key)['$float']}"
+    raise AssertionError(key)  # _dict_key refused everything else already
+
+
+class _Encoder:
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.tensors = tensors
+
+    def node(self, obj: Any, path: tuple[str, ...], active: set[int]) -> Any:
+        if len(path) > MAX_DEPTH:
+            raise _refuse(path, obj, f"the tree nests deeper than {MAX_DEPTH} levels")
+        kind = type(obj)
+        if obj is None or kind is bool or kind is str:
+            return obj
+        if kind is int:
+            return obj if _INT_MIN <= obj <= _INT_MAX else {"$int": hex(obj)}
+        if kind is float:
+            return encode_float(obj)
+        if isinstance(obj, torch.Tensor):
+            return self.tensor(obj, path)
+        if kind is np.ndarray:
+            return self.ndarray(obj, path)
+        if isinstance(obj, np.generic):
+            return _npscalar(obj, path)
+        if kind in (dict, OrderedDict, list, tuple):
+            if id(obj) in active:
+                raise _refuse(path, obj, "the tree contains itself (a reference cycle)")
+            active.add(id(obj))
+            try:
+                if kind is list:
+                    return [self.node(v, path + (str(i),), active) for i, v in enumerate(obj)]
+                if kind is tuple:
+                    return {"$tuple": [self.node(v, path + (str(i),), active) for i, v in enumerate(obj)]}
+                return self.mapping(obj, path, active)
+            finally:
+                active.discard(id(obj))
+        raise _refuse(path, obj, _hint_for(obj))
+
+    def claim(self, path: tuple[str, ...]) -> str:
+        key = "/".join(path)
+        # Paths are unique by construction except for two distinct nan float keys in one dict.
+        if key in self.tensors:
+            raise UnsupportedStateError(
+                f"two tensors map to the same path {key!r} (two nan dict keys?); use distinct "
+                "str or int keys", path=key, type_name="dict")
+        return key
+
+    def mapping(self, obj: dict, path: tuple[str, ...], active: set[int]) -> Any:
+        for key in obj:
+            if not (key is None or type(key) in (str, int, bool, float)):
+                raise _refuse(
+                    path + (repr(key)[:40],), key,
+                    "dict keys must be str, int, bool, float or None; convert the key (e.g. "
+                    "to a str) or leave this dict out of state_dict()",
+                )
+        items = [(k, self.node(v, path + (_component(k),), active)) for k, v in obj.items()]
+        if all(type(k) is str and not k.startswith("$") for k in obj):
+            return dict(items)
+        return {"$dict": [[self.node(k, path, active), v] for k, v in items]}
+
+    def tensor(self, t: torch.Tensor, path: tuple[str, ...]) -> Any:
+        if type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
+            raise _refuse(path, t, "tensor subclasses are not stored; convert with torch.Tensor(t) "
+                                   "or t.as_subclass(torch.Tensor)")
+        if t.layout != torch.strided:
+            raise _refuse(path, t, f"{t.layout} tensors are not stored; convert with .to_dense()")
+        if t.is_quantized or t.device.type == "meta":
+            raise _refuse(path, t, "quantized and meta tensors have no plain values; dequantize "
+                                   "or materialise them first")
+        name = _DTYPE_TO_NAME.get(t.dtype)
+        if name is None:
+            hint = " (e.g. torch.view_as_real(t) for complex128)" if t.is_complex() else ""
+            raise _refuse(path, t, f"safetensors cannot hold dtype {t.dtype}; convert it{hint}")
+        t = t.detach()
+        # Conjugate/negative views carry a lazy bit that a raw byte copy would drop.
+        if t.is_conj():
+            t = t.resolve_conj()
+        if t.is_neg():
+            t = t.resolve_neg()
+        key = self.claim(path)
+        self.tensors[key] = t
+        return {"$tensor": key, "dtype": name, "shape": list(t.shape)}
+
+    def ndarray(self, a: np.ndarray, path: tuple[str, ...]) -> Any:
+        dtype_str = a.dtype.str
+        native = a.dtype.newbyteorder("=")
+        if a.dtype.kind not in "biufc" or a.dtype.hasobject:
+            raise _refuse(path, a, f"numpy arrays of dtype {a.dtype} are not stored; convert "
+                                   "it to a numeric array or a list")
+        if not a.dtype.isnative or not a.flags.writeable or any(s < 0 for s in a.strides):
+            # from_numpy refuses these (or warns for read-only arrays): copy, the only case we do.
+            a = np.ascontiguousarray(a, dtype=native).copy()
+        try:
+            t = torch.from_numpy(a)
+        except TypeError as exc:
+            raise _refuse(path, a, f"numpy dtype {a.dtype} has no torch equivalent") from exc
+        if t.dtype not in _DTYPE_TO_NAME:
+            raise _refuse(path, a, f"safetensors cannot hold numpy dtype {a.dtype}; convert it")
+        key = self.claim(path)
+        self.tensors[key] = t
+        return {"$ndarray": key, "dtype": dtype_str, "shape": list(a.shape)}
+
+
+def _npscalar(x: np.generic, path: tuple[str, ...]) -> Any:
+    dt = x.dtype
+    if dt.kind not in "biufc":
+        raise _refuse(path, x, f"numpy scalars of dtype {dt} are not stored; use a str or int")
+    if dt.kind in "biu" or (dt.kind == "f" and dt.itemsize <= 8):
+        value = x.item()
+        encoded = encode_float(value) if dt.kind == "f" else value
+        if type(value) is int and not (_INT_MIN <= value <= _INT_MAX):
+            encoded = {"$int": hex(value)}
+        # Bit-exact or nothing: a float32 nan payload may not survive the trip through float64.
+        if np.array(value, dtype=dt).tobytes() == np.array(x).tobytes():
+            return {"$npscalar": dt.str, "value": encoded}
+    return {"$npscalar": dt.str, "hex": np.array(x).tobytes().hex()}
+
+
+def _hint_for(obj: Any) -> str:
+    if callable(obj):
+        return ("functions and callables cannot be stored (no pickle); recreate it in code and "
+                "leave it out of state_dict()")
+    if isinstance(obj, (set, frozenset)):
+        return "convert the set to a sorted list"
+    if isinstance(obj, (bytes, bytearray, memoryview)):
+        return ("convert bytes to a uint8 tensor (torch.frombuffer(bytearray(b), "
+                "dtype=torch.uint8)) or to a str (b.hex())")
+    if isinstance(obj, (dict, list, tuple, str, int, float)):
+        return (f"subclasses of {type(obj).__bases__[0].__name__} are not stored as such; "
+                "convert it to a plain one (dict(x), list(x), tuple(x), str(x), int(x), float(x))")
+    if isinstance(obj, np.ndarray):
+        return "numpy array subclasses are not stored; convert with np.asarray(x)"
+    return _HINT
+
+
+# --- decoding ---------------------------------------------------------------------------------
+
+
+def _tag_of(node: dict) -> str | None:
+    tags = [k for k in node if isinstance(k, str) and k.startswith("$")]
+    if not tags:
+        return None
+    if len(tags) != 1 or tags[0] not in _TAGS:
+        raise ManifestError(f"state skeleton has an unknown node {sorted(map(str, node))!r}")
+    return tags[0]
+
+
+def _decode(node: Any, tensors: Mapping[str, torch.Tensor], depth: int) -> Any:
+    if depth > MAX_DEPTH:
+        raise ManifestError(f"state skeleton nests deeper than {MAX_DEPTH} levels")
+    if node is None or isinstance(node, (bool, str)):
+        return node
+    if isinstance(node, int):
+        return node
+    if isinstance(node, float):
+        if not math.isfinite(node):
+            raise ManifestError("state skeleton holds a bare nan/inf; expected {'$float': ...}")
+        return node
+    if isinstance(node, list):
+        return [_decode(v, tensors, depth + 1) for v in node]
+    if not isinstance(node, dict):
+        raise ManifestError(f"state skeleton holds a {type(node).__name__}, not a JSON value")
+    tag = _tag_of(node)
+    if tag is None:
+        return {k: _decode(v, tensors, depth + 1) for k, v in node.items()}
+    try:
+        return _decode_tagged(tag, node, tensors, depth)
+    except (KeyError, TypeError, ValueError, IndexError) as exc:
+        if isinstance(exc, (ManifestError, CorruptCheckpointError)):
+            raise
+        raise ManifestError(f"state skeleton has a malformed {tag} node: {exc}") from exc
+
+
+def _decode_tagged(tag: str, node: dict, tensors: Mapping[str, torch.Tensor], depth: int) -> Any:
+    value = node[tag]
+    if tag == "$tuple":
+        _expect_keys(node, {tag})
+        if not isinstance(value, list):
+            raise ValueError("$tuple must hold a list")
+        return tuple(_decode(v, tensors, depth + 1) for v in value)
+    if tag == "$dict":
+        _expect_keys(node, {tag})
+        out: dict[Any, Any] = {}
+        for pair in value:
+            if not isinstance(pair, list) or len(pair) != 2:
+                raise ValueError("$dict must hold [key, value] pairs")
+            key = _decode(pair[0], tensors, depth + 1)
+            if not (key is None or type(key) in (str, int, bool, float)):
+                raise ValueError(f"dict key {key!r} is not a scalar")
+            out[key] = _decode(pair[1], tensors, depth + 1)
+        return out
+    if tag == "$float":
+        return decode_float(node)
+    if tag == "$int":
+        _expect_keys(node, {tag})
+        if not isinstance(value, str) or not re.fullmatch(r"-?0x[0-9a-f]+", value):
+            raise ValueError(f"$int must be a hex string, got {value!r}")
+        return int(value, 16)
+    if tag == "$npscalar":
+        dt = np.dtype(value)
+        if "hex" in node:
+            _expect_keys(node, {tag, "hex"})
+            raw = bytes.fromhex(node["hex"])
+            if len(raw) != dt.itemsize:
+                raise ValueError(f"{len(raw)} bytes for a {dt} scalar")
+            return np.frombuffer(raw, dtype=dt)[0]
+        _expect_keys(node, {tag, "value"})
+        raw_value = _decode(node["value"], tensors, depth + 1)
+        return np.array(raw_value, dtype=dt)[()]
+    # $tensor / $ndarray
+    _expect_keys(node, {tag, "dtype", "shape"})
+    if not isinstance(value, str):
+        raise ValueError("tensor path must be a str")
+    try:
+        t = tensors[value]
+    except KeyError:
+        raise CorruptCheckpointError(
+            f"the tensor file has no tensor {value!r} that the manifest's state tree needs; "
+            "the checkpoint is torn or was written by another tool", key=value) from None
+    shape = node["shape"]
+    if not isinstance(shape, list) or list(t.shape) != shape:
+        raise CorruptCheckpointError(
+            f"tensor {value!r} has shape {list(t.shape)} in the tensor file but {shape} in the "
+            "manifest; the checkpoint is inconsistent", key=value)
+    if tag == "$tensor":
+        expected = _DTYPES.get(node["dtype"])
+        if expected is None:
+            raise ValueError(f"unknown tensor dtype {node['dtype']!r}")
+        if t.dtype != expected:
+            raise CorruptCheckpointError(
+                f"tensor {value!r} is {t.dtype} in the tensor file but {expected} in the "
+                "manifest; the checkpoint is inconsistent", key=value)
+        return t
+    dt = np.dtype(node["dtype"])
+    arr = t.cpu().numpy() if t.device.type != "cpu" else t.numpy()
+    if arr.dtype != dt.newbyteorder("="):
+        raise CorruptCheckpointError(
+            f"array {value!r} is {arr.dtype} in the tensor file but {dt} in the manifest; the "
+            "checkpoint is inconsistent", key=value)
+    return arr if arr.dtype.str == dt.str else arr.astype(dt)
+
+
+def _expect_keys(node: dict, keys: set[str]) -> None:
+    if set(node) != keys:
+        raise ValueError(f"fields {sorted(node)} (expected {sorted(keys)})")

@@ -1,0 +1,267 @@
+"""What a training job checkpoints: TrainState bundles its objects and the RNG states.
+
+``capture_rng``/``restore_rng`` handle torch (CPU and every CUDA device), numpy's global
+RandomState and Python's ``random``; ``TrainState`` checks a saved tree against the live objects
+before loading anything. Encoding to tensors/JSON is codec.py's job; storage is the manager's.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from .errors import ConfigError, StateMismatchError
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["TrainState", "capture_rng", "restore_rng"]
+
+#: How many mismatches a StateMismatchError message lists (``.mismatches`` holds them all).
+MAX_LISTED = 8
+
+# Optimizer state entries that have the shape of their parameter (torch.optim's built-ins).
+_PARAM_SHAPED = frozenset({
+    "momentum_buffer", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "square_avg", "acc_delta",
+    "sum", "grad_avg", "exp_inf", "prev", "ax", "mu_product_buf",
+})
+
+
+def capture_rng() -> dict[str, Any]:
+    """The state of every global random number generator, as a codec-ready tree.
+
+    Reads only: nothing is drawn, so the streams continue exactly as if this was never called.
+    CUDA states are captured only when this process has initialised CUDA: an uninitialised
+    device has drawn nothing yet, and initialising it here would cost seconds and GPU memory.
+
+    Returns:
+        ``{"torch": uint8 tensor, "cuda": [uint8 tensor per device] | None,
+        "numpy": np.random.get_state(legacy=False), "python": random.getstate()}``.
+    """
+    cuda = None
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        cuda = [torch.cuda.get_rng_state(i) for i in range(torch.cuda.device_count())]
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": cuda,
+        "numpy": np.random.get_state(legacy=False),
+        "python": random.getstate(),
+    }
+
+
+def restore_rng(tree: Mapping[str, Any]) -> None:
+    """Put back the RNG states that ``capture_rng`` returned (possibly through the codec).
+
+    CUDA states are restored for as many devices as both machines have; a different device
+    count, or no CUDA here, is logged as a warning and the rest is restored.
+
+    Raises:
+        StateMismatchError: the tree is not an RNG state (missing parts, wrong types).
+    """
+    problems = _check_rng(tree)
+    if problems:
+        raise StateMismatchError(_message("the saved RNG state cannot be restored", problems),
+                                 mismatches=problems)
+    torch.set_rng_state(tree["torch"].cpu())
+    cuda = tree.get("cuda")
+    if cuda:
+        live = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if live != len(cuda):
+            logger.warning(
+                "checkpoint holds CUDA RNG states for %d device(s), this machine has %d: "
+                "restoring the first %d; GPU randomness may differ from the original run",
+                len(cuda), live, min(live, len(cuda)))
+        for i, state in enumerate(cuda[:live]):
+            torch.cuda.set_rng_state(state.cpu(), i)
+    np.random.set_state(tree["numpy"])
+    random.setstate(tree["python"])
+
+
+def _check_rng(tree: Any) -> list[str]:
+    if not isinstance(tree, Mapping):
+        return [f"rng: expected a dict, got {type(tree).__name__}"]
+    problems = [f"rng: missing {k!r}" for k in ("torch", "numpy", "python") if k not in tree]
+    if problems:
+        return problems
+    t = tree["torch"]
+    if not isinstance(t, torch.Tensor) or t.dtype != torch.uint8:
+        problems.append("rng/torch: expected a uint8 tensor")
+    cuda = tree.get("cuda")
+    if cuda is not None and not (isinstance(cuda, list) and all(
+            isinstance(c, torch.Tensor) and c.dtype == torch.uint8 for c in cuda)):
+        problems.append("rng/cuda: expected a list of uint8 tensors or None")
+    if not isinstance(tree["numpy"], (Mapping, tuple)):
+        problems.append("rng/numpy: expected np.random.get_state()'s dict or tuple")
+    py = tree["python"]
+    if not (isinstance(py, tuple) and len(py) == 3 and isinstance(py[1], tuple)):
+        problems.append("rng/python: expected random.getstate()'s tuple (a list? then the tree "
+                        "went through plain JSON instead of the codec)")
+    return problems
+
+
+class TrainState:
+    """The objects of a training job, checkpointed together with the RNG states.
+
+    Args:
+        **objects: name -> anything with ``state_dict()`` and ``load_state_dict()`` (a model,
+            an optimizer, an LR scheduler, a GradScaler, a user object).
+
+    Raises:
+        ConfigError: an object lacks ``state_dict``/``load_state_dict``.
+
+    Example:
+        >>> state = TrainState(model=model, optimizer=opt, scheduler=sched)
+        >>> tree = state.state_dict()        # {"objects": {...}, "rng": {...}}
+        >>> state.load_state_dict(tree)      # checks first, then loads, then restores the RNGs
+    """
+
+    def __init__(self, **objects: Any) -> None:
+        for name, obj in objects.items():
+            if not (callable(getattr(obj, "state_dict", None))
+                    and callable(getattr(obj, "load_state_dict", None))):
+                raise ConfigError(
+                    f"TrainState({name}=...) got a {type(obj).__name__}, which has no "
+                    "state_dict()/load_state_dict(); wrap it in an object that has both")
+        self.objects: dict[str, Any] = dict(objects)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The whole state as a tree: ``{"objects": {name: obj.state_dict()}, "rng": ...}``.
+
+        Tensors in it are the live ones (not copies); snapshot them before training goes on.
+        Never draws from the global RNGs.
+        """
+        return {
+            "objects": {name: obj.state_dict() for name, obj in self.objects.items()},
+            "rng": capture_rng(),
+        }
+
+    def mismatches(self, tree: Any, *, strict: bool = True) -> list[str]:
+        """Every way ``tree`` does not fit the live objects (empty when it fits).
+
+        Args:
+            tree: a tree from ``state_dict()`` (usually through the codec and back).
+            strict: also count objects and module keys present on one side only.
+        """
+        if not isinstance(tree, Mapping) or not isinstance(tree.get("objects"), Mapping):
+            return ["the tree has no 'objects' dict; it is not a TrainState.state_dict()"]
+        saved = tree["objects"]
+        problems: list[str] = []
+        if strict:
+            problems += [f"objects: {n!r} is in this TrainState but not in the checkpoint"
+                         for n in self.objects if n not in saved]
+            problems += [f"objects: {n!r} is in the checkpoint but not in this TrainState"
+                         for n in saved if n not in self.objects]
+        for name, obj in self.objects.items():
+            if name in saved:
+                problems += _object_mismatches(name, obj, saved[name], strict=strict)
+        if "rng" not in tree:
+            problems.append("rng: missing from the checkpoint")
+        else:
+            problems += _check_rng(tree["rng"])
+        return problems
+
+    def load_state_dict(self, tree: Mapping[str, Any], *, strict: bool = True) -> None:
+        """Check ``tree`` against the live objects, then load every object and the RNG states.
+
+        Nothing is loaded unless the whole tree fits. With ``strict=False``, objects and
+        module keys present on one side only are skipped (shape mismatches still fail).
+
+        Raises:
+            StateMismatchError: the tree does not fit; ``.mismatches`` lists every problem.
+        """
+        problems = self.mismatches(tree, strict=strict)
+        if problems:
+            raise StateMismatchError(
+                _message("the checkpoint does not fit the live training state", problems),
+                mismatches=problems)
+        for name, obj in self.objects.items():
+            if name not in tree["objects"]:
+                continue
+            try:
+                if isinstance(obj, torch.nn.Module):
+                    obj.load_state_dict(tree["objects"][name], strict=strict)
+                else:
+                    obj.load_state_dict(tree["objects"][name])
+            except (RuntimeError, ValueError, KeyError, TypeError, IndexError) as exc:
+                # Earlier objects are already loaded: say so, the caller must not train on.
+                problem = f"{name}: load_state_dict failed: {exc}"
+                raise StateMismatchError(
+                    _message(f"loading {name!r} failed (objects before it were already "
+                             "loaded; rebuild the objects before retrying)", [problem]),
+                    mismatches=[problem]) from exc
+        restore_rng(tree["rng"])
+
+
+def _message(head: str, problems: list[str]) -> str:
+    listed = "\n  ".join(problems[:MAX_LISTED])
+    more = f"\n  ... and {len(problems) - MAX_LISTED} more" if len(problems) > MAX_LISTED else ""
+    return f"{head}: {len(problems)} mismatch(es):\n  {listed}{more}"
+
+
+def _object_mismatches(name: str, obj: Any, saved: Any, *, strict: bool) -> list[str]:
+    if isinstance(obj, torch.nn.Module):
+        return _module_mismatches(name, obj, saved, strict=strict)
+    if isinstance(obj, torch.optim.Optimizer):
+        return _optimizer_mismatches(name, obj, saved)
+    return []
+
+
+def _shape(x: Any) -> list[int] | None:
+    return list(x.shape) if isinstance(x, (torch.Tensor, np.ndarray)) else None
+
+
+def _module_mismatches(name: str, module: torch.nn.Module, saved: Any, *, strict: bool) -> list[str]:
+    if not isinstance(saved, Mapping):
+        return [f"{name}: expected a module state dict, got {type(saved).__name__}"]
+    live = module.state_dict()
+    problems = []
+    if strict:
+        problems += [f"{name}: missing key {k!r} (in the live model, not in the checkpoint)"
+                     for k in live if k not in saved]
+        problems += [f"{name}: unexpected key {k!r} (in the checkpoint, not in the live model)"
+                     for k in saved if k not in live]
+    for key, value in live.items():
+        if key in saved and _shape(saved[key]) != _shape(value):
+            problems.append(f"{name}: {key!r} has shape {_shape(saved[key])} in the checkpoint, "
+                            f"{_shape(value)} in the live model")
+    return problems
+
+
+def _optimizer_mismatches(name: str, opt: torch.optim.Optimizer, saved: Any) -> list[str]:
+    if not (isinstance(saved, Mapping) and isinstance(saved.get("param_groups"), list)
+            and isinstance(saved.get("state"), Mapping)):
+        return [f"{name}: expected an optimizer state dict with 'state' and 'param_groups'"]
+    groups = saved["param_groups"]
+    if len(groups) != len(opt.param_groups):
+        return [f"{name}: {len(groups)} param group(s) in the checkpoint, "
+                f"{len(opt.param_groups)} in the live optimizer"]
+    problems = []
+    params: dict[Any, torch.Tensor] = {}
+    for i, (group, live_group) in enumerate(zip(groups, opt.param_groups)):
+        ids = group.get("params") if isinstance(group, Mapping) else None
+        if not isinstance(ids, list):
+            problems.append(f"{name}: param group {i} has no 'params' list")
+            continue
+        if len(ids) != len(live_group["params"]):
+            problems.append(f"{name}: param group {i} has {len(ids)} params in the checkpoint, "
+                            f"{len(live_group['params'])} in the live optimizer")
+            continue
+        params.update(zip(ids, live_group["params"]))
+    if problems:
+        return problems
+    for pid, entry in saved["state"].items():
+        if pid not in params:
+            problems.append(f"{name}: state for param {pid!r}, which no param group lists")
+            continue
+        if not isinstance(entry, Mapping):
+            continue
+        want = list(params[pid].shape)
+        for key, value in entry.items():
+            if key in _PARAM_SHAPED and _shape(value) is not None and _shape(value) != want:
+                problems.append(f"{name}: state[{pid!r}][{key!r}] has shape {_shape(value)} in "
+                                f"the checkpoint, the live param has {want}")
+    return problems
