@@ -1,0 +1,96 @@
+"""Google Drive backend: the Colab Drive mount (``drive://REL``), through the local-disk code.
+
+What the mount does (see the project's DRIVE_FACTS notes; nothing here is documented by Google):
+
+- Writes land in a local write-back cache and upload later, in any order; a file closed (even
+  fsynced) without error can still be lost with the VM, and over quota nothing uploads at all.
+  So ``durable_on_return`` is False: the SDK treats a checkpoint as durable only once it is seen
+  from outside the writing VM or after ``drive.flush_and_unmount()``.
+- Another VM sees changes minutes late and out of order, so ``immediately_consistent`` is False:
+  readers verify every file's size and digest instead of trusting a manifest's order.
+- ``os.replace`` works on the writing VM, ``os.link`` fails (Errno 38), and ``flock``/``O_EXCL``
+  hold at best on this VM: Drive allows two files of one name. ``create`` therefore checks and
+  renames under the root flock (excluding writers on *this VM only*), and ``exclusive_create`` /
+  ``compare_and_swap`` are False: the lease falls back to write, settle, read back.
+- Deletes go to the Drive trash, which counts against the quota for 30 days
+  (``trash_on_delete``): retention must account for it.
+- A dropped mount raises Errno 107 ("Transport endpoint is not connected"); huge folders or a full
+  Drive raise Errno 5. Both become ``StorageUnavailable`` with a message that says to remount.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from ..errors import StorageUnavailable
+from .base import Capabilities
+from .local import LocalBackend
+
+logger = logging.getLogger(__name__)
+
+# Colab mounts Drive here; "My Drive" and shared drives live below it.
+COLAB_MOUNT_POINT = "/content/drive"
+
+
+class DriveBackend(LocalBackend):
+    """Objects as files on the Drive mount, published like :class:`LocalBackend` but honest about
+    what the mount cannot promise (see the module docstring).
+
+    Args:
+        root: the folder on the mount (``open_backend("drive://REL")`` makes it
+            ``$CKPTSDK_DRIVE_ROOT/REL``, default ``/content/drive/MyDrive/REL``).
+        url: the URL it was opened with (for messages); defaults to ``root``.
+
+    Raises:
+        StorageUnavailable: Drive is not mounted (the mount folder is missing), the mount dropped,
+            or ``root`` is a file.
+
+    Example:
+        >>> b = open_backend("drive://runs/cifar")  # doctest: +SKIP (needs the mount)
+        >>> b.capabilities.trash_on_delete, b.capabilities.exclusive_create
+        (True, False)
+    """
+
+    capabilities = Capabilities(
+        exclusive_create=False,
+        compare_and_swap=False,
+        durable_on_return=False,
+        immediately_consistent=False,
+        trash_on_delete=True,
+    )
+    _unavailable_hint = (
+        "the Google Drive mount dropped or is unhealthy (Errno 107 means it is gone; Errno 5 can "
+        "mean a folder with too many items or a full Drive). In Colab run "
+        "`from google.colab import drive; drive.mount('/content/drive', force_remount=True)` and "
+        "retry; writes not yet uploaded before the drop may be lost"
+    )
+
+    def __init__(self, root: str, *, url: str | None = None) -> None:
+        super().__init__(root, url=url)
+        mount = _mount_point(self.root)
+        if not os.path.isdir(mount):
+            raise StorageUnavailable(
+                f"Google Drive is not mounted: {mount} (for {self.url}) is not a folder. In Colab "
+                "run `from google.colab import drive; drive.mount('/content/drive')`; elsewhere "
+                "set CKPTSDK_DRIVE_ROOT to the mounted folder",
+                url=self.url,
+            )
+
+    def _commit_create(self, path: str, tmp: str) -> None:
+        # The mount refuses link() (Errno 38). Under the root flock, which every publish of this
+        # backend takes, check-then-rename excludes writers on this VM; another VM is not
+        # excluded (Drive keeps both files as "name" and "name (1)"), as capabilities say.
+        if os.path.lexists(path):
+            raise self._exists_error(self._key_of(path), path)
+        os.replace(tmp, path)
+
+
+def _mount_point(root: str) -> str:
+    """The folder whose absence means "Drive is not mounted" for ``root``."""
+    from . import drive_root  # the registry owns $CKPTSDK_DRIVE_ROOT's meaning
+
+    configured = os.path.abspath(drive_root())
+    if root == configured or root.startswith(configured.rstrip(os.sep) + os.sep):
+        return configured
+    return COLAB_MOUNT_POINT

@@ -1,0 +1,156 @@
+"""In-process backend (``memory://NAME``) for tests and examples: nothing survives the process.
+
+One store per NAME, shared by every backend opened on it in this process and safe across threads.
+It meets the whole contract (conditional writes included) so upper layers can be tested without
+a disk; persistence, crash behaviour and other hosts belong to the real backends.
+"""
+
+from __future__ import annotations
+
+import io
+import threading
+from dataclasses import dataclass, field
+from typing import BinaryIO, Callable, Optional
+
+from ..errors import ObjectNotFound, PreconditionFailed
+from .base import Capabilities, Data, ObjectInfo, check_key, check_prefix, iter_chunks
+
+
+@dataclass
+class _Store:
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    objects: dict[str, tuple[bytes, str]] = field(default_factory=dict)
+    counter: int = 0
+
+    def next_version(self) -> str:
+        self.counter += 1
+        return str(self.counter)
+
+
+_stores: dict[str, _Store] = {}
+_stores_lock = threading.Lock()
+
+
+class MemoryBackend:
+    """A process-global dict of objects per ``name``; versions are a per-store counter.
+
+    Args:
+        name: the store's name; every ``MemoryBackend`` of the same name shares its objects.
+        url: the URL it was opened with; defaults to ``memory://NAME``.
+
+    Example:
+        >>> a, b = MemoryBackend("demo"), MemoryBackend("demo")
+        >>> _ = a.write("x", b"1")
+        >>> b.read("x")
+        b'1'
+    """
+
+    # Atomic and conditional within the process; gone when the process dies.
+    capabilities = Capabilities(exclusive_create=True, compare_and_swap=True, durable_on_return=False)
+
+    def __init__(self, name: str, *, url: str | None = None) -> None:
+        self.name = name
+        self.url = url or f"memory://{name}"
+        with _stores_lock:
+            self._store = _stores.setdefault(name, _Store())
+
+    def __repr__(self) -> str:
+        return f"MemoryBackend({self.name!r})"
+
+    @staticmethod
+    def discard_store(name: str) -> None:
+        """Forget the store ``name`` (its objects go once no backend holds it). For test teardown."""
+        with _stores_lock:
+            _stores.pop(name, None)
+
+    def read(self, key: str) -> bytes:
+        """Return the whole object at ``key``."""
+        return self._get(key)[0]
+
+    def open(self, key: str) -> BinaryIO:
+        """A seekable in-memory stream over the object (``read``, ``readinto``, ``seek``)."""
+        return io.BytesIO(self._get(key)[0])
+
+    def stat(self, key: str) -> ObjectInfo:
+        """Size and version of ``key``, or ``ObjectNotFound``."""
+        data, version = self._get(key)
+        return ObjectInfo(key, len(data), version)
+
+    def exists(self, key: str) -> bool:
+        """Whether ``key`` exists now."""
+        check_key(key, url=self.url)
+        with self._store.lock:
+            return key in self._store.objects
+
+    def list(self, prefix: str = "") -> list[ObjectInfo]:
+        """Every object whose key starts with ``prefix``, sorted by key."""
+        check_prefix(prefix, url=self.url)
+        with self._store.lock:
+            items = [(k, v) for k, v in self._store.objects.items() if k.startswith(prefix)]
+        return [ObjectInfo(k, len(data), version) for k, (data, version) in sorted(items)]
+
+    def write(self, key: str, data: Data) -> ObjectInfo:
+        """Publish ``data`` at ``key``; the joined bytes appear at once, never in part."""
+        return self._put(key, data, lambda current: None)
+
+    def create(self, key: str, data: Data) -> ObjectInfo:
+        """Publish only if ``key`` is absent, else ``PreconditionFailed``."""
+
+        def check(current: tuple[bytes, str] | None) -> None:
+            if current is not None:
+                raise PreconditionFailed(
+                    f"create of {key!r} under {self.url} failed: it already exists (version "
+                    f"{current[1]}); another writer created it first",
+                    url=self.url, key=key, expected=None, actual=current[1],
+                )
+
+        return self._put(key, data, check)
+
+    def replace(self, key: str, data: Data, version: str) -> ObjectInfo:
+        """Publish only if ``key``'s version is ``version``, else ``PreconditionFailed``."""
+        return self._put(key, data, lambda current: self._check_version("replace", key, current, version))
+
+    def delete(self, key: str, *, version: str | None = None) -> None:
+        """Delete ``key`` (with ``version``: only if unchanged)."""
+        check_key(key, url=self.url)
+        with self._store.lock:
+            current = self._store.objects.get(key)
+            if current is None:
+                raise ObjectNotFound(f"no object {key!r} under {self.url}", url=self.url, key=key)
+            if version is not None:
+                self._check_version("delete", key, current, version)
+            del self._store.objects[key]
+
+    def sweep(self, older_than: float) -> list[str]:
+        """Nothing to sweep: a memory write has no temp objects."""
+        return []
+
+    def _get(self, key: str) -> tuple[bytes, str]:
+        check_key(key, url=self.url)
+        with self._store.lock:
+            current = self._store.objects.get(key)
+        if current is None:
+            raise ObjectNotFound(f"no object {key!r} under {self.url}", url=self.url, key=key)
+        return current
+
+    def _put(
+        self, key: str, data: Data, check: Callable[[Optional[tuple[bytes, str]]], None]
+    ) -> ObjectInfo:
+        check_key(key, url=self.url)
+        # Join outside the lock: the caller's iterable may be slow or raise (then nothing changes).
+        blob = b"".join(iter_chunks(data))
+        with self._store.lock:
+            check(self._store.objects.get(key))
+            version = self._store.next_version()
+            self._store.objects[key] = (blob, version)
+        return ObjectInfo(key, len(blob), version)
+
+    def _check_version(self, op: str, key: str, current: tuple[bytes, str] | None, version: str) -> None:
+        actual = None if current is None else current[1]
+        if actual != version:
+            state = "is gone" if actual is None else f"is now at version {actual}"
+            raise PreconditionFailed(
+                f"{op} of {key!r} under {self.url} expected version {version}, but the object "
+                f"{state}: another writer changed it; re-read it and decide again",
+                url=self.url, key=key, expected=version, actual=actual,
+            )

@@ -1,0 +1,141 @@
+"""Shared fixtures: fresh storage of every backend kind, and the GCS emulator server.
+
+Fixtures (all storage is fresh per test and lives under ``tmp_path`` or in the emulator):
+
+- ``gcs_emulator`` (session): the running ``tests.gcs_emulator.Emulator`` (patched), started on
+  first use and stopped at the end of the session. Skips only while tests/gcs_emulator.py (or
+  ckptsdk/backends/gcs.py) is not in the tree yet.
+- ``backend_url`` (parametrized, ids ``memory``/``local``/``drive``/``gcs``; the gcs one is marked
+  ``gcs``): a :class:`BackendTarget`, which *is* the URL (a ``str``) and also carries
+  ``.url`` (the same str), ``.kind`` (the id), ``.options`` (storage options for
+  ``open_backend(url, **options)`` / ``CheckpointManager(url, storage_options=options)``: ``{}``
+  except for gcs) and ``.env`` (environment variables a child process needs to open the URL:
+  ``CKPTSDK_DRIVE_ROOT`` for drive, ``STORAGE_EMULATOR_HOST``... for gcs). URLs:
+  memory ``memory://test-<hex>-run`` (store dropped at teardown), local ``<tmp_path>/local-run``,
+  drive ``drive://run`` with ``CKPTSDK_DRIVE_ROOT`` monkeypatched to ``<tmp_path>/drive``
+  (so children inherit it), gcs ``gs://<fresh bucket>/run``.
+- ``storage_options``: ``backend_url.options`` (a dict).
+- ``backend``: ``open_backend(backend_url.url, **backend_url.options)``.
+- ``make_backend_target``: a factory ``(kind, name="run") -> BackendTarget`` for tests that want
+  one kind, or two roots in one test (each call with a new ``name`` gives fresh storage).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from ckptsdk.backends import open_backend
+from ckptsdk.backends.memory import MemoryBackend
+
+KINDS = ("memory", "local", "drive", "gcs")
+
+
+class BackendTarget(str):
+    """A storage URL (the str itself) plus what is needed to open it: ``.options``, ``.env``."""
+
+    kind: str
+    options: dict[str, Any]
+    env: dict[str, str]
+
+    def __new__(cls, url: str, *, kind: str, options: dict[str, Any] | None = None,
+                env: dict[str, str] | None = None) -> BackendTarget:
+        self = super().__new__(cls, url)
+        self.kind = kind
+        self.options = dict(options or {})
+        self.env = dict(env or {})
+        return self
+
+    @property
+    def url(self) -> str:
+        return str.__str__(self)
+
+    def open(self) -> Any:
+        """``open_backend(self.url, **self.options)``."""
+        return open_backend(self.url, **self.options)
+
+
+def _gcs_missing() -> str | None:
+    """Why the gcs kind cannot run yet (engineer B's files not in the tree), else None."""
+    for module, path in (("tests.gcs_emulator", "tests/gcs_emulator.py"),
+                         ("ckptsdk.backends.gcs", "ckptsdk/backends/gcs.py")):
+        if importlib.util.find_spec(module) is None:
+            return f"{path} is not in the tree yet"
+    return None
+
+
+@pytest.fixture(scope="session")
+def gcs_emulator() -> Iterator[Any]:
+    """The GCS emulator on 127.0.0.1 (patched to answer like GCS), one per session."""
+    missing = _gcs_missing()
+    if missing:
+        pytest.skip(missing)
+    from tests.gcs_emulator import start_emulator
+
+    emulator = start_emulator()
+    try:
+        yield emulator
+    finally:
+        emulator.stop()
+
+
+@pytest.fixture
+def make_backend_target(
+    request: pytest.FixtureRequest, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[Callable[..., BackendTarget]]:
+    """Factory: ``make_backend_target(kind, name="run") -> BackendTarget`` on fresh storage."""
+    memory_names: list[str] = []
+
+    def make(kind: str, name: str = "run") -> BackendTarget:
+        if kind == "memory":
+            store = f"test-{uuid.uuid4().hex[:12]}-{name}"
+            memory_names.append(store)
+            return BackendTarget(f"memory://{store}", kind=kind)
+        if kind == "local":
+            return BackendTarget(str(tmp_path / f"local-{name}"), kind=kind)
+        if kind == "drive":
+            root = tmp_path / "drive"
+            root.mkdir(exist_ok=True)
+            monkeypatch.setenv("CKPTSDK_DRIVE_ROOT", str(root))
+            return BackendTarget(f"drive://{name}", kind=kind, env={"CKPTSDK_DRIVE_ROOT": str(root)})
+        if kind == "gcs":
+            emulator = request.getfixturevalue("gcs_emulator")
+            bucket = f"ckpt-{uuid.uuid4().hex[:16]}"
+            emulator.make_bucket(bucket)
+            return BackendTarget(emulator.url(bucket, name), kind=kind,
+                                 options=emulator.storage_options, env=emulator.env)
+        raise ValueError(f"unknown backend kind {kind!r}; kinds are {KINDS}")
+
+    yield make
+    for store in memory_names:
+        MemoryBackend.discard_store(store)
+
+
+@pytest.fixture(params=[
+    "memory", "local", "drive", pytest.param("gcs", marks=pytest.mark.gcs),
+])
+def backend_url(request: pytest.FixtureRequest, make_backend_target: Callable[..., BackendTarget]) -> BackendTarget:
+    """Fresh storage of each kind: a str URL with ``.url``, ``.kind``, ``.options``, ``.env``."""
+    return make_backend_target(request.param)
+
+
+@pytest.fixture
+def storage_options(backend_url: BackendTarget) -> dict[str, Any]:
+    """The storage options that go with ``backend_url``."""
+    return backend_url.options
+
+
+@pytest.fixture
+def backend(backend_url: BackendTarget) -> Any:
+    """``open_backend(backend_url.url, **backend_url.options)``."""
+    return backend_url.open()
+
+
+def pytest_report_header(config: pytest.Config) -> str | None:
+    missing = _gcs_missing()
+    return f"ckptsdk: gcs backend tests skip ({missing})" if missing else None
+
