@@ -305,7 +305,7 @@ class _Encoder:
                                    "it to a numeric array or a list")
         if not a.dtype.isnative or not a.flags.writeable or any(s < 0 for s in a.strides):
             # from_numpy refuses these (or warns for read-only arrays): copy, the only case we do.
-            a = np.ascontiguousarray(a, dtype=native).copy()
+            a = a.astype(native, order="C", copy=True)  # (ascontiguousarray turns 0-d into 1-d)
         try:
             t = torch.from_numpy(a)
         except TypeError as exc:
