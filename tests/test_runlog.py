@@ -291,7 +291,8 @@ def _png_ok(path) -> tuple[int, int]:
         return img.size
 
 
-def test_plot_is_a_real_png(backend, tmp_path):
+def test_plot_is_a_real_png(make_backend_target, tmp_path):
+    backend = make_backend_target("memory").open()  # drawing does not depend on the store
     tmp_path = tmp_path / "plots"
     tmp_path.mkdir()
     story(backend, loss2=lambda s: loss_at(s) + (1e-2 if s >= 130 else 0.0))

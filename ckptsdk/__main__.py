@@ -1,0 +1,7 @@
+"""``python -m ckptsdk``: the same command line as the ``ckptsdk`` script (see ckptsdk/cli.py)."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())
