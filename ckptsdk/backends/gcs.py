@@ -1,0 +1,637 @@
+"""Google Cloud Storage backend (``gs://bucket/prefix``): the JSON API, with real preconditions.
+
+gcsfs supplies credentials, the endpoint (``endpoint_url`` or ``STORAGE_EMULATOR_HOST``) and its
+aiohttp session; the requests themselves are sent here, because gcsfs has no public door for
+``ifGenerationMatch=<generation>`` (compare-and-swap, conditional delete), turns every 412 into
+``FileExistsError``, retries for ~30 s, and keeps a directory cache that never expires. Checkpoint
+layout, leases and manifests do not belong here. Tested against gcsfs 2026.10.1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+import logging
+import os
+import random
+import secrets
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any, BinaryIO
+from urllib.parse import quote
+
+# Must be set before gcsfs is imported: otherwise its default class probes every bucket over
+# gRPC/TLS first (up to 60 s per operation against an HTTP emulator). We also import the core
+# class directly, which never probes, in case someone imported gcsfs before us.
+os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+
+import aiohttp  # noqa: E402  (gcsfs dependency)
+import google_crc32c  # noqa: E402  (gcsfs -> google-cloud-storage dependency)
+from fsspec.asyn import sync  # noqa: E402
+from gcsfs.core import GCSFileSystem  # noqa: E402
+
+from ..errors import (  # noqa: E402
+    BackendError,
+    ConfigError,
+    ObjectNotFound,
+    PreconditionFailed,
+    StorageUnavailable,
+)
+from .base import Capabilities, Data, ObjectInfo, check_key, check_prefix  # noqa: E402
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["GCSBackend"]
+
+_MiB = 1 << 20
+# Statuses worth another attempt. 5xx may mean "done, but the reply was lost", so a 412 after
+# one of them is checked against what we wrote (see _upload).
+_RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
+
+
+class _HTTPStatusError(OSError):
+    """An HTTP answer we did not expect; the ``from`` of the BackendError we raise."""
+
+    def __init__(self, method: str, url: str, status: int, body: bytes) -> None:
+        try:
+            message = json.loads(body)["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = body[:300].decode("utf-8", "replace")
+        super().__init__(f"{method} {url.split('?')[0]} -> HTTP {status}: {message}")
+        self.status = status
+        self.message = message
+
+
+@dataclass
+class _Reply:
+    status: int
+    headers: dict[str, str]
+    body: bytes
+    ambiguous: bool  # an earlier attempt failed in a way that may have applied it
+
+
+class GCSBackend:
+    """Objects under ``gs://bucket/prefix`` through the GCS JSON API.
+
+    One upload per write (GCS publishes an object whole or not at all): a single multipart request
+    up to ``multipart_max`` bytes, else a resumable session in ``chunk_size`` pieces, with a CRC32C
+    the server verifies. ``create`` sends ``ifGenerationMatch=0``; ``replace``/``delete(version=)``
+    send ``ifGenerationMatch=<generation>``; the version is the object generation.
+
+    A reply lost in transit is retried; if the retry of a conditional write gets 412, the object is
+    re-read and, when it holds exactly the bytes we sent, the write is reported as ours. So two
+    writers that ``create`` identical bytes can both "win": callers that need exclusivity (a
+    lease) put a nonce in the data.
+
+    Args:
+        path: ``"bucket"`` or ``"bucket/prefix"``.
+        url: the URL it was opened as (for messages); default ``gs://<path>``.
+        **storage_options: for ``gcsfs.GCSFileSystem``: ``endpoint_url``, ``token``, ``project``...
+            With ``STORAGE_EMULATOR_HOST`` set and no ``token``, ``token="anon"`` is used.
+
+    Example:
+        >>> b = GCSBackend("my-bucket/runs/a", token="anon", endpoint_url="http://127.0.0.1:9023")
+        >>> b.create("LEASE.json", b"{...}").version  # doctest: +SKIP
+        '1764481112345678'
+    """
+
+    capabilities = Capabilities(
+        exclusive_create=True,
+        compare_and_swap=True,
+        durable_on_return=True,
+        immediately_consistent=True,
+    )
+    # Tunables (class attributes so a test can shrink them on one instance).
+    # Bigger objects go through a resumable session (as google-cloud-storage does): fewer bytes
+    # to resend after a failure, and GCS's own recommendation for large objects.
+    multipart_max = 8 * _MiB
+    chunk_size = 64 * _MiB  # resumable piece; a multiple of 256 KiB as GCS requires
+    read_block = 16 * _MiB  # one ranged GET per block when streaming through open()
+    max_attempts = 4  # per request; backoff 0.5, 1, 2 s: a dead server is reported in ~4 s
+    backoff_s = 0.5
+    connect_timeout_s = 15.0
+    read_timeout_s = 120.0
+
+    def __init__(self, path: str, *, url: str | None = None, **storage_options: Any) -> None:
+        path = str(path).strip("/")
+        bucket, _, prefix = path.partition("/")
+        self.url = url or f"gs://{path}"
+        if not bucket:
+            raise ConfigError(f"{self.url!r} names no bucket: use gs://BUCKET[/PREFIX]")
+        if prefix:
+            check_key(prefix, url=self.url)
+        self.bucket = bucket
+        self.prefix = prefix
+        options = dict(storage_options)
+        if os.environ.get("STORAGE_EMULATOR_HOST") and "token" not in options:
+            options["token"] = "anon"  # an emulator takes no credentials; never probe for them
+        self._fs = GCSFileSystem(**options)
+        self._bucket_seen = False
+
+    def __repr__(self) -> str:
+        return f"GCSBackend({self.url!r}, endpoint={self._fs._location!r})"
+
+    # -- names and URLs ------------------------------------------------------------------------
+
+    def _name(self, key: str) -> str:
+        check_key(key, url=self.url)
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    def _object_url(self, name: str, *, media: bool = False) -> str:
+        base = self._fs._location
+        kind = "download/storage" if media else "storage"
+        return f"{base}/{kind}/v1/b/{quote(self.bucket, safe='')}/o/{quote(name, safe='')}"
+
+    def _upload_url(self) -> str:
+        return f"{self._fs._location}/upload/storage/v1/b/{quote(self.bucket, safe='')}/o"
+
+    # -- transport -----------------------------------------------------------------------------
+
+    async def _send_async(
+        self, method: str, url: str, params: dict[str, str] | None, headers: dict[str, str] | None,
+        data: Any,
+    ) -> tuple[int, dict[str, str], bytes]:
+        await self._fs._set_session()
+        timeout = aiohttp.ClientTimeout(
+            total=None, sock_connect=self.connect_timeout_s, sock_read=self.read_timeout_s
+        )
+        async with self._fs.session.request(
+            method, url, params=params, headers=self._fs._get_headers(headers), data=data,
+            timeout=timeout, allow_redirects=False,  # a resumable 308 is not a redirect
+        ) as resp:
+            body = await resp.read()
+            return resp.status, dict(resp.headers), body
+
+    def _request(
+        self, method: str, url: str, *, key: str | None, params: dict[str, str] | None = None,
+        headers: dict[str, str] | None = None, data: Any = None, attempts: int | None = None,
+    ) -> _Reply:
+        """Send one request, retrying transport failures and 408/429/5xx a bounded number of times.
+
+        A 412 is an answer, never retried: the caller decides what it means.
+        """
+        attempts = attempts or self.max_attempts
+        ambiguous = False
+        last: BaseException | None = None
+        for attempt in range(attempts):
+            if attempt:
+                time.sleep(self.backoff_s * 2 ** (attempt - 1) * (1 + 0.2 * random.random()))
+            try:
+                status, rheaders, body = sync(
+                    self._fs.loop, self._send_async, method, url, params, headers, data
+                )
+            except aiohttp.ClientConnectorError as exc:  # never reached the server: not applied
+                last = exc
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+                ambiguous, last = True, exc  # sent, but the reply was lost: maybe applied
+            else:
+                if status not in _RETRY_STATUSES:
+                    return _Reply(status, rheaders, body, ambiguous)
+                ambiguous = ambiguous or status >= 500
+                last = _HTTPStatusError(method, url, status, body)
+            logger.warning(
+                "GCS %s %s: attempt %d/%d failed: %r", method, url.split("?")[0], attempt + 1,
+                attempts, last,
+            )
+        raise BackendError(
+            f"GCS request {method} for {self.url} (key {key!r}) failed {attempts} times, last: "
+            f"{last!r}. Check the network and {self._fs._location}, then retry",
+            url=self.url, key=key,
+        ) from last
+
+    def _fail(self, reply: _Reply, method: str, url: str, key: str | None, what: str) -> BackendError:
+        """The error for an answer we cannot use (not 404/412, which callers map themselves)."""
+        cause = _HTTPStatusError(method, url, reply.status, reply.body)
+        if reply.status in (401, 403):
+            hint = "check the credentials (storage option token=...) and their access to the bucket"
+        else:
+            hint = "see the message from GCS"
+        err = BackendError(
+            f"GCS refused to {what} {key!r} in {self.url}: HTTP {reply.status} {cause.message}; {hint}",
+            url=self.url, key=key,
+        )
+        err.__cause__ = cause
+        return err
+
+    def _missing_bucket(self, key: str | None) -> StorageUnavailable:
+        return StorageUnavailable(
+            f"GCS bucket {self.bucket!r} does not exist (at {self._fs._location}), so {self.url} "
+            f"cannot be used: create the bucket (gcloud storage buckets create gs://{self.bucket}) "
+            "or fix the URL",
+            url=self.url, key=key,
+        )
+
+    def _not_found(self, key: str, doing: str) -> BackendError:
+        """A 404 on an object: the object is missing, unless the whole bucket is."""
+        if not self._bucket_seen:
+            url = f"{self._fs._location}/storage/v1/b/{quote(self.bucket, safe='')}"
+            reply = self._request("GET", url, key=key)
+            if reply.status == 404:
+                return self._missing_bucket(key)
+            self._bucket_seen = reply.status == 200  # 403 and such: cannot tell, do not cache
+        return ObjectNotFound(
+            f"no object {key!r} in {self.url} ({doing}); it was never written or has been deleted",
+            url=self.url, key=key,
+        )
+
+    def _info(self, key: str, meta: dict[str, Any]) -> ObjectInfo:
+        return ObjectInfo(key=key, size=int(meta["size"]), version=str(meta["generation"]))
+
+    def _current_generation(self, key: str) -> str | None:
+        try:
+            return self.stat(key).version
+        except ObjectNotFound:
+            return None
+
+    # -- reads ---------------------------------------------------------------------------------
+
+    def _stat_meta(self, key: str) -> dict[str, Any]:
+        url = self._object_url(self._name(key))
+        reply = self._request("GET", url, key=key)
+        if reply.status == 200:
+            self._bucket_seen = True
+            return json.loads(reply.body)
+        if reply.status == 404:
+            raise self._not_found(key, "stat")
+        raise self._fail(reply, "GET", url, key, "stat")
+
+    def stat(self, key: str) -> ObjectInfo:
+        """Size and generation of ``key``; ``ObjectNotFound`` if absent."""
+        return self._info(key, self._stat_meta(key))
+
+    def exists(self, key: str) -> bool:
+        """Whether ``key`` exists now (GCS is strongly consistent)."""
+        try:
+            self._stat_meta(key)
+        except ObjectNotFound:
+            return False
+        return True
+
+    def read(self, key: str) -> bytes:
+        """The whole object, in one GET."""
+        url = self._object_url(self._name(key), media=True)
+        reply = self._request("GET", url, key=key, params={"alt": "media"})
+        if reply.status == 200:
+            return reply.body
+        if reply.status == 404:
+            raise self._not_found(key, "read")
+        raise self._fail(reply, "GET", url, key, "read")
+
+    def open(self, key: str) -> BinaryIO:
+        """Stream the object: ranged GETs of ``read_block`` bytes, pinned to today's generation.
+
+        If the object is replaced or deleted while being read, the next GET fails with
+        ``ObjectNotFound`` instead of mixing bytes of two versions.
+        """
+        meta = self._stat_meta(key)
+        raw = _RangeReader(self, key, str(meta["generation"]), int(meta["size"]))
+        return io.BufferedReader(raw, buffer_size=self.read_block)  # type: ignore[return-value]
+
+    def list(self, prefix: str = "") -> list[ObjectInfo]:
+        """Every object whose key starts with ``prefix``, sorted; always a fresh listing."""
+        check_prefix(prefix, url=self.url)
+        root = f"{self.prefix}/" if self.prefix else ""
+        url = f"{self._fs._location}/storage/v1/b/{quote(self.bucket, safe='')}/o"
+        params = {"prefix": root + prefix, "maxResults": "1000"}
+        out: list[ObjectInfo] = []
+        for _ in range(1_000_000):  # pages; bounded so a server that loops cannot hang us
+            reply = self._request("GET", url, key=prefix or None, params=params)
+            if reply.status == 404:
+                raise self._missing_bucket(prefix or None)
+            if reply.status != 200:
+                raise self._fail(reply, "GET", url, prefix, "list")
+            self._bucket_seen = True
+            page = json.loads(reply.body)
+            for item in page.get("items") or []:
+                name = item["name"]
+                if name.endswith("/"):  # folder placeholders made by consoles, not objects of ours
+                    continue
+                out.append(self._info(name[len(root):], item))
+            token = page.get("nextPageToken")
+            if not token:
+                break
+            params["pageToken"] = token
+        out.sort(key=lambda info: info.key)
+        return out
+
+    # -- writes --------------------------------------------------------------------------------
+
+    def write(self, key: str, data: Data) -> ObjectInfo:
+        """Publish ``data`` at ``key`` in one upload (GCS makes it atomic)."""
+        return self._upload(key, data, None)
+
+    def create(self, key: str, data: Data) -> ObjectInfo:
+        """Publish only if ``key`` is absent (``ifGenerationMatch=0``); else ``PreconditionFailed``."""
+        return self._upload(key, data, "0")
+
+    def replace(self, key: str, data: Data, version: str) -> ObjectInfo:
+        """Publish only if ``key``'s generation is still ``version``; else ``PreconditionFailed``."""
+        if not (isinstance(version, str) and version.isdigit() and version != "0"):
+            raise PreconditionFailed(
+                f"cannot replace {key!r} in {self.url}: {version!r} is not a GCS generation "
+                "(use the version returned by stat/write/create)",
+                url=self.url, key=key, expected=str(version), actual=self._current_generation(key),
+            )
+        return self._upload(key, data, version)
+
+    def _upload(self, key: str, data: Data, if_generation: str | None) -> ObjectInfo:
+        name = self._name(key)
+        params = {} if if_generation is None else {"ifGenerationMatch": if_generation}
+        if isinstance(data, (bytes, bytearray, memoryview)):
+            view = memoryview(data).cast("B")
+            if view.nbytes <= self.multipart_max:
+                return self._multipart(key, name, view, params, if_generation)
+            return self._resumable(key, name, _slices(view, self.chunk_size), params, if_generation, view)
+        # An iterable of chunks: copy into our own buffer (the producer may reuse its buffers),
+        # and go resumable only once it outgrows one multipart request.
+        buffered = bytearray()
+        chunks = iter(data)
+        for chunk in chunks:
+            buffered += memoryview(chunk).cast("B")
+            if len(buffered) > self.multipart_max:
+                pieces = _rechunk(_chain(buffered, chunks), self.chunk_size)
+                return self._resumable(key, name, pieces, params, if_generation, None)
+        return self._multipart(key, name, memoryview(buffered), params, if_generation)
+
+    def _multipart(
+        self, key: str, name: str, view: memoryview, params: dict[str, str], if_generation: str | None
+    ) -> ObjectInfo:
+        crc = _crc32c(0, view)
+        meta = json.dumps({"name": name, "crc32c": _b64crc(crc)}).encode()
+        boundary = "ckptsdk-" + secrets.token_hex(16)
+        body = b"".join([
+            f"--{boundary}\r\nContent-Type: application/json; charset=UTF-8\r\n\r\n".encode(),
+            meta,
+            f"\r\n--{boundary}\r\nContent-Type: application/octet-stream\r\n\r\n".encode(),
+            view,
+            f"\r\n--{boundary}--\r\n".encode(),
+        ])
+        url = self._upload_url()
+        reply = self._request(
+            "POST", url, key=key, params={"uploadType": "multipart", **params}, data=body,
+            headers={"Content-Type": f'multipart/related; boundary="{boundary}"'},
+        )
+        del body
+        return self._finished(reply, "POST", url, key, if_generation, view.nbytes, crc, view)
+
+    def _resumable(
+        self, key: str, name: str, pieces: Iterable[tuple[Any, bool]], params: dict[str, str],
+        if_generation: str | None, view: memoryview | None,
+    ) -> ObjectInfo:
+        """Upload ``pieces`` (chunk, is_last) through one resumable session."""
+        url = self._upload_url()
+        reply = self._request(
+            "POST", url, key=key, params={"uploadType": "resumable", "name": name, **params},
+            data=json.dumps({"name": name}).encode(),
+            headers={"Content-Type": "application/json", "X-Upload-Content-Type": "application/octet-stream"},
+        )
+        if reply.status == 412:  # checked at initiation: nothing was written, the answer is final
+            raise self._precondition(key, if_generation)
+        if reply.status == 404:
+            raise self._missing_bucket(key)
+        if reply.status != 200 or "Location" not in reply.headers:
+            raise self._fail(reply, "POST", url, key, "start uploading")
+        location = reply.headers["Location"]
+        try:
+            crc, offset = 0, 0
+            for chunk, last in pieces:
+                crc = _crc32c(crc, chunk)
+                total = offset + len(chunk) if last else None
+                reply = self._put_chunk(key, location, chunk, offset, total, crc)
+                offset += len(chunk)
+                if last:
+                    return self._finished(reply, "PUT", location, key, if_generation, offset, crc, view)
+            raise AssertionError("chunk producer ended without a last chunk")  # _slices/_rechunk bug
+        except BaseException:
+            # Cancel the session so the half-sent bytes are dropped now, not in a week.
+            try:
+                self._request("DELETE", location, key=key, attempts=1)
+            except BackendError as exc:
+                logger.warning("could not cancel upload session for %r in %s: %s", key, self.url, exc)
+            raise
+
+    def _put_chunk(
+        self, key: str, location: str, chunk: bytes, offset: int, total: int | None, crc: int
+    ) -> _Reply:
+        """PUT ``chunk`` at ``offset``; after a lost reply ask the server how far it got and resume."""
+        end = offset + len(chunk)
+        size = "*" if total is None else str(total)
+        headers = {"Content-Type": "application/octet-stream"}
+        if total is not None:
+            headers["X-Goog-Hash"] = f"crc32c={_b64crc(crc)}"  # GCS verifies the whole object
+        ambiguous = False
+        sent_from = offset
+        for attempt in range(self.max_attempts):
+            if attempt:
+                status = self._request(
+                    "PUT", location, key=key, headers={"Content-Range": f"bytes */{size}"}
+                )
+                if status.status in (200, 201):
+                    return _Reply(status.status, status.headers, status.body, True)
+                if status.status != 308:
+                    raise self._fail(status, "PUT", location, key, "resume uploading")
+                sent_from = _persisted(status.headers)
+                if not offset <= sent_from <= end:
+                    raise BackendError(
+                        f"upload of {key!r} to {self.url}: server holds {sent_from} bytes, "
+                        f"expected {offset}..{end}; retry the write", url=self.url, key=key,
+                    )
+                if sent_from == end and total is None:
+                    return status
+            part = chunk[sent_from - offset:]
+            last = sent_from + len(part) - 1
+            crange = f"bytes {sent_from}-{last}/{size}" if part else f"bytes */{size}"
+            try:
+                reply = self._request(
+                    "PUT", location, key=key, headers={**headers, "Content-Range": crange},
+                    data=part, attempts=1,
+                )
+            except BackendError:
+                ambiguous = True  # maybe (partly) stored: ask the server before resending
+                continue
+            reply.ambiguous = reply.ambiguous or ambiguous
+            if reply.status == 308 and (total is not None or _persisted(reply.headers) < end):
+                ambiguous = True  # GCS kept only part of the chunk: resume from where it stopped
+                continue
+            return reply
+        raise BackendError(
+            f"upload of {key!r} to {self.url} made no progress after {self.max_attempts} attempts; "
+            "check the network and retry the write", url=self.url, key=key,
+        )
+
+    def _finished(
+        self, reply: _Reply, method: str, url: str, key: str, if_generation: str | None,
+        size: int, crc: int, view: memoryview | None,
+    ) -> ObjectInfo:
+        """Turn the answer to the request that finished an upload into ObjectInfo or an error."""
+        if reply.status in (200, 201):
+            self._bucket_seen = True
+            return self._info(key, json.loads(reply.body))
+        if reply.status == 412:
+            if reply.ambiguous:
+                # An earlier attempt may have been applied and its reply lost; then the 412 is
+                # our own object answering. Ours iff it holds exactly the bytes we sent.
+                mine = self._holds(key, size, crc, view)
+                if mine is not None:
+                    logger.info("write of %r to %s: reply was lost, but the object is ours", key, self.url)
+                    return mine
+            raise self._precondition(key, if_generation)
+        if reply.status == 404:
+            raise self._missing_bucket(key)
+        raise self._fail(reply, method, url, key, "write")
+
+    def _holds(self, key: str, size: int, crc: int, view: memoryview | None) -> ObjectInfo | None:
+        try:
+            meta = self._stat_meta(key)
+        except ObjectNotFound:
+            return None
+        if int(meta["size"]) != size or meta.get("crc32c") not in (None, _b64crc(crc)):
+            return None
+        if view is not None and self.read(key) != view:
+            return None
+        return self._info(key, meta)
+
+    def _precondition(self, key: str, if_generation: str | None) -> PreconditionFailed:
+        actual = self._current_generation(key)
+        if if_generation == "0":
+            msg = (f"{key!r} already exists in {self.url} (generation {actual}); "
+                   "create() publishes only new keys")
+        else:
+            msg = (f"{key!r} in {self.url} is no longer generation {if_generation} "
+                   f"(now {actual or 'absent'}): another writer changed it; re-read and decide")
+        return PreconditionFailed(
+            msg, url=self.url, key=key, expected=None if if_generation == "0" else if_generation,
+            actual=actual,
+        )
+
+    def delete(self, key: str, *, version: str | None = None) -> None:
+        """Delete ``key``; with ``version``, only if that is still its generation."""
+        url = self._object_url(self._name(key))
+        params = None
+        if version is not None:
+            if not (isinstance(version, str) and version.isdigit()):
+                raise self._precondition(key, str(version))
+            params = {"ifGenerationMatch": version}
+        reply = self._request("DELETE", url, key=key, params=params)
+        if reply.status in (200, 204):
+            return
+        if reply.status == 404:
+            if reply.ambiguous:
+                # Our first attempt deleted it and its reply was lost.
+                logger.info("delete of %r in %s: reply was lost, the object is gone", key, self.url)
+                return
+            raise self._not_found(key, "delete")
+        if reply.status == 412:
+            raise self._precondition(key, version)
+        raise self._fail(reply, "DELETE", url, key, "delete")
+
+    def sweep(self, older_than: float) -> list[str]:
+        """Nothing to sweep: an unfinished GCS upload is never an object."""
+        return []
+
+
+class _RangeReader(io.RawIOBase):
+    """Raw reads of one object generation by ranged GETs (wrapped in a BufferedReader)."""
+
+    def __init__(self, backend: GCSBackend, key: str, generation: str, size: int) -> None:
+        super().__init__()
+        self._b, self._key, self._gen, self._size, self._pos = backend, key, generation, size, 0
+        self._url = backend._object_url(backend._name(key), media=True)
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
+        if base + offset < 0:
+            raise ValueError(f"negative seek position {base + offset}")
+        self._pos = base + offset
+        return self._pos
+
+    def readinto(self, b: Any) -> int:
+        out = memoryview(b).cast("B")
+        want = min(out.nbytes, self._size - self._pos)
+        if want <= 0:
+            return 0
+        reply = self._b._request(
+            "GET", self._url, key=self._key, params={"alt": "media", "generation": self._gen},
+            headers={"Range": f"bytes={self._pos}-{self._pos + want - 1}"},
+        )
+        if reply.status == 404:
+            raise ObjectNotFound(
+                f"{self._key!r} in {self._b.url} was replaced or deleted while being read "
+                f"(generation {self._gen} is gone); open it again",
+                url=self._b.url, key=self._key,
+            )
+        if reply.status not in (200, 206):
+            raise self._b._fail(reply, "GET", self._url, self._key, "read")
+        data = reply.body
+        if reply.status == 200:  # the server ignored Range and sent everything
+            data = data[self._pos:self._pos + want]
+        n = min(len(data), want)
+        if n == 0:
+            raise BackendError(
+                f"GCS returned no bytes for {self._key!r} at offset {self._pos} of {self._size} "
+                f"in {self._b.url}; retry the read", url=self._b.url, key=self._key,
+            )
+        out[:n] = data[:n]
+        self._pos += n
+        return n
+
+
+def _chain(first: bytearray, rest: Iterator[Any]) -> Iterator[memoryview]:
+    yield memoryview(first)
+    for chunk in rest:
+        yield memoryview(chunk).cast("B")
+
+
+def _slices(view: memoryview, step: int) -> Iterator[tuple[memoryview, bool]]:
+    """(slice, is_last) of one buffer, without copying."""
+    for i in range(0, view.nbytes, step):
+        yield view[i:i + step], i + step >= view.nbytes
+
+
+def _rechunk(pieces: Iterator[memoryview], step: int) -> Iterator[tuple[bytes, bool]]:
+    """Regroup pieces into ``step``-byte chunks (copied: producers may reuse their buffers).
+
+    A chunk goes out only once more bytes are known to follow: the last must carry the total.
+    """
+    buf = bytearray()
+    for piece in pieces:
+        buf += piece
+        while len(buf) > step:
+            chunk = bytes(buf[:step])
+            del buf[:step]
+            yield chunk, False
+    yield bytes(buf), True
+
+
+def _crc32c(crc: int, data: Any) -> int:
+    """Extend a CRC32C; google_crc32c takes only ``bytes``, so copy other buffers in 8 MiB slices."""
+    if isinstance(data, bytes):
+        return google_crc32c.extend(crc, data)
+    view = memoryview(data).cast("B")
+    for i in range(0, view.nbytes, 8 * _MiB):
+        crc = google_crc32c.extend(crc, bytes(view[i:i + 8 * _MiB]))
+    return crc
+
+
+def _b64crc(crc: int) -> str:
+    return base64.b64encode(crc.to_bytes(4, "big")).decode("ascii")
+
+
+def _persisted(headers: dict[str, str]) -> int:
+    """Bytes the server holds, from a resumable 308's ``Range: bytes=0-N`` (absent: none)."""
+    value = headers.get("Range") or headers.get("range")
+    if not value:
+        return 0
+    return int(value.rsplit("-", 1)[1]) + 1
