@@ -1,0 +1,318 @@
+"""The demo: SIGKILL a training run at random steps, resume it each time, prove nothing changed.
+
+    python -m examples.kill_and_resume            # offline, a few minutes on 2 CPU cores
+
+Trains the quick preset on synthetic CIFAR-10 twice, as child processes: once uninterrupted, and
+once killed K times (one kill lands inside a checkpoint save) and resumed after each kill. Then it
+prints the resume audit (attempts, steps run twice, max |loss diff|) and whether the final weights
+and optimizer state equal the uninterrupted run's, byte for byte; the exit code is non-zero if not.
+The harness functions are reused by tests/test_cifar_job.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import math
+import os
+import queue
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@dataclass
+class Attempt:
+    """One child process of the job and how it ended."""
+
+    number: int
+    kill: tuple[str, int] | None
+    returncode: int | None = None
+    killed_at: int | None = None
+    save_state: str = ""  # for a kill inside a save: what the kill left on storage
+    seconds: float = 0.0
+    lines: list[str] = field(default_factory=list)
+
+    @property
+    def killed(self) -> bool:
+        return self.returncode == -signal.SIGKILL
+
+
+def child_command(ckpt: str, *, lease_ttl: float, threads: int = 1, extra: Sequence[str] = ()) -> list[str]:
+    """The command line of one attempt of the quick job on synthetic data."""
+    return [
+        sys.executable, "-m", "examples.train_cifar10", "--ckpt", ckpt, "--data", "synthetic",
+        "--preset", "quick", "--threads", str(threads), "--lease-ttl", str(lease_ttl),
+        "--no-progress", "--events", *extra,
+    ]
+
+
+def child_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment of a child: this repo importable, one OpenMP thread, plus ``extra``."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = REPO + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.update(extra or {})
+    return env
+
+
+def _runlog_objects(root: str) -> int:
+    names = glob.glob(os.path.join(root, "runlog", "**", "*"), recursive=True)
+    return sum(1 for n in names if os.path.isfile(n) and not os.path.basename(n).startswith(".ckptsdk-tmp."))
+
+
+def _save_state(root: str, step: int) -> str:
+    """What a kill during the save of ``step`` left behind in a local root."""
+    folders = glob.glob(os.path.join(root, f"step-{step:010d}.e*"))
+    if not folders:
+        return "killed before the checkpoint folder was written"
+    if any(os.path.exists(os.path.join(f, "manifest.json")) for f in folders):
+        return "killed just after the commit (manifest published)"
+    return "killed mid-save: tensors written, manifest not published (a torn checkpoint)"
+
+
+def run_attempt(
+    number: int,
+    cmd: Sequence[str],
+    *,
+    env: Mapping[str, str],
+    kill: tuple[str, int] | None = None,
+    local_root: str | None = None,
+    timeout: float = 600.0,
+    echo: Callable[[str], None] | None = None,
+) -> Attempt:
+    """Run one attempt; SIGKILL it when it prints the marker ``kill`` = (event, step).
+
+    For a ``("saving", N)`` kill on a local root, the kill waits (at most 2 s) until the run log
+    chunk that ``save()`` publishes before the tensors appears, so the kill lands inside the save
+    and the steps since the previous checkpoint are on record for the audit to compare.
+
+    Raises:
+        TimeoutError: the attempt ran past ``timeout`` seconds (it is killed first).
+    """
+    att = Attempt(number=number, kill=kill)
+    start = time.monotonic()
+    proc = subprocess.Popen(
+        list(cmd), cwd=REPO, env=dict(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, bufsize=1,
+    )
+    lines: queue.Queue[str | None] = queue.Queue()
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.put(line.rstrip("\n"))
+        lines.put(None)
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    marker = f"@@ {kill[0]} {kill[1]}" if kill else None
+    try:
+        while True:
+            left = timeout - (time.monotonic() - start)
+            if left <= 0:
+                raise TimeoutError(f"attempt {number} ran past {timeout:.0f} s: {' | '.join(att.lines[-5:])}")
+            try:
+                line = lines.get(timeout=min(left, 1.0))
+            except queue.Empty:
+                continue
+            if line is None:
+                break
+            att.lines.append(line)
+            if echo is not None and not line.startswith("@@"):
+                echo(f"  [attempt {number}] {line}")
+            if marker is not None and att.killed_at is None and line == marker:
+                if kill is not None and kill[0] == "saving" and local_root is not None:
+                    before, until = _runlog_objects(local_root), time.monotonic() + 2.0
+                    # The save flushes the step log first; wait for that chunk, then kill.
+                    while _runlog_objects(local_root) <= before and time.monotonic() < until:
+                        time.sleep(0.001)
+                proc.kill()
+                att.killed_at = kill[1] if kill else None
+    finally:
+        if proc.poll() is None and att.killed_at is None:
+            proc.kill()
+        att.returncode = proc.wait(timeout=60)
+        reader.join(timeout=10)
+    att.seconds = time.monotonic() - start
+    if kill is not None and kill[0] == "saving" and att.killed and local_root is not None:
+        att.save_state = _save_state(local_root, kill[1])
+    return att
+
+
+def plan_kills(*, total_steps: int, save_every: int, steps_per_epoch: int, count: int,
+               rng: random.Random) -> list[tuple[str, int]]:
+    """``count`` kill points at increasing steps, one of them inside a save (the middle one).
+
+    Increasing steps guarantee each attempt reaches its kill point: it resumes from a checkpoint
+    at or before the previous one.
+    """
+    if count < 1:
+        return []
+    saves = [s for s in range(1, total_steps) if s % save_every == 0 or s % steps_per_epoch == 0]
+    lo = max(2, total_steps // (2 * count + 2))
+    steps = sorted(rng.sample(range(lo, total_steps), count))
+    middle = count // 2
+    floor = steps[middle - 1] if middle else 1
+    ceiling = steps[middle + 1] if middle + 1 < count else total_steps
+    candidates = [s for s in saves if floor < s < ceiling] or [s for s in saves if s > floor]
+    plan = [("step", s) for s in steps]
+    if candidates:
+        plan[middle] = ("saving", rng.choice(candidates))
+    return plan
+
+
+def compare_states(a: Any, b: Any, path: str = "") -> list[str]:
+    """Every place where two state trees differ (tensors compared byte for byte)."""
+    import torch
+
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+            return [f"{path}: tensor vs {type(b if isinstance(a, torch.Tensor) else a).__name__}"]
+        if a.dtype != b.dtype or a.shape != b.shape:
+            return [f"{path}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"]
+        same = torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
+        return [] if same else [f"{path}: tensor bytes differ"]
+    if isinstance(a, dict) and isinstance(b, dict):
+        if set(a) != set(b):
+            return [f"{path}: keys {sorted(map(str, set(a) ^ set(b)))[:5]} in one only"]
+        return [d for k in a for d in compare_states(a[k], b[k], f"{path}/{k}")]
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        if type(a) is not type(b) or len(a) != len(b):
+            return [f"{path}: {type(a).__name__}[{len(a)}] vs {type(b).__name__}[{len(b)}]"]
+        return [d for i, (x, y) in enumerate(zip(a, b)) for d in compare_states(x, y, f"{path}/{i}")]
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return []
+    return [] if (type(a) is type(b) and a == b) else [f"{path}: {a!r} vs {b!r}"]
+
+
+def final_state(url: str, storage_options: Mapping[str, Any] | None = None) -> tuple[int, Any]:
+    """(step, state tree) of the newest checkpoint under ``url``, read through ckptsdk."""
+    import ckptsdk
+
+    mgr = ckptsdk.CheckpointManager(url, read_only=True, storage_options=storage_options)
+    try:
+        info = mgr.latest()
+        if info is None:
+            raise ckptsdk.CkptError(f"no committed checkpoint under {url}")
+        return info.step, mgr.load(info.step)
+    finally:
+        mgr.close()
+
+
+def audit(url: str, storage_options: Mapping[str, Any] | None = None) -> Any:
+    """The resume audit of the run under ``url`` (read-only)."""
+    import ckptsdk
+
+    mgr = ckptsdk.CheckpointManager(url, read_only=True, storage_options=storage_options)
+    try:
+        return mgr.audit()
+    finally:
+        mgr.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--kills", type=int, default=3, help="how many times to SIGKILL the run (K)")
+    p.add_argument("--seed", type=int, default=None, help="seed of the kill points (default: random)")
+    p.add_argument("--epochs", type=int, default=None, help="epochs of the quick preset (default 5)")
+    p.add_argument("--lease-ttl", type=float, default=3.0,
+                   help="lease ttl of the children: a resume waits this long for the dead writer's "
+                        "lease to go silent (60 s in real runs; short here so the demo is quick)")
+    p.add_argument("--workdir", default=None, help="where the two checkpoint roots go (default: a temp dir, removed)")
+    p.add_argument("--plot", default=None, help="also write the audit's loss plot to this PNG")
+    p.add_argument("--quiet", action="store_true", help="do not echo the children's lines")
+    args = p.parse_args(argv)
+
+    from adapters.cifar10.train import PRESETS, describe_audit
+
+    cfg = PRESETS["quick"].replace(epochs=args.epochs)
+    spe = cfg.n_train // cfg.batch_size
+    total = cfg.epochs * spe
+    seed = args.seed if args.seed is not None else random.SystemRandom().randrange(10**6)
+    plan = plan_kills(total_steps=total, save_every=cfg.save_every, steps_per_epoch=spe,
+                      count=args.kills, rng=random.Random(seed))
+    extra = ["--epochs", str(cfg.epochs)]
+    work = args.workdir or tempfile.mkdtemp(prefix="ckptsdk-demo-")
+    ref_root, run_root = os.path.join(work, "uninterrupted"), os.path.join(work, "killed")
+    for root in (ref_root, run_root):
+        if os.path.exists(root):
+            print(f"error: {root} exists; pick an empty --workdir", file=sys.stderr)
+            return 2
+    echo = None if args.quiet else print
+    print(f"quick preset: {total} steps ({spe} per epoch, checkpoint every {cfg.save_every} steps and at "
+          f"each epoch end); kill seed {seed}; kill plan: "
+          + ", ".join(f"{'during the save at' if e == 'saving' else 'at'} step {s}" for e, s in plan))
+    t0 = time.monotonic()
+    env = child_env()
+    # The uninterrupted reference runs alongside, on the other core.
+    os.makedirs(work, exist_ok=True)
+    ref_log = open(os.path.join(work, "uninterrupted.log"), "w+")  # a file: a pipe nobody reads could fill
+    ref = subprocess.Popen(child_command(ref_root, lease_ttl=args.lease_ttl, extra=extra), cwd=REPO,
+                           env=env, stdout=ref_log, stderr=subprocess.STDOUT, text=True)
+    attempts: list[Attempt] = []
+    try:
+        for number, kill in enumerate([*plan, None], start=1):
+            att = run_attempt(number, child_command(run_root, lease_ttl=args.lease_ttl, extra=extra),
+                              env=env, kill=kill, local_root=run_root, echo=echo)
+            attempts.append(att)
+            if kill is not None and not att.killed:
+                print(f"error: attempt {number} ended (exit {att.returncode}) before its kill point; "
+                      f"last lines: {att.lines[-5:]}", file=sys.stderr)
+                return 2
+            how = (f"SIGKILLed at step {att.killed_at}" if kill and kill[0] == "step"
+                   else f"SIGKILLed during the save of step {att.killed_at}: {att.save_state}" if kill
+                   else f"finished (exit {att.returncode})")
+            print(f"attempt {number}: {how} after {att.seconds:.1f} s")
+        if attempts[-1].returncode not in (0, 1):
+            print(f"error: the last attempt failed (exit {attempts[-1].returncode}): {attempts[-1].lines[-5:]}",
+                  file=sys.stderr)
+            return 2
+        ref.wait(timeout=900)
+        if ref.returncode not in (0, 1):
+            ref_log.seek(0)
+            print(f"error: the uninterrupted run failed:\n{ref_log.read()[-2000:]}", file=sys.stderr)
+            return 2
+    finally:
+        if ref.poll() is None:
+            ref.kill()
+            ref.wait()
+        ref_log.close()
+
+    report = audit(run_root)
+    loss = report.scalars.get("loss")
+    ref_step, ref_state = final_state(ref_root)
+    run_step, run_state = final_state(run_root)
+    diffs = compare_states(ref_state, run_state) if ref_step == run_step else [f"steps {ref_step} vs {run_step}"]
+    print()
+    print(f"audit: {describe_audit(report)}")
+    print(f"  attempts: {len(report.attempts)}; steps run twice: {report.overlap_steps}; "
+          f"max |loss diff|: {loss.max_abs_diff if loss is not None and report.overlap_steps else 'n/a'}")
+    if args.plot:
+        from ckptsdk.plot import plot_audit
+
+        print(f"  loss plot: {plot_audit(report, args.plot)}")
+    if diffs:
+        print(f"final weights DIFFER from the uninterrupted run's at step {run_step}: {len(diffs)} "
+              f"differences, e.g. {diffs[:3]}")
+    else:
+        print(f"final weights and optimizer state at step {run_step} EQUAL the uninterrupted run's, "
+              "byte for byte")
+    print(f"total {time.monotonic() - t0:.0f} s")
+    if args.workdir is None:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0 if not diffs and report.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
