@@ -312,24 +312,53 @@ def _open(backend: Backend, key: str) -> Any:
     return f
 
 
-def _read_verified(backend: Backend, key: str, f: Any, dest: memoryview, size: int, digest: str, algorithm: str,
-                   *, reuse: bool) -> None:
-    """Read exactly ``size`` bytes into ``dest`` (or through it when ``reuse``), hash, verify."""
-    hasher = _new_hasher(algorithm)
-    pos = 0
-    while pos < size:
-        n = min(_READ_CHUNK, size - pos)
-        window = dest[:n] if reuse else dest[pos : pos + n]
-        got = f.readinto(window)
-        if not got:
-            raise _corrupt(backend, key, f"truncated: {pos} bytes where the manifest says {size}")
-        hasher.update(window[:got])
-        pos += got
-    if f.read(1):
-        raise _corrupt(backend, key, f"longer than the {size} bytes the manifest records")
-    actual = hasher.hexdigest()
-    if actual != digest.lower():
-        raise _corrupt(backend, key, f"{algorithm} digest {actual} differs from the recorded {digest}")
+class _Reader:
+    """Sequential reads of one file through a hasher, checking its size and digest at the end."""
+
+    def __init__(self, backend: Backend, key: str, f: Any, size: int, digest: str, algorithm: str) -> None:
+        self.backend, self.key, self.f = backend, key, f
+        self.size, self.digest, self.algorithm = size, digest, algorithm
+        self.hasher = _new_hasher(algorithm)
+        self.pos = 0
+        self._scratch: memoryview | None = None
+
+    def scratch(self, n: int) -> memoryview:
+        """A reusable uninitialised buffer of at least ``n`` bytes (n <= _READ_CHUNK)."""
+        if self._scratch is None:
+            self._scratch = memoryview(torch.empty(max(1, min(self.size, _READ_CHUNK)), dtype=torch.uint8).numpy())
+        return self._scratch[:n]
+
+    def read_into(self, dest: memoryview) -> None:
+        """Fill ``dest`` from the file in chunks, hashing each chunk as it arrives."""
+        total = len(dest)
+        if self.pos + total > self.size:
+            raise _corrupt(self.backend, self.key, f"the header points past the {self.size} bytes of the file")
+        done = 0
+        while done < total:
+            window = dest[done : done + min(_READ_CHUNK, total - done)]
+            got = self.f.readinto(window)
+            if not got:
+                raise _corrupt(self.backend, self.key,
+                               f"truncated: {self.pos + done} bytes where the manifest says {self.size}")
+            self.hasher.update(window[:got])
+            done += got
+        self.pos += total
+
+    def read_bytes(self, n: int) -> bytes:
+        out = bytearray(n)
+        self.read_into(memoryview(out))
+        return bytes(out)
+
+    def finish(self) -> None:
+        """Hash whatever is left, then check the size and the digest."""
+        while self.pos < self.size:
+            self.read_into(self.scratch(min(_READ_CHUNK, self.size - self.pos)))
+        if self.f.read(1):
+            raise _corrupt(self.backend, self.key, f"longer than the {self.size} bytes the manifest records")
+        actual = self.hasher.hexdigest()
+        if actual != self.digest.lower():
+            raise _corrupt(self.backend, self.key,
+                           f"{self.algorithm} digest {actual} differs from the recorded {self.digest}")
 
 
 def verify_file(backend: Backend, key: str, *, size: int, digest: str, algorithm: str = DIGEST_ALGORITHM) -> None:
@@ -348,36 +377,33 @@ def verify_file(backend: Backend, key: str, *, size: int, digest: str, algorithm
         BackendError: the storage failed while reading.
     """
     _new_hasher(algorithm)  # reject an unknown algorithm before any I/O
-    scratch = memoryview(torch.empty(min(size, _READ_CHUNK) or 1, dtype=torch.uint8).numpy())
     with _open(backend, key) as f:
-        _read_verified(backend, key, f, scratch, size, digest, algorithm, reuse=True)
+        _Reader(backend, key, f, size, digest, algorithm).finish()
 
 
-def _parse(backend: Backend, key: str, buf: torch.Tensor) -> dict[str, torch.Tensor]:
-    size = buf.numel()
-    if size < 8:
-        raise _corrupt(backend, key, f"only {size} bytes, shorter than the 8-byte header length")
-    (hlen,) = struct.unpack("<Q", bytes(buf[:8].numpy()))
-    if hlen > min(_MAX_HEADER, size - 8):
-        raise _corrupt(backend, key, f"header length {hlen} exceeds the file ({size} bytes)")
+class _Entry:
+    __slots__ = ("name", "dtype", "shape", "begin", "end")
+
+    def __init__(self, name: str, dtype: torch.dtype, shape: list[int], begin: int, end: int) -> None:
+        self.name, self.dtype, self.shape, self.begin, self.end = name, dtype, shape, begin, end
+
+
+def _parse_header(backend: Backend, key: str, raw: bytes, data_len: int) -> list[_Entry]:
+    """The header's tensors in file order, checked to tile the data section exactly."""
     try:
-        header = json.loads(bytes(buf[8 : 8 + hlen].numpy()).decode("utf-8"))
+        header = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as exc:
         raise _corrupt(backend, key, f"the header is not valid JSON ({exc})") from exc
     if not isinstance(header, dict):
         raise _corrupt(backend, key, "the header is not a JSON object")
     header.pop("__metadata__", None)
-    start = 8 + hlen
-    data_len = size - start
-    spans: list[tuple[int, int, str]] = []
-    out: dict[str, torch.Tensor] = {}
+    entries: list[_Entry] = []
     for name, entry in header.items():
         try:
             dtype = _FROM_NAME[entry["dtype"]]
             shape = entry["shape"]
             begin, end = entry["data_offsets"]
-            ints = [*shape, begin, end]
-            if not all(type(v) is int and v >= 0 for v in ints):
+            if not all(type(v) is int and v >= 0 for v in [*shape, begin, end]):
                 raise ValueError("negative or non-integer shape/offset")
         except (KeyError, TypeError, ValueError) as exc:
             raise _corrupt(backend, key, f"malformed header entry for {name!r}: {entry!r}") from exc
@@ -385,22 +411,56 @@ def _parse(backend: Backend, key: str, buf: torch.Tensor) -> dict[str, torch.Ten
         if end - begin != nbytes or end > data_len:
             raise _corrupt(backend, key, f"tensor {name!r} spans bytes [{begin}, {end}) of {data_len}, "
                            f"but {entry['dtype']}{shape} needs {nbytes}")
-        spans.append((begin, end, name))
-        raw = buf[start + begin : start + end]
-        try:
-            out[name] = raw.view(dtype).reshape(shape)
-        except RuntimeError:
-            # Misaligned for a view (files from other writers need not sort by dtype size):
-            # copy this tensor into its own aligned memory instead.
-            out[name] = torch.empty(shape, dtype=dtype)
-            out[name].reshape(-1).view(torch.uint8).copy_(raw)
+        entries.append(_Entry(name, dtype, shape, begin, end))
+    entries.sort(key=lambda e: (e.begin, e.end))
     pos = 0
-    for begin, end, name in sorted(spans):
-        if begin != pos:
-            raise _corrupt(backend, key, f"tensor {name!r} starts at byte {begin}, expected {pos} (gap or overlap)")
-        pos = end
+    for e in entries:
+        if e.begin != pos:
+            raise _corrupt(backend, key, f"tensor {e.name!r} starts at byte {e.begin}, expected {pos} (gap or overlap)")
+        pos = e.end
     if pos != data_len:
         raise _corrupt(backend, key, f"the header covers {pos} data bytes but the file has {data_len}")
+    return entries
+
+
+def _read_entries(reader: _Reader, entries: list[_Entry]) -> dict[str, torch.Tensor]:
+    """Read the data section straight into one fresh tensor per entry, in file order."""
+    out: dict[str, torch.Tensor] = {}
+    views: list[tuple[memoryview, int]] = []  # small tensors waiting for one shared read
+    pending = 0
+
+    def flush() -> None:
+        nonlocal pending
+        if not views:
+            return
+        buf = reader.scratch(pending)
+        reader.read_into(buf)
+        at = 0
+        for view, n in views:
+            view[:] = buf[at : at + n]
+            at += n
+        views.clear()
+        pending = 0
+
+    for e in entries:
+        # torch.empty per tensor: no zero-fill pass, each tensor owns aligned memory at offset 0
+        # (torch.set_rng_state segfaults on a view at a non-zero storage offset), and dropping
+        # one tensor frees it without keeping a whole-file buffer alive.
+        t = torch.empty(e.shape, dtype=e.dtype)
+        out[e.name] = t
+        n = e.end - e.begin
+        if n == 0:
+            continue
+        view = _byte_view(t)
+        if n >= _SMALL_TENSOR:
+            flush()
+            reader.read_into(view)  # large sequential reads straight into the tensor's memory
+        else:
+            if pending + n > _READ_CHUNK:
+                flush()
+            views.append((view, n))
+            pending += n
+    flush()
     return out
 
 
@@ -409,9 +469,9 @@ def read_tensorfile(
 ) -> dict[str, torch.Tensor]:
     """Read and verify a tensor file, returning its tensors (on the CPU, independent of the file).
 
-    The file is read with large sequential reads straight into one uninitialised buffer and hashed
-    chunk by chunk as it arrives; the tensors are views into that buffer (so keeping any one of
-    them keeps the whole buffer alive; ``load_state_dict`` copies out of them).
+    The data is read with large sequential reads straight into each tensor's uninitialised
+    memory and hashed chunk by chunk as it arrives; nothing is mapped, and nothing is returned
+    unless the size and the digest of the whole file match.
 
     Args:
         backend: where the file is.
@@ -421,19 +481,31 @@ def read_tensorfile(
         algorithm: ``"xxh3-128"`` (what ``write_tensorfile`` produces) or ``"sha256"``.
 
     Returns:
-        name -> tensor, in file order.
+        name -> tensor, in file order; each tensor owns its memory.
 
     Raises:
         CorruptCheckpointError: missing, truncated, too long, different digest or a malformed
             header; the message names the key and why.
-        ConfigError: an unknown digest algorithm.
+        ConfigError: an unknown digest algorithm, or a negative size.
         BackendError: the storage failed while reading.
     """
     _new_hasher(algorithm)
     if type(size) is not int or size < 0:
         raise ConfigError(f"size for {key!r} must be a non-negative int, got {size!r}")
-    # torch.empty, not bytearray: a zero-filled buffer costs a full extra pass over the memory.
-    buf = torch.empty(size, dtype=torch.uint8)
     with _open(backend, key) as f:
-        _read_verified(backend, key, f, memoryview(buf.numpy()), size, digest, algorithm, reuse=False)
-    return _parse(backend, key, buf)
+        reader = _Reader(backend, key, f, size, digest, algorithm)
+        try:
+            if size < 8:
+                raise _corrupt(backend, key, f"only {size} bytes, shorter than the 8-byte header length")
+            (hlen,) = struct.unpack("<Q", reader.read_bytes(8))
+            if hlen > min(_MAX_HEADER, size - 8):
+                raise _corrupt(backend, key, f"header length {hlen} exceeds the file ({size} bytes)")
+            entries = _parse_header(backend, key, reader.read_bytes(hlen), size - 8 - hlen)
+        except CorruptCheckpointError:
+            # A damaged header is usually a damaged file: report the digest if that differs,
+            # and the header's own problem only for a file that is what was written.
+            reader.finish()
+            raise
+        tensors = _read_entries(reader, entries)
+        reader.finish()
+    return tensors

@@ -309,3 +309,18 @@ def test_verify_file_accepts_intact_and_reports_digest_mismatch(backend):
     with pytest.raises(CorruptCheckpointError, match=f"differs from the recorded {wrong}") as err:
         verify_file(backend, KEY, size=size, digest=wrong)
     assert err.value.key == KEY
+
+
+def test_each_restored_tensor_owns_its_memory(backend):
+    # torch.set_rng_state segfaults on a view at a non-zero storage offset: restored tensors
+    # must each own their storage, starting at offset 0.
+    torch.manual_seed(1234)
+    state = torch.get_rng_state()
+    expected = torch.rand(3)
+    tensors = {"a": torch.ones(1000), "rng": state, "z": torch.zeros(3, dtype=torch.uint8)}
+    size, digest = write_tensorfile(backend, KEY, tensors)
+    out = read_tensorfile(backend, KEY, size=size, digest=digest)
+    assert all(t.storage_offset() == 0 for t in out.values())
+    assert len({t.untyped_storage().data_ptr() for t in out.values()}) == len(out)
+    torch.set_rng_state(out["rng"])
+    assert torch.equal(torch.rand(3), expected)
