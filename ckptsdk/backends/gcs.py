@@ -50,6 +50,7 @@ _MiB = 1 << 20
 # Statuses worth another attempt. 5xx may mean "done, but the reply was lost", so a 412 after
 # one of them is checked against what we wrote (see _upload).
 _RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
+_STREAM_OVER = 1 * _MiB  # request bodies bigger than this are streamed in slices of this size
 
 
 class _HTTPStatusError(OSError):
@@ -155,6 +156,12 @@ class GCSBackend:
         data: Any,
     ) -> tuple[int, dict[str, str], bytes]:
         await self._fs._set_session()
+        if isinstance(data, (bytes, bytearray, memoryview)) and len(data) > _STREAM_OVER:
+            # aiohttp warns about (and would write in one go) a large in-memory body; send it as
+            # zero-copy slices with an explicit length instead (no chunked encoding).
+            view = memoryview(data).cast("B")
+            headers = {**(headers or {}), "Content-Length": str(view.nbytes)}
+            data = _aslices(view, _STREAM_OVER)
         timeout = aiohttp.ClientTimeout(
             total=None, sock_connect=self.connect_timeout_s, sock_read=self.read_timeout_s
         )
@@ -592,6 +599,11 @@ def _chain(first: bytearray, rest: Iterator[Any]) -> Iterator[memoryview]:
     yield memoryview(first)
     for chunk in rest:
         yield memoryview(chunk).cast("B")
+
+
+async def _aslices(view: memoryview, step: int) -> Any:
+    for i in range(0, view.nbytes, step):
+        yield view[i:i + step]
 
 
 def _slices(view: memoryview, step: int) -> Iterator[tuple[memoryview, bool]]:
