@@ -93,7 +93,7 @@ def test_all_sources_failing_lists_each_one_and_why(http_server, tmp_path):
 
 def test_resume_with_range_after_a_dropped_connection(http_server, tmp_path):
     url = http_server.add("/p.bin", PAYLOAD, Behaviour(drop_times=1, drop_after=300_000))
-    got = _cache(None).fetch(NAME, local_dir=str(tmp_path), sources=[url], digest=DIGEST)
+    got = _cache(None, progress=True).fetch(NAME, local_dir=str(tmp_path), sources=[url], digest=DIGEST)
     assert _read(got.path) == PAYLOAD
     assert http_server.requests("/p.bin") == 2
     assert http_server.range_requests == [("/p.bin", 300_000)]

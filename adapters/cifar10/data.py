@@ -167,7 +167,7 @@ def _save_canonical(data: CifarData, cache: DataCache, local: str) -> None:
     tmp = f"{path}.ckptsdk-tmp.{os.getpid()}"
     save_file({"train_images": data.train_images, "train_labels": data.train_labels,
                "test_images": data.test_images, "test_labels": data.test_labels}, tmp,
-              metadata={"tensor_hash": data.tensor_hash, "source": data.source})
+              metadata={"tensor_hash": data.tensor_hash})  # one key: safetensors does not order metadata
     os.replace(tmp, path)
     cache.adopt(CANONICAL_NAME, local_dir=local, algorithm=HASH_ALGORITHM, source=data.source)
 
