@@ -1,0 +1,222 @@
+"""Manifest and lineage models: round trips, every kind of bad input is a ManifestError, newer
+formats are refused clearly, the committed schema matches the models, and docs/FORMAT.md's reader
+reads a real checkpoint."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import safetensors.torch
+import torch
+import xxhash
+from pydantic import ValidationError
+
+from ckptsdk.codec import encode
+from ckptsdk.errors import ManifestError
+from ckptsdk.manifest import (
+    FORMAT,
+    Environment,
+    FileEntry,
+    LineageRecord,
+    Manifest,
+    Position,
+    Writer,
+    json_schema,
+    parse_lineage,
+    parse_manifest,
+    schema_text,
+)
+from tests.test_codec import assert_same
+
+DOCS = Path(__file__).resolve().parent.parent / "docs"
+
+
+def make_manifest(**overrides):
+    _, skeleton = encode({"w": torch.ones(2), "t": (1, float("nan"))})
+    fields = dict(
+        step=5700,
+        position=Position(epoch=3, batch_idx=17, extra={"sampler": {"seed": 1, "order": [3, 1]}}),
+        writer=Writer(run_id="run-1", attempt=2, lease_epoch=2, host="vm", pid=42, resumed_from_step=4600),
+        files=[FileEntry(name="tensors.safetensors", size=1234, digest="0f" * 16, algorithm="xxh3-128")],
+        tree=skeleton,
+        metrics={"loss": 0.25, "nan": float("nan"), "inf": -math.inf, "zero": -0.0, "n": 3,
+                 "best": True, "phase": "warmup", "none": None, "np": np.float32(0.5)},
+        environment=Environment.current(),
+        tags={"git": "abc"},
+    )
+    fields.update(overrides)
+    return Manifest(**fields)
+
+
+def test_manifest_round_trips_through_strict_json():
+    manifest = make_manifest()
+    data = manifest.to_json()
+    json.loads(data, parse_constant=lambda name: pytest.fail(f"non-standard token {name}"))
+    back = parse_manifest(data, key="step-0000005700.e2/manifest.json")
+    assert back.to_json() == data
+    assert back.format == FORMAT and back.step == 5700 and back.position.batch_idx == 17
+    assert math.isnan(back.metrics["nan"]) and back.metrics["inf"] == -math.inf
+    assert math.copysign(1.0, back.metrics["zero"]) < 0
+    assert type(back.metrics["n"]) is int and type(back.metrics["best"]) is bool
+    assert back.metrics["np"] == 0.5 and back.file("tensors.safetensors").size == 1234
+    assert back.created_at.endswith("Z")
+
+
+def test_models_are_frozen_and_forbid_extra_fields():
+    manifest = make_manifest()
+    with pytest.raises(ValidationError):
+        manifest.step = 1  # type: ignore[misc]
+    with pytest.raises(ValidationError, match="extra"):
+        Position(epoch=1, bogus=2)
+    with pytest.raises(ValidationError, match="nan"):
+        Position(extra={"x": float("nan")})
+
+
+def test_environment_current_describes_this_process():
+    env = Environment.current()
+    assert env.torch == torch.__version__ and env.numpy == np.__version__
+    assert env.device == ("cpu" if not torch.cuda.is_initialized() else env.device)
+    assert Environment.current(device=torch.device("cuda", 1)).device == "cuda:1"
+
+
+def _tweak(**changes):
+    doc = json.loads(make_manifest().to_json())
+    for path, value in changes.items():
+        node = doc
+        *parents, last = path.split("__")
+        for p in parents:
+            node = node[p]
+        if value is KeyError:
+            del node[last]
+        else:
+            node[last] = value
+    return json.dumps(doc).encode()
+
+
+BAD = {
+    "junk": (b"\x00\xffnot json", "not valid JSON"),
+    "empty": (b"", "not valid JSON"),
+    "torn": (make_manifest().to_json()[:-40], "not valid JSON"),
+    "list": (b"[1, 2]", "expected a JSON object"),
+    "nan token": (b'{"format": "ckptsdk.checkpoint/1", "step": NaN}', "not valid JSON"),
+    "no format": (_tweak(format=KeyError), "no 'format' field"),
+    "format not str": (_tweak(format=1), "'format' must be a string"),
+    "lineage given": (LineageRecord(epoch=1, attempt=1, run_id="r").to_json(), "not a ckptsdk.checkpoint document"),
+    "future major": (_tweak(format="ckptsdk.checkpoint/2", step="whatever"), "newer ckptsdk"),
+    "old major": (_tweak(format="ckptsdk.checkpoint/0"), "older major version"),
+    "step as str": (_tweak(step="5700"), "step: Input should be a valid integer"),
+    "negative step": (_tweak(step=-1), "step: Input should be greater than or equal to 0"),
+    "bool as int": (_tweak(writer__pid=True), "writer.pid: Input should be a valid integer"),
+    "missing writer": (_tweak(writer=KeyError), "writer: Field required"),
+    "unknown field": (_tweak(surprise=1), "surprise: Extra inputs are not permitted"),
+    "nested unknown": (_tweak(writer__color="red"), "writer.color: Extra inputs are not permitted"),
+    "bad digest": (_tweak(files=[{"name": "t", "size": 1, "digest": "XYZ", "algorithm": "x"}]), "files.0.digest"),
+    "escaping name": (_tweak(files=[{"name": "../x", "size": 1, "digest": "ab", "algorithm": "x"}]), "files.0.name"),
+    "local time": (_tweak(created_at="2026-11-30T06:10:00"), "not in UTC"),
+    "bad metric": (_tweak(metrics={"m": [1]}), "metrics.m"),
+    "bad skeleton": (_tweak(tree={"$what": 1}), "unknown node"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD))
+def test_bad_manifests_raise_manifest_error_with_key_and_reason(name):
+    data, reason = BAD[name]
+    with pytest.raises(ManifestError) as info:
+        parse_manifest(data, key="root/step-0000000001.e1/manifest.json")
+    assert reason in str(info.value)
+    assert str(info.value).startswith("root/step-0000000001.e1/manifest.json: ")
+    assert info.value.key == "root/step-0000000001.e1/manifest.json"
+
+
+def test_future_major_is_refused_before_its_fields_are_looked_at():
+    with pytest.raises(ManifestError, match=r"written by a newer ckptsdk .*upgrade ckptsdk") as info:
+        parse_manifest(b'{"format": "ckptsdk.checkpoint/7", "everything": "different"}', key="k")
+    assert "everything" not in str(info.value)
+
+
+def test_newer_minor_version_is_read_and_its_new_fields_ignored():
+    data = _tweak(format="ckptsdk.checkpoint/1.3", shiny_new_field={"a": 1}, writer__gpu_count=8)
+    manifest = parse_manifest(data)
+    assert manifest.format == "ckptsdk.checkpoint/1.3" and manifest.writer.pid == 42
+    assert parse_manifest(_tweak(format="ckptsdk.checkpoint/1.0")).step == 5700
+
+
+def test_lineage_record_round_trip_and_errors():
+    record = LineageRecord(epoch=3, attempt=3, run_id="run-1", resumed_from_step=5700, resumed_from_epoch=2,
+                           host="vm", pid=7, created_at="2026-11-30T06:10:00+00:00")
+    data = record.to_json()
+    assert parse_lineage(data, key="lineage/epoch-000003.json") == record
+    fresh = LineageRecord(epoch=1, attempt=1, run_id="r")
+    assert fresh.resumed_from_step is None and fresh.pid > 0
+    for bad, reason in [(b"{", "not valid JSON"), (make_manifest().to_json(), "not a ckptsdk.lineage document"),
+                        (data.replace(b"lineage/1", b"lineage/2"), "newer ckptsdk"),
+                        (data.replace(b'"epoch":3', b'"epoch":"3"'), "epoch: Input should be a valid integer")]:
+        with pytest.raises(ManifestError, match=re.escape(reason)) as info:
+            parse_lineage(bad, key="lineage/epoch-000003.json")
+        assert info.value.key == "lineage/epoch-000003.json"
+
+
+def test_committed_schema_matches_the_models():
+    committed = (DOCS / "manifest.schema.json").read_text()
+    assert committed == schema_text(), (
+        "docs/manifest.schema.json is stale: python -m ckptsdk.manifest --schema > docs/manifest.schema.json")
+    schema = json_schema()
+    assert set(schema["$defs"]) >= {"Manifest", "LineageRecord", "FileEntry", "Writer", "Position", "Environment"}
+    assert schema["$defs"]["Manifest"]["additionalProperties"] is False
+
+
+def test_schema_entry_point_prints_the_schema():
+    out = subprocess.run([sys.executable, "-m", "ckptsdk.manifest", "--schema"], capture_output=True,
+                         text=True, timeout=120, check=True).stdout
+    assert out == schema_text()
+
+
+def _reader_snippet() -> str:
+    text = (DOCS / "FORMAT.md").read_text()
+    block = text.split("<!-- reader:begin -->")[1].split("<!-- reader:end -->")[0]
+    return block.split("```python\n")[1].split("```")[0]
+
+
+def test_format_md_reader_reads_a_checkpoint_without_ckptsdk(tmp_path):
+    random.seed(3)
+    np.random.seed(3)
+    tree = {
+        "objects": {"model": {"layer1.0.conv1.weight": torch.randn(4, 3, 3, 3), "bn.num_batches_tracked": torch.tensor(7),
+                              "half": torch.ones(3, dtype=torch.bfloat16)},
+                    "optimizer": {"state": {0: {"momentum_buffer": torch.zeros(4)}},
+                                  "param_groups": [{"lr": 0.1, "nesterov": True, "params": [0], "foreach": None}]},
+                    "user": {"a/b": -0.0, "big": 2**80, "odd nan": struct_nan(), "np": np.float32(1.5),
+                             "c": np.complex64(1j), "$k": 1, "nested": [(1, 2), {None: "x"}]}},
+        "rng": {"numpy": np.random.get_state(legacy=False), "python": random.getstate(), "be": np.arange(3, dtype=">i4")},
+    }
+    tensors, skeleton = encode(tree)
+    folder = tmp_path / "step-0000005700.e1"
+    folder.mkdir()
+    safetensors.torch.save_file({k: v.contiguous() for k, v in tensors.items()}, folder / "tensors.safetensors")
+    data = (folder / "tensors.safetensors").read_bytes()
+    manifest = make_manifest(tree=skeleton, files=[FileEntry(
+        name="tensors.safetensors", size=len(data), digest=xxhash.xxh3_128_hexdigest(data), algorithm="xxh3-128")])
+    (folder / "manifest.json").write_bytes(manifest.to_json())
+    namespace: dict = {}
+    exec(compile(_reader_snippet(), "FORMAT.md", "exec"), namespace)  # noqa: S102 - our own doc
+    raw_manifest, back = namespace["read_checkpoint"](str(folder))
+    assert raw_manifest["step"] == 5700
+    assert_same(tree, back)
+    random.setstate(back["rng"]["python"])  # the tuple structure survived
+    (folder / "tensors.safetensors").write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+    with pytest.raises(AssertionError, match="corrupt"):
+        namespace["read_checkpoint"](str(folder))
+
+
+def struct_nan() -> float:
+    import struct
+
+    return struct.unpack(">d", bytes.fromhex("fff8000000000123"))[0]
