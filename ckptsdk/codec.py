@@ -47,7 +47,7 @@ _INT_MIN, _INT_MAX = -(2**63), 2**63 - 1
 _CANONICAL_NAN_BITS = struct.unpack("<Q", struct.pack("<d", float("nan")))[0]
 _INTLIKE = re.compile(r"-?[0-9]+")
 
-_TAGS = ("$tensor", "$ndarray", "$tuple", "$dict", "$float", "$int", "$npscalar")
+_TAGS = ("$tensor", "$ndarray", "$tuple", "$dict", "$float", "$int", "$npscalar", "$state_dict")
 _HINT = "convert it to a tensor or a JSON value (None, bool, int, float, str), or leave it out of state_dict()"
 
 
@@ -58,7 +58,9 @@ def encode(tree: Any) -> tuple[dict[str, torch.Tensor], Any]:
     storage-sharing tensors are returned as they are (the writer copies their values). Numpy
     arrays become tensors through ``torch.from_numpy`` (sharing memory; only read-only,
     non-native byte order or negative-stride arrays are copied). Sharing between leaves is not
-    preserved: two leaves that view one storage come back as two independent tensors.
+    preserved: two leaves that view one storage come back as two independent tensors. An
+    ``OrderedDict`` carrying ``_metadata`` (``nn.Module.state_dict()``) comes back as one, with
+    its metadata; any other ``OrderedDict`` comes back as a ``dict`` in the same order.
 
     Args:
         tree: nested dict/OrderedDict/list/tuple; leaves ``torch.Tensor``, ``np.ndarray``,
@@ -121,7 +123,7 @@ def tensor_paths(skeleton: Any) -> list[str]:
             tag = _tag_of(node)
             if tag in ("$tensor", "$ndarray"):
                 found.append(node[tag])
-            elif tag == "$tuple":
+            elif tag in ("$tuple", "$state_dict"):
                 visit(node[tag], depth + 1)
             elif tag == "$dict":
                 for pair in node[tag]:
@@ -247,6 +249,11 @@ class _Encoder:
                     return [self.node(v, path + (str(i),), active) for i, v in enumerate(obj)]
                 if kind is tuple:
                     return {"$tuple": [self.node(v, path + (str(i),), active) for i, v in enumerate(obj)]}
+                if kind is OrderedDict and hasattr(obj, "_metadata"):
+                    # nn.Module.state_dict() hangs the modules' versions on the OrderedDict;
+                    # load_state_dict converts "old" layouts when they are missing.
+                    meta = self.node(obj._metadata, path + ("#_metadata",), active)
+                    return {"$state_dict": self.mapping(obj, path, active), "metadata": meta}
                 return self.mapping(obj, path, active)
             finally:
                 active.discard(id(obj))
@@ -405,6 +412,14 @@ def _decode_tagged(tag: str, node: dict, tensors: Mapping[str, torch.Tensor], de
                 raise ValueError(f"dict key {key!r} is not a scalar")
             out[key] = _decode(pair[1], tensors, depth + 1)
         return out
+    if tag == "$state_dict":
+        _expect_keys(node, {tag, "metadata"})
+        items = _decode(value, tensors, depth + 1)
+        if not isinstance(items, dict):
+            raise ValueError("$state_dict must hold a dict")
+        result = OrderedDict(items)
+        result._metadata = _decode(node["metadata"], tensors, depth + 1)  # type: ignore[attr-defined]
+        return result
     if tag == "$float":
         return decode_float(node)
     if tag == "$int":

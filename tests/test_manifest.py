@@ -189,7 +189,8 @@ def test_format_md_reader_reads_a_checkpoint_without_ckptsdk(tmp_path):
     random.seed(3)
     np.random.seed(3)
     tree = {
-        "objects": {"model": {"layer1.0.conv1.weight": torch.randn(4, 3, 3, 3), "bn.num_batches_tracked": torch.tensor(7),
+        "objects": {"net": torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.BatchNorm1d(3)).state_dict(),
+                    "model": {"layer1.0.conv1.weight": torch.randn(4, 3, 3, 3), "bn.num_batches_tracked": torch.tensor(7),
                               "half": torch.ones(3, dtype=torch.bfloat16)},
                     "optimizer": {"state": {0: {"momentum_buffer": torch.zeros(4)}},
                                   "param_groups": [{"lr": 0.1, "nesterov": True, "params": [0], "foreach": None}]},
@@ -210,6 +211,7 @@ def test_format_md_reader_reads_a_checkpoint_without_ckptsdk(tmp_path):
     raw_manifest, back = namespace["read_checkpoint"](str(folder))
     assert raw_manifest["step"] == 5700
     assert_same(tree, back)
+    assert back["objects"]["net"]._metadata == tree["objects"]["net"]._metadata
     random.setstate(back["rng"]["python"])  # the tuple structure survived
     (folder / "tensors.safetensors").write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
     with pytest.raises(AssertionError, match="corrupt"):
