@@ -381,10 +381,12 @@ def test_dropped_mount_is_storage_unavailable_with_what_to_do(make_backend_targe
             m.setattr(os, name, dropped)
         m.setattr("builtins.open", dropped)
         for b, hint in ((drive, "force_remount=True"), (local, "mounted, readable and writable")):
-            for op, args in (("list", ()), ("read", ("x",)), ("stat", ("x",)), ("write", ("y", b"2")),
-                             ("exists", ("x",)), ("delete", ("x",))):
+            for op, args, *kw in (("list", ()), ("read", ("x",)), ("stat", ("x",)), ("write", ("y", b"2")),
+                             ("exists", ("x",)), ("delete", ("x",)), ("create", ("z", b"3")),
+                             ("replace", ("x", b"4", "1-1-1")), ("delete", ("x",), {"version": "1-1-1"}),
+                             ("sweep", (0,))):
                 with pytest.raises(StorageUnavailable, match=hint) as exc_info:
-                    getattr(b, op)(*args)
+                    getattr(b, op)(*args, **(kw[0] if kw else {}))
                 assert exc_info.value.__cause__.errno == code
     assert drive.read("x") == b"1" and local.read("x") == b"1"
 

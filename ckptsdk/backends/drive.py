@@ -81,9 +81,12 @@ class DriveBackend(LocalBackend):
         # The mount refuses link() (Errno 38). Under the root flock, which every publish of this
         # backend takes, check-then-rename excludes writers on this VM; another VM is not
         # excluded (Drive keeps both files as "name" and "name (1)"), as capabilities say.
-        if os.path.lexists(path):
-            raise self._exists_error(self._key_of(path), path)
-        os.replace(tmp, path)
+        try:
+            os.lstat(path)  # not lexists(): that would read a dropped mount (Errno 107) as "absent"
+        except FileNotFoundError:
+            os.replace(tmp, path)
+            return
+        raise self._exists_error(self._key_of(path), path)
 
 
 def _mount_point(root: str) -> str:

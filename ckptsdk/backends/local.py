@@ -188,7 +188,8 @@ class LocalBackend:
             PreconditionFailed: the object is gone or its version moved on (``expected``/``actual``).
         """
         path = self._path(key)
-        self._check_version("replace", key, path, version)  # cheap early failure
+        with self._errors("replace", key):
+            self._check_version("replace", key, path, version)  # cheap early failure
 
         def commit(path: str, tmp: str) -> None:
             self._check_version("replace", key, path, version)
