@@ -115,22 +115,28 @@ def tensor_paths(skeleton: Any) -> list[str]:
 
     def visit(node: Any, depth: int) -> None:
         if depth > MAX_DEPTH:
-            raise ManifestError("state skeleton nests too deeply")
+            raise ManifestError(f"state skeleton nests deeper than {MAX_DEPTH} levels")
         if isinstance(node, list):
             for item in node:
                 visit(item, depth + 1)
         elif isinstance(node, dict):
             tag = _tag_of(node)
+            value = node.get(tag) if tag else None
             if tag in ("$tensor", "$ndarray"):
-                found.append(node[tag])
+                if not isinstance(value, str):
+                    raise ManifestError(f"state skeleton has a {tag} node whose path is not a str")
+                found.append(value)
             elif tag in ("$tuple", "$state_dict"):
-                visit(node[tag], depth + 1)
+                visit(value, depth + 1)
             elif tag == "$dict":
-                for pair in node[tag]:
+                if not (isinstance(value, list)
+                        and all(isinstance(p, list) and len(p) == 2 for p in value)):
+                    raise ManifestError("state skeleton has a $dict node without [key, value] pairs")
+                for pair in value:
                     visit(pair[1], depth + 1)
             elif tag is None:
-                for value in node.values():
-                    visit(value, depth + 1)
+                for item in node.values():
+                    visit(item, depth + 1)
 
     visit(skeleton, 0)
     return found
@@ -285,6 +291,9 @@ class _Encoder:
         if type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
             raise _refuse(path, t, "tensor subclasses are not stored; convert with torch.Tensor(t) "
                                    "or t.as_subclass(torch.Tensor)")
+        if isinstance(t, torch.nn.parameter.UninitializedTensorMixin):
+            raise _refuse(path, t, "a lazy module's parameter is not materialised yet; run one "
+                                   "forward pass before saving")
         if t.layout != torch.strided:
             raise _refuse(path, t, f"{t.layout} tensors are not stored; convert with .to_dense()")
         if t.is_quantized or t.device.type == "meta":
@@ -428,7 +437,7 @@ def _decode_tagged(tag: str, node: dict, tensors: Mapping[str, torch.Tensor], de
             raise ValueError(f"$int must be a hex string, got {value!r}")
         return int(value, 16)
     if tag == "$npscalar":
-        dt = np.dtype(value)
+        dt = _numeric_dtype(value)
         if "hex" in node:
             _expect_keys(node, {tag, "hex"})
             raw = bytes.fromhex(node["hex"])
@@ -462,13 +471,22 @@ def _decode_tagged(tag: str, node: dict, tensors: Mapping[str, torch.Tensor], de
                 f"tensor {value!r} is {t.dtype} in the tensor file but {expected} in the "
                 "manifest; the checkpoint is inconsistent", key=value)
         return t
-    dt = np.dtype(node["dtype"])
+    dt = _numeric_dtype(node["dtype"])
     arr = t.cpu().numpy() if t.device.type != "cpu" else t.numpy()
     if arr.dtype != dt.newbyteorder("="):
         raise CorruptCheckpointError(
             f"array {value!r} is {arr.dtype} in the tensor file but {dt} in the manifest; the "
             "checkpoint is inconsistent", key=value)
     return arr if arr.dtype.str == dt.str else arr.astype(dt)
+
+
+def _numeric_dtype(text: Any) -> np.dtype:
+    if not isinstance(text, str):
+        raise ValueError(f"numpy dtype must be a str, got {text!r}")
+    dt = np.dtype(text)
+    if dt.kind not in "biufc":
+        raise ValueError(f"numpy dtype {text!r} is not numeric")
+    return dt
 
 
 def _expect_keys(node: dict, keys: set[str]) -> None:

@@ -9,6 +9,7 @@ docs/manifest.schema.json with ``python -m ckptsdk.manifest --schema > docs/mani
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import math
@@ -101,7 +102,7 @@ def _utc_iso(value: str) -> str:
 
 def _check_finite_json(value: Any, where: str = "extra") -> Any:
     if isinstance(value, float) and not math.isfinite(value):
-        raise ValueError(f"{where} holds {value}; JSON has no nan/inf (put it in metrics)")
+        raise ValueError(f"{where} holds {value}; JSON has no nan/inf")
     if isinstance(value, dict):
         for k, v in value.items():
             _check_finite_json(v, f"{where}.{k}")
@@ -206,9 +207,14 @@ class Environment(_Model):
                 device = "cpu"
         return cls(
             python=platform.python_version(), torch=torch.__version__, numpy=numpy.__version__,
-            ckptsdk=ckptsdk.__version__, platform=platform.platform(), device=str(device),
+            ckptsdk=ckptsdk.__version__, platform=_platform(), device=str(device),
             cuda=torch.version.cuda,
         )
+
+
+@functools.lru_cache(maxsize=1)
+def _platform() -> str:
+    return platform.platform()  # reads the interpreter binary to find libc: once is enough
 
 
 class Manifest(_Model):
@@ -235,6 +241,12 @@ class Manifest(_Model):
     @classmethod
     def _utc(cls, value: str) -> str:
         return _utc_iso(value)
+
+    @field_validator("tree")
+    @classmethod
+    def _finite_tree(cls, value: Any) -> Any:
+        # pydantic would write a bare nan as null; the codec tags them, so one here is a bug.
+        return _check_finite_json(value, "tree")
 
     @field_validator("files")
     @classmethod

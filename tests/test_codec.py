@@ -237,6 +237,13 @@ def test_unsupported_leaves_name_path_type_and_fix(tree, path, type_name, hint):
     assert path in str(info.value) and type_name in str(info.value) and hint in str(info.value)
 
 
+def test_lazy_parameters_are_refused_with_a_hint():
+    lazy = torch.nn.LazyLinear(3)
+    with pytest.raises(UnsupportedStateError, match="forward pass") as info:
+        encode({"m": lazy.state_dict()})
+    assert info.value.path == "m/weight"
+
+
 def test_cycles_are_refused_not_recursed_forever():
     loop: list = [1]
     loop.append(loop)
@@ -256,7 +263,9 @@ def test_decode_reports_missing_or_mismatched_tensors_and_bad_skeletons():
         decode(skeleton, {"w": torch.ones(2, 2, dtype=torch.float64)})
     for bad in [{"$nope": 1}, {"$tuple": 3}, {"$dict": [[1]]}, {"$float": "zero"}, {"$int": "12"},
                 {"$tensor": "w", "dtype": "float32"}, {"$tensor": "w", "dtype": "complex128", "shape": [2, 2]},
-                {"$npscalar": "<f4", "hex": "00"}, float("nan"), {"$dict": [[[1], 2]]}]:
+                {"$npscalar": "<f4", "hex": "00"}, float("nan"), {"$dict": [[[1], 2]]},
+                {"$npscalar": "|O", "value": 1}, {"$ndarray": "w", "dtype": "<U3", "shape": [2, 2]},
+                {"$state_dict": [], "metadata": {}}, {"$tensor": "w", "dtype": "float32", "shape": [2, 2], "x": 1}]:
         with pytest.raises(ManifestError):
             decode(bad, tensors)
 

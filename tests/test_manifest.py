@@ -78,6 +78,8 @@ def test_models_are_frozen_and_forbid_extra_fields():
         Position(epoch=1, bogus=2)
     with pytest.raises(ValidationError, match="nan"):
         Position(extra={"x": float("nan")})
+    with pytest.raises(ValidationError, match="tree.a holds nan"):
+        make_manifest(tree={"a": float("nan")})  # the codec tags nan; pydantic would write null
 
 
 def test_environment_current_describes_this_process():
@@ -123,6 +125,8 @@ BAD = {
     "local time": (_tweak(created_at="2026-11-30T06:10:00"), "not in UTC"),
     "bad metric": (_tweak(metrics={"m": [1]}), "metrics.m"),
     "bad skeleton": (_tweak(tree={"$what": 1}), "unknown node"),
+    "bad $dict": (_tweak(tree={"$dict": 5}), "without [key, value] pairs"),
+    "bad tensor path": (_tweak(tree=[{"$tensor": 3, "dtype": "float32", "shape": []}]), "path is not a str"),
 }
 
 

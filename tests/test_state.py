@@ -197,3 +197,22 @@ def test_param_group_count_and_load_failures_are_state_mismatches():
 def test_objects_without_state_dict_are_refused_up_front():
     with pytest.raises(ConfigError, match=r"TrainState\(model=...\) got a str"):
         TrainState(model="resnet")
+
+
+def test_capture_rng_never_initialises_cuda():
+    was = torch.cuda.is_initialized()
+    tree = capture_rng()
+    assert torch.cuda.is_initialized() == was
+    if not was:
+        assert tree["cuda"] is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_rng_streams_resume_on_every_device():
+    torch.cuda.manual_seed_all(5)
+    torch.cuda.init()
+    saved = through_files(capture_rng())
+    assert len(saved["cuda"]) == torch.cuda.device_count()
+    expected = [torch.rand(3, device=f"cuda:{i}").tolist() for i in range(torch.cuda.device_count())]
+    restore_rng(saved)
+    assert [torch.rand(3, device=f"cuda:{i}").tolist() for i in range(torch.cuda.device_count())] == expected
