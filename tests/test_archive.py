@@ -61,3 +61,5 @@ def test_a_benign_archive_with_an_inner_symlink_extracts(tmp_path):
     names = safe_extract(archive, str(tmp_path / "out"))
     assert names == ["d", "d/a.txt", "d/link"]
     assert (tmp_path / "out" / "d" / "link").read_bytes() == b"A"
+    assert safe_extract(archive, str(tmp_path / "out")) == names  # again, over the first copy
+    assert sorted(os.listdir(tmp_path / "out")) == ["d"]  # no staging folder left behind
