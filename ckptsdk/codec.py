@@ -223,7 +223,7 @@ def _component(key: Any) -> str:
         return f"#{key}"
     if type(key) is float:
         return f"#{key!r}" if not math.isnan(key) else f"#{encode_float(key)['$float']}"
-    raise AssertionError(key)  # _dict_key refused everything else already
+    raise AssertionError(key)  # mapping() refused every other key type already
 
 
 class _Encoder:
