@@ -1,11 +1,13 @@
-"""Tensor files: byte-identical to safetensors, every dtype round-trips, corruption is caught."""
+"""Tensor files: byte-identical to safetensors, every dtype round-trips, corruption is caught.
+
+Tests taking ``backend`` run on every backend kind (conftest: memory, local, drive, gcs emulator);
+``local`` ones inspect or damage the file on disk.
+"""
 
 from __future__ import annotations
 
 import hashlib
-import itertools
 import json
-import os
 import struct
 
 import pytest
@@ -25,15 +27,6 @@ from ckptsdk.tensorfile import (
 )
 
 KEY = "step-0000000001.e1/tensors.safetensors"
-_names = itertools.count()
-
-
-@pytest.fixture(params=["local", "memory"])
-def backend(request, tmp_path):
-    """A real backend: local disk under tmp_path, or a fresh in-process memory store."""
-    if request.param == "local":
-        return open_backend(str(tmp_path / "root"))
-    return open_backend(f"memory://test-tensorfile-{os.getpid()}-{next(_names)}")
 
 
 @pytest.fixture
