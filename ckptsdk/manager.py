@@ -21,8 +21,9 @@ import logging
 import os
 import socket
 import threading
+import time
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
@@ -146,6 +147,9 @@ class CheckpointManager:
         storage_options: passed to fsspec for ``gs://`` (``endpoint_url``, ``token``, ...).
         async_save: make ``save`` non-blocking by default (see ``save(blocking=)``).
         run_id: name of the run (kept across takeovers); a new uuid on a fresh root by default.
+        heartbeat: renew the lease from a background thread every ttl/3 (off only in
+            simulations that drive time themselves; then every save still renews).
+        clock, sleep: the lease's monotonic clock and sleep, injectable for simulations.
 
     Example:
         >>> mgr = CheckpointManager("memory://doc", keep_last=2, save_every=10, lease_ttl=5)
@@ -159,7 +163,7 @@ class CheckpointManager:
 
     def __init__(
         self,
-        url: str,
+        url: str | Backend,
         *,
         keep_last: int = 3,
         keep_every: int | None = None,
@@ -171,13 +175,20 @@ class CheckpointManager:
         storage_options: Mapping[str, Any] | None = None,
         async_save: bool = False,
         run_id: str | None = None,
+        heartbeat: bool = True,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         if keep_last < 1:
             raise ConfigError(f"keep_last must be >= 1, got {keep_last}: the newest checkpoint is always kept")
         if save_every is not None and save_every < 1:
             raise ConfigError(f"save_every must be >= 1 or None, got {save_every}")
-        self.url = str(url)
-        self.backend: Backend = open_backend(self.url, **dict(storage_options or {}))
+        if isinstance(url, (str, os.PathLike)):
+            self.url = os.fspath(url)
+            self.backend: Backend = open_backend(self.url, **dict(storage_options or {}))
+        else:  # an already opened backend (custom storage, simulations)
+            self.backend = url
+            self.url = url.url
         self.keep_last = keep_last
         self.keep_every = keep_every
         self.save_every = save_every
@@ -195,10 +206,12 @@ class CheckpointManager:
         self.runlog: RunLog | None = None
         if read_only:
             return
-        self.lease = Lease(self.backend, ttl=lease_ttl, force=force, run_id=run_id, wait_timeout=lease_wait)
+        self.lease = Lease(self.backend, ttl=lease_ttl, force=force, run_id=run_id, wait_timeout=lease_wait,
+                           clock=clock, sleep=sleep)
         # Epochs never go back, even on a root whose LEASE.json was lost: names stay unique.
         self.lease.acquire(min_epoch=self._scan().max_epoch + 1)
-        self.lease.start_heartbeat()
+        if heartbeat:
+            self.lease.start_heartbeat()
         self.runlog = RunLog(
             self.backend, run_id=self.lease.run_id, attempt=self.lease.attempt,
             lease_epoch=self.lease.epoch, resumed_from_step=None,
