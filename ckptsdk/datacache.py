@@ -383,7 +383,7 @@ class DataCache:
                 actual = file_digest(path, local_expect[0])
                 if actual == local_expect[1]:
                     size = os.path.getsize(path)
-                    if publish and self.backend is not None and entry is None and "cache" not in failures:
+                    if publish and self.backend is not None and entry is None:
                         self._try_publish(name, path, local_expect[0], actual, "local")
                     return self._done(name, path, "local", size, local_expect[0], actual, start, failures)
                 failures["local"] = f"{path}: {local_expect[0]} {actual} != expected {local_expect[1]}"

@@ -301,7 +301,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     report = {"ok": True, "source": data.source, "seconds": round(data.seconds, 3), "tensor_hash": data.tensor_hash,
               "n_train": len(data.train_labels), "n_test": len(data.test_labels), "local": args.local,
-              "cache": args.cache}
+              "cache": args.cache,
+              # Which source first defined "CIFAR-10" for this cache (trust on first use).
+              "record": DataCache(args.cache).get_record(RECORD_NAME) if args.cache else None}
     if args.json:
         sys.stdout.write(json.dumps(report) + "\n")
     else:
