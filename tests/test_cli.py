@@ -21,6 +21,7 @@ import torch
 import ckptsdk
 from ckptsdk import cli
 from ckptsdk.errors import LeaseLostError
+from ckptsdk.lease import read_lease
 from ckptsdk.manager import CheckpointManager
 from ckptsdk.state import TrainState
 
@@ -195,7 +196,8 @@ def test_lease_break_needs_confirmation_and_fences_the_writer(make_backend_targe
     train(target, 20)
     live = train(target, 30, close=False)  # a writer still holding the lease (epoch 2)
     try:
-        lease_before = target.open().stat("LEASE.json").version
+        # The holder's heartbeat rewrites LEASE.json every ttl/3; who holds it must not change.
+        holder_before = read_lease(target.open()).holder
 
         shown = run_cli("lease", target.url, "--json", cwd=tmp_path)
         ldoc = as_json(shown)["lease"]
@@ -206,7 +208,8 @@ def test_lease_break_needs_confirmation_and_fences_the_writer(make_backend_targe
         unconfirmed = run_cli("lease", target.url, "--break", cwd=tmp_path)
         assert unconfirmed.returncode == cli.EXIT_USAGE
         assert "--yes-i-am-sure" in unconfirmed.stderr and len(unconfirmed.stderr.strip().splitlines()) == 1
-        assert target.open().stat("LEASE.json").version == lease_before
+        after = read_lease(target.open())
+        assert (after.epoch, after.holder, after.released) == (2, holder_before, False)
 
         broke = run_cli("lease", target.url, "--break", "--yes-i-am-sure", "--json", cwd=tmp_path)
         assert broke.returncode == 0, broke.stderr
