@@ -429,6 +429,7 @@ def test_faulty_backend_fails_the_nth_write_before_it_happens(backend):
     assert b.calls["write"] == 3 and b.calls["list"] == 0
     assert b.log[:2] == [("write", "a"), ("write", "b")]
     assert b.url == backend.url and b.capabilities == backend.capabilities
+    assert isinstance(b, Backend)
 
 
 def test_faulty_backend_fail_after_lands_the_write(backend):
