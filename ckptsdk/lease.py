@@ -370,7 +370,9 @@ class Lease:
                 try:
                     info = self.backend.create(LEASE_KEY, record.to_json())
                 except PreconditionFailed:
-                    continue  # someone created it first, or our lost reply: the next read tells
+                    # Someone created it first, or our reply was lost: the next read tells.
+                    self._sleep(_POLL_MIN)
+                    continue
                 confirmed = self._confirm(record, info.version, previous=None)
                 if confirmed is not None:
                     return confirmed

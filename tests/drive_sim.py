@@ -138,6 +138,28 @@ class DriveSim:
             time.sleep(self.poll)
         raise TimeoutError(f"drive simulation under {self.base} not in sync after {timeout} s")
 
+    def wait_delivered(self, timeout: float) -> None:
+        """Wait until every change made before this call has reached every VM.
+
+        Unlike :meth:`wait_synced`, this returns while writers keep writing (a lease heartbeat).
+
+        Raises:
+            TimeoutError: older changes still pending after ``timeout`` seconds.
+        """
+        start = time.monotonic()
+        deadline = start + timeout
+        time.sleep(3 * self.poll)  # the syncer has scanned every VM since ``start``
+        while time.monotonic() < deadline:
+            if self._error is not None:
+                raise RuntimeError("drive simulation syncer failed") from self._error
+            with self._lock:
+                oldest = min((p[4] for p in self._pending), default=float("inf"))
+            if oldest > start + 2 * self.poll:  # changes seen later were made after ``start``
+                return
+            time.sleep(self.poll)
+        raise TimeoutError(f"drive simulation under {self.base}: changes older than {timeout} s "
+                           "still not delivered")
+
     # ------------------------------------------------------------------ syncer
     def _run(self) -> None:
         started = time.monotonic()

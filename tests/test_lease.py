@@ -1,8 +1,8 @@
 """The writer lease: acquire, renew, takeover, force, fencing, release; races and dead holders.
 
-Unit tests drive time with a fake clock (no sleeping); the race and dead-holder tests use real
-processes (tests/_story_writer.py) on local disk, the Drive folder and the GCS emulator. The
-Drive simulation (tests/drive_sim.py) is checked here too.
+Unit tests drive time with a fake clock (no sleeping); the race and dead-holder tests (marked
+slow) use real processes (tests/_story_writer.py) on local disk, the Drive folder and the GCS
+emulator. The Drive simulation (tests/drive_sim.py) is checked here too.
 """
 
 from __future__ import annotations
@@ -519,13 +519,14 @@ def _reap(*procs: subprocess.Popen[bytes]) -> None:
         proc.wait(10)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["local", pytest.param("gcs", marks=pytest.mark.gcs)])
 def test_two_processes_race_for_a_stale_lease(kind: str, make_backend_target: Any, tmp_path: Path) -> None:
     target = make_backend_target(kind)
     Lease(target.open(), ttl=1.0).acquire()  # a holder that never renews: stale after 1 s
     go = tmp_path / "go"
     files = [tmp_path / f"racer{i}.jsonl" for i in (1, 2)]
-    procs = [_child("race", target, f, "--ttl", "1", "--wait", "3", "--hold", "5",
+    procs = [_child("race", target, f, "--ttl", "1", "--wait", "3", "--hold", "4",
                     "--go", str(go)) for f in files]
     try:
         for f, p in zip(files, procs):
@@ -547,6 +548,7 @@ def test_two_processes_race_for_a_stale_lease(kind: str, make_backend_target: An
 TAKEOVER: dict[str, float] = {}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["local", "drive", pytest.param("gcs", marks=pytest.mark.gcs)])
 def test_dead_holder_is_taken_over_after_about_one_ttl(
     kind: str, make_backend_target: Any, tmp_path: Path

@@ -1,0 +1,206 @@
+"""The story, replayed with real processes: a frozen zombie must never clobber the resumed run.
+
+Process A trains and saves every ~200 ms (keep_last=3); A is frozen (SIGSTOP) for longer than the
+lease ttl; process B opens the same root, takes over, resumes from A's newest checkpoint and
+saves; A is thawed (SIGCONT) and keeps going. A's next save must raise LeaseLostError, none of B's
+checkpoints may be deleted or overwritten, and a restore afterwards picks B's newest. On local
+disk, on GCS (patched emulator) and on a simulated Drive shared by two VMs with a 3 s delay.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ckptsdk.backends import open_backend
+from ckptsdk.manager import CheckpointManager
+from tests.drive_sim import DriveSim
+
+REPO = Path(__file__).resolve().parents[1]
+SIM_DELAY = 3.0
+
+
+@dataclass
+class Side:
+    """How one process opens the root: URL, storage options, extra environment."""
+
+    url: str
+    options: dict[str, Any] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict)
+
+    def backend(self) -> Any:
+        old = {k: os.environ.get(k) for k in self.env}
+        os.environ.update(self.env)  # drive:// resolves CKPTSDK_DRIVE_ROOT when opened
+        try:
+            return open_backend(self.url, **self.options)
+        finally:
+            for k, v in old.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+    def read_only(self) -> CheckpointManager:
+        old = {k: os.environ.get(k) for k in self.env}
+        os.environ.update(self.env)
+        try:
+            return CheckpointManager(self.url, read_only=True, storage_options=self.options)
+        finally:
+            for k, v in old.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+
+def _spawn(side: Side, events: Path, *args: str) -> subprocess.Popen[bytes]:
+    env = {**os.environ, **side.env, "PYTHONPATH": str(REPO)}
+    cmd = [sys.executable, "-m", "tests._story_writer", "train", side.url, "--events", str(events),
+           "--options", json.dumps(side.options), *args]
+    with open(events.with_suffix(".log"), "wb") as log:
+        return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=log)
+
+
+def _events(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _log(path: Path) -> str:
+    p = path.with_suffix(".log")
+    return p.read_text()[-4000:] if p.exists() else ""
+
+
+def _wait(path: Path, proc: subprocess.Popen[bytes], timeout: float, pred: Any, what: str) -> list[dict[str, Any]]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        evs = _events(path)
+        if pred(evs):
+            return evs
+        errors = [e for e in evs if e["event"] == "error"]
+        if errors:
+            raise AssertionError(f"{path.name}: {errors[0]}\n{_log(path)}")
+        if proc.poll() is not None and not pred(_events(path)):
+            raise AssertionError(f"{path.name} exited {proc.returncode} before {what}\n{_log(path)}")
+        time.sleep(0.02)
+    raise AssertionError(f"{path.name}: no {what} within {timeout} s\n{_log(path)}")
+
+
+def _count(name: str) -> Any:
+    return lambda evs: [e for e in evs if e["event"] == name]
+
+
+def _digests(backend: Any, folder: str) -> dict[str, str] | None:
+    import hashlib
+
+    objs = backend.list(folder + "/")
+    if not objs:
+        return None
+    return {o.key: hashlib.sha256(backend.read(o.key)).hexdigest() for o in objs}
+
+
+REPORT: dict[str, dict[str, Any]] = {}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["local", pytest.param("gcs", marks=pytest.mark.gcs), "drive-sim"])
+def test_zombie_cannot_clobber_the_resumed_run(kind: str, make_backend_target: Any, tmp_path: Path) -> None:
+    sim: DriveSim | None = None
+    if kind == "drive-sim":
+        sim = DriveSim(tmp_path / "sim", delay=SIM_DELAY, poll=0.05, max_runtime=240).start()
+        side_a = Side("drive://run", env=sim.env("vm1"))
+        side_b = Side("drive://run", env=sim.env("vm2"))
+        ttl = 4.0  # > the 3 s delay plus a renewal period (ttl/3)
+    else:
+        target = make_backend_target(kind)
+        side_a = side_b = Side(target.url, dict(target.options), dict(target.env))
+        ttl = 2.0
+    ev_a, ev_b = tmp_path / "A.jsonl", tmp_path / "B.jsonl"
+    go_b, check_b = tmp_path / "go-b", tmp_path / "check-b"
+    common = ["--ttl", str(ttl), "--wait", "90", "--max-seconds", "150", "--keep-last", "3"]
+    proc_a = _spawn(side_a, ev_a, *common, "--interval", "0.2")
+    proc_b = _spawn(side_b, ev_b, *common, "--interval", "0.2", "--saves", "3",
+                    "--go", str(go_b), "--check", str(check_b))
+    try:
+        _wait(ev_a, proc_a, 90, lambda evs: len(_count("saved")(evs)) >= 8, "8 saves by A")
+        _wait(ev_b, proc_b, 90, _count("ready"), "B ready")
+        os.kill(proc_a.pid, signal.SIGSTOP)  # the deleted runtime: frozen, not dead
+        t_stop = time.monotonic()
+        go_b.touch()
+        evs_b = _wait(ev_b, proc_b, 120, _count("mine"), "B's takeover, resume and saves")
+        frozen_for = time.monotonic() - t_stop
+        os.kill(proc_a.pid, signal.SIGCONT)  # the zombie thaws and keeps training
+        t_cont = time.monotonic()
+        evs_a = _wait(ev_a, proc_a, 60, lambda evs: _count("lost")(evs) or _count("closed")(evs),
+                      "A's LeaseLostError")
+        proc_a.wait(60)
+        if sim is not None:
+            sim.wait_delivered(60)  # whatever the zombie wrote has reached B's VM
+        check_b.touch()
+        evs_b = _wait(ev_b, proc_b, 60, _count("closed"), "B's final restore")
+        proc_b.wait(30)
+        if sim is not None:
+            sim.wait_synced(60)
+        evs_a = _events(ev_a)
+    finally:
+        for proc in (proc_a, proc_b):
+            if proc.poll() is None:
+                os.kill(proc.pid, signal.SIGCONT)
+                proc.kill()
+            proc.wait(10)
+        if sim is not None:
+            sim.stop()
+
+    a_saved = _count("saved")(evs_a)
+    a_lost = _count("lost")(evs_a)
+    b_acq = _count("acquired")(evs_b)[0]
+    b_restored = _count("restored")(evs_b)[0]
+    b_mine: dict[str, dict[str, str]] = _count("mine")(evs_b)[0]["checkpoints"]
+    b_final = _count("final_restore")(evs_b)[0]
+    a_epoch = _count("acquired")(evs_a)[0]["epoch"]
+
+    # B took over (epoch +1, attempt +1, same run) and resumed from A's newest checkpoint.
+    assert frozen_for > ttl
+    assert (b_acq["epoch"], b_acq["attempt"]) == (a_epoch + 1, 2)
+    assert b_acq["run_id"] == _count("acquired")(evs_a)[0]["run_id"]
+    before_stop = [e["step"] for e in a_saved if e["t"] < t_stop]
+    assert b_restored["lease_epoch"] == a_epoch
+    assert max(before_stop) <= b_restored["step"] <= max(e["step"] for e in a_saved)
+
+    # The zombie: its next save after the thaw raised LeaseLostError; no save it began after the
+    # thaw committed.
+    assert a_lost, f"A never lost the lease:\n{_log(ev_a)}"
+    assert a_lost[0]["epoch"] == a_epoch
+    assert not [e for e in a_saved if e["t0"] > t_cont], a_saved[-3:]
+    assert not _count("error")(evs_a), _count("error")(evs_a)
+
+    # Nothing of B's was deleted or overwritten, on every copy of the root.
+    assert b_mine, "B reported no checkpoint of its own"
+    sides = [side_b] + ([side_a] if sim is not None else [])
+    lost: list[str] = []
+    for side in sides:
+        backend = side.backend()
+        for key, digests in b_mine.items():
+            if _digests(backend, key) != digests:
+                lost.append(f"{side.env or side.url}:{key}")
+    newest_b = max(b_mine, key=lambda k: int(k.split("-")[1].split(".")[0]))
+    for side in sides:
+        latest = side.read_only().latest()
+        assert latest is not None and latest.key == newest_b, (side, latest)
+    assert b_final["key"] == newest_b
+    took = b_acq["t"] - t_stop
+    REPORT[kind] = {"death_to_takeover_s": round(took, 2), "open_to_takeover_s":
+                    round(b_acq["t"] - b_acq["t_open"], 2), "b_checkpoints": len(b_mine),
+                    "b_lost": len(lost), "a_newer_epoch_seen": a_lost[0]["newer_epoch"]}
+    print(f"\nSTORY {kind}: {json.dumps(REPORT[kind])}")
+    assert lost == []
