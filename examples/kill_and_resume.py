@@ -144,6 +144,8 @@ def run_attempt(
             proc.kill()
         att.returncode = proc.wait(timeout=60)
         reader.join(timeout=10)
+        if proc.stdout is not None:
+            proc.stdout.close()
     att.seconds = time.monotonic() - start
     if kill is not None and kill[0] == "saving" and att.killed and local_root is not None:
         att.save_state = _save_state(local_root, kill[1])
@@ -173,7 +175,8 @@ def plan_kills(*, total_steps: int, save_every: int, steps_per_epoch: int, count
 
 
 def compare_states(a: Any, b: Any, path: str = "") -> list[str]:
-    """Every place where two state trees differ (tensors compared byte for byte)."""
+    """Every place where two state trees differ (tensors and arrays compared byte for byte)."""
+    import numpy as np
     import torch
 
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
@@ -183,6 +186,10 @@ def compare_states(a: Any, b: Any, path: str = "") -> list[str]:
             return [f"{path}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"]
         same = torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
         return [] if same else [f"{path}: tensor bytes differ"]
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        same = (isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and a.dtype == b.dtype
+                and a.shape == b.shape and a.tobytes() == b.tobytes())
+        return [] if same else [f"{path}: arrays differ"]
     if isinstance(a, dict) and isinstance(b, dict):
         if set(a) != set(b):
             return [f"{path}: keys {sorted(map(str, set(a) ^ set(b)))[:5]} in one only"]

@@ -10,6 +10,8 @@ argument wiring lives here; the job is ``adapters.cifar10.train``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import os
 import sys
 
@@ -47,6 +49,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="seconds a dead writer's lease must stay silent before this run takes over")
     p.add_argument("--force", action="store_true", help="break the lease now (the old writer is surely gone)")
     p.add_argument("--no-progress", action="store_true", help="no tqdm bar")
+    p.add_argument("--result-json", default=None,
+                   help="write this attempt's figures (steps, save/restore times, audit) to this file")
     p.add_argument("--events", action="store_true",
                    help="print '@@ NAME STEP' marker lines (step/saving/saved) for test harnesses")
     return p.parse_args(argv)
@@ -93,6 +97,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         return 2
     echo(f"done at step {result.final_step}; audit {describe_audit(result.audit)}")
+    if args.result_json:
+        figures = {k: v for k, v in dataclasses.asdict(result).items() if k != "audit"}
+        figures["audit"] = result.audit.model_dump(mode="json")
+        with open(args.result_json, "w") as f:
+            json.dump(figures, f, indent=1)
     return 0 if result.audit.ok else 1
 
 

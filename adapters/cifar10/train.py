@@ -14,12 +14,14 @@ import hashlib
 import logging
 import math
 import os
+import random
 import time
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -115,6 +117,7 @@ class JobResult:
         lease_seconds: time to open the manager, i.e. to take the writer lease.
         restore_seconds: time spent in ``restore()`` (reading + verifying + loading).
         save_seconds: duration of each ``save()`` of this attempt.
+        train_seconds: wall time of the training loop (steps, evaluations and saves).
         last_loss: the loss of the last step this attempt ran (nan if none).
         test_accuracy: ``{epoch: accuracy}`` for the epochs this attempt finished.
         audit: the manager's audit report at the end (``.verdict``), or None.
@@ -126,6 +129,7 @@ class JobResult:
     lease_seconds: float = 0.0
     restore_seconds: float = 0.0
     save_seconds: list[float] = field(default_factory=list)
+    train_seconds: float = 0.0
     last_loss: float = math.nan
     test_accuracy: dict[int, float] = field(default_factory=dict)
     audit: Any = None
@@ -215,10 +219,12 @@ def _augment(images: torch.Tensor, seed: int, step: int) -> torch.Tensor:
 
 
 def _cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    # F.cross_entropy goes through nll_loss, which has no deterministic CUDA kernel; a one-hot
-    # product is the same function built from deterministic elementwise ops and reductions.
+    # F.cross_entropy goes through nll_loss, which has no deterministic CUDA kernel (and one_hot
+    # through scatter); a comparison mask times log-probabilities is the same function built from
+    # deterministic elementwise ops and reductions.
     logp = F.log_softmax(logits.float(), dim=1)
-    return -(F.one_hot(labels, logp.shape[1]).to(logp.dtype) * logp).sum(dim=1).mean()
+    mask = labels[:, None] == torch.arange(logp.shape[1], device=logp.device)
+    return -(mask.to(logp.dtype) * logp).sum(dim=1).mean()
 
 
 class _DeviceData:
@@ -333,7 +339,11 @@ def run_job(
     data_hash = str(data.tensor_hash)
     emit = on_event or (lambda _name, _step: None)
 
-    torch.manual_seed(cfg.seed)  # model init; a resume overwrites it
+    # Every global RNG from the run's seed (torch's draws the model init): a fresh run is then a
+    # pure function of the config, and a resume overwrites all of them from the checkpoint.
+    random.seed(cfg.seed)
+    np.random.seed(cfg.seed)
+    torch.manual_seed(cfg.seed)
     model = build_model(width=cfg.width).to(dev)
     optimizer = torch.optim.SGD(
         model.parameters(), lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov,
@@ -389,6 +399,7 @@ def run_job(
 
             bar = tqdm(total=end_step, initial=step, unit="step", dynamic_ncols=True)
         epoch, batch_idx = divmod(step, steps_per_epoch)
+        t_train = time.perf_counter()
         try:
             while step < end_step:
                 if dev.type == "cuda":
@@ -448,6 +459,9 @@ def run_job(
                 # The epoch-end checkpoint records the next batch to run: (next epoch, 0).
                 save(epoch, 0, {"loss": mean_loss, "test_accuracy": acc})
         finally:
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            result.train_seconds = time.perf_counter() - t_train
             if bar is not None:
                 bar.close()
         result.final_step = step
