@@ -27,8 +27,10 @@ import platform
 import re
 import socket
 import sys
+import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 from typing import Any, Literal
 
@@ -59,6 +61,7 @@ AUDIT_FORMAT = "ckptsdk.audit/1"
 
 _ATTEMPT_RE = re.compile(r"^runlog/attempt-(\d+)/(attempt\.json|chunk-(\d+)\.jsonl)$")
 _NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+_READ_WORKERS = 8  # concurrent chunk reads in audit (each a GCS/Drive round trip)
 _SCALAR_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_./-]{0,127}$")
 
 
@@ -212,6 +215,9 @@ class RunLog:
         self._buffer: list[tuple[int, float, dict[str, Any]]] = []
         self._oldest: float | None = None
         self._next_seq: int | None = None  # found by listing at the first flush
+        self._pending: tuple[str, bytes, int] | None = None  # a built chunk not yet stored
+        self._lock = threading.Lock()  # the buffer
+        self._publish_lock = threading.RLock()  # one publish at a time
         self._started_written = False
         self._closed = False
 
@@ -259,22 +265,23 @@ class RunLog:
         if not scalars:
             raise ConfigError(f"log_step({step}) got no scalars: pass at least one, e.g. loss=...")
         values = {name: _check_scalar(name, value, step) for name, value in scalars.items()}
-        if self._oldest is None:
-            self._oldest = self._clock()
-        self._buffer.append((int(step), time.time(), values))
-        if len(self._buffer) >= self.flush_every or (
-            self._clock() - self._oldest >= self.flush_interval
-        ):
+        with self._lock:
+            if self._oldest is None:
+                self._oldest = self._clock()
+            self._buffer.append((int(step), time.time(), values))
+            due = len(self._buffer) >= self.flush_every or self._clock() - self._oldest >= self.flush_interval
+        if due:
             try:
                 self.flush()
             except BackendError as exc:
                 # Logging must not kill training; the steps stay buffered and go out with the
                 # next flush (explicit flush() and close() do raise).
                 logger.warning(
-                    "run log of attempt %d: could not publish %d buffered steps (%s); "
-                    "keeping them for the next flush", self.attempt, len(self._buffer), exc,
+                    "run log of attempt %d: could not publish buffered steps (%s); "
+                    "keeping them for the next flush", self.attempt, exc,
                 )
-                self._oldest = self._clock()
+                with self._lock:
+                    self._oldest = self._clock()
 
     def flush(self) -> None:
         """Publish the buffered steps as one new chunk (no-op when nothing is buffered).
@@ -282,60 +289,77 @@ class RunLog:
         Raises:
             BackendError: the chunk could not be written; the steps stay buffered.
         """
-        if self._buffer:
-            self._publish(closed=False)
+        self._publish(closed=False)
 
     def close(self) -> None:
         """Publish what is buffered and a final header marking the attempt closed cleanly.
 
         Idempotent. Raises ``BackendError`` if storage fails (the log stays open, retry is safe).
         """
-        if self._closed:
-            return
-        self._publish(closed=True)
-        self._closed = True
+        with self._publish_lock:
+            if self._closed:
+                return
+            self._publish(closed=True)
+            self._closed = True
 
     # -- internals -------------------------------------------------------------------------
 
     def _publish(self, *, closed: bool) -> None:
-        if self._next_seq is None:
-            self._next_seq = _next_chunk_seq(self.backend, self.attempt)
-        if not self._started_written:
-            key = f"{attempt_prefix(self.attempt)}attempt.json"
-            try:
-                self.backend.create(key, self._record.model_dump_json().encode())
-            except PreconditionFailed:
-                # This attempt's log was opened before (a RunLog re-created in the same attempt):
-                # the first record stands, and every chunk header carries the current one.
-                logger.info("run log: %s already exists; keeping it", key)
-            self._started_written = True
-        rows = [(step, t, {k: _resolve(v) for k, v in vals.items()}) for step, t, vals in self._buffer]
-        seen = [r[0] for r in rows] + ([self._record.last_step] if self._record.last_step is not None else [])
-        last = max(seen, default=None)
-        seq = self._next_seq
-        header = self._record.model_copy(
-            update={
-                "last_step": last,
-                "steps_logged": self._record.steps_logged + len(rows),
-                "chunk": seq,
-                "closed": closed,
-            }
-        )
-        lines = [header.model_dump_json()]
-        for step, t, vals in rows:
-            lines.append(
-                json.dumps(
-                    {"step": step, "time": round(t, 3), "scalars": {k: _encode_float(v) for k, v in vals.items()}},
-                    allow_nan=False,
-                    separators=(",", ":"),
-                )
+        # The manager may flush from its save thread while the training thread logs: the buffer
+        # is swapped out under a short lock, publishing itself is serialised by another.
+        with self._publish_lock:
+            if self._pending is not None:
+                self._send_pending()  # an earlier chunk first, byte for byte (see _send_pending)
+            with self._lock:
+                if not self._buffer and not closed:
+                    return
+            if self._next_seq is None:
+                self._next_seq = _next_chunk_seq(self.backend, self.attempt)
+            if not self._started_written:
+                key = f"{attempt_prefix(self.attempt)}attempt.json"
+                try:
+                    self.backend.create(key, self._record.model_dump_json().encode())
+                except PreconditionFailed:
+                    # This attempt's log was opened before (a RunLog re-created in the same
+                    # attempt): the first record stands; every chunk header carries the current one.
+                    logger.info("run log: %s already exists; keeping it", key)
+                self._started_written = True
+            with self._lock:
+                raw, self._buffer, self._oldest = self._buffer, [], None
+            rows = [(step, t, {k: _resolve(v) for k, v in vals.items()}) for step, t, vals in raw]
+            seen = [r[0] for r in rows] + ([self._record.last_step] if self._record.last_step is not None else [])
+            seq = self._next_seq
+            header = self._record.model_copy(
+                update={
+                    "last_step": max(seen, default=None),
+                    "steps_logged": self._record.steps_logged + len(rows),
+                    "chunk": seq,
+                    "closed": closed,
+                }
             )
-        self._create(chunk_key(self.attempt, seq), ("\n".join(lines) + "\n").encode())
-        self._next_seq = seq + 1
-        self._record = header
-        self._buffer.clear()
-        self._oldest = None
-        logger.debug("run log: attempt %d chunk %d with %d steps", self.attempt, seq, len(rows))
+            lines = [header.model_dump_json()]
+            for step, t, vals in rows:
+                lines.append(
+                    json.dumps(
+                        {"step": step, "time": round(t, 3), "scalars": {k: _encode_float(v) for k, v in vals.items()}},
+                        allow_nan=False,
+                        separators=(",", ":"),
+                    )
+                )
+            self._pending = (chunk_key(self.attempt, seq), ("\n".join(lines) + "\n").encode(), len(rows))
+            self._next_seq = seq + 1
+            self._record = header
+            self._send_pending()
+
+    def _send_pending(self) -> None:
+        # A chunk whose upload failed is retried with exactly the same bytes under the same key:
+        # if the failed call had in fact landed (a timeout after GCS stored it), create() sees
+        # identical content and all is well; new steps go into the next chunk.
+        assert self._pending is not None
+        key, data, n = self._pending
+        self._create(key, data)
+        self._pending = None
+        logger.debug("run log: published %s (%d steps)", key, n)
 
     def _create(self, key: str, data: bytes) -> None:
         try:
@@ -527,6 +551,7 @@ def read_runlog(
     summaries: dict[int, AttemptSummary] = {}
     steps: dict[int, dict[int, dict[str, float]]] = {}
     warnings: list[str] = []
+    contents = _read_all(backend, [k for e in found.values() for k in e["chunks"].values()])
     for attempt in sorted(found):
         entry = found[attempt]
         record: AttemptRecord | None = None
@@ -537,7 +562,10 @@ def read_runlog(
         for seq in sorted(entry["chunks"]):
             key = entry["chunks"][seq]
             try:
-                header, chunk_rows = _parse_chunk(backend.read(key).decode("utf-8"), key)
+                data = contents[key]
+                if isinstance(data, BaseException):
+                    raise data
+                header, chunk_rows = _parse_chunk(data.decode("utf-8"), key)
             except ObjectNotFound:
                 warnings.append(f"attempt {attempt}: chunk {key} was listed but is gone")
                 continue
@@ -585,6 +613,24 @@ def read_runlog(
     if len(run_ids) > 1:
         warnings.append(f"attempts belong to different run ids {sorted(run_ids)}: one root should hold one run")
     return summaries, steps, warnings
+
+
+def _read_all(backend: Backend, keys: list[str]) -> dict[str, bytes | BaseException]:
+    """Read many small objects; concurrently, since on GCS or Drive each read is a round trip.
+
+    A missing object maps to its ``ObjectNotFound``; any other storage error propagates.
+    """
+
+    def one(key: str) -> bytes | BaseException:
+        try:
+            return backend.read(key)
+        except ObjectNotFound as exc:
+            return exc
+
+    if len(keys) <= 2:
+        return {k: one(k) for k in keys}
+    with ThreadPoolExecutor(max_workers=min(_READ_WORKERS, len(keys)), thread_name_prefix="ckptsdk-runlog") as pool:
+        return dict(zip(keys, pool.map(one, keys)))
 
 
 def _same(a: float, b: float) -> bool:
@@ -714,10 +760,3 @@ def _ranges(nums: list[int]) -> str:
     if start is not None:
         out.append(f"{start}" if start == prev else f"{start}-{prev}")
     return ", ".join(out)
-
-
-def _values_by_attempt(report: AuditReport, scalar: str) -> Mapping[int, list[tuple[int, float]]]:
-    """attempt -> [(step, value)] of one scalar, from a report made in this process."""
-    return {
-        a: [(s, vals[scalar]) for s, vals in rows if scalar in vals] for a, rows in report.series.items()
-    }

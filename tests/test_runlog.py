@@ -139,7 +139,9 @@ def test_two_writers_of_one_attempt_collide_loudly(backend):
         b.flush()
     assert info.value.key == chunk_key(2, 0)
     assert json.loads(backend.read(chunk_key(2, 0)).decode().splitlines()[1])["scalars"]["loss"] == 1.0
-    assert b._buffer, "the losing writer keeps its steps"
+    assert b._pending is not None and b._pending[0] == chunk_key(2, 0), "the losing writer keeps its steps"
+    with pytest.raises(PreconditionFailed):
+        b.close()  # and keeps failing loudly rather than writing elsewhere
 
 
 def test_scalar_types(backend):
@@ -255,9 +257,64 @@ def test_time_based_flush_and_failed_flush_keeps_steps(backend):
     fail[0] = False
     now[0] = 40.0
     log.log_step(2, loss=3.0)  # due again: now it goes out, nothing was lost
-    assert not log._buffer
+    assert not log._buffer and log._pending is None
     _, steps, _ = read_runlog(backend)
     assert steps[1] == {0: {"loss": 1.0}, 1: {"loss": 2.0}, 2: {"loss": 3.0}}
+
+
+def test_a_write_that_landed_but_reported_failure_is_not_duplicated(backend):
+    failed = []
+
+    class LandsThenFails:
+        """The store keeps the chunk, but the call fails (a timeout after GCS stored it)."""
+
+        def __init__(self, inner):
+            self.inner, self.url = inner, inner.url
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def create(self, key, data):
+            info = self.inner.create(key, data)
+            if key.endswith("chunk-000000.jsonl") and not failed:
+                failed.append(key)
+                raise StorageUnavailable("connection reset after upload", url=self.url, key=key)
+            return info
+
+    log = RunLog(LandsThenFails(backend), run_id="r", attempt=1, lease_epoch=1, resumed_from_step=None,
+                 flush_every=5)
+    for s in range(12):
+        log.log_step(s, loss=float(s))  # the first chunk "fails" at step 4, is resent at step 9
+    log.close()
+    assert failed == [chunk_key(1, 0)]
+    (summary,) = audit(backend).attempts
+    assert (summary.steps, summary.first_step, summary.last_step, summary.chunks, summary.closed) == (12, 0, 11, 3, True)
+    assert [o.key for o in backend.list("runlog/")][-1] == chunk_key(1, 2)
+
+
+def test_logging_and_flushing_from_two_threads_loses_nothing(backend):
+    import threading
+
+    log = RunLog(backend, run_id="r", attempt=1, lease_epoch=1, resumed_from_step=None, flush_every=10**6)
+    stop = threading.Event()
+
+    def flusher():
+        for _ in range(200):  # bounded: what a manager's save thread could do
+            if stop.is_set():
+                return
+            log.flush()
+
+    t = threading.Thread(target=flusher)
+    t.start()
+    try:
+        for s in range(600):
+            log.log_step(s, loss=s / 7)
+    finally:
+        stop.set()
+        t.join(timeout=60)
+    log.close()
+    _, steps, _ = read_runlog(backend)
+    assert steps[1] == {s: {"loss": s / 7} for s in range(600)}
 
 
 def test_resumed_from_step_set_after_construction(backend):
