@@ -284,3 +284,19 @@ def test_command_prepares_the_data_and_reports_as_json(cifar_server, tmp_path):
     second = _run_cli(*args, "--local", str(tmp_path / "rt2"))
     assert second["source"] == "cache" and second["tensor_hash"] == first["tensor_hash"]
     assert cifar_server.downloads() == before
+
+
+def test_command_in_process_reports_success_and_failure(cifar_server, tmp_path, capsys):
+    from adapters.cifar10.data import main
+
+    rc = main(["--cache", str(tmp_path / "cache"), "--local", str(tmp_path / "l"), "--hf-base", cifar_server.hf_base,
+               "--tv-url", cifar_server.tv_url, "--json", "--no-progress"])
+    report = json.loads(capsys.readouterr().out)
+    assert rc == 0 and report["source"] == "huggingface"
+    assert report["record"]["tensor_hash"] == report["tensor_hash"] == cifar_server.files.data.tensor_hash
+
+    rc = main(["--local", str(tmp_path / "l2"), "--hf-base", cifar_server.server.url("/nohf/"),
+               "--tv-url", cifar_server.server.url("/none.tar.gz"), "--json", "--no-progress"])
+    failed = json.loads(capsys.readouterr().out)
+    assert rc == 1 and failed == {"ok": False, "error": "AllSourcesFailedError", "message": failed["message"]}
+    assert "/nohf/" in failed["message"] and "/none.tar.gz" in failed["message"]
