@@ -410,6 +410,40 @@ def test_drive_create_does_not_need_link(make_backend_target, monkeypatch):
     assert not local.exists("lease") and local.sweep(0) == []
 
 
+def test_without_flock_drive_still_works_and_local_refuses(make_backend_target, monkeypatch, caplog):
+    """A FUSE mount may refuse flock: Drive (which promises no exclusion) carries on, excluding
+    this process's threads; local disk (which promises compare-and-swap) says so instead."""
+    drive = make_backend_target("drive").open()
+    local = make_backend_target("local").open()
+
+    def no_flock(*args, **kwargs):
+        raise OSError(errno.ENOSYS, "Function not implemented")
+
+    monkeypatch.setattr("fcntl.flock", no_flock)
+    v = drive.write("x", b"1").version
+    assert drive.replace("x", b"2", v).version != v
+    winners: list[int] = []
+    threads = [threading.Thread(target=_try_create, args=(drive, "one", i, winners)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert len(winners) == 1 and drive.read("one") == str(winners[0]).encode()
+    assert sum("no flock" in r.getMessage() for r in caplog.records) == 1  # told once, not per write
+    with pytest.raises(BackendError) as exc_info:
+        local.write("x", b"1")
+    assert exc_info.value.__cause__.errno == errno.ENOSYS
+    assert not local.exists("x") and local.sweep(0) == []
+
+
+def _try_create(backend, key: str, i: int, winners: list[int]) -> None:
+    try:
+        backend.create(key, str(i).encode())
+        winners.append(i)
+    except PreconditionFailed:
+        pass
+
+
 def test_drive_not_mounted(tmp_path, monkeypatch):
     monkeypatch.setenv("CKPTSDK_DRIVE_ROOT", str(tmp_path / "no-mount"))
     with pytest.raises(StorageUnavailable, match="not mounted"):

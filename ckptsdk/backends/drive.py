@@ -10,8 +10,9 @@ What the mount does (see the project's DRIVE_FACTS notes; nothing here is docume
   readers verify every file's size and digest instead of trusting a manifest's order.
 - ``os.replace`` works on the writing VM, ``os.link`` fails (Errno 38), and ``flock``/``O_EXCL``
   hold at best on this VM: Drive allows two files of one name. ``create`` therefore checks and
-  renames under the root flock (excluding writers on *this VM only*), and ``exclusive_create`` /
-  ``compare_and_swap`` are False: the lease falls back to write, settle, read back.
+  renames under the root flock (excluding writers on *this VM only*; if the mount refuses flock,
+  only this process's threads), and ``exclusive_create`` / ``compare_and_swap`` are False: the
+  lease falls back to write, settle, read back.
 - Deletes go to the Drive trash, which counts against the quota for 30 days
   (``trash_on_delete``): retention must account for it.
 - A dropped mount raises Errno 107 ("Transport endpoint is not connected"); huge folders or a full
@@ -59,6 +60,9 @@ class DriveBackend(LocalBackend):
         immediately_consistent=False,
         trash_on_delete=True,
     )
+    # DriveFS documents nothing about flock; if the mount refuses it, writes must still work
+    # (capabilities promise no exclusion anyway), so fall back to excluding this process's threads.
+    _flock_optional = True
     _unavailable_hint = (
         "the Google Drive mount dropped or is unhealthy (Errno 107 means it is gone; Errno 5 can "
         "mean a folder with too many items or a full Drive). In Colab run "

@@ -44,10 +44,19 @@ _UNAVAILABLE_ERRNOS = frozenset({errno.ENOTCONN, errno.EIO, errno.ESTALE, errno.
 # durable as that filesystem makes it, which is all we can ask.
 _NO_DIR_FSYNC_ERRNOS = frozenset({errno.EINVAL, errno.ENOTSUP, errno.ENOSYS, errno.EBADF})
 _NOT_THERE = (FileNotFoundError, NotADirectoryError, IsADirectoryError)
+# A filesystem without flock (possible behind FUSE) answers with one of these.
+_NO_FLOCK_ERRNOS = frozenset({errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EINVAL, errno.ENOLCK})
 LOCK_TIMEOUT_S = 120.0
 
 _clock_lock = threading.Lock()
 _last_stamp_ns = 0
+_thread_locks: dict[str, threading.Lock] = {}
+
+
+def _thread_lock(root: str) -> threading.Lock:
+    """One process-wide lock per root: the fallback where the filesystem has no flock."""
+    with _clock_lock:
+        return _thread_locks.setdefault(root, threading.Lock())
 
 
 def _unique_ns() -> int:
@@ -91,12 +100,15 @@ class LocalBackend:
     """
 
     capabilities = Capabilities(exclusive_create=True, compare_and_swap=True)
+    # Local disks have flock; without it compare_and_swap would be a lie, so its absence is an error.
+    _flock_optional = False
     # Appended to StorageUnavailable messages: what the user should do about a sick store.
     _unavailable_hint = "check that the disk holding it is mounted, readable and writable"
 
     def __init__(self, root: str, *, url: str | None = None) -> None:
         self.root = os.path.abspath(os.fspath(root))
         self.url = url or self.root
+        self._told_no_flock = False
         self._check_root()
 
     def __repr__(self) -> str:
@@ -358,28 +370,43 @@ class LocalBackend:
             os.makedirs(self.root, exist_ok=True)
             fd = os.open(os.path.join(self.root, LOCK_NAME), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
         try:
-            deadline = time.monotonic() + LOCK_TIMEOUT_S
-            delay = 0.0005
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if time.monotonic() > deadline:
-                        raise BackendError(
-                            f"{op} of {key!r} under {self.url}: the lock {LOCK_NAME} stayed held for "
-                            f"{LOCK_TIMEOUT_S:.0f} s; another process is stuck in a write here. "
-                            "Find and stop it, then retry",
-                            url=self.url,
-                            key=key,
-                        ) from None
-                    time.sleep(delay)
-                    delay = min(delay * 2, 0.05)
-                except OSError as exc:
-                    raise self._translate(exc, op, key) from exc
-            yield
+            if self._flock(fd, op, key):
+                yield
+            else:  # no flock here (allowed on Drive only): at least exclude this process's threads
+                with _thread_lock(self.root):
+                    yield
         finally:
             os.close(fd)  # closing the descriptor releases the flock
+
+    def _flock(self, fd: int, op: str, key: str | None) -> bool:
+        """Take the flock on ``fd``; False if this filesystem has none and ``_flock_optional``."""
+        deadline = time.monotonic() + LOCK_TIMEOUT_S
+        delay = 0.0005
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return True
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise BackendError(
+                        f"{op} of {key!r} under {self.url}: the lock {LOCK_NAME} stayed held for "
+                        f"{LOCK_TIMEOUT_S:.0f} s; another process is stuck in a write here. "
+                        "Find and stop it, then retry",
+                        url=self.url,
+                        key=key,
+                    ) from None
+                time.sleep(delay)
+                delay = min(delay * 2, 0.05)
+            except OSError as exc:
+                if self._flock_optional and exc.errno in _NO_FLOCK_ERRNOS:
+                    if not self._told_no_flock:
+                        self._told_no_flock = True
+                        logger.warning(
+                            "no flock on %s (%s): create/replace exclude only this process's threads",
+                            self.root, exc.strerror,
+                        )
+                    return False
+                raise self._translate(exc, op, key) from exc
 
     # -- helpers -----------------------------------------------------------------------------
 
