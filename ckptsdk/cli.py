@@ -35,6 +35,7 @@ from .errors import (
     LeaseError,
     ManifestError,
     MissingDependencyError,
+    ObjectNotFound,
 )
 
 logger = logging.getLogger(__name__)
@@ -238,11 +239,16 @@ def cmd_show(args: argparse.Namespace) -> int:
     )
     key = info.key if info is not None else None
     tensors: list[dict[str, Any]] = []
+    tensor_error = None
     if key is not None and any(f.name == TENSORS for f in manifest.files):
-        tensors = _read_safetensors_header(mgr.backend, f"{key}/{TENSORS}")
+        try:
+            tensors = _read_safetensors_header(mgr.backend, f"{key}/{TENSORS}")
+        except (ObjectNotFound, CorruptCheckpointError) as exc:
+            # Still show the manifest: it is what tells the user what should have been there.
+            tensor_error = f"{exc}; `ckptsdk verify {args.url} --step {manifest.step}` checks it"
     doc = {
         "command": "show", "url": args.url, "key": key,
-        "manifest": _manifest_dict(manifest), "tensors": tensors,
+        "manifest": _manifest_dict(manifest), "tensors": tensors, "tensor_file_error": tensor_error,
     }
     if args.json:
         _emit_json(doc)
@@ -265,6 +271,8 @@ def cmd_show(args: argparse.Namespace) -> int:
     print("\nfiles")
     print(_table([[f["name"], _human_size(f["size"]), f"{f['algorithm']}:{f['digest']}"] for f in m.get("files", [])],
                  ["NAME", "SIZE", "DIGEST"]))
+    if tensor_error:
+        print(f"\ntensors: unreadable: {tensor_error}")
     if tensors:
         total = sum(t["bytes"] for t in tensors)
         print(f"\ntensors ({len(tensors)}, {_human_size(total)})")
@@ -418,6 +426,9 @@ def cmd_lease(args: argparse.Namespace) -> int:
     record = read_lease(backend)
     broken = None
     if args.break_lease and record is not None and not record.released:
+        if not backend.capabilities.immediately_consistent:
+            sys.stderr.write("ckptsdk: breaking the lease; on this store the takeover waits a settle "
+                             "time (about a minute) before it is confirmed\n")
         lease = Lease(backend, force=True, run_id=record.run_id)
         lease.acquire()  # a new epoch: the old holder is fenced from its next renewal on
         lease.release()  # ...and the lease is left free for the next writer

@@ -293,3 +293,19 @@ def test_missing_bucket_is_a_storage_error(gcs_emulator, tmp_path):
     assert proc.returncode == cli.EXIT_STORAGE
     assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
     assert "no-such-bucket-here" in proc.stderr and proc.stdout == ""
+
+
+def test_torn_checkpoint_is_shown_and_fails_verify(make_backend_target, capsys):
+    target = make_run(make_backend_target("local"))
+    backend = target.open()
+    backend.delete("step-0000000050.e2/tensors.safetensors")  # a torn folder: manifest, no data
+    assert cli.main(["show", target.url, "--step", "50", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["manifest"]["step"] == 50 and doc["tensors"] == []
+    assert "tensors.safetensors" in doc["tensor_file_error"] and "ckptsdk verify" in doc["tensor_file_error"]
+    # The default verify re-hashes the newest and still reports every torn committed folder.
+    assert cli.main(["verify", target.url, "--json"]) == cli.EXIT_FAILED
+    checked = {c["key"]: (c["status"], c["rehashed"]) for c in json.loads(capsys.readouterr().out)["checked"]}
+    assert checked == {"step-0000000050.e2": ("CORRUPT", False), "step-0000000060.e2": ("ok", True)}
+    assert cli.main(["ls", target.url]) == 0
+    assert "torn: tensors.safetensors is missing" in capsys.readouterr().out
