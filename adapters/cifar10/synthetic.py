@@ -18,6 +18,8 @@ import time
 import numpy as np
 import torch
 
+from ckptsdk.errors import ConfigError
+
 from .data import CifarData, tensor_hash
 from .sources import HF_TEST_FILE, HF_TRAIN_BATCH_ORDER, HF_TRAIN_FILE, LABEL_NAMES, TV_DIRNAME
 
@@ -48,7 +50,7 @@ def synthetic_cifar10(*, n_train: int = 50_000, n_test: int = 10_000, seed: int 
     """Deterministic synthetic CIFAR-10-shaped data in canonical form.
 
     Args:
-        n_train: training images; must be a multiple of 5 (five data_batch files).
+        n_train: training images (a multiple of 5 if the set is to be written as files: five data_batch parts).
         n_test: test images.
         seed: everything is drawn from ``numpy.random.default_rng(seed)``.
 
@@ -60,8 +62,8 @@ def synthetic_cifar10(*, n_train: int = 50_000, n_test: int = 10_000, seed: int 
         >>> tuple(d.train_images.shape), d.train_labels.dtype
         ((500, 32, 32, 3), torch.int64)
     """
-    if n_train % 5 or n_train <= 0 or n_test <= 0:
-        raise ValueError(f"n_train must be a positive multiple of 5 and n_test positive; got {n_train}, {n_test}")
+    if n_train <= 0 or n_test <= 0:
+        raise ConfigError(f"n_train and n_test must be positive; got {n_train}, {n_test}")
     start = time.monotonic()
     rng = np.random.default_rng(seed)
     train_labels = rng.integers(0, 10, size=n_train).astype(np.int64)
@@ -112,6 +114,13 @@ def _py2_pickle(obj: object) -> bytes:
     return buf.getvalue()
 
 
+def _per_batch(data: CifarData) -> int:
+    n = len(data.train_labels)
+    if n % 5:
+        raise ConfigError(f"the published layouts split the train set into 5 equal data_batch parts; {n} is not a multiple of 5")
+    return n // 5
+
+
 def _batch_dict(images: np.ndarray, labels: np.ndarray, label: bytes, first: int) -> dict:
     # Rows are 3072 bytes: the 1024 red values, then green, then blue, each row-major.
     rows = np.ascontiguousarray(images.transpose(0, 3, 1, 2).reshape(len(images), 3072))
@@ -134,7 +143,7 @@ def write_torchvision_tarball(data: CifarData, path: str, *, compresslevel: int 
         ``path``.
     """
     imgs, labels = data.train_images.numpy(), data.train_labels.numpy()
-    per = len(imgs) // 5
+    per = _per_batch(data)
     members: list[tuple[str, bytes]] = []
     for b in range(5):
         sl = slice(b * per, (b + 1) * per)
@@ -195,7 +204,7 @@ def write_hf_parquet(data: CifarData, root: str) -> tuple[str, str]:
         The train and test file paths.
     """
     imgs, labels = data.train_images.numpy(), data.train_labels.numpy()
-    per = len(imgs) // 5
+    per = _per_batch(data)
     order = np.concatenate([np.arange((b - 1) * per, b * per) for b in HF_TRAIN_BATCH_ORDER])
     os.makedirs(os.path.join(root, "plain_text"), exist_ok=True)
     train_path = os.path.join(root, HF_TRAIN_FILE)
