@@ -95,7 +95,7 @@ class TrainConfig:
 
 
 PRESETS: dict[str, TrainConfig] = {
-    # The job of the story: 40 epochs x 195 steps = 7,800 steps, ~94-95 % test accuracy.
+    # The job of the story: 40 epochs x 195 steps = 7,800 steps of 256 images.
     "full": TrainConfig(),
     # A few seconds per epoch on 2 CPU cores: a 16-wide ResNet-18 on 640 synthetic images, 5
     # epochs of 10 steps; same code path and checkpoint layout as the full job, only smaller.
