@@ -31,8 +31,12 @@ new release must be re-read before the pin moves):
 5. New generations start at metageneration "1" (shipped: "2" for multipart/resumable creates).
 6. A GET with ``generation=G`` answers 404 once G is no longer live (shipped: serves whatever is
    live), so a reader pinned to a generation notices a replacement instead of mixing versions.
+7. A resumable status query (``Content-Range: bytes */N``) on a finished session answers 200
+   with the object, and on an empty one 308 without ``Range`` (shipped: "bytes=0-0" for both),
+   so a client whose final reply was lost can learn that its upload completed.
 
-Not patched (our backend does not use them): preconditions inside batch requests, and on GETs.
+Not patched (our backend does not use them): preconditions inside batch requests, and ``if*``
+conditions on GETs.
 Buckets made by ``Emulator.make_bucket`` have soft delete off, so deleted objects free memory.
 """
 
@@ -91,6 +95,8 @@ class _ShortBody(Exception):
 _current: dict[str, dict[str, str]] = {"conds": {}}
 # Conditions given when a resumable session was opened, by upload id: checked at finalisation.
 _session_conds: dict[str, dict[str, str]] = {}
+# Resumable sessions that produced an object, by upload id: a later status query gets the object.
+_finished_sessions: dict[str, dict[str, Any]] = {}
 
 
 def _conditions(query: dict[str, list[str]], prefix: str = "") -> dict[str, str]:
@@ -189,6 +195,9 @@ def _guard(handler: Any) -> Any:
                     response.status = HTTPStatus.NOT_FOUND
                     response.json(_error_body(404, "notFound", f"No such object: {bucket}/{name}"))
                     return None
+            if request.method == "PUT" and query.get("upload_id"):
+                if _resumable_status(request, response, storage, query["upload_id"][0]):
+                    return None
             if request.method == "PATCH" and name:
                 live = _live(storage, bucket, name)
                 if live is not None:  # absent: the handler answers 404, as GCS does
@@ -209,6 +218,28 @@ def _guard(handler: Any) -> Any:
         return None
 
     return guarded
+
+
+def _resumable_status(request: Any, response: Any, storage: Any, upload_id: str) -> bool:
+    """Answer a resumable status query (``Content-Range: bytes */N``) the way GCS does.
+
+    Shipped, a query on a finished session answers 308 "bytes=0-0" (so a client whose final
+    reply was lost resends and fails), and one on an empty session claims 1 byte received.
+    Returns whether it answered.
+    """
+    from gcp_storage_emulator.handlers.objects import GoogleHTTPStatus
+
+    crange = request.get_header("Content-Range") or ""
+    if not crange.startswith("bytes */"):
+        return False
+    if upload_id in _finished_sessions:
+        response.json(_finished_sessions[upload_id])
+        return True
+    total = crange[len("bytes */"):]
+    if storage.get_resumable_byte_count(upload_id) == 0 and total != "0":
+        response.status = GoogleHTTPStatus.RESUME_INCOMPLETE  # no Range header: nothing held
+        return True
+    return False
 
 
 def _move(request: Any, response: Any, storage: Any, *args: Any, **kwargs: Any) -> None:
@@ -267,6 +298,7 @@ def _install_patches() -> None:
         original_create(self, bucket_name, file_name, content, file_obj, file_id)
         if file_id is not None:
             _session_conds.pop(file_id, None)
+            _finished_sessions[file_id] = file_obj
 
     def delete_file(self, bucket_name, file_name):
         live = _live(self, bucket_name, file_name)

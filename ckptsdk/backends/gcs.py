@@ -155,7 +155,12 @@ class GCSBackend:
         self, method: str, url: str, params: dict[str, str] | None, headers: dict[str, str] | None,
         data: Any,
     ) -> tuple[int, dict[str, str], bytes]:
-        await self._fs._set_session()
+        session = await self._fs._set_session()
+        if getattr(session, "_retry_connection", False):
+            # aiohttp silently resends an idempotent request (PUT, DELETE, GET) once when the
+            # connection drops; that hides a lost reply from _request, which must know (a
+            # conditional DELETE that already happened answers 404 on the resend).
+            session._retry_connection = False
         if isinstance(data, (bytes, bytearray, memoryview)) and len(data) > _STREAM_OVER:
             # aiohttp warns about (and would write in one go) a large in-memory body; send it as
             # zero-copy slices with an explicit length instead (no chunked encoding).
@@ -165,7 +170,7 @@ class GCSBackend:
         timeout = aiohttp.ClientTimeout(
             total=None, sock_connect=self.connect_timeout_s, sock_read=self.read_timeout_s
         )
-        async with self._fs.session.request(
+        async with session.request(
             method, url, params=params, headers=self._fs._get_headers(headers), data=data,
             timeout=timeout, allow_redirects=False,  # a resumable 308 is not a redirect
         ) as resp:
