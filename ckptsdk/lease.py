@@ -358,14 +358,19 @@ class Lease:
         watch_since = start
         logged_at: float | None = None
         force_tries = 0
-        # Each round sleeps at least _POLL_MIN of the injected clock, or returns, or raises, so
-        # the deadline bounds the loop; the counter only guards a clock that does not move.
-        for _ in range(10_000_000):
+        last: LeaseRecord | None = None  # the latest record seen: a vanished one still counts
+        # Each round sleeps on the injected clock, or returns, or raises, so the deadline bounds
+        # the loop; the counter only guards a clock that does not move.
+        for _ in range(1_000_000):
             snap = self._snapshot()
             if snap is None:
+                # Absent: a fresh root, or a record deleted under us (a delayed Drive delete).
+                # Continue what we saw, so epochs and attempts never go back.
                 record = self._new_record(
-                    epoch=max(1, min_epoch), attempt=1,
-                    run_id=self._given_run_id or uuid.uuid4().hex, nonce=nonce,
+                    epoch=max(1, min_epoch, last.epoch + 1 if last else 1),
+                    attempt=last.attempt + 1 if last else 1,
+                    run_id=self._given_run_id or (last.run_id if last else uuid.uuid4().hex),
+                    nonce=nonce,
                 )
                 try:
                     info = self.backend.create(LEASE_KEY, record.to_json())
@@ -384,6 +389,8 @@ class Lease:
                 if not self.force:
                     raise
                 seen = None
+            if seen is not None and seen.holder.nonce != nonce:
+                last = seen
             if seen is not None and seen.holder.nonce == nonce:
                 # Our own write whose reply was lost (GCS retries a create into a 412).
                 confirmed = self._confirm(seen, version, previous=None)

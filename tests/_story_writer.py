@@ -106,7 +106,8 @@ def train(args: argparse.Namespace, ev: Events) -> int:
         _wait_for(args.go, args.max_seconds)
     t_open = time.monotonic()
     mgr = CheckpointManager(args.url, keep_last=args.keep_last, lease_ttl=args.ttl,
-                            lease_wait=args.wait, storage_options=json.loads(args.options))
+                            lease_wait=args.wait, storage_options=json.loads(args.options),
+                            force=args.force)
     assert mgr.lease is not None
     ev.emit("acquired", t_open=t_open, epoch=mgr.lease.epoch, attempt=mgr.lease.attempt,
             run_id=mgr.lease.run_id)
@@ -164,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--saves", type=int, default=None, help="train: stop after this many saves")
     p.add_argument("--interval", type=float, default=0.2, help="train: seconds between saves")
     p.add_argument("--keep-last", type=int, default=3)
+    p.add_argument("--force", action="store_true", help="train: break the lease at once")
     p.add_argument("--max-seconds", type=float, default=120.0, help="bound on every wait/loop")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,

@@ -366,6 +366,25 @@ def test_drive_settle_sees_old_holder_alive_and_keeps_watching(make_backend_targ
     assert ft.now - t0 >= 2 * 10 + 2 * 3  # watched a second full ttl after the late write
 
 
+def test_a_record_deleted_under_us_does_not_reset_epochs(backend: Any) -> None:
+    """A delayed delete (a zombie's release reaching us late) while we watch or settle."""
+    ft = FakeTime()
+    dead = fake_lease(backend, ft, ttl=10)
+    first = dead.acquire()
+    deleted = []
+
+    def delete_once(now: float) -> None:
+        if not deleted and backend.exists(LEASE_KEY):
+            deleted.append(now)
+            backend.delete(LEASE_KEY)
+
+    ft.hooks.append(delete_once)
+    record = fake_lease(backend, ft, ttl=10).acquire()
+    assert deleted
+    assert (record.epoch, record.attempt, record.run_id) == (2, 2, first.run_id)
+    assert read_lease(backend) == record
+
+
 def test_drive_holder_fences_itself_after_a_ttl_without_renewal(make_backend_target: Any) -> None:
     backend = make_backend_target("drive").open()
     ft = FakeTime()
