@@ -22,9 +22,9 @@ import torch
 
 import ckptsdk
 from adapters.cifar10.synthetic import synthetic_cifar10
-from adapters.cifar10.train import PRESETS, run_job
+from adapters.cifar10.train import PRESETS, _augment, run_job
 from ckptsdk import codec
-from ckptsdk.errors import DatasetMismatchError
+from ckptsdk.errors import ConfigError, DatasetMismatchError
 from examples.kill_and_resume import REPO, child_command, child_env, plan_kills, run_attempt
 
 # The quick preset made smaller still: 8-wide ResNet-18, 3 epochs of 10 steps of 32 images.
@@ -239,3 +239,48 @@ def test_colab_notebook_is_clean_nbformat4_and_uses_real_options() -> None:
     job_lines = [ln for ln in text.splitlines() if "examples.train_cifar10" in ln]
     for option in {o for ln in job_lines for o in re.findall(r"--[a-z][a-z-]+", ln)}:
         assert option in parser_help, option
+
+
+@pytest.mark.slow
+def test_resume_with_other_settings_is_refused(tmp_path: Any, in_process_job: None) -> None:
+    cfg = PRESETS["quick"].replace(width=8, batch_size=32, n_train=320, n_test=100, epochs=3,
+                                   save_every=4, max_steps=4)
+    url = str(tmp_path / "run")
+    data = synthetic_cifar10(n_train=cfg.n_train, n_test=cfg.n_test, seed=0)
+    run_job(cfg, data, url, lease_ttl=TTL)
+    before = _final(url)
+    with pytest.raises(ConfigError) as err:
+        run_job(cfg.replace(lr=0.2, max_steps=8), data, url, lease_ttl=TTL)
+    assert "lr: saved 0.05, now 0.2" in str(err.value) and url in str(err.value)
+    after = _final(url)
+    assert after[0] == 4 and _flat(after[1]) == _flat(before[1])
+
+
+@pytest.mark.slow
+def test_bf16_autocast_on_cpu_resumes_bit_exact_in_process(tmp_path: Any, in_process_job: None) -> None:
+    cfg = PRESETS["quick"].replace(width=8, batch_size=32, n_train=320, n_test=100, epochs=1,
+                                   save_every=3, amp="bf16")
+    data = synthetic_cifar10(n_train=cfg.n_train, n_test=cfg.n_test, seed=0)
+    whole, split = str(tmp_path / "whole"), str(tmp_path / "split")
+    run_job(cfg, data, whole, lease_ttl=TTL)
+    first = run_job(cfg.replace(max_steps=5), data, split, lease_ttl=TTL)
+    assert first.final_step == 5
+    second = run_job(cfg, data, split, lease_ttl=TTL)
+    assert (second.start_step, second.final_step) == (5, 10)
+    a, b = _final(whole), _final(split)
+    assert a[0] == b[0] == 10 and _flat(a[1]) == _flat(b[1])
+    assert any(t.dtype == torch.float32 for t in a[1]["objects"]["model"].values())  # master weights stay fp32
+
+
+def test_augmentation_is_a_function_of_seed_and_step() -> None:
+    images = torch.randint(0, 256, (16, 3, 32, 32), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+    one = _augment(images, 7, 11)
+    assert one.dtype == torch.uint8 and one.shape == images.shape
+    assert torch.equal(one, _augment(images, 7, 11))  # no hidden state, no global RNG
+    assert not torch.equal(one, _augment(images, 7, 12))
+    assert not torch.equal(one, _augment(images, 8, 11))
+    # Each output is a 32x32 window of the zero-padded input, possibly mirrored.
+    padded = torch.nn.functional.pad(images, (4, 4, 4, 4))
+    for i in range(images.shape[0]):
+        windows = [padded[i, :, y:y + 32, x:x + 32] for y in range(9) for x in range(9)]
+        assert any(torch.equal(one[i], w) or torch.equal(one[i], w.flip(-1)) for w in windows), i
