@@ -82,9 +82,15 @@ def test_buffers_reallocated_when_shape_or_dtype_changes_and_stale_released():
     assert stager.nbytes == 0
 
 
-def test_noncontiguous_and_grad_sources():
+def test_noncontiguous_lazy_and_grad_sources():
     param = torch.nn.Parameter(torch.randn(10, 20))
-    src = {"p": param, "t": torch.randn(30, 40).t(), "e": torch.randn(1, 5).expand(6, 5)}
+    src = {
+        "p": param,
+        "t": torch.randn(30, 40).t(),
+        "e": torch.randn(1, 5).expand(6, 5),
+        "conj": torch.randn(4, dtype=torch.complex64).conj(),  # a lazy conjugate: not plain memory
+        "neg": torch._neg_view(torch.randn(4)),  # a contiguous lazy negation
+    }
     snap = Stager().snapshot(src)
     for name, t in src.items():
         assert snap[name].is_contiguous() and torch.equal(snap[name], t.detach()), name
