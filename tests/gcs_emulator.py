@@ -32,7 +32,7 @@ new release must be re-read before the pin moves):
 6. A GET with ``generation=G`` answers 404 once G is no longer live (shipped: serves whatever is
    live), so a reader pinned to a generation notices a replacement instead of mixing versions.
 7. A resumable status query (``Content-Range: bytes */N``) on a finished session answers 200
-   with the object, and on an empty one 308 without ``Range`` (shipped: "bytes=0-0" for both),
+   with the object, and on an empty one 308 without ``Range`` (shipped: 404, and "bytes=0-0"),
    so a client whose final reply was lost can learn that its upload completed.
 
 Not patched (our backend does not use them): preconditions inside batch requests, and ``if*``
@@ -223,8 +223,8 @@ def _guard(handler: Any) -> Any:
 def _resumable_status(request: Any, response: Any, storage: Any, upload_id: str) -> bool:
     """Answer a resumable status query (``Content-Range: bytes */N``) the way GCS does.
 
-    Shipped, a query on a finished session answers 308 "bytes=0-0" (so a client whose final
-    reply was lost resends and fails), and one on an empty session claims 1 byte received.
+    Shipped, a query on a finished session answers 404 (so a client whose final reply was lost
+    cannot learn it succeeded), and one on an empty session claims 1 byte received.
     Returns whether it answered.
     """
     from gcp_storage_emulator.handlers.objects import GoogleHTTPStatus

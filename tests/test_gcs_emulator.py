@@ -316,3 +316,69 @@ def test_twelve_process_create_race_has_one_winner(patched: Emulator, unpatched:
     bucket = _bucket(unpatched)
     statuses, _ = _race(unpatched, bucket, "race")
     assert statuses.count(200) == 12
+
+
+def _open_session(emulator: Emulator, bucket: str, name: str) -> str:
+    req = urllib.request.Request(
+        emulator.endpoint + f"/upload/storage/v1/b/{bucket}/o?uploadType=resumable&name={name}",
+        data=b"{}", method="POST", headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        return resp.headers["Location"]
+
+
+def _put(location: str, body: bytes, content_range: str) -> tuple[int, dict[str, str], bytes]:
+    req = urllib.request.Request(location, data=body, method="PUT", headers={"Content-Range": content_range})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            return resp.status, dict(resp.headers), resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, dict(exc.headers), exc.read()
+
+
+def test_resumable_status_query(server: Emulator) -> None:
+    """A client whose final reply was lost asks the session; GCS says "done" (200 + object)."""
+    bucket = _bucket(server)
+    empty = _open_session(server, bucket, "e")
+    status, headers, _ = _put(empty, b"", "bytes */4")
+    assert status == 308
+    assert headers.get("Range") == (None if server.patched else "bytes=0-0")  # shipped: 1 byte "held"
+    done = _open_session(server, bucket, "d")
+    assert _put(done, b"data", "bytes 0-3/4")[0] == 200
+    status, _, body = _put(done, b"", "bytes */4")
+    if server.patched:
+        assert status == 200 and json.loads(body)["name"] == "d"
+    else:
+        assert status == 404  # the client cannot learn that its upload completed
+    assert _get(server, bucket, "d") == (200, b"data")
+
+
+def test_listen_backlog(server: Emulator) -> None:
+    """While the one server thread is busy, the kernel must still accept the next connections."""
+    blocker = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+    try:
+        # A request whose body never comes keeps the single-threaded server busy reading it.
+        blocker.sendall(
+            b"POST /upload/storage/v1/b/x/o?uploadType=media&name=y HTTP/1.1\r\n"
+            b"Host: 127.0.0.1\r\nContent-Length: 10\r\n\r\n"
+        )
+        time.sleep(0.2)
+        waiting, connected = [], 0
+        for _ in range(20):
+            sock = socket.socket()
+            sock.settimeout(0.2)
+            waiting.append(sock)
+            try:
+                sock.connect(("127.0.0.1", server.port))
+                connected += 1
+            except OSError:  # SYN dropped: the accept queue is full
+                pass
+    finally:
+        blocker.close()  # the server sees a short body and moves on
+        for sock in waiting:
+            sock.close()
+    if server.patched:
+        assert connected == 20
+    else:
+        assert connected <= 8
+    assert server.request("GET", "/") == (200, b"OK")
