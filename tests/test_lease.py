@@ -404,7 +404,9 @@ def test_heartbeat_renews_and_stops_when_fenced(make_backend_target: Any) -> Non
     lease = Lease(backend, ttl=0.3)
     lease.acquire()
     lease.start_heartbeat()
-    time.sleep(0.45)
+    deadline = time.monotonic() + 5
+    while read_lease(backend).renewals < 2 and time.monotonic() < deadline:  # type: ignore[union-attr]
+        time.sleep(0.02)
     assert read_lease(backend).renewals >= 2  # type: ignore[union-attr]
     taker = Lease(backend, ttl=0.3, force=True)
     taker.acquire()
@@ -486,7 +488,7 @@ def test_lease_across_two_simulated_vms(tmp_path: Path) -> None:
         record = b.acquire()
         took = time.monotonic() - t_dead
         b.start_heartbeat()
-        assert record.epoch == 2 and 1.5 <= took <= 1.5 + 0.5 + 1.2 + 1.5
+        assert record.epoch == 2 and 1.5 <= took <= 1.5 + 0.5 + 1.2 + 3.0
         with pytest.raises(LeaseLostError):  # A thaws after > ttl: it stops, whatever it sees
             time.sleep(0.2)
             a.renew()
@@ -572,7 +574,7 @@ TAKEOVER: dict[str, float] = {}
 def test_dead_holder_is_taken_over_after_about_one_ttl(
     kind: str, make_backend_target: Any, tmp_path: Path
 ) -> None:
-    ttl = 1.5
+    ttl = 2.0
     target = make_backend_target(kind)
     events = tmp_path / "holder.jsonl"
     proc = _child("hold", target, events, "--ttl", str(ttl), "--max-seconds", "60")
