@@ -547,7 +547,7 @@ class Lease:
                 # Name the newer epoch if its record already reached us.
                 snap = self._snapshot()
                 if snap is not None:
-                    self._judge(snap[0], record)
+                    self._judge(snap[0], record, rewriting=False)
                 self._fence(
                     f"no renewal for {now - self._last_renewed:.1f} s (> ttl {record.ttl:g} s) on "
                     "a backend without compare-and-swap: another runtime may have taken over",
@@ -585,7 +585,7 @@ class Lease:
                 f"{_SNAPSHOT_TRIES} tries", url=self.url, key=LEASE_KEY,
             )
 
-    def _judge(self, data: bytes, ours: LeaseRecord) -> None:
+    def _judge(self, data: bytes, ours: LeaseRecord, *, rewriting: bool = True) -> None:
         """Fence (and raise) unless the record in storage is ours or an older epoch's."""
         try:
             seen = self._parse(data)
@@ -603,8 +603,9 @@ class Lease:
         # An older epoch's record landing after ours: a zombie's delayed write (Drive). Ours is
         # the newer epoch, so we write over it (the caller does), and the zombie fences on seeing
         # our epoch.
-        logger.warning("lease on %s: found an older writer's record (%s) over ours (epoch %d); "
-                       "writing ours again", self.url, seen.describe(), ours.epoch)
+        if rewriting:
+            logger.warning("lease on %s: found an older writer's record (%s) over ours (epoch %d);"
+                           " writing ours again", self.url, seen.describe(), ours.epoch)
 
     def fence(self, reason: str, newer_epoch: int | None = None) -> None:
         """Mark this writer fenced: it must stop writing; ``check()`` raises from now on.
