@@ -217,11 +217,13 @@ class Bench:
         d = self.root / f"rep{r}"
         d.mkdir()
         tensors = self.job.tensors()
+        key = f"rep{r}/sync.safetensors"
+        written: dict[str, tuple[int, str]] = {}
         saves: list[tuple[str, Callable[[], None]]] = [
             ("raw write+fsync", lambda: raw_write(d / "raw.bin", self.raw_bytes)),
             ("torch.save+fsync", lambda: self._torch_save(d / "torch.pt")),
             ("DCP save", lambda: self._dcp_save(d / "dcp")),
-            ("ckptsdk save (direct, sync)", lambda: write_tensorfile(self.direct, f"rep{r}/sync.safetensors", tensors)),
+            ("ckptsdk save (direct, sync)", lambda: written.update(r=write_tensorfile(self.direct, key, tensors))),
         ]
         if self.mgr is not None:
             saves.append(("ckptsdk save (manager, sync)", self._mgr_sync))
@@ -235,13 +237,13 @@ class Bench:
         if self.mgr is not None:
             self._async_manager(keep)
 
-        meta = self._direct_meta(r, tensors)
+        size, digest = written["r"]
         for p in (d, self.root / "direct", self.root / "mgr"):
             drop_cache(p)
         reads: list[tuple[str, Callable[[], Any]]] = [
             ("raw cold read", lambda: raw_read(d / "raw.bin")),
             ("torch.load (cold)", lambda: torch.load(d / "torch.pt", weights_only=False)),
-            ("ckptsdk restore (direct, verified)", lambda: read_tensorfile(self.direct, meta[0], size=meta[1], digest=meta[2])),
+            ("ckptsdk restore (direct, verified)", lambda: read_tensorfile(self.direct, key, size=size, digest=digest)),
         ]
         if self.mgr is not None:
             reads.append(("ckptsdk restore (manager, verified)", lambda: self.mgr.restore(self.state)))
@@ -290,15 +292,6 @@ class Bench:
         rest, _ = timed(lambda: self.mgr.wait())
         self.record("ckptsdk async stall (manager)", stall, keep)
         self.record("ckptsdk async total (manager)", stall + rest, keep)
-
-    def _direct_meta(self, r: int, tensors: dict[str, torch.Tensor]) -> tuple[str, int, str]:
-        key = f"rep{r}/sync.safetensors"
-        path = self.root / "direct" / key
-        import xxhash
-
-        digest = xxhash.xxh3_128(path.read_bytes()).hexdigest()
-        drop_cache(path)
-        return key, path.stat().st_size, digest
 
     def _cleanup(self, d: Path) -> None:
         shutil.rmtree(d)
@@ -467,8 +460,19 @@ def gcs_rows(job: Job, reps: int, warmup: int) -> dict[str, list[float]]:
 # ------------------------------------------------------------------------------ report
 
 
+ROW_ORDER = [
+    "raw write+fsync", "torch.save+fsync", "DCP save", "ckptsdk save (direct, sync)", "ckptsdk save (manager, sync)",
+    "ckptsdk async stall (direct)", "ckptsdk async total (direct)", "ckptsdk async stall (manager)",
+    "ckptsdk async total (manager)", "raw cold read", "torch.load (cold)", "ckptsdk restore (direct, verified)",
+    "ckptsdk restore (manager, verified)", "gcs raw upload", "gcs ckptsdk save (direct)", "gcs ckptsdk save (manager)",
+    "gcs raw download", "gcs ckptsdk restore (direct)", "gcs ckptsdk restore (manager)",
+]
+
+
 def summarise(times: dict[str, list[float]]) -> dict[str, dict[str, float]]:
-    return {row: {"median": statistics.median(v), "min": min(v), "max": max(v), "n": len(v)} for row, v in times.items()}
+    rows = sorted(times, key=lambda r: ROW_ORDER.index(r) if r in ROW_ORDER else len(ROW_ORDER))
+    return {r: {"median": statistics.median(times[r]), "min": min(times[r]), "max": max(times[r]), "n": len(times[r])}
+            for r in rows}
 
 
 def ratios(summary: dict[str, dict[str, float]], times: dict[str, list[float]]) -> dict[str, Any]:
