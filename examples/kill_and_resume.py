@@ -154,24 +154,27 @@ def run_attempt(
 
 def plan_kills(*, total_steps: int, save_every: int, steps_per_epoch: int, count: int,
                rng: random.Random) -> list[tuple[str, int]]:
-    """``count`` kill points at increasing steps, one of them inside a save (the middle one).
+    """``count`` kill points at strictly increasing steps, the middle one inside a save.
 
     Increasing steps guarantee each attempt reaches its kill point: it resumes from a checkpoint
-    at or before the previous one.
+    at or before the previous one. The first kill comes after a few steps, so that the first
+    attempt has committed something.
+
+    Raises:
+        ValueError: the run is too short for that many kill points.
     """
     if count < 1:
         return []
-    saves = [s for s in range(1, total_steps) if s % save_every == 0 or s % steps_per_epoch == 0]
     lo = max(2, total_steps // (2 * count + 2))
-    steps = sorted(rng.sample(range(lo, total_steps), count))
-    middle = count // 2
-    floor = steps[middle - 1] if middle else 1
-    ceiling = steps[middle + 1] if middle + 1 < count else total_steps
-    candidates = [s for s in saves if floor < s < ceiling] or [s for s in saves if s > floor]
-    plan = [("step", s) for s in steps]
-    if candidates:
-        plan[middle] = ("saving", rng.choice(candidates))
-    return plan
+    middle, after = count // 2, count - count // 2 - 1
+    saves = [s for s in range(lo, total_steps) if s % save_every == 0 or s % steps_per_epoch == 0]
+    fits = [s for s in saves if s - lo >= middle and total_steps - 1 - s >= after]
+    if not fits:
+        raise ValueError(f"{total_steps} steps leave no room for {count} kills around a save")
+    in_save = rng.choice(fits)
+    before_steps = sorted(rng.sample(range(lo, in_save), middle))
+    after_steps = sorted(rng.sample(range(in_save + 1, total_steps), after))
+    return [("step", s) for s in before_steps] + [("saving", in_save)] + [("step", s) for s in after_steps]
 
 
 def compare_states(a: Any, b: Any, path: str = "") -> list[str]:

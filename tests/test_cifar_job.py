@@ -284,3 +284,13 @@ def test_augmentation_is_a_function_of_seed_and_step() -> None:
     for i in range(images.shape[0]):
         windows = [padded[i, :, y:y + 32, x:x + 32] for y in range(9) for x in range(9)]
         assert any(torch.equal(one[i], w) or torch.equal(one[i], w.flip(-1)) for w in windows), i
+
+
+@pytest.mark.parametrize("seed", range(50))
+def test_kill_plan_increases_and_kills_once_inside_a_save(seed: int) -> None:
+    plan = plan_kills(total_steps=TOTAL, save_every=SAVE_EVERY, steps_per_epoch=STEPS_PER_EPOCH,
+                      count=3, rng=random.Random(seed))
+    steps = [s for _, s in plan]
+    assert steps == sorted(set(steps)) and 2 <= steps[0] and steps[-1] < TOTAL
+    assert [e for e, _ in plan] == ["step", "saving", "step"]
+    assert steps[1] % SAVE_EVERY == 0 or steps[1] % STEPS_PER_EPOCH == 0
