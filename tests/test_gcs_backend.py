@@ -323,6 +323,25 @@ def test_lost_reply_to_a_replace_and_to_a_resumable_create(lossy) -> None:
     assert direct.read("big") == data
 
 
+def test_lost_reply_to_a_refused_resumable_finalisation(lossy) -> None:
+    """The final PUT is refused (412) and that answer is lost: the status query says so again."""
+    b, proxy, direct = lossy
+    _small_chunks(b)
+    data = random.Random(4).randbytes(MIB + 5)
+
+    def producer() -> Iterator[bytes]:
+        for i in range(0, len(data), 100_000):
+            if i + 100_000 >= len(data):  # before our last chunk goes out, a rival takes the key
+                direct.create("lease", b"rival")
+            yield data[i:i + 100_000]
+
+    proxy.drop_next(f"-{len(data) - 1}/{len(data)}".encode())  # only the final PUT's range
+    with pytest.raises(PreconditionFailed) as exc:
+        b.create("lease", producer())
+    assert proxy.dropped and b" 412 " in proxy.dropped[-1]
+    assert exc.value.actual == direct.stat("lease").version and direct.read("lease") == b"rival"
+
+
 def test_lost_reply_to_a_delete(lossy) -> None:
     b, proxy, direct = lossy
     v = direct.write("obj", b"x")

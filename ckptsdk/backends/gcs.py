@@ -441,7 +441,7 @@ class GCSBackend:
                 status = self._request(
                     "PUT", location, key=key, headers={"Content-Range": f"bytes */{size}"}
                 )
-                if status.status in (200, 201):
+                if status.status in (200, 201, 412):  # finished (or refused) at finalisation
                     return _Reply(status.status, status.headers, status.body, True)
                 if status.status != 308:
                     raise self._fail(status, "PUT", location, key, "resume uploading")
