@@ -192,6 +192,11 @@ def _read_safetensors_header(backend: Any, key: str) -> list[dict[str, Any]]:
     return sorted(rows, key=lambda r: r["name"])
 
 
+def _short_time(text: str | None) -> str:
+    dt = _parse_wall(text)
+    return dt.astimezone(timezone.utc).strftime("%Y-%m-%d %H:%M:%SZ") if dt else (text or "-")
+
+
 def _parse_wall(text: str | None) -> datetime | None:
     if not text:
         return None
@@ -217,7 +222,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         return EXIT_OK
     table = [
         [r["step"], r["train_epoch"], _human_size(r["size"]), f"e{r['lease_epoch']}/a{r['attempt'] if r['attempt'] is not None else '?'}",
-         r["created_at"] or "-", _status(i)]
+         _short_time(r["created_at"]), _status(i)]
         for r, i in zip(rows, infos)
     ]
     print(_table(table, ["STEP", "EPOCH", "SIZE", "WRITER", "CREATED", "STATUS"]))
