@@ -16,7 +16,7 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .errors import DataError
+from .errors import DataError, DownloadError  # noqa: F401  (DownloadError re-exported for callers)
 
 logger = logging.getLogger(__name__)
 
@@ -24,20 +24,6 @@ __all__ = ["Downloaded", "DownloadError", "download"]
 
 _CHUNK = 1 << 20  # 1 MiB reads: large enough for loopback speed, small enough for a smooth bar
 _RETRY_STATUS = frozenset({408, 425, 429, 500, 502, 503, 504})
-
-
-class DownloadError(DataError):
-    """A URL could not be fetched (after retries, or at once for a permanent HTTP error).
-
-    ``url`` is the source, ``status`` the last HTTP status seen (None for network errors),
-    ``attempts`` how many requests were made. A subclass of ``DataError``, local to this module.
-    """
-
-    def __init__(self, message: str, *, url: str, status: int | None = None, attempts: int = 0) -> None:
-        super().__init__(message)
-        self.url = url
-        self.status = status
-        self.attempts = attempts
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@
      └── DataError                             the data cache and datasets
           ├── DigestMismatchError              bytes differ from the expected digest
           ├── AllSourcesFailedError            every source was tried; lists each and why
+          ├── DownloadError                    one URL could not be fetched (after retries)
           ├── UnsafeArchiveError               an archive member escapes its target or links out
           └── DatasetMismatchError             decoded tensors differ from the recorded hash
 
@@ -195,6 +196,20 @@ class AllSourcesFailedError(DataError):
         super().__init__(message)
         self.name = name
         self.failures = dict(failures or {})
+
+
+class DownloadError(DataError):
+    """A URL could not be fetched (after retries, or at once for a permanent HTTP error).
+
+    ``url`` is the source, ``status`` the last HTTP status seen (None for network errors),
+    ``attempts`` how many requests were made.
+    """
+
+    def __init__(self, message: str, *, url: str, status: int | None = None, attempts: int = 0) -> None:
+        super().__init__(message)
+        self.url = url
+        self.status = status
+        self.attempts = attempts
 
 
 class UnsafeArchiveError(DataError):

@@ -252,9 +252,15 @@ class CheckpointManager:
         tree, _info = self._read_newest()
         return tree
 
-    def verify(self, step: int | None = None) -> CheckpointInfo:
-        """Re-hash a checkpoint's files against its manifest (newest if None); raise if corrupt."""
-        info = self._pick(step)
+    def verify(self, step: int | None = None, *, key: str | None = None) -> CheckpointInfo:
+        """Re-hash a checkpoint's files against its manifest; raise ``CorruptCheckpointError``.
+
+        Args:
+            step: the step to check (the newest restorable one if None and no ``key``).
+            key: one checkpoint folder (``step-0000000040.e2``), when several lease epochs hold
+                the same step (a takeover re-commits its resume point under its own epoch).
+        """
+        info = self._pick(step, key=key)
         assert info.manifest is not None
         for entry in info.manifest.files:
             verify_file(
@@ -367,8 +373,15 @@ class CheckpointManager:
             ) from exc
         return tree, info
 
-    def _pick(self, step: int | None) -> CheckpointInfo:
+    def _pick(self, step: int | None, *, key: str | None = None) -> CheckpointInfo:
         cat = self._scan()
+        if key is not None:
+            match = next((c for c in cat.checkpoints if c.key == key.rstrip("/")), None)
+            if match is None or match.manifest is None:
+                why = match.reason if match is not None else "no such checkpoint folder"
+                raise NoValidCheckpointError(f"cannot read checkpoint {self.url}/{key}: {why}",
+                                             url=self.url, tried={key: why or ""})
+            return match
         if step is None:
             good = cat.restorable()
             if not good:
