@@ -53,6 +53,7 @@ import select
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -335,10 +336,25 @@ def _install_patches() -> None:
     objects.insert = _guard(objects.insert)  # the Router's fallback for uploads without /upload
 
 
-def serve(port: int, *, patched: bool = True) -> None:
+def _exit_with_parent() -> None:
+    """Exit when the process that started us is gone (a SIGKILLed pytest leaves no server)."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
+
+
+def serve(port: int, *, patched: bool = True, exit_with_parent: bool = False) -> None:
     """Run the emulator in this process until killed; print ``PORT <n>`` once listening."""
     from gcp_storage_emulator import server
     from gcp_storage_emulator.storage import Storage
+
+    if exit_with_parent:
+        _exit_with_parent()
 
     logging.basicConfig(level=logging.WARNING, format="emulator %(levelname)s %(message)s")
     if patched:
@@ -455,7 +471,7 @@ def start_emulator(*, patched: bool = True, timeout: float = 30.0) -> Emulator:
         RuntimeError: the server exited or did not answer within ``timeout`` (its log included).
     """
     log = tempfile.TemporaryFile()
-    cmd = [sys.executable, "-m", "tests.gcs_emulator", "--port", "0"]
+    cmd = [sys.executable, "-m", "tests.gcs_emulator", "--port", "0", "--exit-with-parent"]
     if not patched:
         cmd.append("--unpatched")
     env = dict(os.environ)
@@ -495,8 +511,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="gcp-storage-emulator on 127.0.0.1, in memory")
     parser.add_argument("--port", type=int, default=0, help="0 picks a free port (printed)")
     parser.add_argument("--unpatched", action="store_true", help="run the emulator as shipped")
+    parser.add_argument("--exit-with-parent", action="store_true", help="exit when the parent dies")
     args = parser.parse_args(argv)
-    serve(args.port, patched=not args.unpatched)
+    serve(args.port, patched=not args.unpatched, exit_with_parent=args.exit_with_parent)
 
 
 if __name__ == "__main__":

@@ -382,3 +382,25 @@ def test_listen_backlog(server: Emulator) -> None:
     else:
         assert connected <= 8
     assert server.request("GET", "/") == (200, b"OK")
+
+
+def test_server_exits_when_the_process_that_started_it_is_killed() -> None:
+    code = (
+        "from tests.gcs_emulator import start_emulator; e = start_emulator(); "
+        "print(e.proc.pid, flush=True); import time; time.sleep(60)"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        server_pid = int(parent.stdout.readline())
+    finally:
+        parent.kill()
+        parent.wait(timeout=10)
+        parent.stdout.close()
+    for _ in range(100):  # the watchdog polls every 0.5 s
+        try:
+            os.kill(server_pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    os.kill(server_pid, 9)
+    pytest.fail(f"emulator {server_pid} outlived the process that started it")
