@@ -37,7 +37,7 @@ def test_two_processes_race_to_create(kind, make_backend_target):
     env = {**os.environ, "PYTHONPATH": str(REPO), **target.env}
     racers = [
         subprocess.Popen([sys.executable, "-m", "tests._crash_child", "race", target.url], cwd=REPO,
-                         env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+                         env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0)
         for _ in range(2)
     ]
     overlapping = 0
