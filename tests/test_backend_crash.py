@@ -64,7 +64,7 @@ def _temp_files(root: str) -> list[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)  # ~20 s per kind on an idle machine; fsync of 100 MB crawls under load
+@pytest.mark.timeout(900)  # ~10 s per kind here; fsync of 100 MB crawls on a loaded disk
 @pytest.mark.parametrize("kind", ["local", "drive"])
 def test_sigkill_mid_write_leaves_old_or_new_never_partial(kind, make_backend_target, contents, tmp_path):
     files, known = contents
