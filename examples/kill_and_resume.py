@@ -74,11 +74,14 @@ def _runlog_objects(root: str) -> int:
 def _save_state(root: str, step: int) -> str:
     """What a kill during the save of ``step`` left behind in a local root."""
     folders = glob.glob(os.path.join(root, f"step-{step:010d}.e*"))
-    if not folders:
-        return "killed before the checkpoint folder was written"
-    if any(os.path.exists(os.path.join(f, "manifest.json")) for f in folders):
+    names = {n for f in folders for n in os.listdir(f)}
+    if "manifest.json" in names:
         return "killed just after the commit (manifest published)"
-    return "killed mid-save: tensors written, manifest not published (a torn checkpoint)"
+    if "tensors.safetensors" in names:
+        return "killed mid-save: tensors written, manifest not published (a torn checkpoint)"
+    if any(n.startswith(".ckptsdk-tmp.") for n in names):
+        return "killed mid-save: the tensor file was half written (a temp file, never published)"
+    return "killed mid-save: step log flushed, tensor file not started yet"
 
 
 def run_attempt(
