@@ -9,9 +9,9 @@ Example:
     >>> pos = mgr.restore(state)        # None on a fresh run
 """
 
+from typing import TYPE_CHECKING, Any
+
 from .backends import open_backend
-from .catalog import CheckpointInfo
-from .datacache import DataCache
 from .errors import (
     BackendError,
     CkptError,
@@ -26,9 +26,38 @@ from .errors import (
     StateMismatchError,
     UnsupportedStateError,
 )
-from .manager import CheckpointManager, GcReport, ResumePoint
-from .runlog import AuditReport, audit
-from .state import TrainState
+
+# Names whose modules import torch are loaded on first use, so `import ckptsdk` (the CLI's
+# `lease` command, child processes, storage-only users) does not pay torch's start-up.
+_LAZY = {
+    "AuditReport": "runlog",
+    "CheckpointInfo": "catalog",
+    "CheckpointManager": "manager",
+    "DataCache": "datacache",
+    "GcReport": "manager",
+    "ResumePoint": "manager",
+    "TrainState": "state",
+    "audit": "runlog",
+}
+
+if TYPE_CHECKING:
+    from .catalog import CheckpointInfo
+    from .datacache import DataCache
+    from .manager import CheckpointManager, GcReport, ResumePoint
+    from .runlog import AuditReport, audit
+    from .state import TrainState
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ckptsdk' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
 
 __version__ = "0.1.0"
 
