@@ -538,7 +538,7 @@ class Lease:
             BackendError: the storage failed; the lease is unchanged (retry later).
         """
         with self._lock:
-            self.check()
+            self._raise_if_lost()
             record = self._held_record()
             now = self._clock()
             if not self._cas and now - self._last_renewed > record.ttl:
@@ -553,7 +553,7 @@ class Lease:
                     "a backend without compare-and-swap: another runtime may have taken over",
                     None, None,
                 )
-                self.check()
+                self._raise_if_lost()
             new = record.model_copy(update={"renewals": record.renewals + 1, "renewed_at": _wall()})
             if self._cas:
                 try:
@@ -628,7 +628,23 @@ class Lease:
                        self.url, self._record.epoch if self._record else "?", reason)
 
     def check(self) -> None:
-        """Raise ``LeaseLostError`` if this writer may no longer write (fenced or released)."""
+        """Raise ``LeaseLostError`` if this writer may no longer write (fenced or released).
+
+        No I/O. Without compare-and-swap (Drive) it also fences a holder whose last renewal is
+        older than a ttl (a frozen VM): a newcomer may hold the lease unseen, so a save that was
+        in flight during the freeze must not commit.
+        """
+        record = self._record
+        if not self._fenced and not self._released and not self._cas and record is not None:
+            gap = self._clock() - self._last_renewed
+            if gap > record.ttl:
+                with self._lock:
+                    self._fence(f"no renewal for {gap:.1f} s (> ttl {record.ttl:g} s) on a backend "
+                                "without compare-and-swap: another runtime may have taken over",
+                                None, None)
+        self._raise_if_lost()
+
+    def _raise_if_lost(self) -> None:
         if self._fenced:
             epoch = self._record.epoch if self._record else None
             newer = (f"another runtime took over {self.url} at epoch {self._newer_epoch}"

@@ -394,6 +394,11 @@ def test_drive_holder_fences_itself_after_a_ttl_without_renewal(make_backend_tar
     with pytest.raises(LeaseLostError, match="may have taken over"):
         lease.renew()
     assert lease.fenced and read_lease(backend).renewals == 0  # type: ignore[union-attr]
+    other = fake_lease(backend, ft, ttl=10, force=True)
+    other.acquire()
+    ft.now += 11
+    with pytest.raises(LeaseLostError, match="may have taken over"):
+        other.check()  # no I/O: a save in flight during the freeze must not commit
 
 
 # ---------------------------------------------------------------- heartbeat (real time)
@@ -499,6 +504,34 @@ def test_lease_across_two_simulated_vms(tmp_path: Path) -> None:
         a.release()
         sim.wait_synced(5)
         assert read_lease(a_back).released  # type: ignore[union-attr]
+
+
+def test_two_vms_on_an_empty_root_settle_picks_one(tmp_path: Path) -> None:
+    """Both VMs see no lease and create epoch 1; a settle longer than the delay decides."""
+    with DriveSim(tmp_path / "sim", delay=0.5, poll=0.02) as sim:
+        results: dict[str, Any] = {}
+        barrier = threading.Barrier(2, timeout=10)
+
+        def newcomer(vm: str) -> None:
+            lease = Lease(sim.backend(vm, "run"), ttl=3.0, settle=1.5, wait_timeout=0)
+            barrier.wait()
+            try:
+                results[vm] = lease.acquire()
+            except LeaseHeldError as exc:
+                results[vm] = exc
+
+        threads = [threading.Thread(target=newcomer, args=(vm,)) for vm in ("vm1", "vm2")]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(20)
+        won = [r for r in results.values() if isinstance(r, LeaseRecord)]
+        held = [r for r in results.values() if isinstance(r, LeaseHeldError)]
+        assert len(won) == 1 and len(held) == 1, results
+        assert held[0].holder["holder"]["nonce"] == won[0].holder.nonce
+        sim.wait_synced(5)
+        for vm in ("vm1", "vm2"):
+            assert read_lease(sim.backend(vm, "run")).holder == won[0].holder  # type: ignore[union-attr]
 
 
 # ---------------------------------------------------------------- real processes

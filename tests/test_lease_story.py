@@ -141,6 +141,11 @@ def test_zombie_cannot_clobber_the_resumed_run(kind: str, make_backend_target: A
                     "--go", str(go_b), "--check", str(check_b), *([] if frozen else ["--force"]))
     try:
         _wait(ev_a, proc_a, 90, lambda evs: len(_count("saved")(evs)) >= 8, "8 saves by A")
+        if sim is not None:
+            # The story's premise: A has run long enough for its lease and checkpoints to reach
+            # B's VM. (A newcomer that finds the root still empty takes epoch 1 too; only a settle
+            # longer than the propagation delay catches that: see test_lease.py.)
+            sim.wait_delivered(30)
         _wait(ev_b, proc_b, 90, _count("ready"), "B ready")
         if frozen:
             os.kill(proc_a.pid, signal.SIGSTOP)  # the deleted runtime: frozen, not dead
