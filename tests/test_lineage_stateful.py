@@ -1,0 +1,1002 @@
+"""Stateful property test of the lease and lineage rules over many writer schedules (issue 9).
+
+Two to five writers and a reader share one checkpoint root: a simulated Drive folder
+(tests/sim_drive.py: per-VM views, propagation delays and reorderings drawn by hypothesis), a real
+local-disk root, and the memory backend. Writers open (takeover, also with ``force``), restore,
+save (which rotates), pause, die, close; a reader restores. Everything runs on one fake clock:
+lease acquisitions are cooperative tasks that sleep on it, so nothing really sleeps.
+
+Invariants checked after every step (their precise forms are in ``LineageMachine``'s docstring);
+a failure prints the shrunk schedule as a story: who did what, when, and what each VM could see.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import re
+import shutil
+import threading
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+
+from ckptsdk.backends.local import LocalBackend
+from ckptsdk.backends.memory import MemoryBackend
+from ckptsdk.errors import (
+    CkptError,
+    LeaseHeldError,
+    LeaseLostError,
+    NoValidCheckpointError,
+)
+from ckptsdk.manager import CheckpointManager
+from tests.hypothesis_profiles import lineage_settings
+from tests.sim_drive import FakeClock, FrozenBackend, SimDrive
+
+_FOLDER_RE = re.compile(r"^step-(\d{10,})\.e(\d+)/(.+)$")
+_LINEAGE_RE = re.compile(r"^lineage/epoch-(\d+)\.json$")
+LEASE = "LEASE.json"
+POLL = 5.0  # the lease's longest observation poll (ckptsdk.lease._POLL_MAX)
+PAUSES: dict[str, Callable[[float], float]] = {  # how long a pause lasts, given the ttl
+    "1 s": lambda ttl: 1.0,
+    "10 s": lambda ttl: 10.0,
+    "ttl/4": lambda ttl: ttl / 4,
+    "ttl/2": lambda ttl: ttl / 2,
+    "ttl+5%": lambda ttl: ttl * 1.05,
+    "1.5 ttl": lambda ttl: ttl * 1.5,
+}
+
+
+def _folder(key: str) -> tuple[int, int, str] | None:
+    m = _FOLDER_RE.match(key)
+    return (int(m.group(1)), int(m.group(2)), m.group(3)) if m else None
+
+
+class _Abort(BaseException):
+    """Raised inside a parked acquisition whose writer died: unwinds its thread."""
+
+
+# ---------------------------------------------------------------------- cooperative tasks
+@dataclass
+class Task:
+    name: str
+    wake_at: float | None = None
+    running: bool = False
+    done: bool = False
+    abort: bool = False
+    result: Any = None
+    error: BaseException | None = None
+    finished_at: float | None = None
+    thread: threading.Thread | None = None
+
+
+class Coop:
+    """Runs blocking calls that sleep on the fake clock as tasks: exactly one thread runs at a time.
+
+    ``sleep`` (given to the lease) parks the calling task until the main thread advances the clock
+    past its wake-up time; time passes for everybody (changes in flight are delivered) meanwhile.
+    """
+
+    def __init__(self, clock: FakeClock, advance_to: Callable[[float], None]) -> None:
+        self.clock = clock
+        self._advance_to = advance_to
+        self.cv = threading.Condition()
+        self.tasks: list[Task] = []
+        self._local = threading.local()
+
+    def sleep(self, dt: float) -> None:
+        task: Task | None = getattr(self._local, "task", None)
+        if task is None:  # the main thread sleeping: just let time pass
+            self._advance_to(self.clock.now + max(0.0, dt))
+            return
+        with self.cv:
+            task.wake_at = self.clock.now + max(0.0, dt)
+            task.running = False
+            self.cv.notify_all()
+            if not self.cv.wait_for(lambda: task.running or task.abort, timeout=120):
+                task.abort = True
+            if task.abort:
+                raise _Abort()
+
+    def start(self, name: str, fn: Callable[[], Any]) -> Task:
+        task = Task(name)
+
+        def body() -> None:
+            self._local.task = task
+            with self.cv:
+                self.cv.wait_for(lambda: task.running or task.abort, timeout=120)
+            try:
+                if task.abort:
+                    raise _Abort()
+                task.result = fn()
+            except _Abort:
+                pass
+            except BaseException as exc:  # kept for the main thread, never escapes the thread
+                task.error = exc
+            finally:
+                with self.cv:
+                    task.done, task.running = True, False
+                    task.finished_at = self.clock.now
+                    self.cv.notify_all()
+
+        task.thread = threading.Thread(target=body, name=f"lineage-{name}", daemon=True)
+        self.tasks.append(task)
+        task.thread.start()
+        self._run(task)
+        return task
+
+    def _run(self, task: Task) -> None:
+        with self.cv:
+            task.running = True
+            self.cv.notify_all()
+            if not self.cv.wait_for(lambda: not task.running, timeout=120):
+                raise RuntimeError(f"task {task.name} did not park or finish within 120 s")
+
+    def advance(self, dt: float) -> None:
+        """Let ``dt`` seconds pass: deliver changes and wake sleeping tasks in time order."""
+        target = self.clock.now + dt
+        for _ in range(100_000):
+            due = [t for t in self.tasks if not t.done and t.wake_at is not None and t.wake_at <= target]
+            if not due:
+                break
+            task = min(due, key=lambda t: t.wake_at)  # type: ignore[arg-type,return-value]
+            self._advance_to(max(self.clock.now, task.wake_at))  # type: ignore[arg-type]
+            task.wake_at = None
+            self._run(task)
+        self._advance_to(target)
+
+    def kill(self, task: Task) -> None:
+        with self.cv:
+            task.abort = True
+            self.cv.notify_all()
+        if task.thread is not None:
+            task.thread.join(timeout=30)
+
+    def close(self) -> None:
+        for task in self.tasks:
+            if not task.done:
+                self.kill(task)
+
+
+# ---------------------------------------------------------------------- writers and taps
+class _Weights:
+    """A one-tensor "model" whose value names who computed it: (writer uid, step)."""
+
+    def __init__(self, uid: int, step: int) -> None:
+        self.set(uid, step)
+
+    def set(self, uid: int, step: int) -> None:
+        self.w = torch.tensor([float(uid), float(step)], dtype=torch.float64)
+
+    @property
+    def payload(self) -> tuple[int, int]:
+        return int(self.w[0]), int(self.w[1])
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"w": self.w}
+
+    def load_state_dict(self, tree: dict[str, Any]) -> None:
+        self.w = tree["w"].clone()
+
+
+@dataclass(repr=False)
+class Writer:
+    name: str
+    uid: int
+    vm: str
+    force: bool
+    backend: Any
+    opened_at: float
+    state: str = "opening"  # opening, open, failed, dead, closed
+    task: Task | None = None
+    mgr: CheckpointManager | None = None
+    epoch: int | None = None
+    step: int = 0
+    weights: _Weights = field(default_factory=lambda: _Weights(0, 0))
+    begun: bool = False  # lineage written (restore or first save)
+    fenced_seen: str | None = None  # evidence of a higher epoch this writer had in view
+    solo: bool = True  # no other writer alive during its whole acquisition (liveness applies)
+    frozen: bool = False  # its VM stalls: no heartbeat until it next acts
+
+    @property
+    def alive(self) -> bool:
+        return self.state in ("opening", "open")
+
+    def label(self) -> str:
+        return f"{self.name}({self.vm}{',e%d' % self.epoch if self.epoch else ''})"
+
+    def __repr__(self) -> str:  # hypothesis prints drawn writers in the failing schedule
+        return self.label()
+
+
+class _Tap:
+    """A writer's (or reader's) backend: forwards everything, reporting writes and deletes first."""
+
+    def __init__(self, inner: Any, actor: Writer | None, hook: Callable[[Writer | None, str, str, bytes | None], None]) -> None:
+        self._inner = inner
+        self._actor = actor
+        self._hook = hook
+        self.url = inner.url
+        self.capabilities = inner.capabilities
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def _data(self, data: Any) -> bytes:
+        if isinstance(data, (bytes, bytearray, memoryview)):
+            return bytes(data)
+        return b"".join(bytes(c) for c in data)
+
+    def write(self, key: str, data: Any) -> Any:
+        blob = self._data(data)
+        self._hook(self._actor, "write", key, blob)
+        return self._inner.write(key, blob)
+
+    def create(self, key: str, data: Any) -> Any:
+        blob = self._data(data)
+        info = self._inner.create(key, blob)
+        self._hook(self._actor, "create", key, blob)
+        return info
+
+    def replace(self, key: str, data: Any, version: str) -> Any:
+        blob = self._data(data)
+        info = self._inner.replace(key, blob, version)
+        self._hook(self._actor, "replace", key, blob)
+        return info
+
+    def delete(self, key: str, *, version: str | None = None) -> None:
+        self._hook(self._actor, "delete", key, None)
+        self._inner.delete(key, version=version)
+
+
+# ---------------------------------------------------------------------- the machine
+class StoryFailure(AssertionError):
+    pass
+
+
+# What the schedules exercised, per machine class (printed by the tests: run with -s to see it).
+STATS: dict[str, Counter[str]] = {}
+
+
+class LineageMachine(RuleBasedStateMachine):
+    """Writers and a reader on one checkpoint root; invariants after every step.
+
+    Ground truth is kept by the machine from what writers did (taps see every write and delete):
+    which (step, epoch) each writer committed with which payload, which were deleted, and where
+    each epoch resumed from (its lineage record). The invariants, as checked:
+
+    0. No two writers ever hold the same epoch.
+    1. A restore (reader on any VM view, or a writer) returns a checkpoint whose content is exactly
+       what was committed under its (step, epoch) (so never torn, never unverified), and never one
+       of epoch e at a step beyond the point where any higher epoch visible in that view (its
+       lineage record or a manifest) resumed from; a fresh-start epoch orphans every lower one.
+    2. No writer deletes anything in a checkpoint folder of a higher epoch than its own.
+    3. Once a writer had a higher epoch in view (LEASE.json, a lineage record or a checkpoint
+       folder) when it was called, it writes no manifest from then on.
+    4. "Nothing lost". Let H be the highest epoch that wrote a lineage record, and T its newest
+       committed, undeleted checkpoint (or, if H committed none, the checkpoint H resumed from;
+       none if H started fresh). Immediately consistent roots (local, memory): a reader restores
+       exactly T after every step. Drive, where "always" cannot mean "on every VM at once":
+       (a) once every change in flight has been delivered (uploads are not lost when a writer
+       dies), a reader restores exactly T; (b) read-your-writes: on H's own VM a reader restores
+       exactly T at every step, before any propagation.
+    5. Liveness: a newcomer that was the only live writer during its whole acquisition takes
+       over within ttl + settle + one poll (5 s) after the later of its start and the last change
+       of LEASE.json that reached its view; it never fails with LeaseHeldError then.
+    """
+
+    kind = "drive"
+    ttl = 300.0
+    settle = 60.0
+    delays: tuple[float, ...] = (0.0, 2.0, 10.0, 25.0)  # per hop; two hops < settle
+    vms = ("vm1", "vm2", "vm3")
+    max_writers = 5
+    tmp_root: Path | None = None
+    _counter = 0
+
+    def __init__(self) -> None:
+        super().__init__()
+        type(self)._counter += 1
+        self.clock = FakeClock()
+        self.t0 = self.clock.now
+        self.keep_last = 2
+        self._draw: Callable[[], float] = lambda: 0.0
+        self.sim: SimDrive | None = None
+        self._dir: Path | None = None
+        self._mem_name: str | None = None
+        if self.kind == "drive":
+            self.sim = SimDrive(self.clock, delay=lambda hop, key: self._draw())
+            self.coop = Coop(self.clock, self.sim.advance_to)
+        else:
+            self.coop = Coop(self.clock, self._tick)
+            if self.kind == "local":
+                assert self.tmp_root is not None
+                self._dir = self.tmp_root / f"root-{type(self)._counter}"
+                self._raw: Any = LocalBackend(str(self._dir))
+            else:
+                self._mem_name = f"lineage-{id(self)}-{type(self)._counter}"
+                self._raw = MemoryBackend(self._mem_name)
+        self.writers: list[Writer] = []
+        self.committed: dict[tuple[int, int], tuple[int, int]] = {}
+        self.deleted: set[tuple[int, int]] = set()
+        self.resume: dict[int, tuple[int, int] | None] = {}
+        self.epoch_owner: dict[int, str] = {}
+        self.violations: list[str] = []
+        self.void = False  # set once two writers share an epoch where that is not promised
+        self.next_beat = self.clock.now + self.ttl / 3
+        self.story: list[str] = []
+        self._restoring: dict[str, _Weights] = {}  # a writer's restore target (its anchor's payload)
+        self._ops: list[str] = []
+        self.stats = STATS.setdefault(type(self).__name__, Counter())
+        self.stats["schedules"] += 1
+
+    # ------------------------------------------------------------------ plumbing
+    def _tick(self, t: float) -> None:
+        self.clock.now = max(self.clock.now, t)
+
+    def _t(self) -> str:
+        return f"t={self.clock.now - self.t0:7.1f}"
+
+    def _raw_backend(self, vm: str) -> Any:
+        if self.sim is not None:
+            return self.sim.backend(vm)
+        return LocalBackend(str(self._dir)) if self.kind == "local" else MemoryBackend(self._mem_name or "")
+
+    def _view(self, vm: str) -> dict[str, bytes | None]:
+        """Keys visible on ``vm``; bytes only for the small JSON objects we inspect."""
+        if self.sim is not None:
+            return {k: v for k, v in self.sim.visible(vm).items()}
+        out: dict[str, bytes | None] = {}
+        for obj in self._raw.list(""):
+            out[obj.key] = self._raw.read(obj.key) if obj.key == LEASE else None
+        return out
+
+    def _vm_names(self) -> list[str]:
+        return list(self.sim.views) if self.sim is not None else ["disk"]
+
+    def _describe_view(self, vm: str) -> str:
+        view = self._view(vm)
+        lease = "-"
+        if view.get(LEASE):
+            try:
+                rec = json.loads(view[LEASE])  # type: ignore[arg-type]
+                who = next((w.name for w in self.writers if w.mgr is not None and w.mgr.lease is not None
+                            and w.mgr.lease.record is not None
+                            and w.mgr.lease.record.holder.nonce == rec["holder"]["nonce"]), "?")
+                lease = f"e{rec['epoch']}/{who}{'(released)' if rec.get('released') else ''}"
+            except (ValueError, KeyError, TypeError):
+                lease = "unreadable"
+        folders: dict[tuple[int, int], set[str]] = {}
+        lineage = []
+        for key in view:
+            f = _folder(key)
+            if f:
+                folders.setdefault((f[0], f[1]), set()).add(f[2])
+            m = _LINEAGE_RE.match(key)
+            if m:
+                lineage.append(int(m.group(1)))
+        ckpts = []
+        for (s, e), names in sorted(folders.items()):
+            mark = "" if {"manifest.json", "tensors.safetensors"} <= names else (
+                "~torn" if "manifest.json" in names else "?uncommitted")
+            if mark == "~torn":
+                self.stats["torn checkpoint in a view (manifest before tensors)"] += 1
+            ckpts.append(f"{s}e{e}{mark}")
+        return f"{vm}[lease {lease} | {' '.join(ckpts) or 'no ckpt'} | lineage {sorted(lineage)}]"
+
+    def _say(self, line: str) -> None:
+        ops = f"  ops: {', '.join(self._ops)}" if self._ops else ""
+        self._ops = []
+        views = " ".join(self._describe_view(vm) for vm in self._vm_names())
+        flight = ""
+        if self.sim is not None:
+            n = len(self.sim.in_flight())
+            flight = f" in flight: {n}"
+        self.story.append(f"{self._t()} {line}{ops}\n{'':11}sees: {views}{flight}")
+
+    unpromised: tuple[str, ...] = ()
+
+    def _violate(self, text: str) -> None:
+        """Record a broken invariant ([N] prefix); on Drive beyond the settle time, [0] and [5] are
+        not promised (the lease is advisory there) and are only counted."""
+        if self.void:
+            return
+        if text[:3] in self.unpromised:
+            self.stats[f"unpromised {text[:3]} seen"] += 1
+            if text.startswith("[0]"):
+                # Two writers share an epoch, hence folder names: the lineage rules presuppose
+                # unique epochs, so this schedule proves nothing more (see the xfail test
+                # test_two_forced_takeovers_share_an_epoch_on_late_drive).
+                self.void = True
+                self.stats["schedules voided by a shared epoch"] += 1
+                self._say(f"(not checked from here on: {text})")
+            return
+        self.violations.append(text)
+
+    def _fail(self, what: str) -> None:
+        story = "\n".join(self.story[-80:])
+        raise StoryFailure(f"{what}\n--- the schedule ({self.kind}, keep_last={self.keep_last}, "
+                           f"ttl={self.ttl:g}, settle={self.settle:g}) ---\n{story}")
+
+    def _hook(self, actor: Writer | None, op: str, key: str, data: bytes | None) -> None:
+        """Every write/create/replace/delete, before (write, delete) or after (create, replace) it."""
+        who = actor.label() if actor is not None else "reader"
+        f = _folder(key)
+        if f is not None:
+            step, epoch, name = f
+            if op == "delete":
+                self._ops.append(f"del {step}e{epoch}/{name[:3]}")
+                if actor is None or actor.epoch is None or epoch > actor.epoch:
+                    self._violate(
+                        f"[2] {who} deleted {key}, a checkpoint of epoch {epoch} (higher than its own)")
+                if name == "manifest.json":
+                    self.deleted.add((step, epoch))
+                    self.stats["checkpoints deleted"] += 1
+            elif name == "manifest.json":
+                self._ops.append(f"commit {step}e{epoch}")
+                self.stats["commits"] += 1
+                if self.epoch_owner and max(self.epoch_owner) > epoch:
+                    self.stats["commits by a superseded writer"] += 1
+                if actor is None or actor.epoch != epoch:
+                    self._violate(f"[0] {who} wrote the manifest of {key}, not its epoch")
+                elif actor.fenced_seen is not None:
+                    self._violate(
+                        f"[3] {who} committed {key} after it had a higher epoch in view: {actor.fenced_seen}")
+                if actor is not None:
+                    payload = self._restoring.get(actor.name, actor.weights).payload
+                    self.committed[(step, epoch)] = payload
+        m = _LINEAGE_RE.match(key)
+        if m and op != "delete" and data is not None:
+            epoch = int(m.group(1))
+            rec = json.loads(data)
+            point = None if rec["resumed_from_step"] is None else (rec["resumed_from_step"], rec["resumed_from_epoch"])
+            self._ops.append(f"lineage e{epoch} from {point}")
+            owner = actor.name if actor is not None else "reader"
+            if epoch in self.resume and self.epoch_owner.get(epoch) != owner:
+                self._violate(f"[0] {who} wrote lineage of epoch {epoch}, already written by "
+                                       f"{self.epoch_owner.get(epoch)}")
+            self.resume[epoch] = point
+            self.epoch_owner.setdefault(epoch, owner)
+        if key == LEASE and data is not None and op != "delete":
+            self._ops.append(f"lease e{json.loads(data)['epoch']}")
+
+    def _higher_evidence(self, w: Writer) -> str | None:
+        assert w.epoch is not None
+        for key, data in self._view(w.vm).items():
+            f = _folder(key)
+            if f is not None and f[1] > w.epoch:
+                return key
+            m = _LINEAGE_RE.match(key)
+            if m and int(m.group(1)) > w.epoch:
+                return key
+            if key == LEASE and data:
+                try:
+                    epoch = json.loads(data)["epoch"]
+                except (ValueError, KeyError, TypeError):
+                    continue
+                if epoch > w.epoch:
+                    return f"LEASE.json of epoch {epoch}"
+        return None
+
+    def _note_evidence(self, w: Writer) -> None:
+        if w.fenced_seen is None:
+            w.fenced_seen = self._higher_evidence(w)
+
+    def _draw_with(self, data: st.DataObject) -> None:
+        """Delays for this step's changes, drawn up front (a parked task runs in another thread,
+        outside hypothesis' build context) and used in turn, cycling."""
+        if self.sim is not None:
+            delays = data.draw(st.lists(st.sampled_from(self.delays), min_size=1, max_size=24), label="delays")
+            turn = itertools.cycle(delays)
+            self._draw = lambda: next(turn)
+
+    def _no_draw(self) -> None:
+        self._draw = lambda: 0.0
+
+    # ------------------------------------------------------------------ task completion
+    def _bound(self, w: Writer) -> float:
+        last = w.opened_at
+        if self.sim is not None:
+            last = max(last, self.sim.arrived.get((w.vm, LEASE), last))
+        settle = 0.0 if self.sim is None else self.settle
+        return last + self.ttl + settle + POLL
+
+    def _reap(self) -> None:
+        """Turn finished acquisitions into open (or failed) writers; check liveness."""
+        for w in self.writers:
+            task = w.task
+            if task is None or (w.state != "opening" and (task.error is None or w.state == "failed")):
+                continue
+            if not task.done:
+                if w.solo and self.clock.now > self._bound(w):
+                    self._violate(
+                        f"[5] {w.label()} alone since {w.opened_at - self.t0:.1f} and still not the "
+                        f"writer at {self.clock.now - self.t0:.1f} (bound {self._bound(w) - self.t0:.1f})")
+                continue
+            assert task.finished_at is not None
+            if task.error is not None:
+                w.state = "failed"
+                self.story.append(f"t={task.finished_at - self.t0:7.1f} {w.label()} open failed: "
+                                  f"{type(task.error).__name__}: {task.error}")
+                if not isinstance(task.error, LeaseHeldError):
+                    raise task.error
+                self.stats['open failed (LeaseHeldError)'] += 1
+                if w.solo:
+                    self._violate(f"[5] {w.label()} was the only live writer and got "
+                                           f"LeaseHeldError: {task.error}")
+                continue
+
+    def _became_writer(self, w: Writer, mgr: CheckpointManager) -> None:
+        """Called in the opening task the moment its acquisition returns."""
+        assert mgr.lease is not None
+        now = self.clock.now
+        w.mgr, w.epoch, w.state = mgr, mgr.lease.epoch, "open"
+        self.stats["writers opened"] += 1
+        if w.epoch > 1:
+            self.stats["takeovers"] += 1
+        self._say(f"{w.label()} is the writer: epoch {w.epoch} after {now - w.opened_at:.1f} s")
+        other = self.epoch_owner.get(w.epoch)
+        if other is not None and other != w.name:
+            self._violate(f"[0] {w.label()} acquired epoch {w.epoch}, which {other} held")
+        self.epoch_owner[w.epoch] = w.name
+        if w.solo and now > self._bound(w):
+            self._violate(
+                f"[5] {w.label()} alone from {w.opened_at - self.t0:.1f} took over only at "
+                f"{now - self.t0:.1f} (bound {self._bound(w) - self.t0:.1f})")
+
+    # ------------------------------------------------------------------ rules
+    @initialize(keep_last=st.integers(1, 3))
+    def setup(self, keep_last: int) -> None:
+        """W1 opens on a fresh root and restores nothing (a fresh start)."""
+        self.keep_last = keep_last
+        vm = "disk"
+        if self.sim is not None:
+            vm = self.vms[0]
+            self.sim.add_vm(vm)
+        self._start_writer(vm, False, True, None)
+        self.coop.advance(self.settle + 1.0)
+        self._reap()
+
+    @precondition(lambda self: len(self.writers) < self.max_writers)
+    @rule(data=st.data(), force=st.sampled_from((False, False, True)), then_restore=st.sampled_from((True, True, False)))
+    def open_writer(self, data: st.DataObject, force: bool, then_restore: bool) -> None:
+        """A newcomer starts; with ``then_restore`` it restores the moment it becomes the writer."""
+        if self.sim is not None:
+            vm = data.draw(st.sampled_from(self.vms), label="vm")
+            if vm not in self.sim.views:
+                self.sim.add_vm(vm)
+        else:
+            vm = "disk"
+        self._start_writer(vm, force, then_restore, data)
+
+    def _start_writer(self, vm: str, force: bool, then_restore: bool, data: st.DataObject | None) -> None:
+        uid = len(self.writers) + 1
+        w = Writer(name=f"W{uid}", uid=uid, vm=vm, force=force, backend=None, opened_at=self.clock.now)
+        w.backend = _Tap(self._raw_backend(vm), w, self._hook)
+        w.solo = not any(o.alive for o in self.writers)
+        for o in self.writers:
+            if o.state == "opening":
+                o.solo = False
+        self.writers.append(w)
+
+        def body() -> CheckpointManager:
+            mgr = CheckpointManager(
+                w.backend, keep_last=self.keep_last, lease_ttl=self.ttl, force=force,
+                heartbeat=False, clock=self.clock, sleep=self.coop.sleep, run_id="run")
+            self._became_writer(w, mgr)
+            if then_restore:
+                self._restore_impl(w)
+            return mgr
+
+        if data is not None:
+            self._draw_with(data)
+        try:
+            self.stats["opens"] += 1
+            self._say(f"{w.name} starts opening on {vm}{' with force=True' if force else ''}"
+                      f"{', will restore' if then_restore else ''}")
+            w.task = self.coop.start(w.name, body)
+        finally:
+            self._no_draw()
+        self._reap()
+
+    @rule(data=st.data(), how_long=st.sampled_from(tuple(PAUSES)))
+    def pause(self, data: st.DataObject, how_long: str) -> None:
+        self.pause_for(data, PAUSES[how_long](self.ttl))
+
+    def _open_writers(self) -> list[Writer]:
+        return [w for w in self.writers if w.state == "open"]
+
+    @precondition(lambda self: any(w.state == "open" and not w.begun for w in self.writers))
+    @rule(data=st.data())
+    def restore(self, data: st.DataObject) -> None:
+        """A writer that became the writer earlier restores only now (time may have passed)."""
+        w = data.draw(st.sampled_from([w for w in self.writers if w.state == "open" and not w.begun]), label="writer")
+        self._draw_with(data)
+        try:
+            self._restore_impl(w)
+        finally:
+            self._no_draw()
+
+    def _restore_impl(self, w: Writer) -> None:
+        assert w.mgr is not None
+        w.frozen = False
+        self._note_evidence(w)
+        state = _Weights(0, 0)
+        self._restoring[w.name] = state
+        try:
+            rp = None
+            try:
+                rp = w.mgr.restore(state)
+            except (LeaseLostError, NoValidCheckpointError) as exc:
+                self.stats["writer restore refused"] += 1
+                self._say(f"{w.label()} restore refused: {type(exc).__name__}: {exc}")
+                return
+        finally:
+            self._restoring.pop(w.name, None)
+        w.begun = True
+        if rp is None:
+            self._say(f"{w.label()} restores: fresh start")
+            if self.resume.get(w.epoch or 0, "missing") is not None:
+                self._violate(f"[1] {w.label()} restored nothing but its lineage says "
+                                       f"{self.resume.get(w.epoch or 0, 'missing')}")
+            return
+        w.weights = state
+        w.step = rp.step
+        self.stats["writer restores a checkpoint"] += 1
+        self._say(f"{w.label()} restores {rp.key} (payload {state.payload})")
+        self._check_restored(f"{w.label()}'s restore", w.vm, rp.step, rp.lease_epoch, state.payload)
+        if self.resume.get(w.epoch or 0) != (rp.step, rp.lease_epoch):
+            self._violate(f"[1] {w.label()} restored {rp.key} but its lineage record says "
+                                   f"{self.resume.get(w.epoch or 0, 'missing')}")
+
+    @precondition(lambda self: any(w.state == "open" for w in self.writers))
+    @rule(data=st.data(), steps=st.integers(1, 2))
+    def save(self, data: st.DataObject, steps: int) -> None:
+        w = data.draw(st.sampled_from(self._open_writers()), label="writer")
+        self._save_impl(w, data, steps)
+
+    def _save_impl(self, w: Writer, data: st.DataObject, steps: int) -> None:
+        assert w.mgr is not None
+        w.frozen = False
+        self._note_evidence(w)
+        step = w.step + 10 * steps
+        before = dict(self.committed)
+        self._draw_with(data)
+        try:
+            w.weights.set(w.uid, step)
+            w.mgr.save(w.weights, step=step)
+        except LeaseLostError as exc:
+            self.stats['save refused (fenced)'] += 1
+            self._say(f"{w.label()} save step {step} refused: LeaseLostError "
+                      f"({'fenced by epoch %s' % exc.newer_epoch if exc.newer_epoch else 'stale lease'})")
+            return
+        finally:
+            self._no_draw()
+        w.begun = True
+        w.step = step
+        new = sorted(set(self.committed) - set(before))
+        self._say(f"{w.label()} saves step {step}" + ("" if new else " (nothing committed)"))
+
+    @precondition(lambda self: len(self.writers) < self.max_writers
+                  and any(w.state == "open" for w in self.writers))
+    @rule(data=st.data(), steps=st.integers(1, 2))
+    def forced_takeover_while_training(self, data: st.DataObject, steps: int) -> None:
+        """The story's accident as one step: a newcomer on another VM forces the lease (and
+        restores) while the old writer keeps training; once the newcomer's settle is over, the old
+        writer saves again (it has not necessarily seen anything yet)."""
+        old = data.draw(st.sampled_from(self._open_writers()), label="old writer")
+        vm = "disk"
+        if self.sim is not None:
+            vm = data.draw(st.sampled_from([v for v in self.vms if v != old.vm]), label="newcomer vm")
+            if vm not in self.sim.views:
+                self.sim.add_vm(vm)
+        self._start_writer(vm, True, True, data)
+        self.pause_for(data, self.settle + 1.0)
+        if old.state == "open":
+            self._save_impl(old, data, steps)
+
+    def pause_for(self, data: st.DataObject, seconds: float) -> None:
+        """Time passes for everybody: changes arrive, acquisitions wake, and every open writer
+        that is not frozen renews its lease every ttl/3 (the heartbeat thread, made deterministic)."""
+        target = self.clock.now + seconds
+        beats: list[str] = []
+        self._draw_with(data)
+        try:
+            for _ in range(10_000):
+                if self.next_beat > target:
+                    break
+                self.coop.advance(max(0.0, self.next_beat - self.clock.now))
+                self._reap()
+                self.next_beat += self.ttl / 3
+                for w in self._open_writers():
+                    if w.frozen or w.mgr is None or w.mgr.lease is None or w.mgr.lease.fenced:
+                        continue
+                    self._note_evidence(w)
+                    try:
+                        w.mgr.lease.renew()
+                        self.stats["heartbeat renewals"] += 1
+                    except LeaseLostError:
+                        self.stats["heartbeat found itself fenced"] += 1
+                        beats.append(f"{w.label()} heartbeat: fenced")
+            self.coop.advance(max(0.0, target - self.clock.now))
+        finally:
+            self._no_draw()
+        self._reap()
+        self._say(f"{seconds:g} s pass" + (f" ({'; '.join(beats)})" if beats else ""))
+
+    @precondition(lambda self: any(w.state == "open" and not w.frozen for w in self.writers))
+    @rule(data=st.data())
+    def freeze(self, data: st.DataObject) -> None:
+        """A writer's VM stalls (no heartbeat) until the writer next does something."""
+        w = data.draw(st.sampled_from([w for w in self._open_writers() if not w.frozen]), label="writer")
+        w.frozen = True
+        self._say(f"{w.label()} freezes (no heartbeat until it next acts)")
+
+    @precondition(lambda self: any(w.state == "open" for w in self.writers))
+    @rule(data=st.data(), steps=st.integers(1, 2))
+    def save_again(self, data: st.DataObject, steps: int) -> None:
+        """Saving is what writers do most: a second rule doubles its weight."""
+        self.save(data, steps)
+
+    @precondition(lambda self: any(w.alive for w in self.writers)
+                  and sum(w.state == "dead" for w in self.writers) < 3)
+    @rule(data=st.data())
+    def die(self, data: st.DataObject) -> None:
+        w = data.draw(st.sampled_from([w for w in self.writers if w.alive]), label="writer")
+        if w.state == "opening" and w.task is not None:
+            self.coop.kill(w.task)
+        w.state = "dead"
+        self.stats['deaths'] += 1
+        self._say(f"{w.label()} dies (VM gone; nothing closed)")
+
+    @precondition(lambda self: any(w.state == "open" for w in self.writers))
+    @rule(data=st.data())
+    def close(self, data: st.DataObject) -> None:
+        w = data.draw(st.sampled_from(self._open_writers()), label="writer")
+        assert w.mgr is not None
+        self._note_evidence(w)
+        self._draw_with(data)
+        try:
+            w.mgr.close()
+        finally:
+            self._no_draw()
+        w.state = "closed"
+        self.stats['closes'] += 1
+        self._say(f"{w.label()} closes (releases the lease)")
+
+    @rule(data=st.data())
+    def reader_restores(self, data: st.DataObject) -> None:
+        vm = data.draw(st.sampled_from(self._vm_names()), label="reader vm")
+        rp, payload = self._read(self._raw_backend(vm))
+        if rp is None:
+            self._say(f"reader on {vm} restores: {payload}")
+            return
+        self.stats['reader restores a checkpoint'] += 1
+        self._say(f"reader on {vm} restores {rp.key}")
+        self._check_restored(f"reader on {vm}", vm, rp.step, rp.lease_epoch, payload)
+
+    # ------------------------------------------------------------------ checks
+    def _read(self, backend: Any) -> tuple[Any, Any]:
+        reader = CheckpointManager(_Tap(backend, None, self._hook), read_only=True)
+        state = _Weights(0, 0)
+        try:
+            rp = reader.restore(state)
+        except NoValidCheckpointError as exc:
+            self.stats["restore: NoValidCheckpointError"] += 1
+            return None, f"NoValidCheckpointError ({exc})"
+        if any(c.orphan for c in reader.list()):
+            self.stats["restore with orphans present"] += 1
+        return rp, (state.payload if rp is not None else "nothing (fresh start)")
+
+    def _check_restored(self, who: str, vm: str | None, step: int, epoch: int, payload: Any) -> None:
+        truth = self.committed.get((step, epoch))
+        if truth is None:
+            self._violate(f"[1] {who} got step {step} epoch {epoch}, which nobody committed")
+        elif truth != payload:
+            self._violate(f"[1] {who} got step {step} epoch {epoch} with payload {payload}, "
+                                   f"committed was {truth}")
+        if vm is None:
+            return
+        for key in self._view(vm):
+            higher = None
+            m = _LINEAGE_RE.match(key)
+            if m:
+                higher = int(m.group(1))
+            f = _folder(key)
+            if f is not None and f[2] == "manifest.json":
+                higher = f[1]
+            if higher is None or higher <= epoch or higher not in self.resume:
+                continue
+            point = self.resume[higher]
+            if point is None or step > point[0]:
+                self._violate(
+                    f"[1] {who} got step {step} of epoch {epoch}, but epoch {higher} (visible as "
+                    f"{key}) resumed from {point}")
+
+    def _tip(self) -> tuple[int, int] | None:
+        if not self.resume:
+            return None
+        top = max(self.resume)
+        own = [s for (s, e) in self.committed if e == top and (s, e) not in self.deleted]
+        if own:
+            return max(own), top
+        point = self.resume[top]
+        if point is None:
+            return None
+        if point in self.deleted:
+            self._violate(f"[4] epoch {top} resumed from {point}, which was deleted "
+                                   "before it committed anything of its own")
+        return point
+
+    def _expect_tip(self, where: str, backend: Any) -> None:
+        tip = self._tip()
+        rp, payload = self._read(backend)
+        got = None if rp is None else (rp.step, rp.lease_epoch)
+        if got != tip:
+            self._violate(f"[4] {where}: a reader restores {got} ({payload}); the newest "
+                                   f"checkpoint of the highest epoch is {tip}")
+        elif rp is not None and self.committed.get(got) != payload:  # type: ignore[arg-type]
+            self._violate(f"[1] {where}: restored {got} with payload {payload}, committed "
+                                   f"was {self.committed.get(got)}")  # type: ignore[arg-type]
+
+    @invariant()
+    def invariants_hold(self) -> None:
+        self._reap()
+        if self.void:
+            return
+        if self.sim is None:
+            self._expect_tip("after this step", self._raw_backend("disk"))
+        else:
+            self._expect_tip("once everything in flight is delivered",
+                             FrozenBackend(self.sim.converged_cloud()))
+            if self.resume:
+                top = max(self.resume)
+                owner = next((w for w in self.writers if w.name == self.epoch_owner.get(top)), None)
+                if owner is not None:
+                    self._expect_tip(f"on {owner.vm}, the VM of epoch {top}", self._raw_backend(owner.vm))
+        if self.violations:
+            self._fail("invariant broken: " + "; ".join(dict.fromkeys(self.violations)))
+
+    def teardown(self) -> None:
+        self.coop.close()
+        for w in self.writers:
+            if w.mgr is not None:
+                # A dead VM runs no exit handlers: keep the manager's atexit close from releasing
+                # leases of this finished simulation.
+                w.mgr._closed = True
+                w.mgr = None
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+        if self._mem_name is not None:
+            MemoryBackend.discard_store(self._mem_name)
+
+
+class DriveLateLineage(LineageMachine):
+    """Drive as DRIVE_FACTS describes it: changes reach other VMs up to 20 minutes late (far beyond
+    the settle time and the ttl). The lease cannot exclude anyone then; lineage must keep every
+    safety invariant (1-4). Unique epochs (0) and liveness (5) rest on timing and are only counted."""
+
+    delays = (0.0, 5.0, 30.0, 90.0, 240.0, 600.0)
+    unpromised = ("[0]", "[5]")
+
+
+class LocalLineage(LineageMachine):
+    kind = "local"
+    ttl = 60.0
+    settle = 0.0
+    max_writers = 4
+
+
+class MemoryLineage(LineageMachine):
+    kind = "memory"
+    ttl = 60.0
+    settle = 0.0
+    max_writers = 4
+
+
+def _run(machine: type[LineageMachine], scale: float, needed: tuple[str, ...]) -> None:
+    STATS.pop(machine.__name__, None)
+    run_state_machine_as_test(machine, settings=lineage_settings(scale))
+    stats = STATS.get(machine.__name__, Counter())
+    print(f"\n{machine.__name__}: " + ", ".join(f"{k}: {v}" for k, v in sorted(stats.items())))
+    # The schedules must reach the interesting situations, or the invariants prove little.
+    for what in needed:
+        assert stats[what] > 0, f"no schedule of {machine.__name__} had {what!r}: {dict(stats)}"
+
+
+def test_lineage_drive_within_settle() -> None:
+    """Drive whose changes arrive within the settle time: every invariant, 0-5."""
+    _run(LineageMachine, 0.3, ("takeovers", "save refused (fenced)"))
+
+
+def test_lineage_drive_late() -> None:
+    """Drive whose changes arrive minutes late: the safety invariants 1-4 hold by lineage alone."""
+    _run(DriveLateLineage, 0.35, ("takeovers", "save refused (fenced)", "commits by a superseded writer",
+                                  "restore with orphans present"))
+
+
+def test_lineage_local(tmp_path: Path) -> None:
+    LocalLineage.tmp_root = tmp_path
+    _run(LocalLineage, 0.2, ("takeovers", "save refused (fenced)"))
+
+
+def test_lineage_memory() -> None:
+    _run(MemoryLineage, 0.15, ("takeovers", "save refused (fenced)"))
+
+
+# ---------------------------------------------------------------------- minimal reproductions
+def _sim_manager(sim: SimDrive, vm: str, **kw: Any) -> CheckpointManager:
+    """A writer on ``vm`` whose lease sleeps by letting simulated time pass (single-threaded)."""
+    if vm not in sim.views:
+        sim.add_vm(vm)
+    return CheckpointManager(sim.backend(vm), keep_last=1, lease_ttl=300.0, heartbeat=False,
+                             clock=sim.clock, sleep=lambda dt: sim.advance_to(sim.now + dt),
+                             run_id="run", **kw)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "Drive, changes 400 s late (> settle 60 s): two newcomers that take over a dead writer one "
+    "after the other on two VMs both become epoch 2, so their folder names (step-N.e2) collide "
+    "and either one's rotation deletes the other's checkpoints. Lease/lineage must order writers "
+    "by (epoch, nonce), and folder names must carry the nonce."))
+def test_two_newcomers_share_an_epoch_on_late_drive() -> None:
+    sim = SimDrive(delay=lambda hop, key: 400.0)
+    w1 = _sim_manager(sim, "vm1")
+    assert w1.restore(_Weights(1, 0)) is None
+    w1.save(_Weights(1, 10), step=10)
+    sim.advance_to(sim.now + 1000)  # everything propagated; then W1's VM vanishes
+    w1._closed = True  # a dead VM closes nothing (and runs no exit handler)
+    w2 = _sim_manager(sim, "vm2")  # watches W1's silent lease for a ttl, takes over
+    sim.advance_to(sim.now + 1)
+    w3 = _sim_manager(sim, "vm3")  # W2's record is still in flight to vm3
+    assert w2.lease is not None and w3.lease is not None
+    w2._closed = w3._closed = True
+    assert w2.lease.epoch != w3.lease.epoch, (
+        f"W2 on vm2 and W3 on vm3 both hold epoch {w2.lease.epoch}: both will write "
+        f"step-*.e{w2.lease.epoch}/ and delete each other's checkpoints")
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "CheckpointManager.restore() neither renews the lease nor checks the catalog's max_epoch "
+    "before writing the lineage record and the anchor checkpoint: a writer that became stale "
+    "between opening and restoring (another took over) still commits step-N.e<old>. Fix: in "
+    "restore(), for a writer, call lease.renew() and _fence_if_newer(scan.max_epoch) before "
+    "_write_lineage/_anchor (raising LeaseLostError)."))
+def test_restore_after_being_taken_over_commits_nothing() -> None:
+    clock = FakeClock()
+    name = f"lineage-restore-{id(clock)}"
+    backend = MemoryBackend(name)
+    try:
+        def open_writer(**kw: Any) -> CheckpointManager:
+            return CheckpointManager(backend, keep_last=2, lease_ttl=60.0, heartbeat=False, clock=clock,
+                                     sleep=lambda dt: setattr(clock, "now", clock.now + dt),
+                                     run_id="run", **kw)
+
+        w1 = open_writer()
+        w1.restore(_Weights(1, 0))
+        w1.save(_Weights(1, 10), step=10)
+        w1._closed = True  # dies
+        clock.now += 61.0
+        w2 = open_writer()  # epoch 2 (takes over after a ttl of silence), does not restore yet
+        w3 = open_writer(force=True)  # epoch 3 takes over from W2
+        assert w3.restore(_Weights(3, 0)) is not None
+        w2._closed = w3._closed = True
+        with pytest.raises(LeaseLostError):
+            w2.restore(_Weights(2, 0))  # W2 is stale: epoch 3 holds the lease and wrote lineage
+        assert not backend.exists("step-0000000010.e2/manifest.json"), "the stale writer committed an anchor"
+    finally:
+        MemoryBackend.discard_store(name)
