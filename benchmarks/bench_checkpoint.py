@@ -221,6 +221,7 @@ class Bench:
         written: dict[str, tuple[int, str]] = {}
         saves: list[tuple[str, Callable[[], None]]] = [
             ("raw write+fsync", lambda: raw_write(d / "raw.bin", self.raw_bytes)),
+            ("backend publish, same bytes", lambda: self.direct.write(f"rep{r}/raw.bin", self.raw_bytes)),
             ("torch.save+fsync", lambda: self._torch_save(d / "torch.pt")),
             ("DCP save", lambda: self._dcp_save(d / "dcp")),
             ("ckptsdk save (direct, sync)", lambda: written.update(r=write_tensorfile(self.direct, key, tensors))),
@@ -461,7 +462,7 @@ def gcs_rows(job: Job, reps: int, warmup: int) -> dict[str, list[float]]:
 
 
 ROW_ORDER = [
-    "raw write+fsync", "torch.save+fsync", "DCP save", "ckptsdk save (direct, sync)", "ckptsdk save (manager, sync)",
+    "raw write+fsync", "backend publish, same bytes", "torch.save+fsync", "DCP save", "ckptsdk save (direct, sync)", "ckptsdk save (manager, sync)",
     "ckptsdk async stall (direct)", "ckptsdk async total (direct)", "ckptsdk async stall (manager)",
     "ckptsdk async total (manager)", "raw cold read", "torch.load (cold)", "ckptsdk restore (direct, verified)",
     "ckptsdk restore (manager, verified)", "gcs raw upload", "gcs ckptsdk save (direct)", "gcs ckptsdk save (manager)",
