@@ -38,10 +38,10 @@ from hypothesis.stateful import (
 from ckptsdk.backends.local import LocalBackend
 from ckptsdk.backends.memory import MemoryBackend
 from ckptsdk.errors import (
-    CkptError,
     LeaseHeldError,
     LeaseLostError,
     NoValidCheckpointError,
+    PreconditionFailed,
 )
 from ckptsdk.manager import CheckpointManager
 from tests.hypothesis_profiles import lineage_settings
@@ -435,11 +435,12 @@ class LineageMachine(RuleBasedStateMachine):
     def _hook(self, actor: Writer | None, op: str, key: str, data: bytes | None) -> None:
         """Every write/create/replace/delete, before (write, delete) or after (create, replace) it."""
         who = actor.label() if actor is not None else "reader"
+        tag = actor.name if actor is not None else "reader"
         f = _folder(key)
         if f is not None:
             step, epoch, name = f
             if op == "delete":
-                self._ops.append(f"del {step}e{epoch}/{name[:3]}")
+                self._ops.append(f"{tag}:del {step}e{epoch}/{name[:3]}")
                 if actor is None or actor.epoch is None or epoch > actor.epoch:
                     self._violate(
                         f"[2] {who} deleted {key}, a checkpoint of epoch {epoch} (higher than its own)")
@@ -447,7 +448,7 @@ class LineageMachine(RuleBasedStateMachine):
                     self.deleted.add((step, epoch))
                     self.stats["checkpoints deleted"] += 1
             elif name == "manifest.json":
-                self._ops.append(f"commit {step}e{epoch}")
+                self._ops.append(f"{tag}:commit {step}e{epoch}")
                 self.stats["commits"] += 1
                 if self.epoch_owner and max(self.epoch_owner) > epoch:
                     self.stats["commits by a superseded writer"] += 1
@@ -464,7 +465,7 @@ class LineageMachine(RuleBasedStateMachine):
             epoch = int(m.group(1))
             rec = json.loads(data)
             point = None if rec["resumed_from_step"] is None else (rec["resumed_from_step"], rec["resumed_from_epoch"])
-            self._ops.append(f"lineage e{epoch} from {point}")
+            self._ops.append(f"{tag}:lineage e{epoch} from {point}")
             owner = actor.name if actor is not None else "reader"
             if epoch in self.resume and self.epoch_owner.get(epoch) != owner:
                 self._violate(f"[0] {who} wrote lineage of epoch {epoch}, already written by "
@@ -472,7 +473,7 @@ class LineageMachine(RuleBasedStateMachine):
             self.resume[epoch] = point
             self.epoch_owner.setdefault(epoch, owner)
         if key == LEASE and data is not None and op != "delete":
-            self._ops.append(f"lease e{json.loads(data)['epoch']}")
+            self._ops.append(f"{tag}:lease e{json.loads(data)['epoch']}")
 
     def _higher_evidence(self, w: Writer) -> str | None:
         assert w.epoch is not None
@@ -1000,3 +1001,93 @@ def test_restore_after_being_taken_over_commits_nothing() -> None:
         assert not backend.exists("step-0000000010.e2/manifest.json"), "the stale writer committed an anchor"
     finally:
         MemoryBackend.discard_store(name)
+
+
+# ---------------------------------------------------------------------- the checks have teeth
+def _expect_story_failure(machine: type[LineageMachine], pattern: str) -> None:
+    from hypothesis import Phase, settings
+
+    quick = settings(lineage_settings(), max_examples=200, derandomize=True, phases=[Phase.generate])
+    with pytest.raises(StoryFailure, match=pattern) as info:
+        run_state_machine_as_test(machine, settings=quick)
+    assert "--- the schedule" in str(info.value) and "sees: vm1[" in str(info.value)
+
+
+def test_the_machine_catches_restoring_orphans(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sabotage: the catalog never marks a superseded writer's checkpoints as orphans."""
+    from ckptsdk import catalog
+
+    monkeypatch.setattr(catalog, "_superseded_by", lambda step, epoch, points: None)
+    _expect_story_failure(DriveLateLineage, r"\[[14]\]")
+
+
+def test_the_machine_catches_a_writer_that_ignores_newer_epochs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sabotage: a writer never fences itself on seeing a newer lease, lineage record or folder."""
+    from ckptsdk.lease import Lease
+
+    monkeypatch.setattr(CheckpointManager, "_fence_if_newer", lambda self, seen: None)
+    monkeypatch.setattr(Lease, "_judge", lambda self, data, ours: None)
+    monkeypatch.setattr(Lease, "fence", lambda self, reason, newer_epoch=None: None)
+    _expect_story_failure(DriveLateLineage, r"\[[234]\]")
+
+
+# ---------------------------------------------------------------------- the simulation itself
+def test_sim_drive_reorders_and_resolves_last_writer_wins() -> None:
+    x_uploads = iter([80.0, 10.0, 0.0, 0.0, 0.0])  # a's first write of x uploads slowest
+
+    def delay(hop: str, key: str) -> float:
+        if hop != "up":
+            return 5.0
+        fixed = {"tensors": 100.0, "manifest": 0.0}.get(key.split("/")[-1])
+        return fixed if fixed is not None else next(x_uploads)
+
+    sim = SimDrive(delay=delay)
+    sim.add_vm("a")
+    sim.add_vm("b")
+    a, b = sim.backend("a"), sim.backend("b")
+    a.write("ck/tensors", b"T")
+    a.write("ck/manifest", b"M")
+    assert a.read("ck/manifest") == b"M" and not b.exists("ck/manifest")  # at once on a only
+    sim.advance_to(sim.now + 6)
+    assert b.exists("ck/manifest") and not b.exists("ck/tensors")  # manifest first: torn on b
+    sim.advance_to(sim.now + 100)
+    assert b.read("ck/tensors") == b"T"
+    # Both VMs write x; a's older write arrives last and is dropped (last writer wins).
+    a.write("x", b"old")  # reaches the cloud in 80 s
+    sim.advance_to(sim.now + 1)
+    b.write("x", b"new")  # newer, reaches the cloud in 10 s: before a's
+    sim.advance_to(sim.now + 30)
+    assert a.read("x") == b"new"
+    sim.advance_to(sim.now + 200)  # a's older write arrives last and is dropped everywhere
+    assert a.read("x") == b"new" and b.read("x") == b"new" and sim.converged_cloud()["x"].data == b"new"
+    # create/replace check only the writer's own view.
+    a.delete("x")
+    assert b.exists("x")
+    with pytest.raises(PreconditionFailed):
+        b.create("x", b"again")
+    a.create("x", b"a's")  # a no longer sees x: its create succeeds although b's copy exists
+    sim.advance_to(sim.now + 200)
+    assert b.read("x") == b"a's"
+    sim.add_vm("c")  # a VM mounting later starts from the cloud
+    assert sim.backend("c").read("ck/manifest") == b"M"
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "CheckpointManager.gc() deletes every committed-but-invalid checkpoint at once; on Drive a "
+    "checkpoint whose manifest arrived before its tensor file looks torn on other VMs, so a gc "
+    "there deletes the newest checkpoint of the live writer (the delete is newer, so it wins "
+    "everywhere). Fix: on backends with immediately_consistent=False, treat a torn checkpoint "
+    "like an uncommitted one (remove it only after the grace period), and never delete a "
+    "checkpoint of an epoch >= the newest lease epoch seen without the lease."))
+def test_gc_on_another_vm_spares_a_checkpoint_still_uploading() -> None:
+    sim = SimDrive(delay=lambda hop, key: 400.0 if key.endswith("tensors.safetensors") else 0.0)
+    w1 = _sim_manager(sim, "vm1")
+    w1.restore(_Weights(1, 0))
+    w1.save(_Weights(1, 10), step=10)
+    sim.add_vm("vm2")
+    sim.advance_to(sim.now + 1)  # the manifest is everywhere, the tensor file still uploading
+    report = CheckpointManager(sim.backend("vm2"), read_only=True).gc()
+    sim.advance_to(sim.now + 1000)
+    w1._closed = True
+    assert "step-0000000010.e1" not in report.deleted, report.reasons
+    assert CheckpointManager(sim.backend("vm2"), read_only=True).restore(_Weights(0, 0)) is not None
