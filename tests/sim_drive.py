@@ -96,6 +96,15 @@ class SimDrive:
             self._deliver(dest, key, obj)
         self.clock.now = max(self.clock.now, t)
 
+    def lose_vm(self, vm: str) -> int:
+        """The VM vanishes: its uploads still in flight are lost (DRIVE_FACTS: what is not yet
+        uploaded is lost with the VM). Returns how many changes were dropped."""
+        keep = [p for p in self._pending if not (p[2] == CLOUD and p[4].origin == vm)]
+        dropped = len(self._pending) - len(keep)
+        self._pending = keep
+        heapq.heapify(self._pending)
+        return dropped
+
     def in_flight(self, key: str | None = None) -> list[tuple[float, str, str, Obj]]:
         """Changes not yet delivered (due, dest, key, obj), optionally of one key."""
         return [(d, dest, k, o) for d, _s, dest, k, o in sorted(self._pending) if key is None or k == key]
