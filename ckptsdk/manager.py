@@ -142,6 +142,9 @@ class CheckpointManager:
         lease_ttl: seconds a silent lease must stay unchanged before a newcomer takes over.
             None: 60 s on local disk and GCS, 300 s on Drive (see :mod:`ckptsdk.lease`).
         lease_wait: seconds to wait for a live holder before ``LeaseHeldError`` (None: five ttls).
+        lease_settle: on backends without compare-and-swap (Drive): seconds between writing the
+            lease and reading it back to confirm it is ours. Must exceed the time another VM's
+            write takes to reach this one. None: ttl/5 on Drive, 0 elsewhere.
         force: break a live lease at once (only when you know the other writer is gone).
         read_only: inspect without taking the lease; ``save`` is refused.
         storage_options: passed to fsspec for ``gs://`` (``endpoint_url``, ``token``, ...).
@@ -170,6 +173,7 @@ class CheckpointManager:
         save_every: int | None = None,
         lease_ttl: float | None = None,
         lease_wait: float | None = None,
+        lease_settle: float | None = None,
         force: bool = False,
         read_only: bool = False,
         storage_options: Mapping[str, Any] | None = None,
@@ -207,7 +211,7 @@ class CheckpointManager:
         if read_only:
             return
         self.lease = Lease(self.backend, ttl=lease_ttl, force=force, run_id=run_id, wait_timeout=lease_wait,
-                           clock=clock, sleep=sleep)
+                           settle=lease_settle, clock=clock, sleep=sleep)
         # Epochs never go back, even on a root whose LEASE.json was lost: names stay unique.
         self.lease.acquire(min_epoch=self._scan().max_epoch + 1)
         if heartbeat:
@@ -304,6 +308,8 @@ class CheckpointManager:
         except NoValidCheckpointError as exc:
             if not exc.tried:
                 self._write_lineage(None, None)
+                if self.runlog is not None:
+                    self.runlog.start()
                 return None
             raise
         state.load_state_dict(tree)
@@ -315,6 +321,7 @@ class CheckpointManager:
             self._write_lineage(info.step, info.epoch)
             assert self.runlog is not None
             self.runlog.resumed_from_step = info.step
+            self.runlog.start()
             if info.epoch < self.lease.epoch:
                 self._anchor(tree, manifest)
         logger.info("restored %s (step %d) from %s", info.key, info.step, self.url)
@@ -499,8 +506,9 @@ class CheckpointManager:
             environment=Environment.current(device=device),
             tags=dict(tags or {}),
         )
-        # A zombie that lost the lease while writing the tensors must not commit them.
-        self.lease.check()
+        # A zombie that lost the lease while writing the tensors must not commit them: renew
+        # (not just check) so a takeover during a long write is seen before the commit.
+        self.lease.renew()
         self.backend.write(f"{folder}/{MANIFEST}", manifest.to_json())
         logger.info("committed %s/%s (%d bytes)", self.url, folder, size)
         self._rotate()

@@ -283,6 +283,27 @@ class RunLog:
                 with self._lock:
                     self._oldest = self._clock()
 
+    def start(self) -> None:
+        """Publish this attempt's record now (once), before any step is logged.
+
+        The manager calls it right after ``restore()``, so an attempt killed before its first
+        flush still shows in the audit, with where it resumed from.
+        """
+        with self._publish_lock:
+            self._write_start()
+
+    def _write_start(self) -> None:
+        if self._started_written:
+            return
+        key = f"{attempt_prefix(self.attempt)}attempt.json"
+        try:
+            self.backend.create(key, self._record.model_dump_json().encode())
+        except PreconditionFailed:
+            # This attempt's log was opened before (a RunLog re-created in the same
+            # attempt): the first record stands; every chunk header carries the current one.
+            logger.info("run log: %s already exists; keeping it", key)
+        self._started_written = True
+
     def flush(self) -> None:
         """Publish the buffered steps as one new chunk (no-op when nothing is buffered).
 
@@ -315,15 +336,7 @@ class RunLog:
                     return
             if self._next_seq is None:
                 self._next_seq = _next_chunk_seq(self.backend, self.attempt)
-            if not self._started_written:
-                key = f"{attempt_prefix(self.attempt)}attempt.json"
-                try:
-                    self.backend.create(key, self._record.model_dump_json().encode())
-                except PreconditionFailed:
-                    # This attempt's log was opened before (a RunLog re-created in the same
-                    # attempt): the first record stands; every chunk header carries the current one.
-                    logger.info("run log: %s already exists; keeping it", key)
-                self._started_written = True
+            self._write_start()
             with self._lock:
                 raw, self._buffer, self._oldest = self._buffer, [], None
             rows = [(step, t, {k: _resolve(v) for k, v in vals.items()}) for step, t, vals in raw]
