@@ -90,6 +90,10 @@ class Backend(Protocol):
         filesystem), flush + fsync it, ``os.replace`` it over the key, fsync the folder. GCS: one
         upload, which GCS itself makes atomic. A crash at any moment leaves the old object or the
         new one, plus at worst a temp file that ``list`` ignores and ``sweep`` removes.
+
+        An iterable ``data`` is consumed completely, in order, *before* the bytes are made
+        durable (fsync, upload finalisation): the tensor-file writer relies on this to compute
+        its digest while the fsync runs, from code placed after its last ``yield``.
         """
         ...
 
