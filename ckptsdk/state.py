@@ -66,7 +66,9 @@ def restore_rng(tree: Mapping[str, Any]) -> None:
     if problems:
         raise StateMismatchError(_message("the saved RNG state cannot be restored", problems),
                                  mismatches=problems)
-    torch.set_rng_state(tree["torch"].cpu())
+    # clone(): set_rng_state crashes on a view at a storage offset (a tensor read from a file
+    # into a shared buffer); a fresh, contiguous copy of a few KiB is always safe.
+    torch.set_rng_state(tree["torch"].cpu().clone())
     cuda = tree.get("cuda")
     if cuda:
         live = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -76,7 +78,7 @@ def restore_rng(tree: Mapping[str, Any]) -> None:
                 "restoring the first %d; GPU randomness may differ from the original run",
                 len(cuda), live, min(live, len(cuda)))
         for i, state in enumerate(cuda[:live]):
-            torch.cuda.set_rng_state(state.cpu(), i)
+            torch.cuda.set_rng_state(state.cpu().clone(), i)
     np.random.set_state(tree["numpy"])
     random.setstate(tree["python"])
 
