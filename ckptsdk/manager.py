@@ -204,6 +204,8 @@ class CheckpointManager:
         self._stager: Stager | None = None
         self._closed = False
         self._lineage_written = False
+        self._trashed_bytes = 0
+        self._trash_warned = False
         self.resumed_from: CheckpointInfo | None = None
         self.restored_manifest: Manifest | None = None
         self.lease: Lease | None = None
@@ -594,6 +596,14 @@ class CheckpointManager:
             except ObjectNotFound:
                 pass  # already gone (another cleaner); deletion is idempotent
         logger.info("rotated out %s/%s", self.url, info.key)
+        if self.backend.capabilities.trash_on_delete:
+            # Drive moves deleted files to its trash, which counts against the quota for 30 days.
+            self._trashed_bytes += info.size
+            log = logger.warning if not self._trash_warned else logger.info
+            self._trash_warned = True
+            log("%s keeps deleted checkpoints in its trash for 30 days, counting against your quota: "
+                "%.1f MB sent there by this run so far. Empty the Drive trash, or raise save_every / "
+                "lower keep_last", self.url, self._trashed_bytes / 1e6)
 
     def gc(self, *, keep_last: int | None = None, dry_run: bool = False, grace: float = 3600.0) -> GcReport:
         """Remove orphans of superseded writers, uncommitted leftovers and rotated-out checkpoints.

@@ -174,6 +174,7 @@ def test_resumed_from_survives_until_a_newer_one_is_committed(tmp_path):
         assert [c.step for c in mgr.list()] == [3]
     with CheckpointManager(url, keep_last=1, lease_ttl=5) as mgr:
         assert mgr.restore(state).step == 3
+        mgr.wait()
         # the takeover re-committed step 3 under epoch 2 (the anchor); e1's copy is still there
         assert {(c.step, c.epoch) for c in mgr.list()} == {(3, 1), (3, 2)}
         mgr.save(state, step=4)
@@ -190,6 +191,7 @@ def test_failed_save_deletes_nothing(tmp_path):
 
     mgr = CheckpointManager(url, keep_last=2, lease_ttl=5)
     mgr.restore(state)
+    mgr.wait()  # the takeover anchor is written in the background
     before_after_anchor = {c.key for c in mgr.list()}
     mgr.backend = FaultyBackend(mgr.backend, fail_on=lambda op, key, n: BackendError("No space left on device", key=key)
                                 if op == "write" and key.endswith(TENSORS) else None)
@@ -345,3 +347,16 @@ def test_interrupted_first_save_is_a_fresh_start(tmp_path):
         assert mgr.restore(make_state()) is None
         [info] = mgr.list()
         assert not info.committed and "uncommitted" in info.reason
+
+
+def test_drive_rotation_reports_the_trash_cost(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("CKPTSDK_DRIVE_ROOT", str(tmp_path / "drive"))
+    (tmp_path / "drive").mkdir()
+    caplog.set_level(logging.INFO, logger="ckptsdk.manager")
+    with CheckpointManager("drive://run", keep_last=1, lease_ttl=5, lease_settle=0) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(make_state(), step=step)
+        assert [c.step for c in mgr.list()] == [3]
+    trash = [r for r in caplog.records if "trash" in r.getMessage()]
+    assert trash[0].levelno == logging.WARNING and len(trash) == 2
+    assert "MB sent there by this run" in trash[-1].getMessage()
