@@ -24,18 +24,24 @@ TENSORS = "tensors.safetensors"
 LINEAGE_PREFIX = "lineage/"
 LEASE_KEY = "LEASE.json"
 
-_DIR_RE = re.compile(r"^step-(\d{10,})\.e(\d+)$")
-_LINEAGE_RE = re.compile(r"^lineage/epoch-(\d+)\.json$")
+_DIR_RE = re.compile(r"^step-(\d{10,})\.e(\d+)(?:\.([0-9a-f]{8}))?$")
+_LINEAGE_RE = re.compile(r"^lineage/epoch-(\d+)(?:\.([0-9a-f]{8}))?\.json$")
+
+# A writer's rank: its lease epoch, then its tag. On stores with compare-and-swap every epoch
+# has one writer and the tag is "". Where exclusion is only advisory (Drive), two VMs can both
+# believe they took the same epoch; the tag (the first 8 hex digits of the lease nonce) keeps
+# their names apart and orders them: the lower rank is superseded, exactly like a lower epoch.
+Rank = tuple[int, str]
 
 
-def checkpoint_dir(step: int, epoch: int) -> str:
-    """The folder of one checkpoint: unique per (step, lease epoch), so two writers never collide."""
-    return f"step-{step:010d}.e{epoch}"
+def checkpoint_dir(step: int, epoch: int, tag: str = "") -> str:
+    """The folder of one checkpoint: unique per (step, writer), so two writers never collide."""
+    return f"step-{step:010d}.e{epoch}" + (f".{tag}" if tag else "")
 
 
-def lineage_key(epoch: int) -> str:
-    """Where the takeover record of ``epoch`` lives."""
-    return f"lineage/epoch-{epoch:06d}.json"
+def lineage_key(epoch: int, tag: str = "") -> str:
+    """Where the takeover record of the writer (``epoch``, ``tag``) lives."""
+    return f"lineage/epoch-{epoch:06d}" + (f".{tag}" if tag else "") + ".json"
 
 
 @dataclass(frozen=True)
@@ -64,29 +70,39 @@ class CheckpointInfo:
     reason: str | None = None
     orphan: bool = False
     manifest: Manifest | None = field(default=None, repr=False, compare=False)
+    tag: str = ""
 
     @property
     def attempt(self) -> int | None:
         return self.manifest.writer.attempt if self.manifest else None
 
+    @property
+    def rank(self) -> Rank:
+        """The writer's (lease epoch, tag): higher ranks supersede lower ones."""
+        return (self.epoch, self.tag)
+
 
 @dataclass(frozen=True)
 class Catalog:
-    """A snapshot of a root: every checkpoint folder, lineage records, and the highest epoch seen."""
+    """A snapshot of a root: every checkpoint folder, lineage records, and the highest writer seen."""
 
     checkpoints: list[CheckpointInfo]
-    lineage: dict[int, LineageRecord]
-    resume_points: dict[int, int | None]
-    max_epoch: int
+    lineage: dict[Rank, LineageRecord]
+    resume_points: dict[Rank, int | None]
+    max_rank: Rank
+
+    @property
+    def max_epoch(self) -> int:
+        return self.max_rank[0]
 
     def restorable(self) -> list[CheckpointInfo]:
-        """Valid checkpoints, newest first (higher step, then higher epoch)."""
+        """Valid checkpoints, newest first (higher step, then higher writer rank)."""
         good = [c for c in self.checkpoints if c.valid]
-        return sorted(good, key=lambda c: (c.step, c.epoch), reverse=True)
+        return sorted(good, key=lambda c: (c.step, c.rank), reverse=True)
 
     def find(self, step: int) -> list[CheckpointInfo]:
-        """Every checkpoint folder of ``step`` (several epochs may have written it), newest epoch first."""
-        return sorted((c for c in self.checkpoints if c.step == step), key=lambda c: -c.epoch)
+        """Every checkpoint folder of ``step`` (several writers may have written it), newest writer first."""
+        return sorted((c for c in self.checkpoints if c.step == step), key=lambda c: c.rank, reverse=True)
 
 
 def _read_json_object(backend: Backend, key: str) -> bytes | None:
@@ -111,13 +127,14 @@ def scan(backend: Backend, *, cache: MutableMapping[tuple[str, str], object] | N
         if _DIR_RE.match(folder) and name and "/" not in name:
             folders.setdefault(folder, {})[name] = obj
 
-    lineage: dict[int, LineageRecord] = {}
-    max_epoch = 0
+    lineage: dict[Rank, LineageRecord] = {}
+    max_rank: Rank = (0, "")
     for obj in backend.list(LINEAGE_PREFIX):
         m = _LINEAGE_RE.match(obj.key)
         if not m:
             continue
-        max_epoch = max(max_epoch, int(m.group(1)))
+        rank = (int(m.group(1)), m.group(2) or "")
+        max_rank = max(max_rank, rank)
         record = memo.get((obj.key, obj.version))
         if record is None:
             raw = _read_json_object(backend, obj.key)
@@ -129,15 +146,19 @@ def scan(backend: Backend, *, cache: MutableMapping[tuple[str, str], object] | N
                 logger.warning("ignoring unreadable lineage record %s: %s", obj.key, exc)
                 continue
             memo[(obj.key, obj.version)] = record
-        lineage[record.epoch] = record  # type: ignore[union-attr]
+        if record.epoch != rank[0]:  # type: ignore[union-attr]
+            logger.warning("ignoring lineage record %s: it says epoch %s", obj.key, record.epoch)  # type: ignore[union-attr]
+            continue
+        lineage[rank] = record  # type: ignore[assignment]
 
     # First pass: manifests (commit markers) and sizes.
-    parsed: list[tuple[int, int, str, dict[str, ObjectInfo], Manifest | None, str | None]] = []
+    parsed: list[tuple[int, Rank, str, dict[str, ObjectInfo], Manifest | None, str | None]] = []
     for folder, files in sorted(folders.items()):
         m = _DIR_RE.match(folder)
         assert m is not None
         step, epoch = int(m.group(1)), int(m.group(2))
-        max_epoch = max(max_epoch, epoch)
+        rank = (epoch, m.group(3) or "")
+        max_rank = max(max_rank, rank)
         manifest: Manifest | None = None
         reason: str | None = None
         mobj = files.get(MANIFEST)
@@ -160,30 +181,31 @@ def scan(backend: Backend, *, cache: MutableMapping[tuple[str, str], object] | N
                         reason = f"bad manifest: {exc}"
             if manifest is not None:
                 reason = _check_files(manifest, files, step, epoch)
-        parsed.append((step, epoch, folder, files, manifest, reason))
+        parsed.append((step, rank, folder, files, manifest, reason))
 
-    # Where each epoch resumed from: its lineage record, else what its manifests say (on Drive
+    # Where each writer resumed from: its lineage record, else what its manifests say (on Drive
     # the record may not have arrived yet while the manifests have).
-    resume_points: dict[int, int | None] = {e: r.resumed_from_step for e, r in lineage.items()}
-    for _step, epoch, _folder, _files, manifest, _reason in parsed:
-        if manifest is not None and epoch not in resume_points:
-            resume_points[epoch] = manifest.writer.resumed_from_step
+    resume_points: dict[Rank, int | None] = {r: rec.resumed_from_step for r, rec in lineage.items()}
+    for _step, rank, _folder, _files, manifest, _reason in parsed:
+        if manifest is not None and rank not in resume_points:
+            resume_points[rank] = manifest.writer.resumed_from_step
 
     checkpoints = []
-    for step, epoch, folder, files, manifest, reason in parsed:
-        orphan_of = _superseded_by(step, epoch, resume_points)
+    for step, rank, folder, files, manifest, reason in parsed:
+        orphan_of = _superseded_by(step, rank, resume_points)
         orphan = orphan_of is not None
         if reason is None and orphan_of is not None:
             newer, point = orphan_of
             where = "a fresh start" if point is None else f"step {point}"
             reason = (
-                f"orphan: written by epoch {epoch} after epoch {newer} took over from {where}; "
+                f"orphan: written by {_name(rank)} after {_name(newer)} took over from {where}; "
                 "never restored (`ckptsdk gc` removes it)"
             )
         checkpoints.append(
             CheckpointInfo(
                 step=step,
-                epoch=epoch,
+                epoch=rank[0],
+                tag=rank[1],
                 key=folder,
                 size=sum(o.size for o in files.values()),
                 committed=MANIFEST in files,
@@ -193,7 +215,11 @@ def scan(backend: Backend, *, cache: MutableMapping[tuple[str, str], object] | N
                 manifest=manifest,
             )
         )
-    return Catalog(checkpoints=checkpoints, lineage=lineage, resume_points=resume_points, max_epoch=max_epoch)
+    return Catalog(checkpoints=checkpoints, lineage=lineage, resume_points=resume_points, max_rank=max_rank)
+
+
+def _name(rank: Rank) -> str:
+    return f"epoch {rank[0]}" + (f" (writer {rank[1]})" if rank[1] else "")
 
 
 def _check_files(manifest: Manifest, files: dict[str, ObjectInfo], step: int, epoch: int) -> str | None:
@@ -211,10 +237,10 @@ def _check_files(manifest: Manifest, files: dict[str, ObjectInfo], step: int, ep
     return None
 
 
-def _superseded_by(step: int, epoch: int, resume_points: dict[int, int | None]) -> tuple[int, int | None] | None:
-    """The newer epoch that makes (step, epoch) an orphan, and where it resumed from; else None."""
+def _superseded_by(step: int, rank: Rank, resume_points: dict[Rank, int | None]) -> tuple[Rank, int | None] | None:
+    """The newer writer that makes (step, rank) an orphan, and where it resumed from; else None."""
     for newer in sorted(resume_points, reverse=True):
-        if newer <= epoch:
+        if newer <= rank:
             break
         point = resume_points[newer]
         if point is None or step > point:

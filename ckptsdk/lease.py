@@ -596,7 +596,12 @@ class Lease:
             return
         if seen.holder.nonce == ours.holder.nonce:
             return
-        if seen.epoch > ours.epoch or (seen.epoch == ours.epoch and not seen.released):
+        # Same epoch, another nonce: with compare-and-swap that writer won the epoch. Without it
+        # (Drive) two VMs can both believe they took it; they are ordered by nonce, like the
+        # tags in their folder names, and only the lower one steps back.
+        same_epoch_wins = seen.epoch == ours.epoch and not seen.released and (
+            self._cas or seen.holder.nonce[:8] > ours.holder.nonce[:8])
+        if seen.epoch > ours.epoch or same_epoch_wins:
             self._fence(f"the lease now belongs to {seen.describe()}", seen.epoch,
                         seen.model_dump(mode="json"))
             self.check()

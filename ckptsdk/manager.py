@@ -34,7 +34,7 @@ from . import catalog as _catalog
 from . import codec, retention
 from .backends import open_backend
 from .backends.base import Backend
-from .catalog import MANIFEST, TENSORS, CheckpointInfo, checkpoint_dir, lineage_key
+from .catalog import MANIFEST, TENSORS, CheckpointInfo, Rank, checkpoint_dir, lineage_key
 from .errors import (
     BackendError,
     CheckpointError,
@@ -215,7 +215,11 @@ class CheckpointManager:
         self.lease = Lease(self.backend, ttl=lease_ttl, force=force, run_id=run_id, wait_timeout=lease_wait,
                            settle=lease_settle, clock=clock, sleep=sleep)
         # Epochs never go back, even on a root whose LEASE.json was lost: names stay unique.
-        self.lease.acquire(min_epoch=self._scan().max_epoch + 1)
+        record = self.lease.acquire(min_epoch=self._scan().max_epoch + 1)
+        # Where compare-and-swap makes every epoch exclusive the tag is empty; on Drive two VMs
+        # can take the same epoch, and the tag keeps their names apart and orders them.
+        self._tag = "" if self.backend.capabilities.compare_and_swap else record.holder.nonce[:8]
+        self._rank: Rank = (self.lease.epoch, self._tag)
         if heartbeat:
             self.lease.start_heartbeat()
         self.runlog = RunLog(
@@ -309,6 +313,8 @@ class CheckpointManager:
             tree, info = self._read_newest()
         except NoValidCheckpointError as exc:
             if not exc.tried:
+                if self.lease is not None:
+                    self._confirm_writer()
                 self._write_lineage(None, None)
                 if self.runlog is not None:
                     self.runlog.start()
@@ -320,11 +326,14 @@ class CheckpointManager:
         self.resumed_from = info
         self.restored_manifest = manifest
         if self.lease is not None:
+            # A writer taken over between opening and restoring must not record a lineage or
+            # anchor anything: confirm the lease and look for newer writers first.
+            self._confirm_writer()
             self._write_lineage(info.step, info.epoch)
             assert self.runlog is not None
             self.runlog.resumed_from_step = info.step
             self.runlog.start()
-            if info.epoch < self.lease.epoch:
+            if info.rank < self._rank:
                 self._anchor(tree, manifest)
         logger.info("restored %s (step %d) from %s", info.key, info.step, self.url)
         pos = manifest.position
@@ -337,7 +346,7 @@ class CheckpointManager:
     def _read_newest(self) -> tuple[Any, CheckpointInfo]:
         cat = self._scan()
         tried: dict[str, str] = {}
-        newest_first = sorted(cat.checkpoints, key=lambda c: (c.step, c.epoch), reverse=True)
+        newest_first = sorted(cat.checkpoints, key=lambda c: (c.step, c.rank), reverse=True)
         for info in newest_first:
             if not info.valid:
                 tried[info.key] = info.reason or ""
@@ -455,8 +464,8 @@ class CheckpointManager:
             self.lease.check()
             self.lease.renew()
             cat = self._scan()
-            self._fence_if_newer(cat.max_epoch)
-            folder = checkpoint_dir(step, self.lease.epoch)
+            self._fence_if_newer(cat.max_rank)
+            folder = checkpoint_dir(step, self.lease.epoch, self._tag)
             existing = next((c for c in cat.checkpoints if c.key == folder and c.committed), None)
             if existing is not None:
                 logger.debug("step %d already committed as %s; not saving it twice", step, folder)
@@ -521,7 +530,7 @@ class CheckpointManager:
         """Re-commit a restored checkpoint under this epoch (see ``restore``)."""
         assert self.lease is not None
         tensors, skeleton = codec.encode(tree)
-        folder = checkpoint_dir(manifest.step, self.lease.epoch)
+        folder = checkpoint_dir(manifest.step, self.lease.epoch, self._tag)
         self._commit(folder, manifest.step, tensors, skeleton, manifest.position, manifest.metrics,
                      manifest.tags, manifest.environment.device or "cpu")
 
@@ -536,7 +545,7 @@ class CheckpointManager:
         )
         self.lease.check()
         try:
-            self.backend.create(lineage_key(self.lease.epoch), record.to_json())
+            self.backend.create(lineage_key(self.lease.epoch, self._tag), record.to_json())
         except PreconditionFailed as exc:
             # Only the holder of this epoch writes this key: someone else did -> we lost the lease.
             self.lease.fence(f"lineage record of epoch {self.lease.epoch} already exists", None)
@@ -547,11 +556,17 @@ class CheckpointManager:
             ) from exc
         self._lineage_written = True
 
-    def _fence_if_newer(self, seen_epoch: int) -> None:
+    def _fence_if_newer(self, seen: Rank) -> None:
         assert self.lease is not None
-        if seen_epoch > self.lease.epoch:
-            self.lease.fence(f"saw epoch {seen_epoch} under {self.url}", seen_epoch)
+        if seen > self._rank:
+            self.lease.fence(f"saw a newer writer (epoch {seen[0]}) under {self.url}", seen[0])
             self.lease.check()  # raises LeaseLostError
+
+    def _confirm_writer(self) -> None:
+        """Renew the lease and look for newer writers; LeaseLostError if this one is stale."""
+        assert self.lease is not None
+        self.lease.renew()
+        self._fence_if_newer(self._scan().max_rank)
 
     # ------------------------------------------------------------------ rotation and gc
 
@@ -564,19 +579,24 @@ class CheckpointManager:
             logger.warning("lease lost after a commit under %s: rotation deletes nothing", self.url)
             return
         cat = self._scan()
-        if cat.max_epoch > self.lease.epoch:
+        if cat.max_rank > self._rank:
             self.lease.fence(f"saw epoch {cat.max_epoch} under {self.url}", cat.max_epoch)
-            logger.warning("a newer epoch %d exists under %s: rotation deletes nothing", cat.max_epoch, self.url)
+            logger.warning("a newer writer (epoch %d) exists under %s: rotation deletes nothing",
+                           cat.max_epoch, self.url)
             return
-        mine = [c for c in cat.checkpoints if c.valid and c.epoch <= self.lease.epoch]
+        mine = [c for c in cat.checkpoints if c.valid and c.rank <= self._rank]
         by_step: dict[int, list[CheckpointInfo]] = {}
         for c in mine:
             by_step.setdefault(c.step, []).append(c)
-        policies = [retention.keep_last(self.keep_last)]
+        # Where writes reach the cloud late and out of order (Drive), a rotation's small deletes
+        # can arrive long before the new checkpoint's tensor file: rotate one save late, so the
+        # newest checkpoint has a whole save interval to upload before its predecessor goes.
+        late = 0 if self.backend.capabilities.immediately_consistent else 1
+        policies = [retention.keep_last(self.keep_last + late)]
         if self.keep_every:
             policies.append(retention.keep_every(self.keep_every))
         if self.resumed_from is not None:
-            newer_own = any(c.epoch == self.lease.epoch and c.step > self.resumed_from.step for c in mine)
+            newer_own = any(c.rank == self._rank and c.step > self.resumed_from.step for c in mine)
             if not newer_own:
                 policies.append(retention.protect([self.resumed_from.step]))
         _kept, doomed = retention.plan(by_step, policies)
@@ -606,21 +626,28 @@ class CheckpointManager:
                 "lower keep_last", self.url, self._trashed_bytes / 1e6)
 
     def gc(self, *, keep_last: int | None = None, dry_run: bool = False, grace: float = 3600.0) -> GcReport:
-        """Remove orphans of superseded writers, uncommitted leftovers and rotated-out checkpoints.
+        """Remove orphans of superseded writers, torn checkpoints and rotated-out checkpoints.
 
-        Works without the lease (a running writer is not disturbed): orphans are never restorable,
-        uncommitted folders are removed only when older than ``grace`` seconds as far as this
-        process can tell (first seen by this call: never), and retention is applied to the
-        newest lineage only.
+        Works without the lease, so a running writer is not disturbed: orphans are never
+        restorable, retention keeps the newest ``keep_last`` steps, and temp files of crashed
+        writes are swept when older than ``grace`` seconds. Uncommitted folders (a save in
+        progress, or one that crashed) are left alone. Where writes reach other hosts late
+        (Drive), a checkpoint that looks torn here may still be uploading from the VM that wrote
+        it, so gc keeps torn checkpoints there (delete them by hand once no VM is writing).
         """
         keep = keep_last or self.keep_last
         cat = self._scan()
         reasons: dict[str, str] = {}
+        settled = self.backend.capabilities.immediately_consistent
         for c in cat.checkpoints:
             if c.orphan:
                 reasons[c.key] = c.reason or "orphan"
             elif c.committed and not c.valid:
-                reasons[c.key] = c.reason or "invalid"
+                if settled:
+                    reasons[c.key] = c.reason or "invalid"
+                else:
+                    logger.info("gc keeps %s/%s (%s): it may still be uploading from another VM",
+                                self.url, c.key, c.reason)
         lineage = [c for c in cat.checkpoints if c.valid]
         steps: dict[int, list[CheckpointInfo]] = {}
         for c in lineage:
