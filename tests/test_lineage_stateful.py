@@ -6,7 +6,9 @@ local-disk root, and the memory backend. Writers open (takeover, also with ``for
 save (which rotates), pause, die, close; a reader restores. Everything runs on one fake clock:
 lease acquisitions are cooperative tasks that sleep on it, so nothing really sleeps.
 
-Invariants checked after every step (their precise forms are in ``LineageMachine``'s docstring);
+Writers are ordered by rank, (lease epoch, tag): the tag is empty where the store has
+compare-and-swap and the lease nonce's first 8 hex digits on Drive, where two VMs can share an
+epoch but never a rank. Invariants checked after every step (precise forms in ``LineageMachine``);
 a failure prints the shrunk schedule as a story: who did what, when, and what each VM could see.
 """
 
@@ -21,6 +23,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -47,8 +50,12 @@ from ckptsdk.manager import CheckpointManager
 from tests.hypothesis_profiles import lineage_settings
 from tests.sim_drive import FakeClock, FrozenBackend, SimDrive
 
-_FOLDER_RE = re.compile(r"^step-(\d{10,})\.e(\d+)/(.+)$")
-_LINEAGE_RE = re.compile(r"^lineage/epoch-(\d+)\.json$")
+# A writer's rank is (lease epoch, tag): the tag is "" where the store has compare-and-swap, else
+# the first 8 hex digits of the writer's lease nonce, and it is part of every name the writer makes.
+Rank = tuple[int, str]
+_FOLDER_RE = re.compile(r"^step-(\d{10,})\.e(\d+)(?:\.([0-9a-f]{8}))?/(.+)$")
+_KEY_RE = re.compile(r"^step-(\d{10,})\.e(\d+)(?:\.([0-9a-f]{8}))?$")
+_LINEAGE_RE = re.compile(r"^lineage/epoch-(\d+)(?:\.([0-9a-f]{8}))?\.json$")
 LEASE = "LEASE.json"
 POLL = 5.0  # the lease's longest observation poll (ckptsdk.lease._POLL_MAX)
 PAUSES: dict[str, Callable[[float], float]] = {  # how long a pause lasts, given the ttl
@@ -61,9 +68,35 @@ PAUSES: dict[str, Callable[[float], float]] = {  # how long a pause lasts, given
 }
 
 
-def _folder(key: str) -> tuple[int, int, str] | None:
+def _folder(key: str) -> tuple[int, Rank, str] | None:
+    """(step, writer rank, file name) of a key inside a checkpoint folder, else None."""
     m = _FOLDER_RE.match(key)
-    return (int(m.group(1)), int(m.group(2)), m.group(3)) if m else None
+    return (int(m.group(1)), (int(m.group(2)), m.group(3) or ""), m.group(4)) if m else None
+
+
+def _lineage_rank(key: str) -> Rank | None:
+    """The writer rank whose lineage record ``key`` is, else None."""
+    m = _LINEAGE_RE.match(key)
+    return (int(m.group(1)), m.group(2) or "") if m else None
+
+
+def _key_rank(folder: str) -> Rank:
+    """The writer rank of a checkpoint folder name (a ResumePoint's ``key``)."""
+    m = _KEY_RE.match(folder)
+    assert m is not None, f"not a checkpoint folder name: {folder!r}"
+    return int(m.group(2)), m.group(3) or ""
+
+
+def _dir(step: int, rank: Rank) -> str:
+    """The folder name a writer of ``rank`` must use for ``step``."""
+    return f"step-{step:010d}.e{rank[0]}" + (f".{rank[1]}" if rank[1] else "")
+
+
+def _r(rank: Rank | None) -> str:
+    """A rank for the story: e2, or e2.1a2b (the tag's first 4 digits) where it is tagged."""
+    if rank is None:
+        return "e?"
+    return f"e{rank[0]}" + (f".{rank[1][:4]}" if rank[1] else "")
 
 
 class _Abort(BaseException):
@@ -205,10 +238,12 @@ class Writer:
     task: Task | None = None
     mgr: CheckpointManager | None = None
     epoch: int | None = None
+    tag: str = ""  # "" with compare-and-swap, else the lease nonce's first 8 hex digits
+    nonce: str = ""
     step: int = 0
     weights: _Weights = field(default_factory=lambda: _Weights(0, 0))
     begun: bool = False  # lineage written (restore or first save)
-    fenced_seen: str | None = None  # evidence of a higher epoch this writer had in view
+    fenced_seen: str | None = None  # evidence of a higher rank this writer had in view
     solo: bool = True  # no other writer alive during its whole acquisition (liveness applies)
     frozen: bool = False  # its VM stalls: no heartbeat until it next acts
 
@@ -216,8 +251,12 @@ class Writer:
     def alive(self) -> bool:
         return self.state in ("opening", "open")
 
+    @property
+    def rank(self) -> Rank | None:
+        return None if self.epoch is None else (self.epoch, self.tag)
+
     def label(self) -> str:
-        return f"{self.name}({self.vm}{',e%d' % self.epoch if self.epoch else ''})"
+        return f"{self.name}({self.vm}{',' + _r(self.rank) if self.epoch else ''})"
 
     def __repr__(self) -> str:  # hypothesis prints drawn writers in the failing schedule
         return self.label()
@@ -275,20 +314,26 @@ STATS: dict[str, Counter[str]] = {}
 class LineageMachine(RuleBasedStateMachine):
     """Writers and a reader on one checkpoint root; invariants after every step.
 
-    Ground truth is kept by the machine from what writers did (taps see every write and delete):
-    which (step, epoch) each writer committed with which payload, which were deleted, and where
-    each epoch resumed from (its lineage record). The invariants, as checked:
+    A writer's *rank* is (lease epoch, tag): the tag is "" on stores with compare-and-swap (local,
+    memory) and the first 8 hex digits of its lease nonce on Drive, where two VMs can both believe
+    they took the same epoch. Ranks compare as tuples; folder and lineage names carry them.
 
-    0. No two writers ever hold the same epoch (promised with compare-and-swap only; on Drive a
-       schedule where two writers share an epoch is counted and not checked further).
+    Ground truth is kept by the machine from what writers did (taps see every write and delete):
+    which (step, rank) each writer committed with which payload, which were deleted, and where
+    each rank resumed from (its lineage record). The invariants, as checked:
+
+    0. Unique ranks and names, on every backend: no two writers ever hold the same rank, and a
+       writer writes manifests and lineage records only under its own rank's names (so two
+       writers never write the same folder). On Drive two writers may share an epoch, not a rank.
     1. A restore (reader on any VM view, or a writer) returns a checkpoint whose content is exactly
-       what was committed under its (step, epoch) (so never torn, never unverified), and never one
-       of epoch e at a step beyond the point where any higher epoch visible in that view (its
-       lineage record or a manifest) resumed from; a fresh-start epoch orphans every lower one.
-    2. No writer deletes anything in a checkpoint folder of a higher epoch than its own.
-    3. Once a writer had a higher epoch in view (LEASE.json, a lineage record or a checkpoint
-       folder) when it was called, it writes no manifest from then on.
-    4. "Nothing lost". Let H be the highest epoch that wrote a lineage record, and T its newest
+       what was committed under its (step, rank) (so never torn, never unverified), and never one
+       of rank r at a step beyond the point where any higher rank visible in that view (its
+       lineage record or a manifest) resumed from; a fresh start orphans every lower rank.
+    2. No writer deletes anything in a checkpoint folder of a higher rank than its own.
+    3. Once a writer had a higher rank in view when it was called (a lineage record or checkpoint
+       folder of a higher rank; LEASE.json of a higher epoch, or, without compare-and-swap, of the
+       same epoch and a higher nonce[:8], not released), it writes no manifest from then on.
+    4. "Nothing lost". Let H be the highest rank that wrote a lineage record, and T its newest
        committed, undeleted checkpoint (or, if H committed none, the checkpoint H resumed from;
        none if H started fresh). Immediately consistent roots (local, memory): a reader restores
        exactly T after every step. Drive, where "always" cannot mean "on every VM at once":
@@ -297,7 +342,8 @@ class LineageMachine(RuleBasedStateMachine):
        exactly T at every step, before any propagation.
     5. Liveness: a newcomer that was the only live writer during its whole acquisition takes
        over within ttl + settle + one poll (5 s) after the later of its start and the last change
-       of LEASE.json that reached its view; it never fails with LeaseHeldError then.
+       of LEASE.json that reached its view; it never fails with LeaseHeldError then (not
+       promised on late Drive, where it rests on timing: counted only).
     """
 
     kind = "drive"
@@ -322,6 +368,7 @@ class LineageMachine(RuleBasedStateMachine):
         if self.kind == "drive":
             self.sim = SimDrive(self.clock, delay=lambda hop, key: self._draw())
             self.coop = Coop(self.clock, self.sim.advance_to)
+            self._raw = self.sim.backend(self.vms[0])  # for its capabilities only
         else:
             self.coop = Coop(self.clock, self._tick)
             if self.kind == "local":
@@ -332,12 +379,15 @@ class LineageMachine(RuleBasedStateMachine):
                 self._mem_name = f"lineage-{id(self)}-{type(self)._counter}"
                 self._raw = MemoryBackend(self._mem_name)
         self.writers: list[Writer] = []
-        self.committed: dict[tuple[int, int], tuple[int, int]] = {}
-        self.deleted: set[tuple[int, int]] = set()
-        self.resume: dict[int, tuple[int, int] | None] = {}
-        self.epoch_owner: dict[int, str] = {}
+        self.committed: dict[tuple[int, Rank], tuple[int, int]] = {}  # (step, rank) -> payload
+        self.committer: dict[tuple[int, Rank], str] = {}
+        self.deleted: set[tuple[int, Rank]] = set()
+        # Where each rank resumed from, as its lineage record says: (step, epoch), or None.
+        self.resume: dict[Rank, tuple[int, int] | None] = {}
+        # The same, as the checkpoint it names: (step, rank) (records carry no tag; see _resolve).
+        self.resume_ck: dict[Rank, tuple[int, Rank] | None] = {}
+        self.rank_owner: dict[Rank, str] = {}
         self.violations: list[str] = []
-        self.void = False  # set once two writers share an epoch where that is not promised
         self.next_beat = self.clock.now + self.ttl / 3
         self.story: list[str] = []
         self._restoring: dict[str, _Weights] = {}  # a writer's restore target (its anchor's payload)
@@ -378,26 +428,28 @@ class LineageMachine(RuleBasedStateMachine):
                 who = next((w.name for w in self.writers if w.mgr is not None and w.mgr.lease is not None
                             and w.mgr.lease.record is not None
                             and w.mgr.lease.record.holder.nonce == rec["holder"]["nonce"]), "?")
-                lease = f"e{rec['epoch']}/{who}{'(released)' if rec.get('released') else ''}"
+                nonce = "" if self._raw.capabilities.compare_and_swap else f".{rec['holder']['nonce'][:4]}"
+                lease = f"e{rec['epoch']}{nonce}/{who}{'(released)' if rec.get('released') else ''}"
             except (ValueError, KeyError, TypeError):
                 lease = "unreadable"
-        folders: dict[tuple[int, int], set[str]] = {}
+        folders: dict[tuple[int, Rank], set[str]] = {}
         lineage = []
         for key in view:
             f = _folder(key)
             if f:
                 folders.setdefault((f[0], f[1]), set()).add(f[2])
-            m = _LINEAGE_RE.match(key)
-            if m:
-                lineage.append(int(m.group(1)))
+            lr = _lineage_rank(key)
+            if lr:
+                lineage.append(lr)
         ckpts = []
-        for (s, e), names in sorted(folders.items()):
+        for (s, rank), names in sorted(folders.items()):
             mark = "" if {"manifest.json", "tensors.safetensors"} <= names else (
                 "~torn" if "manifest.json" in names else "?uncommitted")
             if mark == "~torn":
                 self.stats["torn checkpoint in a view (manifest before tensors)"] += 1
-            ckpts.append(f"{s}e{e}{mark}")
-        return f"{vm}[lease {lease} | {' '.join(ckpts) or 'no ckpt'} | lineage {sorted(lineage)}]"
+            ckpts.append(f"{s}{_r(rank)}{mark}")
+        lin = ", ".join(_r(r) for r in sorted(lineage))
+        return f"{vm}[lease {lease} | {' '.join(ckpts) or 'no ckpt'} | lineage [{lin}]]"
 
     def _say(self, line: str) -> None:
         ops = f"  ops: {', '.join(self._ops)}" if self._ops else ""
@@ -409,25 +461,14 @@ class LineageMachine(RuleBasedStateMachine):
             flight = f" in flight: {n}"
         self.story.append(f"{self._t()} {line}{ops}\n{'':11}sees: {views}{flight}")
 
-    # Drive cannot promise unique epochs even within the settle time (see the xfail tests
-    # test_a_renewal_during_the_settle_lets_a_third_writer_reuse_an_epoch and
-    # test_two_newcomers_share_an_epoch_on_late_drive): a shared epoch voids the schedule.
-    unpromised: tuple[str, ...] = ("[0]",)
+    # Invariants counted but not enforced on this machine (see _violate).
+    unpromised: tuple[str, ...] = ()
 
     def _violate(self, text: str) -> None:
-        """Record a broken invariant ([N] prefix); on Drive beyond the settle time, [0] and [5] are
-        not promised (the lease is advisory there) and are only counted."""
-        if self.void:
-            return
+        """Record a broken invariant ([N] prefix). An invariant in ``unpromised`` (liveness on late
+        Drive, where it rests on timing) is only counted."""
         if text[:3] in self.unpromised:
             self.stats[f"unpromised {text[:3]} seen"] += 1
-            if text.startswith("[0]"):
-                # Two writers share an epoch, hence folder names: the lineage rules presuppose
-                # unique epochs, so this schedule proves nothing more (see the xfail test
-                # test_two_forced_takeovers_share_an_epoch_on_late_drive).
-                self.void = True
-                self.stats["schedules voided by a shared epoch"] += 1
-                self._say(f"(not checked from here on: {text})")
             return
         self.violations.append(text)
 
@@ -440,61 +481,94 @@ class LineageMachine(RuleBasedStateMachine):
         """Every write/create/replace/delete, before (write, delete) or after (create, replace) it."""
         who = actor.label() if actor is not None else "reader"
         tag = actor.name if actor is not None else "reader"
+        mine = actor.rank if actor is not None else None
         f = _folder(key)
         if f is not None:
-            step, epoch, name = f
+            step, rank, name = f
             if op == "delete":
-                self._ops.append(f"{tag}:del {step}e{epoch}/{name[:3]}")
-                if actor is None or actor.epoch is None or epoch > actor.epoch:
-                    self._violate(
-                        f"[2] {who} deleted {key}, a checkpoint of epoch {epoch} (higher than its own)")
+                self._ops.append(f"{tag}:del {step}{_r(rank)}/{name[:3]}")
+                if mine is None or rank > mine:
+                    self._violate(f"[2] {who} deleted {key}, a checkpoint of {_r(rank)} "
+                                  f"(a higher rank than its own, {_r(mine)})")
                 if name == "manifest.json":
-                    self.deleted.add((step, epoch))
+                    self.deleted.add((step, rank))
                     self.stats["checkpoints deleted"] += 1
             elif name == "manifest.json":
-                self._ops.append(f"{tag}:commit {step}e{epoch}")
+                self._ops.append(f"{tag}:commit {step}{_r(rank)}")
                 self.stats["commits"] += 1
-                if self.epoch_owner and max(self.epoch_owner) > epoch:
+                if self.rank_owner and max(self.rank_owner) > rank:
                     self.stats["commits by a superseded writer"] += 1
-                if actor is None or actor.epoch != epoch:
-                    self._violate(f"[0] {who} wrote the manifest of {key}, not its epoch")
+                if actor is None or mine != rank:
+                    self._violate(f"[0] {who} wrote the manifest of {key}, not under its own rank")
+                elif self.committer.get((step, rank), actor.name) != actor.name:
+                    self._violate(f"[0] {who} wrote the manifest of {key}, which "
+                                  f"{self.committer[(step, rank)]} committed")
                 elif actor.fenced_seen is not None:
                     self._violate(
-                        f"[3] {who} committed {key} after it had a higher epoch in view: {actor.fenced_seen}")
+                        f"[3] {who} committed {key} after it had a higher rank in view: {actor.fenced_seen}")
                 if actor is not None:
                     payload = self._restoring.get(actor.name, actor.weights).payload
-                    self.committed[(step, epoch)] = payload
-        m = _LINEAGE_RE.match(key)
-        if m and op != "delete" and data is not None:
-            epoch = int(m.group(1))
+                    self.committed[(step, rank)] = payload
+                    self.committer.setdefault((step, rank), actor.name)
+        lr = _lineage_rank(key)
+        if lr is not None and op != "delete" and data is not None:
             rec = json.loads(data)
             point = None if rec["resumed_from_step"] is None else (rec["resumed_from_step"], rec["resumed_from_epoch"])
-            self._ops.append(f"{tag}:lineage e{epoch} from {point}")
+            self._ops.append(f"{tag}:lineage {_r(lr)} from {point}")
             owner = actor.name if actor is not None else "reader"
-            if epoch in self.resume and self.epoch_owner.get(epoch) != owner:
-                self._violate(f"[0] {who} wrote lineage of epoch {epoch}, already written by "
-                                       f"{self.epoch_owner.get(epoch)}")
-            self.resume[epoch] = point
-            self.epoch_owner.setdefault(epoch, owner)
+            if mine != lr or rec["epoch"] != lr[0]:
+                self._violate(f"[0] {who} wrote {key} (epoch {rec['epoch']}), not its own rank's record")
+            if lr in self.resume and self.rank_owner.get(lr) != owner:
+                self._violate(f"[0] {who} wrote lineage of {_r(lr)}, already written by "
+                              f"{self.rank_owner.get(lr)}")
+            self.resume[lr] = point
+            self.resume_ck[lr] = self._resolve(actor, point)
+            self.rank_owner.setdefault(lr, owner)
         if key == LEASE and data is not None and op != "delete":
             self._ops.append(f"{tag}:lease e{json.loads(data)['epoch']}")
 
+    def _resolve(self, actor: Writer | None, point: tuple[int, int] | None) -> tuple[int, Rank] | None:
+        """The checkpoint a lineage record's (step, epoch) names. Records carry no tag; on Drive
+        two ranks of one epoch may both hold the step: prefer the one whose payload the writer
+        is restoring, then one complete in its view, then the highest. (A restore that returns
+        replaces this guess by the exact key.)"""
+        if point is None:
+            return None
+        step, epoch = point
+        found = [k for k in self.committed if k[0] == step and k[1][0] == epoch]
+        if not found:
+            return step, (epoch, "")
+        target = self._restoring.get(actor.name) if actor is not None else None
+        view = self._view(actor.vm) if actor is not None else {}
+
+        def score(k: tuple[int, Rank]) -> tuple[bool, bool, Rank]:
+            complete = all(f"{_dir(*k)}/{n}" in view for n in ("manifest.json", "tensors.safetensors"))
+            return (target is not None and self.committed[k] == target.payload, complete, k[1])
+
+        return max(found, key=score)
+
     def _higher_evidence(self, w: Writer) -> str | None:
-        assert w.epoch is not None
+        """A key in ``w``'s view that shows a higher rank than ``w``'s, else None."""
+        mine = w.rank
+        assert mine is not None
+        cas = w.backend.capabilities.compare_and_swap
         for key, data in self._view(w.vm).items():
             f = _folder(key)
-            if f is not None and f[1] > w.epoch:
+            if f is not None and f[1] > mine:
                 return key
-            m = _LINEAGE_RE.match(key)
-            if m and int(m.group(1)) > w.epoch:
+            lr = _lineage_rank(key)
+            if lr is not None and lr > mine:
                 return key
             if key == LEASE and data:
                 try:
-                    epoch = json.loads(data)["epoch"]
+                    rec = json.loads(data)
+                    epoch, nonce, released = rec["epoch"], rec["holder"]["nonce"], rec.get("released", False)
                 except (ValueError, KeyError, TypeError):
                     continue
-                if epoch > w.epoch:
-                    return f"LEASE.json of epoch {epoch}"
+                if nonce == w.nonce:
+                    continue
+                if epoch > mine[0] or (epoch == mine[0] and not released and (cas or nonce[:8] > w.nonce[:8])):
+                    return f"LEASE.json of epoch {epoch} (nonce {nonce[:8]})"
         return None
 
     def _note_evidence(self, w: Writer) -> None:
@@ -549,15 +623,22 @@ class LineageMachine(RuleBasedStateMachine):
         """Called in the opening task the moment its acquisition returns."""
         assert mgr.lease is not None
         now = self.clock.now
+        record = mgr.lease.record
+        assert record is not None
         w.mgr, w.epoch, w.state = mgr, mgr.lease.epoch, "open"
+        w.nonce = record.holder.nonce
+        w.tag = "" if w.backend.capabilities.compare_and_swap else w.nonce[:8]
         self.stats["writers opened"] += 1
         if w.epoch > 1:
             self.stats["takeovers"] += 1
         self._say(f"{w.label()} is the writer: epoch {w.epoch} after {now - w.opened_at:.1f} s")
-        other = self.epoch_owner.get(w.epoch)
+        assert w.rank is not None
+        other = self.rank_owner.get(w.rank)
         if other is not None and other != w.name:
-            self._violate(f"[0] {w.label()} acquired epoch {w.epoch}, which {other} held")
-        self.epoch_owner[w.epoch] = w.name
+            self._violate(f"[0] {w.label()} acquired rank {_r(w.rank)}, which {other} held")
+        if any(o is not w and o.epoch == w.epoch for o in self.writers):
+            self.stats["epoch shared by two writers (distinct ranks)"] += 1
+        self.rank_owner[w.rank] = w.name
         if w.solo and now > self._bound(w):
             self._violate(
                 f"[5] {w.label()} alone from {w.opened_at - self.t0:.1f} took over only at "
@@ -646,6 +727,9 @@ class LineageMachine(RuleBasedStateMachine):
             rp = None
             try:
                 rp = w.mgr.restore(state)
+                # A takeover's anchor (the restored checkpoint re-committed under this rank) may
+                # run on a worker thread: finish it now, so the schedule stays deterministic.
+                w.mgr.wait()
             except (LeaseLostError, NoValidCheckpointError) as exc:
                 self.stats["writer restore refused"] += 1
                 self._say(f"{w.label()} restore refused: {type(exc).__name__}: {exc}")
@@ -655,18 +739,21 @@ class LineageMachine(RuleBasedStateMachine):
         w.begun = True
         if rp is None:
             self._say(f"{w.label()} restores: fresh start")
-            if self.resume.get(w.epoch or 0, "missing") is not None:
+            if self.resume.get(w.rank, "missing") is not None:  # type: ignore[arg-type]
                 self._violate(f"[1] {w.label()} restored nothing but its lineage says "
-                                       f"{self.resume.get(w.epoch or 0, 'missing')}")
+                              f"{self.resume.get(w.rank, 'missing')}")  # type: ignore[arg-type]
             return
         w.weights = state
         w.step = rp.step
         self.stats["writer restores a checkpoint"] += 1
         self._say(f"{w.label()} restores {rp.key} (payload {state.payload})")
-        self._check_restored(f"{w.label()}'s restore", w.vm, rp.step, rp.lease_epoch, state.payload)
-        if self.resume.get(w.epoch or 0) != (rp.step, rp.lease_epoch):
+        self._check_restored(f"{w.label()}'s restore", w.vm, rp.step, _key_rank(rp.key), state.payload)
+        assert w.rank is not None
+        if self.resume.get(w.rank, "missing") != (rp.step, rp.lease_epoch):
             self._violate(f"[1] {w.label()} restored {rp.key} but its lineage record says "
-                                   f"{self.resume.get(w.epoch or 0, 'missing')}")
+                          f"{self.resume.get(w.rank, 'missing')}")
+        else:
+            self.resume_ck[w.rank] = (rp.step, _key_rank(rp.key))
 
     @precondition(lambda self: any(w.state == "open" for w in self.writers))
     @rule(data=st.data(), steps=st.integers(1, 2))
@@ -792,7 +879,7 @@ class LineageMachine(RuleBasedStateMachine):
             return
         self.stats['reader restores a checkpoint'] += 1
         self._say(f"reader on {vm} restores {rp.key}")
-        self._check_restored(f"reader on {vm}", vm, rp.step, rp.lease_epoch, payload)
+        self._check_restored(f"reader on {vm}", vm, rp.step, _key_rank(rp.key), payload)
 
     # ------------------------------------------------------------------ checks
     def _read(self, backend: Any) -> tuple[Any, Any]:
@@ -807,62 +894,59 @@ class LineageMachine(RuleBasedStateMachine):
             self.stats["restore with orphans present"] += 1
         return rp, (state.payload if rp is not None else "nothing (fresh start)")
 
-    def _check_restored(self, who: str, vm: str | None, step: int, epoch: int, payload: Any) -> None:
-        truth = self.committed.get((step, epoch))
+    def _check_restored(self, who: str, vm: str | None, step: int, rank: Rank, payload: Any) -> None:
+        truth = self.committed.get((step, rank))
         if truth is None:
-            self._violate(f"[1] {who} got step {step} epoch {epoch}, which nobody committed")
+            self._violate(f"[1] {who} got step {step} of {_r(rank)}, which nobody committed")
         elif truth != payload:
-            self._violate(f"[1] {who} got step {step} epoch {epoch} with payload {payload}, "
-                                   f"committed was {truth}")
+            self._violate(f"[1] {who} got step {step} of {_r(rank)} with payload {payload}, "
+                          f"committed was {truth}")
         if vm is None:
             return
         for key in self._view(vm):
-            higher = None
-            m = _LINEAGE_RE.match(key)
-            if m:
-                higher = int(m.group(1))
+            higher = _lineage_rank(key)
             f = _folder(key)
             if f is not None and f[2] == "manifest.json":
                 higher = f[1]
-            if higher is None or higher <= epoch or higher not in self.resume:
+            if higher is None or higher <= rank or higher not in self.resume:
                 continue
             point = self.resume[higher]
             if point is None or step > point[0]:
                 self._violate(
-                    f"[1] {who} got step {step} of epoch {epoch}, but epoch {higher} (visible as "
+                    f"[1] {who} got step {step} of {_r(rank)}, but {_r(higher)} (visible as "
                     f"{key}) resumed from {point}")
 
-    def _tip(self) -> tuple[int, int] | None:
+    def _tip(self) -> tuple[int, Rank] | None:
+        """The newest committed, undeleted checkpoint of the highest rank with a lineage record
+        (else the checkpoint that rank resumed from; None for a fresh start)."""
         if not self.resume:
             return None
         top = max(self.resume)
-        own = [s for (s, e) in self.committed if e == top and (s, e) not in self.deleted]
+        own = [s for (s, r) in self.committed if r == top and (s, r) not in self.deleted]
         if own:
             return max(own), top
-        point = self.resume[top]
+        point = self.resume_ck[top]
         if point is None:
             return None
         if point in self.deleted:
-            self._violate(f"[4] epoch {top} resumed from {point}, which was deleted "
-                                   "before it committed anything of its own")
+            self._violate(f"[4] {_r(top)} resumed from step {point[0]} of {_r(point[1])}, which was "
+                          "deleted before it committed anything of its own")
         return point
 
     def _expect_tip(self, where: str, backend: Any) -> None:
         tip = self._tip()
         rp, payload = self._read(backend)
-        got = None if rp is None else (rp.step, rp.lease_epoch)
+        got = None if rp is None else (rp.step, _key_rank(rp.key))
         if got != tip:
             self._violate(f"[4] {where}: a reader restores {got} ({payload}); the newest "
-                                   f"checkpoint of the highest epoch is {tip}")
-        elif rp is not None and self.committed.get(got) != payload:  # type: ignore[arg-type]
+                          f"checkpoint of the highest rank is {tip}")
+        elif got is not None and self.committed.get(got) != payload:
             self._violate(f"[1] {where}: restored {got} with payload {payload}, committed "
-                                   f"was {self.committed.get(got)}")  # type: ignore[arg-type]
+                          f"was {self.committed.get(got)}")
 
     @invariant()
     def invariants_hold(self) -> None:
         self._reap()
-        if self.void:
-            return
         if self.sim is None:
             self._expect_tip("after this step", self._raw_backend("disk"))
         else:
@@ -870,9 +954,9 @@ class LineageMachine(RuleBasedStateMachine):
                              FrozenBackend(self.sim.converged_cloud()))
             if self.resume:
                 top = max(self.resume)
-                owner = next((w for w in self.writers if w.name == self.epoch_owner.get(top)), None)
+                owner = next((w for w in self.writers if w.name == self.rank_owner.get(top)), None)
                 if owner is not None:
-                    self._expect_tip(f"on {owner.vm}, the VM of epoch {top}", self._raw_backend(owner.vm))
+                    self._expect_tip(f"on {owner.vm}, the VM of {_r(top)}", self._raw_backend(owner.vm))
         if self.violations:
             self._fail("invariant broken: " + "; ".join(dict.fromkeys(self.violations)))
 
@@ -892,12 +976,12 @@ class LineageMachine(RuleBasedStateMachine):
 
 class DriveLateLineage(LineageMachine):
     """Drive as DRIVE_FACTS describes it: changes reach other VMs up to 20 minutes late (far beyond
-    the settle time and the ttl). The lease cannot exclude anyone then; lineage must keep every
-    safety invariant (1-4). Liveness (5) rests on timing and is only counted; a shared epoch (0)
-    voids its schedule, as on every Drive machine."""
+    the settle time and the ttl). The lease cannot exclude anyone then (two writers may share an
+    epoch, never a rank); ranks and lineage must keep invariants 0-4. Liveness (5) rests on
+    timing and is only counted."""
 
     delays = (0.0, 5.0, 30.0, 90.0, 240.0, 600.0)
-    unpromised = ("[0]", "[5]")
+    unpromised = ("[5]",)
 
 
 class LocalLineage(LineageMachine):
@@ -927,15 +1011,15 @@ def _run(machine: type[LineageMachine], scale: float, needed: tuple[str, ...]) -
 
 
 def test_lineage_drive_within_settle() -> None:
-    """Drive whose changes arrive within the settle time: invariants 1-5 (a shared epoch, 0,
-    is counted and voids its schedule: it is a known bug, see the xfail tests)."""
+    """Drive whose changes arrive within the settle time: invariants 0-5."""
     _run(LineageMachine, 0.3, ("takeovers", "save refused (fenced)"))
 
 
 def test_lineage_drive_late() -> None:
-    """Drive whose changes arrive minutes late: the safety invariants 1-4 hold by lineage alone."""
+    """Drive whose changes arrive minutes late: invariants 0-4 hold by ranks and lineage alone,
+    also in schedules where two writers share an epoch."""
     _run(DriveLateLineage, 0.35, ("takeovers", "save refused (fenced)", "commits by a superseded writer",
-                                  "restore with orphans present"))
+                                  "restore with orphans present", "epoch shared by two writers (distinct ranks)"))
 
 
 def test_lineage_local(tmp_path: Path) -> None:
@@ -945,70 +1029,6 @@ def test_lineage_local(tmp_path: Path) -> None:
 
 def test_lineage_memory() -> None:
     _run(MemoryLineage, 0.15, ("takeovers", "save refused (fenced)"))
-
-
-# ---------------------------------------------------------------------- minimal reproductions
-def _sim_manager(sim: SimDrive, vm: str, **kw: Any) -> CheckpointManager:
-    """A writer on ``vm`` whose lease sleeps by letting simulated time pass (single-threaded)."""
-    if vm not in sim.views:
-        sim.add_vm(vm)
-    return CheckpointManager(sim.backend(vm), keep_last=1, lease_ttl=300.0, heartbeat=False,
-                             clock=sim.clock, sleep=lambda dt: sim.advance_to(sim.now + dt),
-                             run_id="run", **kw)
-
-
-@pytest.mark.xfail(strict=True, reason=(
-    "Drive, changes 400 s late (> settle 60 s): two newcomers that take over a dead writer one "
-    "after the other on two VMs both become epoch 2, so their folder names (step-N.e2) collide "
-    "and either one's rotation deletes the other's checkpoints. Lease/lineage must order writers "
-    "by (epoch, nonce), and folder names must carry the nonce."))
-def test_two_newcomers_share_an_epoch_on_late_drive() -> None:
-    sim = SimDrive(delay=lambda hop, key: 400.0)
-    w1 = _sim_manager(sim, "vm1")
-    assert w1.restore(_Weights(1, 0)) is None
-    w1.save(_Weights(1, 10), step=10)
-    sim.advance_to(sim.now + 1000)  # everything propagated; then W1's VM vanishes
-    w1._closed = True  # a dead VM closes nothing (and runs no exit handler)
-    w2 = _sim_manager(sim, "vm2")  # watches W1's silent lease for a ttl, takes over
-    sim.advance_to(sim.now + 1)
-    w3 = _sim_manager(sim, "vm3")  # W2's record is still in flight to vm3
-    assert w2.lease is not None and w3.lease is not None
-    w2._closed = w3._closed = True
-    assert w2.lease.epoch != w3.lease.epoch, (
-        f"W2 on vm2 and W3 on vm3 both hold epoch {w2.lease.epoch}: both will write "
-        f"step-*.e{w2.lease.epoch}/ and delete each other's checkpoints")
-
-
-@pytest.mark.xfail(strict=True, reason=(
-    "CheckpointManager.restore() neither renews the lease nor checks the catalog's max_epoch "
-    "before writing the lineage record and the anchor checkpoint: a writer that became stale "
-    "between opening and restoring (another took over) still commits step-N.e<old>. Fix: in "
-    "restore(), for a writer, call lease.renew() and _fence_if_newer(scan.max_epoch) before "
-    "_write_lineage/_anchor (raising LeaseLostError)."))
-def test_restore_after_being_taken_over_commits_nothing() -> None:
-    clock = FakeClock()
-    name = f"lineage-restore-{id(clock)}"
-    backend = MemoryBackend(name)
-    try:
-        def open_writer(**kw: Any) -> CheckpointManager:
-            return CheckpointManager(backend, keep_last=2, lease_ttl=60.0, heartbeat=False, clock=clock,
-                                     sleep=lambda dt: setattr(clock, "now", clock.now + dt),
-                                     run_id="run", **kw)
-
-        w1 = open_writer()
-        w1.restore(_Weights(1, 0))
-        w1.save(_Weights(1, 10), step=10)
-        w1._closed = True  # dies
-        clock.now += 61.0
-        w2 = open_writer()  # epoch 2 (takes over after a ttl of silence), does not restore yet
-        w3 = open_writer(force=True)  # epoch 3 takes over from W2
-        assert w3.restore(_Weights(3, 0)) is not None
-        w2._closed = w3._closed = True
-        with pytest.raises(LeaseLostError):
-            w2.restore(_Weights(2, 0))  # W2 is stale: epoch 3 holds the lease and wrote lineage
-        assert not backend.exists("step-0000000010.e2/manifest.json"), "the stale writer committed an anchor"
-    finally:
-        MemoryBackend.discard_store(name)
 
 
 # ---------------------------------------------------------------------- the checks have teeth
@@ -1025,18 +1045,31 @@ def test_the_machine_catches_restoring_orphans(monkeypatch: pytest.MonkeyPatch) 
     """Sabotage: the catalog never marks a superseded writer's checkpoints as orphans."""
     from ckptsdk import catalog
 
-    monkeypatch.setattr(catalog, "_superseded_by", lambda step, epoch, points: None)
+    monkeypatch.setattr(catalog, "_superseded_by", lambda step, rank, points: None)
     _expect_story_failure(DriveLateLineage, r"\[[14]\]")
 
 
-def test_the_machine_catches_a_writer_that_ignores_newer_epochs(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Sabotage: a writer never fences itself on seeing a newer lease, lineage record or folder."""
+def test_the_machine_catches_a_writer_that_ignores_newer_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sabotage: a writer never fences itself on seeing a newer lease, lineage record or folder
+    (``_fence_if_newer`` gets a rank tuple and does nothing)."""
     from ckptsdk.lease import Lease
 
     monkeypatch.setattr(CheckpointManager, "_fence_if_newer", lambda self, seen: None)
     monkeypatch.setattr(Lease, "_judge", lambda self, data, ours: None)
     monkeypatch.setattr(Lease, "fence", lambda self, reason, newer_epoch=None: None)
     _expect_story_failure(DriveLateLineage, r"\[[234]\]")
+
+
+def test_the_machine_catches_writers_sharing_a_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sabotage: the simulated Drive claims compare-and-swap, so writers drop the nonce tag from
+    their names (the world before de3dc83): two writers of one epoch then share a rank."""
+    import dataclasses
+
+    from tests import sim_drive
+
+    monkeypatch.setattr(sim_drive.SimDriveBackend, "capabilities",
+                        dataclasses.replace(sim_drive.DRIVE_CAPABILITIES, compare_and_swap=True))
+    _expect_story_failure(DriveLateLineage, r"\[0\]")
 
 
 # ---------------------------------------------------------------------- the simulation itself
@@ -1080,77 +1113,243 @@ def test_sim_drive_reorders_and_resolves_last_writer_wins() -> None:
     assert sim.backend("c").read("ck/manifest") == b"M"
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "CheckpointManager.gc() deletes every committed-but-invalid checkpoint at once; on Drive a "
-    "checkpoint whose manifest arrived before its tensor file looks torn on other VMs, so a gc "
-    "there deletes the newest checkpoint of the live writer (the delete is newer, so it wins "
-    "everywhere). Fix: on backends with immediately_consistent=False, treat a torn checkpoint "
-    "like an uncommitted one (remove it only after the grace period), and never delete a "
-    "checkpoint of an epoch >= the newest lease epoch seen without the lease."))
+
+# ---------------------------------------------------------------------- regressions
+# The faults this machine found, each as its smallest story; all fixed in de3dc83.
+def _sim_manager(sim: SimDrive, vm: str, *, beating: tuple[CheckpointManager, ...] = (),
+                 **kw: Any) -> CheckpointManager:
+    """A writer on ``vm`` whose lease sleeps by letting simulated time pass (single-threaded);
+    while it sleeps, the writers in ``beating`` renew their leases every 50 s (their heartbeats)."""
+    if vm not in sim.views:
+        sim.add_vm(vm)
+    return CheckpointManager(sim.backend(vm), keep_last=1, lease_ttl=300.0, heartbeat=False,
+                             clock=sim.clock, sleep=lambda dt: _beat(sim, beating, dt),
+                             run_id="run", **kw)
+
+
+def _beat(sim: SimDrive, writers: tuple[CheckpointManager, ...], seconds: float, every: float = 50.0) -> None:
+    """``seconds`` pass on ``sim``; every ``every`` s each unfenced writer renews its lease (a
+    renewal that finds a higher writer fences that writer: what its heartbeat would do)."""
+    end = sim.now + seconds
+    while sim.now < end:
+        sim.advance_to(min(end, sim.now + every))
+        for m in writers:
+            assert m.lease is not None
+            if not m.lease.fenced:
+                try:
+                    m.lease.renew()
+                except LeaseLostError:
+                    pass
+
+
+def _rank(mgr: CheckpointManager) -> Rank:
+    """The rank a Drive writer must carry in its names: (lease epoch, nonce[:8])."""
+    assert mgr.lease is not None and mgr.lease.record is not None
+    return mgr.lease.epoch, mgr.lease.record.holder.nonce[:8]
+
+
+def _nonces(monkeypatch: pytest.MonkeyPatch, *prefixes: str) -> None:
+    """The lease nonces of the next acquisitions, in order (so a story fixes which writer of a
+    shared epoch ranks higher; real nonces are random uuids)."""
+    from ckptsdk import lease as lease_module
+
+    it = iter(prefixes)
+    monkeypatch.setattr(lease_module, "uuid", SimpleNamespace(
+        uuid4=lambda: SimpleNamespace(hex=(next(it) * 8)[:8] + "0" * 24)))
+
+
+def _the_higher_rank_wins(sim: SimDrive, first: CheckpointManager, second: CheckpointManager,
+                          step: int, gap: float, *, low_fenced_early: bool = False) -> None:
+    """Two writers that took the same epoch on Drive: both save ``step`` under distinct names
+    (unless the lower one has already seen the higher one: ``low_fenced_early``, then that save
+    raises LeaseLostError); once each has seen the other's writes (``gap`` seconds of
+    heartbeats), the lower-ranked one's next save raises LeaseLostError, none of the higher
+    one's checkpoints is gone, and a reader on a fresh VM restores the higher one's newest."""
+    assert first.lease is not None and second.lease is not None
+    # The story still produces a shared epoch (else this test no longer tests rank ordering).
+    assert first.lease.epoch == second.lease.epoch and _rank(first) != _rank(second)
+    (high_uid, high), (low_uid, low) = sorted(((1, first), (2, second)), key=lambda p: _rank(p[1]), reverse=True)
+    keys = {}
+    for uid, m in ((1, first), (2, second)):
+        if m is low and low_fenced_early:
+            with pytest.raises(LeaseLostError):
+                m.save(_Weights(uid, step), step=step)
+            continue
+        keys[uid] = m.save(_Weights(uid, step), step=step).key
+        assert keys[uid] == _dir(step, _rank(m)), f"{keys[uid]} does not carry the rank {_rank(m)}"
+    assert len(set(keys.values())) == len(keys)  # the folder names differ
+    high_keys = {c.key for c in high.list() if c.rank == _rank(high) and c.valid}
+    assert keys[high_uid] in high_keys
+    _beat(sim, (first, second), gap)
+    for uid, key in keys.items():  # each VM has seen the other writer's checkpoint
+        other = second if uid == 1 else first
+        assert sim.backend(other.backend.vm).exists(f"{key}/manifest.json")  # type: ignore[attr-defined]
+    assert high.lease is not None and not high.lease.fenced, high.lease.record
+    with pytest.raises(LeaseLostError):
+        low.save(_Weights(low_uid, step + 10), step=step + 10)
+    _beat(sim, (high,), gap)
+    converged = CheckpointManager(FrozenBackend(sim.converged_cloud()), read_only=True).list()
+    valid = {c.key for c in converged if c.valid}
+    assert high_keys <= valid, f"the higher writer lost {sorted(high_keys - valid)}"
+    assert not any(c.key == _dir(step + 10, _rank(low)) for c in converged), "the fenced writer committed"
+    assert high.save(_Weights(high_uid, step + 10), step=step + 10).committed
+    _beat(sim, (high,), gap)
+    sim.add_vm("reader")
+    state = _Weights(0, 0)
+    rp = CheckpointManager(sim.backend("reader"), read_only=True).restore(state)
+    assert rp is not None and rp.key == _dir(step + 10, _rank(high)) and state.payload == (high_uid, step + 10)
+
+
+@pytest.mark.parametrize("higher", ["first", "second"])
+def test_two_newcomers_sharing_an_epoch_on_late_drive_are_ordered_by_rank(
+        monkeypatch: pytest.MonkeyPatch, higher: str) -> None:
+    """Changes 400 s late (> settle 60 s): two newcomers that take over a dead writer one after
+    the other on two VMs both become epoch 2. Before de3dc83 their folders (step-N.e2) collided
+    and either one's rotation deleted the other's checkpoints; now names carry the nonce and the
+    lower rank steps back."""
+    _nonces(monkeypatch, "1", "9" if higher == "first" else "5", "5" if higher == "first" else "9")
+    sim = SimDrive(delay=lambda hop, key: 400.0)
+    w1 = _sim_manager(sim, "vm1")
+    managers = [w1]
+    try:
+        assert w1.restore(_Weights(1, 0)) is None
+        w1.save(_Weights(1, 10), step=10)
+        sim.advance_to(sim.now + 1000)  # everything propagated; then W1's VM vanishes
+        w2 = _sim_manager(sim, "vm2")  # watches W1's silent lease for a ttl, takes over
+        managers.append(w2)
+        assert w2.restore(_Weights(2, 0)) is not None  # step 10, anchored under W2's rank
+        w2.wait()
+        w3 = _sim_manager(sim, "vm3", beating=(w2,))  # W2's records are still in flight to vm3
+        managers.append(w3)
+        assert w3.restore(_Weights(3, 0)) is not None
+        w3.wait()
+        _the_higher_rank_wins(sim, w2, w3, step=20, gap=1000.0)
+    finally:
+        for m in managers:  # a dead VM closes nothing (and runs no exit handler)
+            m._closed = True
+
+
+def test_restore_after_being_taken_over_commits_nothing() -> None:
+    """A writer taken over between opening and restoring: restore() renews the lease and looks
+    for newer writers before it records lineage or anchors (before de3dc83 it committed
+    step-N.e<old> after the takeover)."""
+    clock = FakeClock()
+    name = f"lineage-restore-{id(clock)}"
+    backend = MemoryBackend(name)
+    managers: list[CheckpointManager] = []
+    try:
+        def open_writer(**kw: Any) -> CheckpointManager:
+            m = CheckpointManager(backend, keep_last=2, lease_ttl=60.0, heartbeat=False, clock=clock,
+                                  sleep=lambda dt: setattr(clock, "now", clock.now + dt),
+                                  run_id="run", **kw)
+            managers.append(m)
+            return m
+
+        w1 = open_writer()
+        w1.restore(_Weights(1, 0))
+        w1.save(_Weights(1, 10), step=10)
+        w1._closed = True  # dies
+        clock.now += 61.0
+        w2 = open_writer()  # epoch 2 (takes over after a ttl of silence), does not restore yet
+        w3 = open_writer(force=True)  # epoch 3 takes over from W2
+        assert w3.restore(_Weights(3, 0)) is not None
+        w3.wait()
+        with pytest.raises(LeaseLostError):
+            w2.restore(_Weights(2, 0))  # W2 is stale: epoch 3 holds the lease and wrote lineage
+        w2.wait()
+        assert not backend.exists("step-0000000010.e2/manifest.json"), "the stale writer committed an anchor"
+        assert not backend.exists("lineage/epoch-000002.json"), "the stale writer recorded a lineage"
+        state = _Weights(0, 0)
+        rp = CheckpointManager(backend, read_only=True).restore(state)
+        assert rp is not None and rp.key == "step-0000000010.e3" and state.payload == (1, 10)
+    finally:
+        for m in managers:
+            m._closed = True
+        MemoryBackend.discard_store(name)
+
+
 def test_gc_on_another_vm_spares_a_checkpoint_still_uploading() -> None:
+    """On Drive a checkpoint whose manifest arrived before its tensor file looks torn on other
+    VMs; gc there must keep it (before de3dc83 it deleted the live writer's newest)."""
     sim = SimDrive(delay=lambda hop, key: 400.0 if key.endswith("tensors.safetensors") else 0.0)
     w1 = _sim_manager(sim, "vm1")
-    w1.restore(_Weights(1, 0))
-    w1.save(_Weights(1, 10), step=10)
-    sim.add_vm("vm2")
-    sim.advance_to(sim.now + 1)  # the manifest is everywhere, the tensor file still uploading
-    report = CheckpointManager(sim.backend("vm2"), read_only=True).gc()
-    sim.advance_to(sim.now + 1000)
-    w1._closed = True
-    assert "step-0000000010.e1" not in report.deleted, report.reasons
-    assert CheckpointManager(sim.backend("vm2"), read_only=True).restore(_Weights(0, 0)) is not None
+    try:
+        w1.restore(_Weights(1, 0))
+        key = w1.save(_Weights(1, 10), step=10).key
+        assert key == _dir(10, _rank(w1))
+        sim.add_vm("vm2")
+        sim.advance_to(sim.now + 1)  # the manifest is everywhere, the tensor file still uploading
+        other = CheckpointManager(sim.backend("vm2"), read_only=True)
+        assert [c.valid for c in other.list()] == [False]  # torn, as vm2 sees it
+        report = other.gc()
+        assert key not in report.deleted, report.reasons
+        sim.advance_to(sim.now + 1000)
+        state = _Weights(0, 0)
+        rp = CheckpointManager(sim.backend("vm2"), read_only=True).restore(state)
+        assert rp is not None and rp.key == key and state.payload == (1, 10)
+    finally:
+        w1._closed = True
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "Rotation on Drive deletes the previous checkpoint as soon as the new one is committed on "
-    "the writer's VM. A delete is a tiny change and uploads long before a checkpoint's tensor "
-    "file; if the VM then vanishes, the old checkpoint is gone from Drive and the new one never "
-    "arrived: nothing is left. Fix: on backends with durable_on_return=False, rotate one save "
-    "late (delete only what was already beyond keep_last at the previous save), so a newer "
-    "checkpoint had a whole save interval to upload before its predecessor goes."))
 def test_rotation_on_drive_keeps_a_checkpoint_when_the_vm_vanishes_mid_upload() -> None:
+    """Rotation deletes are tiny and reach Drive long before a checkpoint's tensor file; if the
+    VM then vanishes, the predecessor must still be there (before de3dc83 nothing was left)."""
     sim = SimDrive(delay=lambda hop, key: 200.0 if key.endswith("tensors.safetensors") else 1.0)
     w1 = _sim_manager(sim, "vm1")  # keep_last=1
-    w1.restore(_Weights(1, 0))
-    w1.save(_Weights(1, 10), step=10)
-    sim.advance_to(sim.now + 250)  # step 10 is on Drive, complete (and W1's lease is < ttl old)
-    w1.save(_Weights(1, 20), step=20)  # rotation deletes step 10 on vm1 at once
-    sim.advance_to(sim.now + 10)  # the deletes reached Drive; step 20's tensors still uploading
-    assert sim.lose_vm("vm1") > 0
-    w1._closed = True
+    try:
+        w1.restore(_Weights(1, 0))
+        key10 = w1.save(_Weights(1, 10), step=10).key
+        sim.advance_to(sim.now + 250)  # step 10 is on Drive, complete (and W1's lease is < ttl old)
+        w1.save(_Weights(1, 20), step=20)  # Drive rotates one save late: step 10 stays
+        sim.advance_to(sim.now + 10)  # small changes reached Drive; step 20's tensors still uploading
+        assert sim.lose_vm("vm1") > 0
+    finally:
+        w1._closed = True
     sim.add_vm("vm2")
     sim.advance_to(sim.now + 1000)
-    reader = CheckpointManager(sim.backend("vm2"), read_only=True)
-    try:
-        restored, why = reader.restore(_Weights(0, 0)), "fresh start"
-    except NoValidCheckpointError as exc:  # what happens today: 10 half-deleted, 20 torn
-        restored, why = None, str(exc)
-    assert restored is not None, f"nothing restorable after the VM vanished: {why}"
+    state = _Weights(0, 0)
+    rp = CheckpointManager(sim.backend("vm2"), read_only=True).restore(state)
+    assert rp is not None and rp.key == key10 and state.payload == (1, 10)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "Drive, every change 20 s per hop (40 s < settle 60 s): a stale holder's heartbeat renewal "
-    "made during a newcomer's settle lands after the newcomer's read-back and, last writer "
-    "wins, hides the newcomer's epoch-2 record on the holder's VM for good. A third writer "
-    "there reads epoch 1 and takes epoch 2 again. Same fix as the late-Drive case: order writers "
-    "by (epoch, nonce) and put the nonce in folder and lineage names."))
-def test_a_renewal_during_the_settle_lets_a_third_writer_reuse_an_epoch() -> None:
+@pytest.mark.parametrize("higher", ["first", "second"])
+def test_a_renewal_during_the_settle_cannot_make_two_writers_collide(
+        monkeypatch: pytest.MonkeyPatch, higher: str) -> None:
+    """Every change 20 s per hop (40 s < settle 60 s): a stale holder's heartbeat renewal made
+    during a newcomer's settle lands after the newcomer's read-back and hides its epoch-2 record
+    on the holder's VM; a third writer there takes epoch 2 again. They share an epoch, not a
+    rank: names stay apart and the lower rank steps back (before de3dc83 they collided)."""
+    _nonces(monkeypatch, "1", "9" if higher == "first" else "5", "5" if higher == "first" else "9")
     sim = SimDrive(delay=lambda hop, key: 20.0)
     w3 = _sim_manager(sim, "vm2")  # the holder, epoch 1, heartbeating
-    w3.restore(_Weights(3, 0))
-    sim.advance_to(sim.now + 100)
-    assert w3.lease is not None
+    managers = [w3]
+    try:
+        w3.restore(_Weights(3, 0))
+        sim.advance_to(sim.now + 100)
+        assert w3.lease is not None
 
-    def settle_with_a_renewal(dt: float) -> None:
-        sim.advance_to(sim.now + 30)
-        w3.lease.renew()  # vm2 does not see epoch 2 yet (it arrives at +40)
-        sim.advance_to(sim.now + dt - 30)
+        def settle_with_a_renewal(dt: float) -> None:
+            sim.advance_to(sim.now + 30)
+            w3.lease.renew()  # type: ignore[union-attr]  # vm2 does not see epoch 2 yet (at +40)
+            sim.advance_to(sim.now + dt - 30)
 
-    sim.add_vm("vm3")
-    w4 = CheckpointManager(sim.backend("vm3"), keep_last=1, lease_ttl=300.0, heartbeat=False,
-                           clock=sim.clock, sleep=settle_with_a_renewal, run_id="run", force=True)
-    sim.advance_to(sim.now + 1)
-    w5 = _sim_manager(sim, "vm2", force=True)  # on the holder's VM, which still shows epoch 1
-    w3._closed = w4._closed = w5._closed = True
-    assert w4.lease is not None and w5.lease is not None
-    assert w4.lease.epoch != w5.lease.epoch, f"W4 (vm3) and W5 (vm2) both hold epoch {w4.lease.epoch}"
+        sim.add_vm("vm3")
+        w4 = CheckpointManager(sim.backend("vm3"), keep_last=1, lease_ttl=300.0, heartbeat=False,
+                               clock=sim.clock, sleep=settle_with_a_renewal, run_id="run", force=True)
+        managers.append(w4)
+        sim.advance_to(sim.now + 1)
+        w5 = _sim_manager(sim, "vm2", force=True)  # on the holder's VM, which still shows epoch 1
+        managers.append(w5)
+        if higher == "second":
+            # W5's record, newer and of a higher nonce, reached vm3 during W5's settle: W4 sees
+            # it when restore() renews, and stops before recording any lineage.
+            with pytest.raises(LeaseLostError):
+                w4.restore(_Weights(0, 0))
+            assert not sim.backend("vm3").exists(f"lineage/epoch-000002.{_rank(w4)[1]}.json")
+        else:
+            assert w4.restore(_Weights(0, 0)) is None  # nothing saved yet: a fresh start
+        assert w5.restore(_Weights(0, 0)) is None
+        _the_higher_rank_wins(sim, w4, w5, step=10, gap=200.0, low_fenced_early=higher == "second")
+    finally:
+        for m in managers:
+            m._closed = True
