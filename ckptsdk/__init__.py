@@ -30,21 +30,20 @@ from .errors import (
 # Names whose modules import torch are loaded on first use, so `import ckptsdk` (the CLI's
 # `lease` command, child processes, storage-only users) does not pay torch's start-up.
 _LAZY = {
-    "AuditReport": "runlog",
+    "AuditReport": "audit",
     "CheckpointInfo": "catalog",
     "CheckpointManager": "manager",
     "DataCache": "datacache",
     "GcReport": "manager",
     "ResumePoint": "manager",
     "TrainState": "state",
-    "audit": "runlog",
 }
 
 if TYPE_CHECKING:
     from .catalog import CheckpointInfo
     from .datacache import DataCache
     from .manager import CheckpointManager, GcReport, ResumePoint
-    from .runlog import AuditReport, audit
+    from .audit import AuditReport
     from .state import TrainState
 
 
@@ -81,6 +80,5 @@ __all__ = [
     "StateMismatchError",
     "TrainState",
     "UnsupportedStateError",
-    "audit",
     "open_backend",
 ]

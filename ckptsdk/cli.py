@@ -355,7 +355,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_audit(args: argparse.Namespace) -> int:
-    from .runlog import audit
+    from .audit import audit
 
     if args.tolerance < 0 or not math.isfinite(args.tolerance):
         raise _UsageError(f"--tolerance must be a finite number >= 0, got {args.tolerance}")

@@ -16,7 +16,7 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .errors import DataError, DownloadError  # noqa: F401  (DownloadError re-exported for callers)
+from .errors import DownloadError
 
 logger = logging.getLogger(__name__)
 

@@ -48,7 +48,8 @@ from .errors import (
 )
 from .lease import Lease
 from .manifest import Environment, FileEntry, LineageRecord, Manifest, Position, Writer
-from .runlog import RunLog, audit as _audit
+from .audit import audit as _audit
+from .runlog import RunLog
 from .staging import Stager
 from .tensorfile import DIGEST_ALGORITHM, read_tensorfile, verify_file, write_tensorfile
 
@@ -284,7 +285,7 @@ class CheckpointManager:
         return bool(self.save_every) and step > 0 and step % self.save_every == 0  # type: ignore[operator]
 
     def audit(self, tolerance: float = 0.0) -> Any:
-        """Compare the steps run by several attempts (see :func:`ckptsdk.runlog.audit`)."""
+        """Compare the steps run by several attempts (see :func:`ckptsdk.audit.audit`)."""
         if self.runlog is not None:
             self.runlog.flush()
         return _audit(self.backend, tolerance=tolerance)

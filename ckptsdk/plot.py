@@ -13,7 +13,7 @@ import os
 from typing import Any
 
 from .errors import ConfigError, MissingDependencyError
-from .runlog import AuditReport, audit
+from .audit import AuditReport, audit
 
 logger = logging.getLogger(__name__)
 

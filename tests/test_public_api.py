@@ -7,7 +7,7 @@ EXPECTED = {
     "CorruptCheckpointError", "DataCache", "DataError", "GcReport", "LeaseHeldError",
     "LeaseLostError", "ManifestError", "NoValidCheckpointError", "ObjectNotFound",
     "PreconditionFailed", "ResumePoint", "StateMismatchError", "TrainState",
-    "UnsupportedStateError", "audit", "open_backend",
+    "UnsupportedStateError", "open_backend",
 }
 
 
@@ -15,6 +15,12 @@ def test_all_is_locked():
     assert set(ckptsdk.__all__) == EXPECTED
     for name in EXPECTED:
         assert getattr(ckptsdk, name) is not None
+
+
+def test_audit_is_a_module_and_a_manager_method():
+    import ckptsdk.audit
+
+    assert callable(ckptsdk.audit.audit) and callable(ckptsdk.CheckpointManager.audit)
 
 
 def test_errors_refine_builtins():

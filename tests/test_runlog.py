@@ -15,7 +15,8 @@ import torch
 from ckptsdk.backends import open_backend
 from ckptsdk.errors import ConfigError, MissingDependencyError, PreconditionFailed, StorageUnavailable
 from ckptsdk.plot import plot_audit
-from ckptsdk.runlog import AuditReport, RunLog, audit, chunk_key, read_runlog
+from ckptsdk.audit import AuditReport, audit, read_runlog
+from ckptsdk.runlog import RunLog, chunk_key
 
 CHUNK_RE = re.compile(r"^runlog/attempt-\d{6}/(attempt\.json|chunk-\d{6}\.jsonl)$")
 
