@@ -38,6 +38,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
+from ckptsdk import lease as lease_module
 from ckptsdk.backends.local import LocalBackend
 from ckptsdk.backends.memory import MemoryBackend
 from ckptsdk.errors import (
@@ -394,6 +395,17 @@ class LineageMachine(RuleBasedStateMachine):
         self._ops: list[str] = []
         self.stats = STATS.setdefault(type(self).__name__, Counter())
         self.stats["schedules"] += 1
+        # Lease nonces order the writers of a shared epoch, so they must come from the schedule,
+        # not from uuid4: a replayed schedule must behave the same (hypothesis checks that).
+        self._nonces: list[str] = []
+        self._nonce_seq = itertools.count(1)
+        self._real_uuid = lease_module.uuid
+        lease_module.uuid = SimpleNamespace(uuid4=self._next_nonce)  # type: ignore[assignment]
+
+    def _next_nonce(self) -> SimpleNamespace:
+        """The next acquisition's nonce: the one the schedule drew, else a counter."""
+        n = next(self._nonce_seq)
+        return SimpleNamespace(hex=self._nonces.pop(0) if self._nonces else f"ffff{n:04x}" + "0" * 24)
 
     # ------------------------------------------------------------------ plumbing
     def _tick(self, t: float) -> None:
@@ -688,6 +700,13 @@ class LineageMachine(RuleBasedStateMachine):
                 self._restore_impl(w)
             return mgr
 
+        # The nonce: its first 8 hex digits are the writer's tag on Drive; the drawn half orders
+        # writers that end up sharing an epoch, the uid half keeps tags unique. (With
+        # compare-and-swap no two writers share an epoch: nothing to draw.)
+        order = 0x8000
+        if data is not None and self.sim is not None:
+            order = data.draw(st.integers(0, 0xFFFE), label="nonce order")
+        self._nonces.append(f"{order:04x}{uid:04x}" + "0" * 24)
         if data is not None:
             self._draw_with(data)
         try:
@@ -962,6 +981,7 @@ class LineageMachine(RuleBasedStateMachine):
 
     def teardown(self) -> None:
         self.coop.close()
+        lease_module.uuid = self._real_uuid  # type: ignore[assignment]
         for w in self.writers:
             if w.mgr is not None:
                 # A dead VM runs no exit handlers: keep the manager's atexit close from releasing
