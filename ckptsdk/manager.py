@@ -521,7 +521,8 @@ class CheckpointManager:
         # A zombie that lost the lease while writing the tensors must not commit them: renew
         # (not just check) so a takeover during a long write is seen before the commit.
         self.lease.renew()
-        self.backend.write(f"{folder}/{MANIFEST}", manifest.to_json())
+        published = self.backend.write(f"{folder}/{MANIFEST}", manifest.to_json())
+        self._memo[(published.key, published.version)] = manifest  # the next scan need not re-read it
         logger.info("committed %s/%s (%d bytes)", self.url, folder, size)
         self._rotate()
         return CheckpointInfo(step=step, epoch=self.lease.epoch, key=folder, size=size, committed=True,
@@ -572,10 +573,16 @@ class CheckpointManager:
     # ------------------------------------------------------------------ rotation and gc
 
     def _rotate(self) -> None:
-        """Delete what retention allows, of this lineage only, after renewing the lease."""
+        """Delete what retention allows, of this lineage only, unless fenced.
+
+        The lease was renewed just before the manifest was published (and the heartbeat keeps
+        watching); a fresh listing then shows any newer writer. Safety does not rest on this
+        check's timing: a takeover anchors its resume point under its own rank, which no
+        lower-ranked writer ever deletes.
+        """
         assert self.lease is not None
         try:
-            self.lease.renew()
+            self.lease.check()
         except LeaseLostError:
             logger.warning("lease lost after a commit under %s: rotation deletes nothing", self.url)
             return
