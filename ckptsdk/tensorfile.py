@@ -1,6 +1,6 @@
 """Tensor files: the safetensors layout written straight from tensor memory, read back verified.
 
-One file holds every tensor of a checkpoint, byte-for-byte what ``safetensors.torch.save`` would
+One file holds every tensor of a checkpoint, byte-for-byte what safetensors' own ``save`` would
 produce, plus a content digest of the whole file computed while the storage is busy syncing.
 Nothing here knows about manifests, state trees or leases; pinned staging lives in ``staging.py``.
 """
@@ -241,7 +241,7 @@ def write_tensorfile(
 ) -> tuple[int, str]:
     """Write ``tensors`` to ``key`` as a safetensors file, streamed from the tensors' memory.
 
-    The bytes are exactly what ``safetensors.torch.save(tensors, metadata)`` produces (for at
+    The bytes are exactly what safetensors' own ``save(tensors, metadata)`` produces (for at
     most one metadata entry; safetensors orders several at random), so any safetensors reader
     loads the file. CPU contiguous tensors are written from their own memory without a copy, and
     the digest is computed from that memory while the backend syncs; GPU or non-contiguous
