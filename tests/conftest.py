@@ -29,6 +29,7 @@ from typing import Any
 
 import pytest
 
+import tests.hypothesis_profiles  # noqa: F401  (registers the ci/deep profiles: --hypothesis-profile=deep)
 from ckptsdk.backends import open_backend
 from ckptsdk.backends.memory import MemoryBackend
 
