@@ -11,12 +11,14 @@ force=True while A keeps training and rotating, and A sees the takeover only 3 s
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,11 +41,13 @@ class Side:
     options: dict[str, Any] = field(default_factory=dict)
     env: dict[str, str] = field(default_factory=dict)
 
-    def backend(self) -> Any:
+    @contextlib.contextmanager
+    def _environment(self) -> Iterator[None]:
+        """This side's variables, for the duration (drive:// resolves CKPTSDK_DRIVE_ROOT when opened)."""
         old = {k: os.environ.get(k) for k in self.env}
-        os.environ.update(self.env)  # drive:// resolves CKPTSDK_DRIVE_ROOT when opened
+        os.environ.update(self.env)
         try:
-            return open_backend(self.url, **self.options)
+            yield
         finally:
             for k, v in old.items():
                 if v is None:
@@ -51,17 +55,13 @@ class Side:
                 else:
                     os.environ[k] = v
 
+    def backend(self) -> Any:
+        with self._environment():
+            return open_backend(self.url, **self.options)
+
     def read_only(self) -> CheckpointManager:
-        old = {k: os.environ.get(k) for k in self.env}
-        os.environ.update(self.env)
-        try:
+        with self._environment():
             return CheckpointManager(self.url, read_only=True, storage_options=self.options)
-        finally:
-            for k, v in old.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
 
 
 def _spawn(side: Side, events: Path, *args: str) -> subprocess.Popen[bytes]:
