@@ -23,7 +23,7 @@ import socket
 import threading
 import time
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
@@ -593,25 +593,34 @@ class CheckpointManager:
                            cat.max_epoch, self.url)
             return
         mine = [c for c in cat.checkpoints if c.valid and c.rank <= self._rank]
-        by_step: dict[int, list[CheckpointInfo]] = {}
-        for c in mine:
-            by_step.setdefault(c.step, []).append(c)
         # Where writes reach the cloud late and out of order (Drive), a rotation's small deletes
         # can arrive long before the new checkpoint's tensor file: rotate one save late, so the
         # newest checkpoint has a whole save interval to upload before its predecessor goes.
         late = 0 if self.backend.capabilities.immediately_consistent else 1
-        policies = [retention.keep_last(self.keep_last + late)]
-        if self.keep_every:
-            policies.append(retention.keep_every(self.keep_every))
+        protected: list[int] = []
         if self.resumed_from is not None:
             newer_own = any(c.rank == self._rank and c.step > self.resumed_from.step for c in mine)
             if not newer_own:
-                policies.append(retention.protect([self.resumed_from.step]))
+                protected.append(self.resumed_from.step)
+        for c in self._beyond_retention(mine, self.keep_last + late, protected):
+            self.lease.check()
+            self._delete_checkpoint(c)
+
+    def _beyond_retention(
+        self, checkpoints: list[CheckpointInfo], keep_last: int, protected: Sequence[int] = ()
+    ) -> list[CheckpointInfo]:
+        """The checkpoints retention lets go: keep_last steps, keep_every milestones, protected
+        steps kept. Every folder of a step (several writers may hold one) shares its fate."""
+        by_step: dict[int, list[CheckpointInfo]] = {}
+        for c in checkpoints:
+            by_step.setdefault(c.step, []).append(c)
+        policies = [retention.keep_last(keep_last)]
+        if self.keep_every:
+            policies.append(retention.keep_every(self.keep_every))
+        if protected:
+            policies.append(retention.protect(protected))
         _kept, doomed = retention.plan(by_step, policies)
-        for step in doomed:
-            for c in by_step[step]:
-                self.lease.check()
-                self._delete_checkpoint(c)
+        return [c for step in doomed for c in by_step[step]]
 
     def _delete_checkpoint(self, info: CheckpointInfo) -> None:
         """Manifest first (the checkpoint stops existing), then the data."""
@@ -656,17 +665,8 @@ class CheckpointManager:
                 else:
                     logger.info("gc keeps %s/%s (%s): it may still be uploading from another VM",
                                 self.url, c.key, c.reason)
-        lineage = [c for c in cat.checkpoints if c.valid]
-        steps: dict[int, list[CheckpointInfo]] = {}
-        for c in lineage:
-            steps.setdefault(c.step, []).append(c)
-        policies = [retention.keep_last(keep)]
-        if self.keep_every:
-            policies.append(retention.keep_every(self.keep_every))
-        _kept, doomed = retention.plan(steps, policies)
-        for s in doomed:
-            for c in steps[s]:
-                reasons[c.key] = f"beyond keep_last={keep}"
+        for c in self._beyond_retention([c for c in cat.checkpoints if c.valid], keep):
+            reasons[c.key] = f"beyond keep_last={keep}"
         if not dry_run:
             for c in cat.checkpoints:
                 if c.key in reasons:

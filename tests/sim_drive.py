@@ -18,18 +18,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import BinaryIO
 
-from ckptsdk.backends.base import Capabilities, Data, ObjectInfo, check_key, check_prefix, iter_chunks
+from ckptsdk.backends.base import Data, ObjectInfo, check_key, check_prefix, iter_chunks
+from ckptsdk.backends.drive import DriveBackend
 from ckptsdk.errors import ObjectNotFound, PreconditionFailed
 
 CLOUD = "cloud"
 
-DRIVE_CAPABILITIES = Capabilities(
-    exclusive_create=False,
-    compare_and_swap=False,
-    durable_on_return=False,
-    immediately_consistent=False,
-    trash_on_delete=True,
-)
+# The simulation models the real Drive backend: it claims exactly what that backend claims.
+DRIVE_CAPABILITIES = DriveBackend.capabilities
 
 
 @dataclass(frozen=True)
