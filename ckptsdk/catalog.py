@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import MutableMapping
+from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass, field
 
 from .backends.base import Backend, ObjectInfo
-from .errors import ManifestError, ObjectNotFound
+from .errors import BackendError, LeaseError, ManifestError, ObjectNotFound
+from .lease import LEASE_KEY, LeaseRecord, parse_lease
 from .manifest import LineageRecord, Manifest, parse_lineage, parse_manifest
 
 logger = logging.getLogger(__name__)
@@ -22,7 +23,6 @@ CKPT_PREFIX = "step-"
 MANIFEST = "manifest.json"
 TENSORS = "tensors.safetensors"
 LINEAGE_PREFIX = "lineage/"
-LEASE_KEY = "LEASE.json"
 
 _DIR_RE = re.compile(r"^step-(\d{10,})\.e(\d+)(?:\.([0-9a-f]{8}))?$")
 _LINEAGE_RE = re.compile(r"^lineage/epoch-(\d+)(?:\.([0-9a-f]{8}))?\.json$")
@@ -90,6 +90,8 @@ class Catalog:
     lineage: dict[Rank, LineageRecord]
     resume_points: dict[Rank, int | None]
     max_rank: Rank
+    #: lineage records not believed, and why (see ``_resume_points``)
+    ignored_lineage: dict[Rank, str] = field(default_factory=dict)
 
     @property
     def max_epoch(self) -> int:
@@ -134,7 +136,6 @@ def scan(backend: Backend, *, cache: MutableMapping[tuple[str, str], object] | N
         if not m:
             continue
         rank = (int(m.group(1)), m.group(2) or "")
-        max_rank = max(max_rank, rank)
         record = memo.get((obj.key, obj.version))
         if record is None:
             raw = _read_json_object(backend, obj.key)
@@ -183,12 +184,11 @@ def scan(backend: Backend, *, cache: MutableMapping[tuple[str, str], object] | N
                 reason = _check_files(manifest, files, step, epoch)
         parsed.append((step, rank, folder, files, manifest, reason))
 
-    # Where each writer resumed from: its lineage record, else what its manifests say (on Drive
-    # the record may not have arrived yet while the manifests have).
-    resume_points: dict[Rank, int | None] = {r: rec.resumed_from_step for r, rec in lineage.items()}
-    for _step, rank, _folder, _files, manifest, _reason in parsed:
-        if manifest is not None and rank not in resume_points:
-            resume_points[rank] = manifest.writer.resumed_from_step
+    resume_points, ignored = _resume_points(lineage, parsed, lambda: _read_lease(backend),
+                                            exclusive=backend.capabilities.compare_and_swap)
+    # Only believed records count as a newer writer: a stray record must neither fence the live
+    # writer nor push the next takeover's epoch past it (which would then make it look genuine).
+    max_rank = max([max_rank, *(r for r in lineage if r not in ignored)])
 
     checkpoints = []
     for step, rank, folder, files, manifest, reason in parsed:
@@ -215,7 +215,84 @@ def scan(backend: Backend, *, cache: MutableMapping[tuple[str, str], object] | N
                 manifest=manifest,
             )
         )
-    return Catalog(checkpoints=checkpoints, lineage=lineage, resume_points=resume_points, max_rank=max_rank)
+    return Catalog(checkpoints=checkpoints, lineage=lineage, resume_points=resume_points, max_rank=max_rank,
+                   ignored_lineage=ignored)
+
+
+def _read_lease(backend: Backend) -> LeaseRecord | None:
+    try:
+        return parse_lease(backend.read(LEASE_KEY), url=backend.url)
+    except (ObjectNotFound, LeaseError, BackendError):
+        return None  # no lease, or one nobody can vouch for: it corroborates nothing
+
+
+def _resume_points(
+    lineage: dict[Rank, LineageRecord], parsed: list[tuple[int, Rank, str, dict[str, ObjectInfo], Manifest | None, str | None]],
+    lease: Callable[[], LeaseRecord | None], *, exclusive: bool,
+) -> tuple[dict[Rank, int | None], dict[Rank, str]]:
+    """Where each writer resumed from, and the lineage records that are not believed (and why).
+
+    A writer's manifests say where it resumed from; its lineage record says it first (on Drive
+    the record may arrive before or after the manifests). When both exist and differ, the
+    manifests win: each one is what the writer used for a commit. A record is what turns a
+    lower-ranked writer's checkpoints into orphans, so one record alone must not be able to erase
+    a run's progress. A record that would orphan committed checkpoints is believed only when its
+    writer left a checkpoint folder (a takeover re-commits its resume point at once), or when
+    some writer took its epoch: LEASE.json's epoch is at least the record's (a writer takes the
+    lease before it writes its record, and under compare-and-swap the lease epoch never goes
+    back). Where the lease is only advisory (Drive: a zombie's late write can put an older
+    epoch back), an epoch one above everything seen is believed too. Anything else (an epoch no
+    writer reached, e.g. ``epoch-000999`` next to a lease at epoch 2) is ignored, loudly.
+    """
+    lease_seen: list[int] = []
+
+    def reached(epoch: int) -> bool:
+        """Whether some writer took ``epoch`` (read LEASE.json only when asked: almost never)."""
+        if not lease_seen:
+            record = lease()
+            lease_seen.append(record.epoch if record is not None else 0)
+        known = max([lease_seen[0], *(r[0] for r in used)])
+        return epoch <= lease_seen[0] or (not exclusive and epoch <= known + 1)
+
+    from_manifests: dict[Rank, set[int | None]] = {}
+    for _step, rank, _folder, _files, manifest, _reason in parsed:
+        if manifest is not None:
+            from_manifests.setdefault(rank, set()).add(manifest.writer.resumed_from_step)
+    used = {rank for _step, rank, _folder, _files, _manifest, _reason in parsed}
+    committed = [(step, rank) for step, rank, _folder, files, _manifest, _reason in parsed if MANIFEST in files]
+    points: dict[Rank, int | None] = {}
+    ignored: dict[Rank, str] = {}
+    for rank, record in sorted(lineage.items()):
+        point = record.resumed_from_step
+        said = from_manifests.get(rank)
+        if said is not None and said != {point}:
+            logger.warning(
+                "lineage record of %s says it resumed from %s but its checkpoints say %s; "
+                "believing the checkpoints", _name(rank), _where(point), " / ".join(map(_where, said)))
+            continue  # taken from the manifests below
+        if rank in used:
+            points[rank] = point
+            continue
+        erased = sorted({s for s, r in committed if r < rank and (point is None or s > point)})
+        if not erased or reached(rank[0]):
+            points[rank] = point  # harmless (it orphans nothing committed), or a writer took its epoch
+            continue
+        why = (f"it says {_name(rank)} took over from {_where(point)}, which would discard committed "
+               f"step(s) {erased[:5]}{' ...' if len(erased) > 5 else ''}, but no writer of {_name(rank)} "
+               "wrote any checkpoint and no writer ever took that epoch (see LEASE.json); a stray or "
+               "forged record cannot erase a run's progress")
+        ignored[rank] = why
+        logger.warning("ignoring lineage record %s: %s. Remove it if no such writer exists", lineage_key(*rank), why)
+    for rank, said in from_manifests.items():
+        if rank not in points and len(said) == 1:
+            points[rank] = next(iter(said))
+        elif rank not in points:  # its own manifests disagree: take the most conservative point
+            points[rank] = max((p for p in said if p is not None), default=None)
+    return points, ignored
+
+
+def _where(point: int | None) -> str:
+    return "a fresh start" if point is None else f"step {point}"
 
 
 def _name(rank: Rank) -> str:
