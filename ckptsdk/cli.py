@@ -19,7 +19,6 @@ import argparse
 import json
 import logging
 import math
-import struct
 import sys
 import time
 from collections.abc import Sequence
@@ -48,8 +47,6 @@ EXIT_USAGE = 2
 EXIT_STORAGE = 3
 EXIT_CHECKPOINT = 4
 EXIT_INTERRUPTED = 130
-
-_MAX_SAFETENSORS_HEADER = 100_000_000
 
 
 class _Failed(Exception):
@@ -170,25 +167,11 @@ def _status(info: Any) -> str:
 
 
 def _read_safetensors_header(backend: Any, key: str) -> list[dict[str, Any]]:
-    """Tensor name, dtype, shape and byte size from a safetensors file's header (one small read)."""
-    with backend.open(key) as f:
-        head = f.read(8)
-        if len(head) != 8:
-            raise CorruptCheckpointError(f"{backend.url}/{key}: too short to be a safetensors file", url=backend.url, key=key)
-        (n,) = struct.unpack("<Q", head)
-        if n > _MAX_SAFETENSORS_HEADER:
-            raise CorruptCheckpointError(f"{backend.url}/{key}: header length {n} is absurd", url=backend.url, key=key)
-        raw = f.read(n)
-    try:
-        header = json.loads(raw)
-    except ValueError as exc:
-        raise CorruptCheckpointError(f"{backend.url}/{key}: unreadable safetensors header ({exc})", url=backend.url, key=key) from exc
-    rows = []
-    for name, meta in header.items():
-        if name == "__metadata__":
-            continue
-        start, end = meta.get("data_offsets", [0, 0])
-        rows.append({"name": name, "dtype": meta.get("dtype"), "shape": list(meta.get("shape", [])), "bytes": end - start})
+    """Tensor name, dtype, shape and byte size from a tensor file's header (bounded, checked)."""
+    from .tensorfile import read_header  # the one header parser (torch: only when showing tensors)
+
+    rows = [{"name": e.name, "dtype": e.code, "shape": e.shape, "bytes": e.nbytes}
+            for e in read_header(backend, key)]
     return sorted(rows, key=lambda r: r["name"])
 
 

@@ -385,11 +385,18 @@ class CheckpointManager:
         )
         try:
             tree = codec.decode(manifest.tree, tensors)
+            unused = set(tensors) - set(codec.tensor_paths(manifest.tree))
+            if unused:  # the tree lost a leaf (a momentum buffer): never restore part of a state
+                raise ValueError(f"the tensor file holds {sorted(unused)[:3]} that the tree never uses")
         except (KeyError, ValueError, TypeError) as exc:
             raise CorruptCheckpointError(
                 f"checkpoint {self.url}/{info.key}: its manifest tree does not match its tensors "
                 f"({exc}); it cannot be restored", url=self.url, step=info.step, key=info.key,
             ) from exc
+        if isinstance(tree, Mapping) and isinstance(tree.get("rng"), Mapping):
+            from .state import _check_rng
+
+            _check_rng(tree["rng"])  # an impossible RNG state is damage: fall back, not fail later
         return tree, info
 
     def _pick(self, step: int | None, *, key: str | None = None) -> CheckpointInfo:
