@@ -411,22 +411,31 @@ def cmd_lease(args: argparse.Namespace) -> int:
             "LeaseLostError at its next save); add --yes-i-am-sure to do it"
         )
     backend = _backend(args)
-    record = read_lease(backend)
+    unreadable = None
+    try:
+        record = read_lease(backend)
+    except LeaseError as exc:  # garbage, empty, a newer format: only --break can get past it
+        if not args.break_lease:
+            raise
+        record, unreadable = None, str(exc)
     broken = None
-    if args.break_lease and record is not None and not record.released:
+    if args.break_lease and (unreadable or (record is not None and not record.released)):
         if not backend.capabilities.immediately_consistent:
             sys.stderr.write("ckptsdk: breaking the lease; on this store the takeover waits a settle "
                              "time (about a minute) before it is confirmed\n")
-        lease = Lease(backend, force=True, run_id=record.run_id)
+        lease = Lease(backend, force=True, run_id=record.run_id if record is not None else None)
         lease.acquire()  # a new epoch: the old holder is fenced from its next renewal on
         lease.release()  # ...and the lease is left free for the next writer
-        broken = {"epoch": record.epoch, "holder": record.holder.model_dump(mode="json")}
+        broken = ({"epoch": record.epoch, "holder": record.holder.model_dump(mode="json")} if record
+                  else {"epoch": None, "holder": {"host": "?", "pid": None}, "unreadable": unreadable})
         record = read_lease(backend)
     doc = {"command": "lease", "url": args.url, "lease": _lease_doc(record) if record else None, "broken": broken}
     if args.json:
         _emit_json(doc)
         return EXIT_OK
-    if broken is not None:
+    if broken is not None and unreadable:
+        print(f"broke an unreadable lease ({unreadable}); the lease is free")
+    elif broken is not None:
         print(f"broke the lease of host {broken['holder']['host']!r} pid {broken['holder']['pid']} (epoch "
               f"{broken['epoch']}); it is fenced and the lease is free")
     elif args.break_lease:
