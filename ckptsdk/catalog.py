@@ -16,6 +16,7 @@ from .backends.base import Backend, ObjectInfo
 from .errors import BackendError, LeaseError, ManifestError, ObjectNotFound
 from .lease import LEASE_KEY, LeaseRecord, parse_lease
 from .manifest import LineageRecord, Manifest, parse_lineage, parse_manifest
+from .tensorfile import ALGORITHMS
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +93,8 @@ class Catalog:
     max_rank: Rank
     #: lineage records not believed, and why (see ``_resume_points``)
     ignored_lineage: dict[Rank, str] = field(default_factory=dict)
+    #: the highest epoch any name uses, believed or not: a new writer takes one above it
+    epoch_floor: int = 0
 
     @property
     def max_epoch(self) -> int:
@@ -186,8 +189,9 @@ def scan(backend: Backend, *, cache: MutableMapping[tuple[str, str], object] | N
 
     resume_points, ignored = _resume_points(lineage, parsed, lambda: _read_lease(backend),
                                             exclusive=backend.capabilities.compare_and_swap)
-    # Only believed records count as a newer writer: a stray record must neither fence the live
-    # writer nor push the next takeover's epoch past it (which would then make it look genuine).
+    # Only believed records count as a newer writer: a stray record must not fence the live
+    # writer. Every record's epoch is used up, though: a new writer never takes it.
+    epoch_floor = max([max_rank[0], *(r[0] for r in lineage)])
     max_rank = max([max_rank, *(r for r in lineage if r not in ignored)])
 
     checkpoints = []
@@ -216,7 +220,7 @@ def scan(backend: Backend, *, cache: MutableMapping[tuple[str, str], object] | N
             )
         )
     return Catalog(checkpoints=checkpoints, lineage=lineage, resume_points=resume_points, max_rank=max_rank,
-                   ignored_lineage=ignored)
+                   ignored_lineage=ignored, epoch_floor=epoch_floor)
 
 
 def _read_lease(backend: Backend) -> LeaseRecord | None:
@@ -238,21 +242,27 @@ def _resume_points(
     lower-ranked writer's checkpoints into orphans, so one record alone must not be able to erase
     a run's progress. A record that would orphan committed checkpoints is believed only when its
     writer left a checkpoint folder (a takeover re-commits its resume point at once), or when
-    some writer took its epoch: LEASE.json's epoch is at least the record's (a writer takes the
-    lease before it writes its record, and under compare-and-swap the lease epoch never goes
-    back). Where the lease is only advisory (Drive: a zombie's late write can put an older
-    epoch back), an epoch one above everything seen is believed too. Anything else (an epoch no
-    writer reached, e.g. ``epoch-000999`` next to a lease at epoch 2) is ignored, loudly.
+    LEASE.json names its writer (same epoch, attempt, run, host and pid: the writer holds the
+    lease or released it last). Where the lease is only advisory (Drive: a zombie's late write
+    can put an older record back), an epoch one above everything seen is believed too. Anything
+    else (``epoch-000999`` next to a lease at epoch 2) is ignored, loudly. The price: a takeover
+    that crashed before its first save, taken over in turn, no longer hides the checkpoints its
+    zombie predecessor committed meanwhile; those are real states of the run, and restorable.
     """
-    lease_seen: list[int] = []
+    lease_seen: list[LeaseRecord | None] = []
 
-    def reached(epoch: int) -> bool:
-        """Whether some writer took ``epoch`` (read LEASE.json only when asked: almost never)."""
+    def vouched(rank: Rank, record: LineageRecord) -> bool:
+        """Whether the lease vouches for ``record`` (read LEASE.json only when asked: rarely)."""
         if not lease_seen:
-            record = lease()
-            lease_seen.append(record.epoch if record is not None else 0)
-        known = max([lease_seen[0], *(r[0] for r in used)])
-        return epoch <= lease_seen[0] or (not exclusive and epoch <= known + 1)
+            lease_seen.append(lease())
+        held = lease_seen[0]
+        if held is not None and (held.epoch, held.attempt, held.run_id, held.holder.host, held.holder.pid) == (
+                record.epoch, record.attempt, record.run_id, record.host, record.pid):
+            return rank[1] in ("", held.holder.nonce[:8])  # its writer holds (or last held) the lease
+        # Where a zombie's late write can put an older lease back (Drive), the lease cannot
+        # vouch; an epoch one above everything seen is then plausible, and believed.
+        known = max([held.epoch if held is not None else 0, *(r[0] for r in used)])
+        return not exclusive and rank[0] <= known + 1
 
     from_manifests: dict[Rank, set[int | None]] = {}
     for _step, rank, _folder, _files, manifest, _reason in parsed:
@@ -274,13 +284,13 @@ def _resume_points(
             points[rank] = point
             continue
         erased = sorted({s for s, r in committed if r < rank and (point is None or s > point)})
-        if not erased or reached(rank[0]):
-            points[rank] = point  # harmless (it orphans nothing committed), or a writer took its epoch
+        if not erased or vouched(rank, record):
+            points[rank] = point  # harmless (it orphans nothing committed), or its writer is known
             continue
         why = (f"it says {_name(rank)} took over from {_where(point)}, which would discard committed "
                f"step(s) {erased[:5]}{' ...' if len(erased) > 5 else ''}, but no writer of {_name(rank)} "
-               "wrote any checkpoint and no writer ever took that epoch (see LEASE.json); a stray or "
-               "forged record cannot erase a run's progress")
+               "wrote any checkpoint and LEASE.json does not name it; a stray or forged record cannot "
+               "erase a run's progress")
         ignored[rank] = why
         logger.warning("ignoring lineage record %s: %s. Remove it if no such writer exists", lineage_key(*rank), why)
     for rank, said in from_manifests.items():
@@ -306,6 +316,9 @@ def _check_files(manifest: Manifest, files: dict[str, ObjectInfo], step: int, ep
             f"the folder of step {step} epoch {epoch}"
         )
     for entry in manifest.files:
+        if entry.algorithm not in ALGORITHMS:
+            return (f"{entry.name}: unknown digest algorithm {entry.algorithm!r} (this ckptsdk knows "
+                    f"{', '.join(ALGORITHMS)}); written by a newer ckptsdk? upgrade to read it")
         obj = files.get(entry.name)
         if obj is None:
             return f"torn: {entry.name} is missing"

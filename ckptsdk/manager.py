@@ -216,7 +216,7 @@ class CheckpointManager:
         self.lease = Lease(self.backend, ttl=lease_ttl, force=force, run_id=run_id, wait_timeout=lease_wait,
                            settle=lease_settle, clock=clock, sleep=sleep)
         # Epochs never go back, even on a root whose LEASE.json was lost: names stay unique.
-        record = self.lease.acquire(min_epoch=self._scan().max_epoch + 1)
+        record = self.lease.acquire(min_epoch=self._scan().epoch_floor + 1)
         # Where compare-and-swap makes every epoch exclusive the tag is empty; on Drive two VMs
         # can take the same epoch, and the tag keeps their names apart and orders them.
         self._tag = "" if self.backend.capabilities.compare_and_swap else record.holder.nonce[:8]

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from ckptsdk import CheckpointManager, TrainState
+from ckptsdk.errors import CorruptCheckpointError, ManifestError
 
 
 def make_state(step: int) -> TrainState:
@@ -59,16 +60,20 @@ def expected(step: int) -> str:
 
 
 def observe(root: str) -> dict:
-    """Restore ``root`` read-only into a blank state: the step, its digest, and every valid one's."""
+    """Restore ``root`` read-only into a blank state: the step, its digest, and the digest of
+    every checkpoint that loads (listed valid, and passing every check when read)."""
     mgr = CheckpointManager(root, read_only=True)
     state = make_state(0)
     point = mgr.restore(state)
     out = {"root": root, "step": point.step if point else None, "digest": digest(state) if point else None,
            "valid": {}}
     for info in mgr.list():
-        if info.valid:
+        if info.valid:  # listed as valid; digests and contents are checked by loading it
             blank = make_state(0)
-            blank.load_state_dict(mgr.load(info.step))
+            try:
+                blank.load_state_dict(mgr.load(info.step))
+            except (CorruptCheckpointError, ManifestError):
+                continue
             out["valid"][str(info.step)] = digest(blank)
     return out
 
