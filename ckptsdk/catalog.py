@@ -134,7 +134,8 @@ def scan(backend: Backend, *, cache: MutableMapping[tuple[str, str], object] | N
 
     lineage: dict[Rank, LineageRecord] = {}
     max_rank: Rank = (0, "")
-    for obj in backend.list(LINEAGE_PREFIX):
+    lineage_objs = backend.list(LINEAGE_PREFIX)
+    for obj in lineage_objs:
         m = _LINEAGE_RE.match(obj.key)
         if not m:
             continue
@@ -187,6 +188,14 @@ def scan(backend: Backend, *, cache: MutableMapping[tuple[str, str], object] | N
                 reason = _check_files(manifest, files, step, epoch)
         parsed.append((step, rank, folder, files, manifest, reason))
 
+    # The memo holds what a root holds now, not everything it ever held: a manager that saves
+    # every few seconds for days must not keep each deleted checkpoint's manifest alive.
+    if cache is not None:
+        listed = {(f"{folder}/{name}", obj.version) for folder, files in folders.items()
+                  for name, obj in files.items()}
+        listed |= {(obj.key, obj.version) for obj in lineage_objs}
+        for stale in [k for k in memo if k not in listed]:
+            del memo[stale]
     resume_points, ignored = _resume_points(lineage, parsed, lambda: _read_lease(backend),
                                             exclusive=backend.capabilities.compare_and_swap)
     # Only believed records count as a newer writer: a stray record must not fence the live
@@ -221,6 +230,9 @@ def scan(backend: Backend, *, cache: MutableMapping[tuple[str, str], object] | N
         )
     return Catalog(checkpoints=checkpoints, lineage=lineage, resume_points=resume_points, max_rank=max_rank,
                    ignored_lineage=ignored, epoch_floor=epoch_floor)
+
+
+_TOLD: set[tuple[Rank, str]] = set()
 
 
 def _read_lease(backend: Backend) -> LeaseRecord | None:
@@ -292,6 +304,9 @@ def _resume_points(
                "wrote any checkpoint and LEASE.json does not name it; a stray or forged record cannot "
                "erase a run's progress")
         ignored[rank] = why
+        if (rank, why) in _TOLD:
+            continue  # every scan would say it again (a save scans): once per process is loud enough
+        _TOLD.add((rank, why))
         logger.warning("ignoring lineage record %s: %s. Remove it if no such writer exists", lineage_key(*rank), why)
     for rank, said in from_manifests.items():
         if rank not in points and len(said) == 1:
