@@ -269,8 +269,9 @@ def _resume_points(
             lease_seen.append(lease())
         held = lease_seen[0]
         if held is not None and (held.epoch, held.attempt, held.run_id, held.holder.host, held.holder.pid) == (
-                record.epoch, record.attempt, record.run_id, record.host, record.pid):
-            return rank[1] in ("", held.holder.nonce[:8])  # its writer holds (or last held) the lease
+                record.epoch, record.attempt, record.run_id, record.host, record.pid) and rank[1] in (
+                "", held.holder.nonce[:8]):
+            return True  # its writer holds (or last held) the lease
         # Where a zombie's late write can put an older lease back (Drive), the lease cannot
         # vouch; an epoch one above everything seen is then plausible, and believed.
         known = max([held.epoch if held is not None else 0, *(r[0] for r in used)])
