@@ -51,6 +51,11 @@ _MiB = 1 << 20
 # one of them is checked against what we wrote (see _upload).
 _RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
 _STREAM_OVER = 1 * _MiB  # request bodies bigger than this are streamed in slices of this size
+# Retry jitter from a generator of our own: a draw from the global ``random`` would move the
+# training job's Python RNG stream (a save must not draw from it: what restore brings back is
+# the state at save(), and a retry during training would change the run). Found by
+# tests/test_faults_gcs.py: restores after retried requests were not exact.
+_JITTER = random.Random()
 
 
 class _HTTPStatusError(OSError):
@@ -201,7 +206,7 @@ class GCSBackend:
         tried = 0
         for attempt in range(attempts):
             if attempt:
-                pause = self.backoff_s * 2 ** (attempt - 1) * (1 + 0.2 * random.random())
+                pause = self.backoff_s * 2 ** (attempt - 1) * (1 + 0.2 * _JITTER.random())
                 time.sleep(max(0.0, min(pause, deadline - time.monotonic())))
             remaining = deadline - time.monotonic()
             if remaining <= 0:
