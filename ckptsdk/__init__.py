@@ -12,18 +12,31 @@ Example:
 from typing import TYPE_CHECKING, Any
 
 from .backends import open_backend
+# Every error of the tree (errors.py): whatever a public call raises can be caught as ckptsdk.X.
 from .errors import (
+    AllSourcesFailedError,
     BackendError,
+    CheckpointError,
     CkptError,
+    ConfigError,
     CorruptCheckpointError,
     DataError,
+    DatasetMismatchError,
+    DigestMismatchError,
+    DownloadError,
+    InvalidKey,
+    LeaseError,
     LeaseHeldError,
     LeaseLostError,
     ManifestError,
+    MissingDependencyError,
     NoValidCheckpointError,
     ObjectNotFound,
     PreconditionFailed,
     StateMismatchError,
+    StorageUnavailable,
+    UnknownSchemeError,
+    UnsafeArchiveError,
     UnsupportedStateError,
 )
 
@@ -61,24 +74,36 @@ def __getattr__(name: str) -> Any:
 __version__ = "0.1.0"
 
 __all__ = [
+    "AllSourcesFailedError",
     "AuditReport",
     "BackendError",
+    "CheckpointError",
     "CheckpointInfo",
     "CheckpointManager",
     "CkptError",
+    "ConfigError",
     "CorruptCheckpointError",
     "DataCache",
     "DataError",
+    "DatasetMismatchError",
+    "DigestMismatchError",
+    "DownloadError",
     "GcReport",
+    "InvalidKey",
+    "LeaseError",
     "LeaseHeldError",
     "LeaseLostError",
     "ManifestError",
+    "MissingDependencyError",
     "NoValidCheckpointError",
     "ObjectNotFound",
     "PreconditionFailed",
     "ResumePoint",
     "StateMismatchError",
+    "StorageUnavailable",
     "TrainState",
+    "UnknownSchemeError",
+    "UnsafeArchiveError",
     "UnsupportedStateError",
     "open_backend",
 ]
