@@ -11,7 +11,7 @@ EXPECTED = {
     # the rest of the error tree: every error a public call raises is catchable as ckptsdk.X
     "AllSourcesFailedError", "CheckpointError", "ConfigError", "DatasetMismatchError",
     "DigestMismatchError", "DownloadError", "InvalidKey", "LeaseError", "MissingDependencyError",
-    "StorageUnavailable", "UnknownSchemeError", "UnsafeArchiveError",
+    "NoCheckpointRootError", "StorageUnavailable", "UnknownSchemeError", "UnsafeArchiveError",
 }
 
 
