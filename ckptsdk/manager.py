@@ -47,9 +47,10 @@ from .errors import (
     PreconditionFailed,
 )
 from .lease import Lease
-from .manifest import Environment, FileEntry, LineageRecord, Manifest, Position, Writer
+from .manifest import Environment, FileEntry, LineageRecord, Manifest, Position, Writer, user_fields
 from .audit import audit as _audit
 from .runlog import RunLog
+from .state import preflight
 from .staging import Stager
 from .tensorfile import DIGEST_ALGORITHM, read_tensorfile, verify_file, write_tensorfile
 
@@ -308,7 +309,12 @@ class CheckpointManager:
         Raises:
             NoValidCheckpointError: checkpoints exist but none can be restored (lists each and why).
             StateMismatchError: the checkpoint does not fit ``state`` (lists the mismatches).
+            ConfigError: after ``close()``, or ``state`` is a bare module/optimizer.
+            UnsupportedStateError: an object's state cannot be saved (found now, not at a save).
         """
+        if self._closed:
+            raise ConfigError(f"restore() after close() on {self.url}; open a new CheckpointManager")
+        preflight(state, "restore")  # before any training: what cannot be saved fails here
         self._raise_background_failure()
         try:
             tree, info = self._read_newest()
@@ -459,6 +465,8 @@ class CheckpointManager:
             raise ConfigError(f"save() after close() on {self.url}")
         if step < 0:
             raise ConfigError(f"step must be >= 0, got {step}")
+        preflight(state, "save", encode=False)
+        metrics, extra = user_fields(metrics=metrics, extra=extra)
         blocking = (not self.async_save) if blocking is None else blocking
         with self._lock:
             self._bg.wait()  # one save in flight; its failure surfaces here

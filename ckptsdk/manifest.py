@@ -37,13 +37,14 @@ from pydantic import (
 from pydantic.json_schema import models_json_schema
 
 from .codec import decode_float, encode_float, tensor_paths
-from .errors import ManifestError
+from .errors import ConfigError, ManifestError
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
     "FORMAT", "LINEAGE_FORMAT", "Environment", "FileEntry", "LineageRecord", "Manifest",
-    "Position", "Writer", "json_schema", "parse_lineage", "parse_manifest", "schema_text", "utc_now",
+    "Position", "Writer", "json_schema", "parse_lineage", "parse_manifest", "schema_text", "user_fields",
+    "utc_now",
 ]
 
 #: What this code writes; it reads any ``/1.x`` (fields of a newer minor version are ignored).
@@ -112,6 +113,78 @@ def _check_finite_json(value: Any, where: str = "extra") -> Any:
     return value
 
 
+_USER_RULE = ("metrics and extra hold None, bool, int, float (nan and inf included), str, and numpy "
+              "scalars or 0-d tensors (kept as their Python value); extra also holds lists and "
+              "str-keyed dicts of these")
+
+
+def user_fields(
+    *, metrics: Any = None, extra: Any = None
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Check a save's ``metrics`` and ``extra`` against the one rule both follow; plain copies.
+
+    The rule (also the manifest's): None, bool, int, float (nan and inf included: stored tagged,
+    restored exactly), str; numpy scalars and 0-d tensors become their Python value; ``extra``
+    may also nest lists and dicts with str keys (not starting with '$', which tags floats).
+
+    Raises:
+        ConfigError: a value outside the rule; names the field, the key and the type.
+    """
+    out = []
+    for field, values, nested in (("metrics", metrics, False), ("extra", extra, True)):
+        if values is None:
+            out.append({})
+            continue
+        if not isinstance(values, dict):
+            raise ConfigError(f"{field} must be a dict, got a {type(values).__name__}")
+        out.append({_user_key(k, field): _user_value(v, f"{field}[{k!r}]", nested)
+                    for k, v in values.items()})
+    return out[0], out[1]
+
+
+def _user_key(key: Any, where: str) -> str:
+    if type(key) is not str or key.startswith("$"):
+        raise ConfigError(f"{where} has the key {key!r}: keys are str not starting with '$'; {_USER_RULE}")
+    return key
+
+
+def _user_value(value: Any, where: str, nested: bool) -> Any:
+    if value is None or type(value) in (bool, int, float, str):
+        return value
+    shape = getattr(value, "shape", None)
+    if shape is not None and tuple(shape) == () and callable(getattr(value, "item", None)):
+        return _user_value(value.item(), where, False)  # np.int64(3), torch.tensor(0.5)
+    if nested and type(value) is dict:
+        return {_user_key(k, where): _user_value(v, f"{where}[{k!r}]", True) for k, v in value.items()}
+    if nested and type(value) is list:
+        return [_user_value(v, f"{where}[{i}]", True) for i, v in enumerate(value)]
+    kind = f"{type(value).__module__}.{type(value).__qualname__}".removeprefix("builtins.")
+    size = f" of shape {tuple(shape)}" if shape is not None else ""
+    raise ConfigError(f"{where} is a {kind}{size}: {_USER_RULE}. Convert it (x.item() for a "
+                      "scalar, x.tolist() for an array, list(x) for a tuple)")
+
+
+def _extra_in(value: Any) -> Any:
+    # The manifest's nan/inf tags ({"$float": ...}) back to floats; '$' keys are otherwise refused.
+    if isinstance(value, dict):
+        if set(value) == {"$float"}:
+            return decode_float(value)
+        return {k: _extra_in(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_extra_in(v) for v in value]
+    return value
+
+
+def _extra_out(value: Any) -> Any:
+    if type(value) is float:
+        return encode_float(value)
+    if isinstance(value, dict):
+        return {k: _extra_out(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_extra_out(v) for v in value]
+    return value
+
+
 def _metric_in(value: Any) -> Any:
     if isinstance(value, dict):
         return decode_float(value)
@@ -156,12 +229,18 @@ class Position(_Model):
 
     epoch: int | None = Field(default=None, ge=0)
     batch_idx: int | None = Field(default=None, ge=0)
-    extra: dict[str, JsonValue] = Field(default_factory=dict)
+    extra: dict[str, JsonValue] = Field(
+        default_factory=dict,
+        description="JSON; a non-finite or negative-zero float is {\"$float\": ...} as in metrics")
 
-    @field_validator("extra")
+    @field_validator("extra", mode="before")
     @classmethod
-    def _finite(cls, value: dict[str, Any]) -> dict[str, Any]:
-        return _check_finite_json(value)
+    def _tagged_floats(cls, value: Any) -> Any:
+        return _extra_in(value)
+
+    @field_serializer("extra", when_used="json")
+    def _extra_json(self, value: dict[str, Any]) -> dict[str, Any]:
+        return _extra_out(value)
 
 
 class Writer(_Model):

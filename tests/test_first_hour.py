@@ -5,11 +5,17 @@ Every test here failed before its fix; the message each one checks is the one a 
 
 from __future__ import annotations
 
+import json
+import math
 import socket
+from collections import Counter, OrderedDict, defaultdict, deque
 
+import numpy as np
 import pytest
+import torch
 
 import ckptsdk
+from ckptsdk import codec
 from ckptsdk.backends import open_backend
 
 
@@ -51,3 +57,169 @@ def test_gcs_that_cannot_be_reached_names_what_to_check():
     for hint in ("network", "gcloud auth application-default login", "GOOGLE_APPLICATION_CREDENTIALS",
                  "STORAGE_EMULATOR_HOST"):
         assert hint in msg
+
+
+# ---------------------------------------------------------------- a user's own training script
+
+
+def _job(opt_cls=torch.optim.AdamW, **opt_kwargs):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    opt = opt_cls(model.parameters(), lr=0.1, **opt_kwargs)
+    sched = torch.optim.lr_scheduler.MultiStepLR(opt, milestones=[2, 2, 4], gamma=0.5)
+    return model, opt, sched
+
+
+def _train(model, opt, sched, steps):
+    for _ in range(steps):
+        loss = model(torch.ones(4, 3)).square().mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        sched.step()
+
+
+def test_multisteplr_and_the_standard_containers_round_trip_exactly(tmp_path):
+    model, opt, sched = _job()
+    _train(model, opt, sched, 3)
+    state = ckptsdk.TrainState(model=model, optimizer=opt, scheduler=sched)
+    with ckptsdk.CheckpointManager(str(tmp_path / "run"), lease_ttl=5) as mgr:
+        mgr.save(state, step=3)
+    model2, opt2, sched2 = _job()
+    with ckptsdk.CheckpointManager(str(tmp_path / "run"), lease_ttl=5) as mgr:
+        assert mgr.restore(ckptsdk.TrainState(model=model2, optimizer=opt2, scheduler=sched2)).step == 3
+    assert type(sched2.milestones) is Counter and sched2.milestones == Counter({2: 2, 4: 1})
+    assert sched2.state_dict() == sched.state_dict()
+    tree = {"od": OrderedDict(b=1, a=2), "c": Counter("abca"), "dd": defaultdict(list, {"k": [1]}),
+            "ddn": defaultdict(None), "q": deque([1, (2, 3)], maxlen=4)}
+    tensors, skeleton = codec.encode(tree)
+    back = codec.decode(json.loads(json.dumps(skeleton)), tensors)
+    for key, value in tree.items():
+        assert type(back[key]) is type(value) and back[key] == value, key
+    assert list(back["od"]) == ["b", "a"] and back["dd"].default_factory is list
+    assert back["q"].maxlen == 4 and back["ddn"].default_factory is None
+
+
+def test_an_unsupported_object_fails_at_restore_before_training(tmp_path):
+    class Odd:  # a user object whose state holds something no checkpoint can store
+        def state_dict(self):
+            return {"fn": lambda x: x}
+
+        def load_state_dict(self, sd):
+            pass
+
+    mgr = ckptsdk.CheckpointManager(str(tmp_path / "run"), lease_ttl=5)
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(ckptsdk.UnsupportedStateError) as info:
+        mgr.restore(ckptsdk.TrainState(model=model, odd=Odd()))  # a fresh root: nothing to load
+    assert info.value.path == "objects/odd/fn" and "recreate it in code" in str(info.value)
+    assert mgr.list() == []
+    mgr.close()
+
+
+def test_a_lazy_module_still_restores():
+    lazy = torch.nn.LazyLinear(2)
+    codec.check({"m": lazy.state_dict()})  # not materialised yet: fine before the first forward
+    with pytest.raises(ckptsdk.UnsupportedStateError, match="forward pass"):
+        codec.encode({"m": lazy.state_dict()})
+
+
+def test_adamw_state_into_sgd_is_refused_at_restore_naming_both(tmp_path):
+    model, opt, sched = _job()
+    _train(model, opt, sched, 2)
+    with ckptsdk.CheckpointManager(str(tmp_path / "run"), lease_ttl=5) as mgr:
+        mgr.save(ckptsdk.TrainState(model=model, optimizer=opt), step=2)
+    model2, sgd, _ = _job(torch.optim.SGD, momentum=0.9)
+    before = {k: v.clone() for k, v in model2.state_dict().items()}
+    with ckptsdk.CheckpointManager(str(tmp_path / "run"), lease_ttl=5) as mgr:
+        with pytest.raises(ckptsdk.StateMismatchError) as info:
+            mgr.restore(ckptsdk.TrainState(model=model2, optimizer=sgd))
+    assert ("optimizer: the checkpoint holds the state of a torch.optim.adamw.AdamW, the live object "
+            "is a torch.optim.sgd.SGD") in str(info.value)
+    assert all(torch.equal(before[k], v) for k, v in model2.state_dict().items())  # nothing changed
+    assert "momentum" in sgd.param_groups[0] and not sgd.state
+
+
+def test_a_subclass_of_the_saved_optimizer_still_restores(tmp_path):
+    class MyAdamW(torch.optim.AdamW):
+        pass
+
+    model, opt, sched = _job()
+    _train(model, opt, sched, 2)
+    with ckptsdk.CheckpointManager(str(tmp_path / "run"), lease_ttl=5) as mgr:
+        mgr.save(ckptsdk.TrainState(model=model, optimizer=opt), step=2)
+    model2, opt2, _ = _job(MyAdamW)
+    with ckptsdk.CheckpointManager(str(tmp_path / "run"), lease_ttl=5) as mgr:
+        assert mgr.restore(ckptsdk.TrainState(model=model2, optimizer=opt2)).step == 2
+
+
+@pytest.mark.parametrize("bare", ["model", "optimizer", "scheduler"])
+def test_a_bare_module_or_optimizer_is_refused_with_the_fix(bare, tmp_path):
+    model, opt, sched = _job()
+    obj = {"model": model, "optimizer": opt, "scheduler": sched}[bare]
+    with ckptsdk.CheckpointManager(str(tmp_path / "run"), lease_ttl=5) as mgr:
+        mgr.save(ckptsdk.TrainState(model=model), step=1)
+        for call in (mgr.restore, lambda s: mgr.save(s, step=2)):
+            with pytest.raises(ckptsdk.ConfigError) as info:
+                call(obj)
+            assert f"got a bare {type(obj).__name__}; it takes a TrainState" in str(info.value)
+            assert "TrainState(model=model, optimizer=opt, ...)" in str(info.value)
+        assert [i.step for i in mgr.list()] == [1]
+
+
+def test_restore_after_close_is_a_config_error_like_save(tmp_path):
+    mgr = ckptsdk.CheckpointManager(str(tmp_path / "run"), lease_ttl=5)
+    state = ckptsdk.TrainState(model=torch.nn.Linear(2, 2))
+    mgr.save(state, step=1)
+    mgr.close()
+    with pytest.raises(ckptsdk.ConfigError, match=r"save\(\) after close\(\)"):
+        mgr.save(state, step=2)
+    with pytest.raises(ckptsdk.ConfigError, match=r"restore\(\) after close\(\)"):
+        mgr.restore(state)
+
+
+@pytest.mark.parametrize(("field", "value", "words"), [
+    ("extra", np.arange(3), "extra['v'] is a numpy.ndarray of shape (3,)"),
+    ("metrics", np.arange(3), "metrics['v'] is a numpy.ndarray of shape (3,)"),
+    ("metrics", [1.0], "metrics['v'] is a list"),
+    ("extra", (1, 2), "extra['v'] is a tuple"),
+    ("extra", {"$float": "nan"}, "extra['v'] has the key '$float'"),
+    ("metrics", {1, 2}, "metrics['v'] is a set"),
+])
+def test_metrics_and_extra_follow_one_rule_with_a_clear_error(field, value, words, tmp_path):
+    state = ckptsdk.TrainState(model=torch.nn.Linear(2, 2))
+    with ckptsdk.CheckpointManager(str(tmp_path / "run"), lease_ttl=5) as mgr:
+        with pytest.raises(ckptsdk.ConfigError) as info:
+            mgr.save(state, step=1, **{field: {"v": value}})
+        assert words in str(info.value) and "metrics and extra hold None, bool, int" in str(info.value)
+        assert mgr.list() == []
+
+
+def test_numpy_scalars_and_nan_are_kept_in_both(tmp_path):
+    state = ckptsdk.TrainState(model=torch.nn.Linear(2, 2))
+    values = {"n": np.int64(3), "f": np.float32(0.5), "nan": float("nan"), "t": torch.tensor(2.5)}
+    with ckptsdk.CheckpointManager(str(tmp_path / "run"), lease_ttl=5) as mgr:
+        mgr.save(state, step=1, metrics=values, extra={**values, "deep": [{"inf": math.inf}]})
+    with ckptsdk.CheckpointManager(str(tmp_path / "run"), lease_ttl=5) as mgr:
+        pos = mgr.restore(state)
+    for got in (pos.metrics, pos.extra):
+        assert got["n"] == 3 and type(got["n"]) is int and got["f"] == 0.5 and got["t"] == 2.5
+        assert math.isnan(got["nan"])
+    assert pos.extra["deep"] == [{"inf": math.inf}]
+
+
+def test_the_audit_report_prints_one_short_line(tmp_path):
+    url = str(tmp_path / "run")
+    state = ckptsdk.TrainState(model=torch.nn.Linear(2, 2))
+    with ckptsdk.CheckpointManager(url, lease_ttl=5) as mgr:
+        for step in (1, 2, 3):
+            mgr.log_step(step, loss=1.0 / step)
+            if step == 2:
+                mgr.save(state, step=2)
+    with ckptsdk.CheckpointManager(url, lease_ttl=5) as mgr:
+        mgr.restore(state)
+        mgr.log_step(3, loss=1.0 / 3)
+        report = mgr.audit()
+    assert str(report) == (f"audit of {url}: bit-exact: 2 attempts, 1 step run by more than one; "
+                           "max |loss diff| 0")
+    assert "series" not in repr(report) and len(repr(report)) < 2000
