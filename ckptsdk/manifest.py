@@ -36,7 +36,7 @@ from pydantic import (
 )
 from pydantic.json_schema import models_json_schema
 
-from .codec import decode_float, encode_float, tensor_paths
+from .codec import FLOAT_FORM, decode_float, encode_float, skeleton_schema, tensor_paths
 from .errors import ConfigError, ManifestError
 
 logger = logging.getLogger(__name__)
@@ -52,6 +52,14 @@ FORMAT = "ckptsdk.checkpoint/1"
 LINEAGE_FORMAT = "ckptsdk.lineage/1"
 _MAJOR, _MINOR = 1, 0
 _FORMAT_RE = re.compile(r"(?P<kind>[a-z0-9_.]+)/(?P<major>[0-9]+)(?:\.(?P<minor>[0-9]+))?")
+# Rules the JSON Schema states too, one home each (tests/test_manifest.py checks that the schema
+# and the parser agree): a relative file name without '.'/'..' components; a UTC time.
+_FILE_NAME = r"^(?!\.\.?(/|$))[A-Za-z0-9_.-]+(/(?!\.\.?(/|$))[A-Za-z0-9_.-]+)*$"
+_UTC_TIME = (r"^[0-9]{4}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])T([01][0-9]|2[0-3]):[0-5][0-9]:"
+             r"[0-5][0-9](\.[0-9]{1,6})?(Z|\+00:00)$")
+_NODE_REF = "#/$defs/SkeletonNode"
+_UTC_FIELD: dict[str, Any] = {"description": "UTC, ISO-8601: 2026-11-30T06:10:00.123456Z",
+                              "json_schema_extra": {"pattern": _UTC_TIME}}
 
 
 def utc_now() -> str:
@@ -92,12 +100,13 @@ class _Model(BaseModel):
 
 
 def _utc_iso(value: str) -> str:
+    if not re.fullmatch(_UTC_TIME, value):
+        raise ValueError(f"{value!r} is not in UTC ISO-8601 form like 2026-11-30T06:10:00.123456Z "
+                         "(it must end with 'Z' or '+00:00')")
     try:
-        parsed = datetime.fromisoformat(value)
-    except ValueError as exc:
-        raise ValueError(f"{value!r} is not an ISO-8601 time") from exc
-    if parsed.utcoffset() is None or parsed.utcoffset().total_seconds() != 0:
-        raise ValueError(f"{value!r} is not in UTC (end it with 'Z' or '+00:00')")
+        datetime.fromisoformat(value)
+    except ValueError as exc:  # Feb 30 and the like: the pattern alone cannot tell
+        raise ValueError(f"{value!r} is not a valid date and time") from exc
     return value
 
 
@@ -200,7 +209,7 @@ Metric = Annotated[
     WithJsonSchema({
         "anyOf": [
             {"type": ["boolean", "integer", "number", "string", "null"]},
-            {"type": "object", "properties": {"$float": {"type": "string"}},
+            {"type": "object", "properties": {"$float": {"type": "string", "pattern": FLOAT_FORM}},
              "required": ["$float"], "additionalProperties": False,
              "description": "nan, inf, -inf, -0.0 or a nan's 16 hex digit bit pattern"},
         ]
@@ -211,7 +220,8 @@ Metric = Annotated[
 class FileEntry(_Model):
     """One file of a checkpoint, with what a reader verifies before using it."""
 
-    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)*$")
+    name: str = Field(json_schema_extra={"pattern": _FILE_NAME},
+                      description="relative to the checkpoint folder; no '.' or '..' component")
     size: int = Field(ge=0)
     digest: str = Field(pattern=r"^[0-9a-f]+$", description="lowercase hex")
     algorithm: str = Field(min_length=1, description='e.g. "xxh3-128"')
@@ -219,8 +229,9 @@ class FileEntry(_Model):
     @field_validator("name")
     @classmethod
     def _no_dot_dirs(cls, value: str) -> str:
-        if any(part in (".", "..") for part in value.split("/")):
-            raise ValueError(f"file name {value!r} has a '.' or '..' component")
+        if not re.fullmatch(_FILE_NAME, value):
+            raise ValueError(f"file name {value!r} is not a relative name of [A-Za-z0-9_.-] parts "
+                             "without '.' or '..' components")
         return value
 
 
@@ -302,9 +313,15 @@ class Manifest(_Model):
     format: str = Field(default=FORMAT, pattern=r"^ckptsdk\.checkpoint/1(\.[0-9]+)?$")
     step: int = Field(ge=0)
     position: Position = Field(default_factory=Position)
-    created_at: str = Field(default_factory=utc_now, description="UTC, ISO-8601")
+    created_at: str = Field(default_factory=utc_now, **_UTC_FIELD)
     writer: Writer
-    files: list[FileEntry]
+    files: list[FileEntry] = Field(json_schema_extra={
+        "description": "unique names (JSON Schema cannot say so in general: readers check); at "
+                       "most one tensors.safetensors",
+        "uniqueItems": True,
+        "contains": {"properties": {"name": {"const": "tensors.safetensors"}}, "required": ["name"]},
+        "minContains": 0, "maxContains": 1,
+    })
     tree: JsonValue = Field(description="the codec skeleton of the state tree (docs/FORMAT.md)")
     metrics: dict[str, Metric] = Field(default_factory=dict)
     environment: Environment
@@ -367,7 +384,7 @@ class LineageRecord(_Model):
     resumed_from_epoch: int | None = Field(default=None, ge=0)
     host: str = Field(default_factory=socket.gethostname)
     pid: int = Field(default_factory=os.getpid, ge=0)
-    created_at: str = Field(default_factory=utc_now, description="UTC, ISO-8601")
+    created_at: str = Field(default_factory=utc_now, **_UTC_FIELD)
 
     @field_validator("format", mode="before")
     @classmethod
@@ -452,6 +469,12 @@ def json_schema() -> dict[str, Any]:
     """The JSON Schema of manifest.json and lineage records (docs/manifest.schema.json)."""
     _, top = models_json_schema([(Manifest, "validation"), (LineageRecord, "validation")],
                                 title="ckptsdk manifest and lineage record")
+    top["$defs"]["SkeletonNode"] = skeleton_schema(_NODE_REF)
+    tree = top["$defs"]["Manifest"]["properties"]["tree"]
+    top["$defs"]["Manifest"]["properties"]["tree"] = {"$ref": _NODE_REF, "description": tree["description"]}
+    for name in ("Manifest", "LineageRecord"):  # the parser refuses a document without one
+        model = top["$defs"][name]
+        model["required"] = ["format", *[f for f in model.get("required", []) if f != "format"]]
     return {
         "$schema": "https://json-schema.org/draft/2020-12/schema",
         "title": top.pop("title"),
