@@ -322,3 +322,34 @@ def test_a_clean_release_then_a_restart_does_not_wait(tmp_path, capsys):
         assert mgr.lease.epoch == 2
     assert time.monotonic() - started < 5
     assert capsys.readouterr().err == ""
+
+
+# ---------------------------------------------------------------- the example's command line
+
+
+@pytest.mark.timeout(120)
+def test_the_example_help_shows_true_defaults():
+    out = subprocess.run([sys.executable, "-m", "examples.train_cifar10", "--help"], cwd=REPO, timeout=120,
+                         capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": REPO}).stdout
+    text = " ".join(out.split())
+    for shown in ("(default: 40 with --preset full, 5 with --preset quick)", "(default: full)",
+                  "(default: 100 with --preset full, 4 with --preset quick)",
+                  "(default: 60 on local disk and GCS, 300 on Drive)", "(default: cifar10)"):
+        assert shown in text, shown
+    assert "default: None" not in text
+
+
+def test_the_example_lease_ttl_is_the_library_default(tmp_path, monkeypatch):
+    import inspect
+
+    from adapters.cifar10.train import run_job
+    from examples.train_cifar10 import parse_args
+
+    assert parse_args(["--ckpt", "x"]).lease_ttl is None
+    assert inspect.signature(run_job).parameters["lease_ttl"].default is None
+    (tmp_path / "drive").mkdir()
+    monkeypatch.setenv("CKPTSDK_DRIVE_ROOT", str(tmp_path / "drive"))
+    from ckptsdk.lease import Lease
+
+    assert Lease(open_backend("drive://r")).ttl == 300.0 and Lease(open_backend(str(tmp_path))).ttl == 60.0
