@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import json
+from pathlib import Path
 import math
 import os
 import signal
@@ -353,3 +354,42 @@ def test_the_example_lease_ttl_is_the_library_default(tmp_path, monkeypatch):
     from ckptsdk.lease import Lease
 
     assert Lease(open_backend("drive://r")).ttl == 300.0 and Lease(open_backend(str(tmp_path))).ttl == 60.0
+
+
+# ---------------------------------------------------------------- the Colab notebook
+
+
+def _install_cell(source: str, dest: Path) -> str:
+    nb = json.loads((Path(REPO) / "examples" / "colab_cifar10.ipynb").read_text())
+    code = next("".join(c["source"]) for c in nb["cells"]
+                if c["cell_type"] == "code" and "SOURCE = " in "".join(c["source"]))
+    lines = code.splitlines()
+    assert lines[0].startswith("SOURCE = ") and lines[1].startswith("DEST = ")
+    return "\n".join([f"SOURCE = {source!r}", f"DEST = {str(dest)!r}", *lines[2:]])
+
+
+def test_the_notebook_states_the_t4_time_and_hides_no_failure():
+    text = (Path(REPO) / "examples" / "colab_cifar10.ipynb").read_text()
+    assert "YOUR-ACCOUNT" not in text and "2>/dev/null" not in text and "|| git" not in text
+    assert "on a T4, expect roughly 15–25 minutes" in text and "silent for 60 s" not in text
+
+
+@pytest.mark.timeout(120)
+def test_the_notebook_install_cell_fails_loudly_and_installs_from_an_archive(tmp_path):
+    with pytest.raises(FileNotFoundError, match="git archive -o ckptsdk.tar.gz HEAD"):
+        exec(_install_cell(str(tmp_path / "missing.tar.gz"), tmp_path / "a"), {})  # noqa: S102
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(subprocess.CalledProcessError):  # a failed clone stops the cell
+        exec(_install_cell(f"https://127.0.0.1:{port}/ckptsdk.git", tmp_path / "b"), {})  # noqa: S102
+    archive = tmp_path / "ckptsdk.tar.gz"
+    subprocess.run(["git", "-C", REPO, "archive", "-o", str(archive), "HEAD"], check=True, timeout=60)
+    code = _install_cell(str(archive), tmp_path / "c")
+    ran: list[tuple[str, ...]] = []
+    code = code.replace('def sh(*cmd):', 'def sh(*cmd):\n    if cmd[0] != "tar":\n        return ran.append(cmd)')
+    exec(code, {"ran": ran})  # noqa: S102 - the notebook's own cell, pip and the CLI recorded
+    assert (tmp_path / "c" / "pyproject.toml").exists()
+    assert (tmp_path / "c" / "examples" / "train_cifar10.py").exists()
+    assert ran == [(sys.executable, "-m", "pip", "install", "-q", "-e", f"{tmp_path / 'c'}[cifar,plot]"),
+                   ("ckptsdk", "--help")]
