@@ -78,3 +78,12 @@ def test_ls_says_what_it_checked_and_verify_finds_the_flipped_byte(tmp_path):
     assert "restorable by their manifest and file sizes" in summary and "verify URL --all" in summary
     code, out, err = run("verify", url, "--all")
     assert code == cli.EXIT_FAILED and "CORRUPT" in out
+
+
+def test_the_readme_lists_every_exit_code_the_command_has():
+    import re
+
+    readme = (REPO / "README.md").read_text()
+    table = {int(n) for n in re.findall(r"^\| (\d+) \|", readme, flags=re.M)}
+    codes = {v for k, v in vars(cli).items() if k.startswith("EXIT_")}
+    assert table == codes == {0, 1, 2, 3, 4, 130, 141}
