@@ -36,7 +36,8 @@ from pydantic import (
 )
 from pydantic.json_schema import models_json_schema
 
-from .codec import FLOAT_FORM, decode_float, encode_float, skeleton_schema, tensor_paths
+from .codec import FLOAT_FORM, decode_float, encode_float
+from .skeleton import skeleton_schema, tensor_paths
 from .errors import ConfigError, ManifestError
 
 logger = logging.getLogger(__name__)

@@ -16,7 +16,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ckptsdk.codec import decode, encode, tensor_paths
+from ckptsdk.codec import decode, encode
+from ckptsdk.skeleton import tensor_paths
 from ckptsdk.errors import CorruptCheckpointError, ManifestError, UnsupportedStateError
 from ckptsdk.state import TrainState
 
