@@ -37,7 +37,6 @@ from ckptsdk.manifest import (
     parse_manifest,
     schema_text,
 )
-from tests.test_codec import assert_same
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 
