@@ -518,6 +518,9 @@ class Lease:
         again); raises ``LeaseHeldError`` when a rival newcomer's record won.
         """
         if not self._cas:
+            # Also after a clean release (which is otherwise taken at once, with no ttl): the
+            # settle is not about the old holder, it is the only chance to see a rival newcomer
+            # on another VM, whose write reaches us late.
             if self.settle > 0:
                 WaitNotice(f"confirming the lease on {self.url}").sleep(
                     self.settle, self._sleep, goal="read it back",
