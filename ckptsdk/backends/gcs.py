@@ -133,8 +133,11 @@ class GCSBackend:
         self._bucket_seen = False
         if "token" not in options and getattr(self._fs.credentials, "method", None) == "anon":
             # gcsfs falls back to anonymous access silently; a checkpoint root needs writes.
-            logger.warning("no Google credentials found for %s: anonymous access can read public "
-                           "buckets only. %s", self.url, self._setup_hint())
+            logger.warning("no Google credentials found for %s: anonymous access reads public "
+                           "buckets only and cannot write checkpoints; run `gcloud auth "
+                           "application-default login`, set GOOGLE_APPLICATION_CREDENTIALS, or pass "
+                           "storage_options token=... (STORAGE_EMULATOR_HOST for a local emulator)",
+                           self.url)
 
     def __repr__(self) -> str:
         return f"GCSBackend({self.url!r}, endpoint={self._fs._location!r})"
