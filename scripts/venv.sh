@@ -35,11 +35,12 @@ PY
     # shared venv: it runs `python -m ckptsdk` from the PYTHONPATH of the shell that calls it.
     if [ ! -x "$venv/bin/ckptsdk" ]; then
         tmp="$venv/bin/.ckptsdk.$$"
-        printf '%s\n' '#!/bin/sh' \
-            '# Written by scripts/venv.sh: the ckptsdk of the clone on PYTHONPATH (source its scripts/venv.sh).' \
-            'exec "$(dirname "$0")/python" -m ckptsdk "$@"' > "$tmp"
-        chmod +x "$tmp"
-        mv -f "$tmp" "$venv/bin/ckptsdk"
+        {
+            printf '%s\n' '#!/bin/sh' \
+                '# Written by scripts/venv.sh: the ckptsdk of the clone on PYTHONPATH (source its scripts/venv.sh).' \
+                'exec "$(dirname "$0")/python" -m ckptsdk "$@"' > "$tmp" \
+                && chmod +x "$tmp" && mv -f "$tmp" "$venv/bin/ckptsdk"
+        } || echo "[setup] could not write $venv/bin/ckptsdk (a read-only venv?); use python -m ckptsdk" >&2
     fi
 )
 
