@@ -59,7 +59,7 @@ def test_gcs_that_cannot_be_reached_names_what_to_check():
         port = s.getsockname()[1]
     b = open_backend("gs://bucket/run", token="anon", endpoint_url=f"http://127.0.0.1:{port}")
     b.max_attempts, b.backoff_s = 1, 0.0
-    with pytest.raises(ckptsdk.StorageUnavailable) as info:
+    with pytest.raises(ckptsdk.BackendError) as info:
         b.exists("LEASE.json")
     msg = str(info.value)
     assert f"cannot reach GCS at http://127.0.0.1:{port} for gs://bucket/run" in msg

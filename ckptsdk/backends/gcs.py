@@ -217,7 +217,7 @@ class GCSBackend:
             )
         if isinstance(last, aiohttp.ClientConnectorError):
             # Never reached a server (DNS, refused): say what a first-time user is missing.
-            raise StorageUnavailable(
+            raise BackendError(
                 f"cannot reach GCS at {self._fs._location} for {self.url} (key {key!r}): "
                 f"{getattr(last, 'os_error', None) or last} ({attempts} tries). {self._setup_hint()}",
                 url=self.url, key=key,
