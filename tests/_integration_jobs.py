@@ -1,0 +1,110 @@
+"""Tiny training jobs for the integration tests, one per framework (run as a child process).
+
+``python -m tests._integration_jobs MODE --url URL --work DIR --out FILE [--kill-at STEP]
+[--storage-options JSON]``: train a small model with dropout (so the RNG states matter) on a
+fixed synthetic set, checkpointing through ckptsdk, resuming from whatever the root holds; with
+``--kill-at`` the process SIGKILLs itself when that optimizer step begins (mid-run, after some
+checkpoints were committed). At the end the final weights go to FILE (safetensors). Not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+
+import safetensors.torch
+import torch
+
+N, BATCH, FEATURES = 48, 8, 8  # 6 steps per epoch
+# Short, so the resumed run takes over the SIGKILLed writer's lease after 2 s of silence.
+LEASE_TTL = 2.0
+
+
+def _data() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1234)
+    x = torch.randn(N, FEATURES, generator=g)
+    return x, (x.sum(dim=1, keepdim=True) > 0).float()
+
+
+class EpochSampler(torch.utils.data.Sampler):
+    """A shuffle drawn from (seed, epoch) only: the same order whether or not the run resumed."""
+
+    def __init__(self, n: int, seed: int = 7) -> None:
+        self.n, self.seed, self.epoch = n, seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self):
+        return iter(torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed + self.epoch)).tolist())
+
+    def __len__(self) -> int:
+        return self.n
+
+
+def _net() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(FEATURES, 32), torch.nn.ReLU(), torch.nn.Dropout(0.3),
+                               torch.nn.Linear(32, 1))
+
+
+def _kill_if(step: int, kill_at: int | None) -> None:
+    if kill_at is not None and step == kill_at:
+        sys.stdout.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def run_lightning(args: argparse.Namespace) -> dict[str, torch.Tensor]:
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from ckptsdk.integrations.lightning import CkptsdkCheckpointIO
+
+    class Module(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.save_hyperparameters({"width": 32})
+            self.net = _net()
+
+        def training_step(self, batch, batch_idx):
+            _kill_if(self.global_step, args.kill_at)
+            x, y = batch
+            return torch.nn.functional.binary_cross_entropy_with_logits(self.net(x), y)
+
+        def configure_optimizers(self):
+            opt = torch.optim.AdamW(self.parameters(), lr=1e-2)
+            return [opt], [torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.8)]
+
+    x, y = _data()
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=BATCH,
+                                         sampler=EpochSampler(N))
+    module = Module()
+    trainer = L.Trainer(
+        max_epochs=4, accelerator="cpu", devices=1, default_root_dir=args.work, logger=False,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        plugins=[CkptsdkCheckpointIO(args.url, storage_options=args.storage_options, lease_ttl=LEASE_TTL)],
+        callbacks=[ModelCheckpoint(dirpath=os.path.join(args.work, "ckpt"), save_last=True, every_n_epochs=1)],
+    )
+    trainer.fit(module, loader, ckpt_path="last")
+    return {k: v.detach().clone() for k, v in module.net.state_dict().items()}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("mode", choices=["lightning", "accelerate", "transformers"])
+    p.add_argument("--url", required=True)
+    p.add_argument("--work", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--kill-at", type=int)
+    p.add_argument("--storage-options", type=json.loads, default={})
+    args = p.parse_args()
+    torch.use_deterministic_algorithms(True)
+    weights = globals()[f"run_{args.mode}"](args)
+    safetensors.torch.save_file({k: v.contiguous() for k, v in weights.items()}, args.out)
+
+
+if __name__ == "__main__":
+    main()

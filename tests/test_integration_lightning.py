@@ -1,0 +1,106 @@
+"""Lightning through CkptsdkCheckpointIO: a run SIGKILLed mid-run and resumed with
+ckpt_path="last" ends with the weights of an uninterrupted run, on local disk and on GCS."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import safetensors.torch
+import torch
+
+pytest.importorskip("lightning")
+
+from ckptsdk import CheckpointManager, UnsupportedStateError  # noqa: E402
+from ckptsdk.errors import ConfigError  # noqa: E402
+from ckptsdk.integrations.lightning import POINTER_FORMAT, CkptsdkCheckpointIO  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_job(mode: str, url: str, work, out, *, kill_at: int | None = None, options=None, env=None):
+    cmd = [sys.executable, "-m", "tests._integration_jobs", mode, "--url", url, "--work", str(work),
+           "--out", str(out), "--storage-options", json.dumps(options or {})]
+    if kill_at is not None:
+        cmd += ["--kill-at", str(kill_at)]
+    full_env = {**os.environ, "PYTHONPATH": REPO, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+                "PYTHONWARNINGS": "ignore", **(env or {})}
+    proc = subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=240)
+    if kill_at is None:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    else:
+        assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    return proc
+
+
+def weights(path) -> dict[str, torch.Tensor]:
+    return safetensors.torch.load_file(str(path))
+
+
+def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    diffs = {k: (a[k] - b[k]).abs().max().item() for k in a}
+    assert all(torch.equal(a[k], b[k]) for k in a), diffs
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    work = tmp_path_factory.mktemp("lightning-ref")
+    run_job("lightning", str(work / "root"), work, work / "w.safetensors")
+    return weights(work / "w.safetensors")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("kind", ["local", pytest.param("gcs", marks=pytest.mark.gcs)])
+def test_sigkilled_lightning_run_resumes_bit_exact(kind, reference, make_backend_target, tmp_path):
+    target = make_backend_target(kind)
+    work = tmp_path / "work"
+    # 6 steps per epoch, a checkpoint at every epoch end: killed as step 15 begins (mid epoch 2).
+    run_job("lightning", target.url, work, tmp_path / "a.safetensors", kill_at=15, options=target.options,
+            env=target.env)
+    assert not (tmp_path / "a.safetensors").exists()
+    with CheckpointManager(target.url, read_only=True, storage_options=target.options) as mgr:
+        assert [c.step for c in mgr.list() if c.valid] == [6, 12]
+    assert json.loads((work / "ckpt" / "last.ckpt").read_text())["step"] == 12
+
+    run_job("lightning", target.url, work, tmp_path / "b.safetensors", options=target.options, env=target.env)
+    assert_same(weights(tmp_path / "b.safetensors"), reference)
+    with CheckpointManager(target.url, read_only=True, storage_options=target.options) as mgr:
+        assert mgr.latest().step == 24 and mgr.latest().epoch == 2  # the resumed writer's lease epoch
+
+
+def _checkpoint(**extra):
+    model = torch.nn.Linear(2, 2)
+    return {"global_step": 3, "epoch": 0, "pytorch-lightning_version": "2.6", "state_dict": model.state_dict(),
+            "optimizer_states": [], "lr_schedulers": [], **extra}
+
+
+def test_unstorable_entry_is_refused_naming_the_key(tmp_path):
+    io = CkptsdkCheckpointIO(str(tmp_path / "root"), lease_ttl=5)
+    with pytest.raises(UnsupportedStateError, match="Lightning checkpoint key 'my_state'") as err:
+        io.save_checkpoint(_checkpoint(my_state={"ok": 1, "bad": object()}), tmp_path / "last.ckpt")
+    assert err.value.path == "lightning/my_state/bad"
+    assert not (tmp_path / "last.ckpt").exists()
+    io.save_checkpoint(_checkpoint(my_state={"ok": 1}), tmp_path / "last.ckpt")  # the run goes on
+    loaded = io.load_checkpoint(tmp_path / "last.ckpt")
+    assert loaded["my_state"] == {"ok": 1} and loaded["global_step"] == 3
+    io.teardown()
+    with CheckpointManager(str(tmp_path / "root"), read_only=True) as mgr:
+        assert [c.step for c in mgr.list()] == [3]
+
+
+def test_a_torch_save_ckpt_is_not_unpickled(tmp_path):
+    path = tmp_path / "old.ckpt"
+    torch.save(_checkpoint(), path)
+    io = CkptsdkCheckpointIO(str(tmp_path / "root"), lease_ttl=5)
+    with pytest.raises(ConfigError, match="ckptsdk import"):
+        io.load_checkpoint(path)
+    (tmp_path / "p.ckpt").write_text(json.dumps({"format": POINTER_FORMAT + "x", "step": 1}))
+    with pytest.raises(ConfigError, match="not a"):
+        io.load_checkpoint(tmp_path / "p.ckpt")
+    io.teardown()
