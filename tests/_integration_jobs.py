@@ -92,6 +92,46 @@ def run_lightning(args: argparse.Namespace) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in module.net.state_dict().items()}
 
 
+def run_accelerate(args: argparse.Namespace) -> dict[str, torch.Tensor]:
+    from accelerate import Accelerator
+
+    from ckptsdk.integrations.accelerate import AcceleratorCheckpoints
+
+    acc = Accelerator(cpu=True)
+    x, y = _data()
+    sampler = EpochSampler(N)
+    # Its own generator: without one, starting an iterator draws from the global torch RNG, and a
+    # run resumed mid-epoch would start one where the uninterrupted run did not.
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=BATCH, sampler=sampler,
+                                         generator=torch.Generator().manual_seed(5))
+    model = _net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.8)
+    model, opt, loader, sched = acc.prepare(model, opt, loader, sched)
+    with AcceleratorCheckpoints(acc, args.url, save_every=5, lease_ttl=LEASE_TTL,
+                                storage_options=args.storage_options) as ckpt:
+        pos = ckpt.restore()
+        step, epoch, done = (0, 0, 0) if pos is None else (pos.step, pos.epoch, pos.batch_idx)
+        for epoch in range(epoch, 4):
+            loader.set_epoch(epoch)  # accelerate's loader forwards it to the sampler
+            batches = acc.skip_first_batches(loader, done) if done else loader
+            for i, (xb, yb) in enumerate(batches, start=done + 1):
+                step += 1
+                _kill_if(step, args.kill_at)
+                loss = torch.nn.functional.binary_cross_entropy_with_logits(model(xb), yb)
+                acc.backward(loss)
+                opt.step()
+                sched.step()
+                opt.zero_grad()
+                ckpt.log_step(step, loss=loss.item())
+                if os.environ.get("JOB_DEBUG"):
+                    print(step, epoch, i, repr(loss.item()), flush=True)
+                if ckpt.should_save(step):
+                    ckpt.save(step, epoch=epoch, batch_idx=i)
+            done = 0
+    return {k: v.detach().clone() for k, v in acc.unwrap_model(model).state_dict().items()}
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("mode", choices=["lightning", "accelerate", "transformers"])
