@@ -4,7 +4,8 @@
 [--storage-options JSON]``: train a small model with dropout (so the RNG states matter) on a
 fixed synthetic set, checkpointing through ckptsdk, resuming from whatever the root holds; with
 ``--kill-at`` the process SIGKILLs itself when that optimizer step begins (mid-run, after some
-checkpoints were committed). At the end the final weights go to FILE (safetensors). Not a test.
+checkpoints were committed). At the end the final weights go to FILE (safetensors). Not a test;
+``run_job``/``weights``/``assert_same`` are the parent's side.
 """
 
 from __future__ import annotations
@@ -13,11 +14,13 @@ import argparse
 import json
 import os
 import signal
+import subprocess
 import sys
 
 import safetensors.torch
 import torch
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 N, BATCH, FEATURES = 48, 8, 8  # 6 steps per epoch
 # Short, so the resumed run takes over the SIGKILLed writer's lease after 2 s of silence.
 LEASE_TTL = 2.0
@@ -130,6 +133,58 @@ def run_accelerate(args: argparse.Namespace) -> dict[str, torch.Tensor]:
                     ckpt.save(step, epoch=epoch, batch_idx=i)
             done = 0
     return {k: v.detach().clone() for k, v in acc.unwrap_model(model).state_dict().items()}
+
+
+def run_transformers(args: argparse.Namespace) -> dict[str, torch.Tensor]:
+    from transformers import GPT2Config, GPT2LMHeadModel, TrainerCallback, TrainingArguments
+
+    from ckptsdk.integrations.transformers import CkptsdkTrainer
+
+    class Kill(TrainerCallback):
+        def on_step_begin(self, targs, state, control, **kwargs):
+            _kill_if(state.global_step + 1, args.kill_at)
+
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=32, n_positions=8, n_embd=16, n_layer=1, n_head=2, resid_pdrop=0.2,
+                        embd_pdrop=0.2, attn_pdrop=0.2)
+    model = GPT2LMHeadModel(config)  # tied input/output embeddings, dropout on
+    g = torch.Generator().manual_seed(3)
+    data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 32, (N, 8), generator=g)]
+    targs = TrainingArguments(
+        output_dir=os.path.join(args.work, "out"), per_device_train_batch_size=BATCH, num_train_epochs=3,
+        learning_rate=5e-3, warmup_steps=2, save_strategy="steps", save_steps=5, logging_steps=1, seed=11,
+        report_to=[], use_cpu=True, disable_tqdm=True, dataloader_num_workers=0, max_grad_norm=1.0,
+    )
+    trainer = CkptsdkTrainer(model=model, args=targs, train_dataset=data, callbacks=[Kill()], ckpt_url=args.url,
+                             lease_ttl=LEASE_TTL, storage_options=args.storage_options)
+    trainer.train(resume_from_checkpoint=True)
+    return {k: v.detach().clone() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+
+
+def run_job(mode: str, url: str, work, out, *, kill_at: int | None = None, options=None, env=None):
+    cmd = [sys.executable, "-m", "tests._integration_jobs", mode, "--url", url, "--work", str(work),
+           "--out", str(out), "--storage-options", json.dumps(options or {})]
+    if kill_at is not None:
+        cmd += ["--kill-at", str(kill_at)]
+    full_env = {**os.environ, "PYTHONPATH": REPO, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+                "PYTHONWARNINGS": "ignore", **(env or {})}
+    proc = subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=240)
+    if kill_at is None:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    else:
+        assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    return proc
+
+
+def weights(path) -> dict[str, torch.Tensor]:
+    return safetensors.torch.load_file(str(path))
+
+
+def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    diffs = {k: (a[k] - b[k]).abs().max().item() for k in a}
+    assert all(torch.equal(a[k], b[k]) for k in a), diffs
+
 
 
 def main() -> None:

@@ -4,13 +4,8 @@ ckpt_path="last" ends with the weights of an uninterrupted run, on local disk an
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 
 import pytest
-import safetensors.torch
 import torch
 
 pytest.importorskip("lightning")
@@ -18,33 +13,7 @@ pytest.importorskip("lightning")
 from ckptsdk import CheckpointManager, UnsupportedStateError  # noqa: E402
 from ckptsdk.errors import ConfigError  # noqa: E402
 from ckptsdk.integrations.lightning import POINTER_FORMAT, CkptsdkCheckpointIO  # noqa: E402
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def run_job(mode: str, url: str, work, out, *, kill_at: int | None = None, options=None, env=None):
-    cmd = [sys.executable, "-m", "tests._integration_jobs", mode, "--url", url, "--work", str(work),
-           "--out", str(out), "--storage-options", json.dumps(options or {})]
-    if kill_at is not None:
-        cmd += ["--kill-at", str(kill_at)]
-    full_env = {**os.environ, "PYTHONPATH": REPO, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-                "PYTHONWARNINGS": "ignore", **(env or {})}
-    proc = subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=240)
-    if kill_at is None:
-        assert proc.returncode == 0, proc.stderr[-3000:]
-    else:
-        assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
-    return proc
-
-
-def weights(path) -> dict[str, torch.Tensor]:
-    return safetensors.torch.load_file(str(path))
-
-
-def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    assert a.keys() == b.keys()
-    diffs = {k: (a[k] - b[k]).abs().max().item() for k in a}
-    assert all(torch.equal(a[k], b[k]) for k in a), diffs
+from tests._integration_jobs import assert_same, run_job, weights  # noqa: E402
 
 
 @pytest.fixture(scope="module")

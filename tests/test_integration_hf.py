@@ -1,0 +1,47 @@
+"""Hugging Face Accelerate and Trainer through ckptsdk: a tiny model (dropout on, built from a
+config, nothing downloaded) SIGKILLed mid-run and resumed ends with an uninterrupted run's weights."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import pytest
+
+from ckptsdk import CheckpointManager
+from ckptsdk.errors import MissingDependencyError
+from tests._integration_jobs import assert_same, run_job, weights
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("mode,kill_at,saved,last", [
+    # accelerate: save_every=5, 6 steps per epoch, 24 steps; killed as step 14 begins (mid epoch 2)
+    ("accelerate", 14, [5, 10], 20),
+    # Trainer: save_steps=5 and at the end, 18 steps; killed as step 13 begins
+    ("transformers", 13, [5, 10], 18),
+])
+def test_sigkilled_run_resumes_bit_exact(mode, kill_at, saved, last, tmp_path):
+    pytest.importorskip(mode)
+    run_job(mode, str(tmp_path / "ref-root"), tmp_path / "ref", tmp_path / "ref.safetensors")
+    url = str(tmp_path / "root")
+    run_job(mode, url, tmp_path / "w", tmp_path / "a.safetensors", kill_at=kill_at)
+    with CheckpointManager(url, read_only=True) as mgr:
+        assert [c.step for c in mgr.list() if c.valid] == saved
+    run_job(mode, url, tmp_path / "w", tmp_path / "b.safetensors")
+    assert_same(weights(tmp_path / "b.safetensors"), weights(tmp_path / "ref.safetensors"))
+    with CheckpointManager(url, read_only=True) as mgr:
+        assert mgr.latest().step == last
+        attempts = mgr.audit().attempts
+    assert [a.resumed_from_step for a in attempts] == [None, saved[-1]]
+
+
+@pytest.mark.parametrize("module,extra", [
+    ("lightning", "lightning"), ("accelerate", "accelerate"), ("transformers", "transformers"),
+])
+def test_missing_framework_names_the_extra(module, extra, monkeypatch):
+    monkeypatch.setitem(sys.modules, module, None)  # as if it were not installed
+    monkeypatch.delitem(sys.modules, f"ckptsdk.integrations.{extra}", raising=False)
+    with pytest.raises(MissingDependencyError, match=rf"pip install 'ckptsdk\[{extra}\]'") as err:
+        importlib.import_module(f"ckptsdk.integrations.{extra}")
+    assert err.value.extra == extra
