@@ -45,3 +45,28 @@ def test_missing_framework_names_the_extra(module, extra, monkeypatch):
     with pytest.raises(MissingDependencyError, match=rf"pip install 'ckptsdk\[{extra}\]'") as err:
         importlib.import_module(f"ckptsdk.integrations.{extra}")
     assert err.value.extra == extra
+
+
+def test_trainer_refuses_to_train_over_checkpoints_without_resume(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    from ckptsdk import TrainState
+    from ckptsdk.errors import ConfigError
+    from ckptsdk.integrations.transformers import CkptsdkTrainer
+
+    url = str(tmp_path / "root")
+    with CheckpointManager(url, lease_ttl=5) as mgr:
+        mgr.save(TrainState(model=torch.nn.Linear(2, 2)), step=7)
+    config = transformers.GPT2Config(vocab_size=16, n_positions=4, n_embd=8, n_layer=1, n_head=2)
+    args = transformers.TrainingArguments(output_dir=str(tmp_path / "out"), report_to=[], use_cpu=True,
+                                          disable_tqdm=True)
+    trainer = CkptsdkTrainer(model=transformers.GPT2LMHeadModel(config), args=args, ckpt_url=url, lease_ttl=5,
+                             train_dataset=[{"input_ids": torch.zeros(4, dtype=torch.long)}])
+    for resume in (None, False):
+        with pytest.raises(ConfigError, match="holds checkpoints up to step 7"):
+            trainer.train(resume_from_checkpoint=resume)
+    with pytest.raises(ConfigError, match="resume_from_checkpoint=True"):
+        trainer.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-7"))
+    with CheckpointManager(url, read_only=True) as mgr:
+        assert [(c.key, c.valid) for c in mgr.list()] == [("step-0000000007.e1", True)]

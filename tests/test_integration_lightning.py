@@ -56,11 +56,23 @@ def test_unstorable_entry_is_refused_naming_the_key(tmp_path):
     assert err.value.path == "lightning/my_state/bad"
     assert not (tmp_path / "last.ckpt").exists()
     io.save_checkpoint(_checkpoint(my_state={"ok": 1}), tmp_path / "last.ckpt")  # the run goes on
+    expected = torch.rand(3)  # what the next draw was when the checkpoint was saved...
     loaded = io.load_checkpoint(tmp_path / "last.ckpt")
+    assert torch.equal(torch.rand(3), expected)  # ...and is again: loading restored the RNG states
     assert loaded["my_state"] == {"ok": 1} and loaded["global_step"] == 3
     io.teardown()
     with CheckpointManager(str(tmp_path / "root"), read_only=True) as mgr:
         assert [c.step for c in mgr.list()] == [3]
+
+    # A new fit that did not resume: its first save is refused before anything is written.
+    fresh = CkptsdkCheckpointIO(str(tmp_path / "root"), lease_ttl=5, force=True)
+    with pytest.raises(ConfigError, match='holds checkpoints up to step 3.*ckpt_path="last"'):
+        fresh.save_checkpoint(_checkpoint(), tmp_path / "other.ckpt")
+    fresh.teardown()
+    with CheckpointManager(str(tmp_path / "root"), read_only=True) as mgr:
+        assert [c.key for c in mgr.list()] == ["step-0000000003.e1"]
+    assert json.loads((tmp_path / "last.ckpt").read_text())["key"] == "step-0000000003.e1"
+    assert not (tmp_path / "other.ckpt").exists()
 
 
 def test_a_torch_save_ckpt_is_not_unpickled(tmp_path):

@@ -107,11 +107,20 @@ class CkptsdkCheckpointIO(CheckpointIO):
             self._restored = False
         return self._mgr
 
-    def _start(self) -> tuple[Any, Any]:
+    def _start(self, *, loading: bool) -> tuple[Any, Any]:
         """Open the manager; on a writer, run ``restore`` once (lineage, takeover re-commit)."""
         mgr = self._manager()
         captured = _Captured()
         if not self._restored and not mgr.read_only:
+            if not loading:
+                # A first save with no load before it: Lightning started this fit from scratch.
+                # Over a root holding checkpoints that is the silent fresh start ckptsdk refuses
+                # (checked before restore(), which would already record a lineage).
+                latest = mgr.latest()
+                if latest is not None:
+                    raise ConfigError(
+                        f"{self.url} holds checkpoints up to step {latest.step}, but this fit did not "
+                        "resume from them: pass ckpt_path=\"last\" to trainer.fit, or use a new root")
             mgr.restore(captured)
             self._restored = True
         return mgr, captured.tree
@@ -129,11 +138,13 @@ class CkptsdkCheckpointIO(CheckpointIO):
             UnsupportedStateError: an entry of Lightning's dict cannot be stored without pickle
                 (the message names the key; ``path`` holds the full path in the dict).
             LeaseLostError: another writer took the root over; nothing was written.
+            ConfigError: the root holds checkpoints but this fit did not load one (a fresh
+                start over a run's checkpoints is refused, not silently mixed in).
         """
         if storage_options is not None:
             raise ConfigError("CkptsdkCheckpointIO takes no per-call storage_options; pass storage "
                               "options to its constructor")
-        mgr, _ = self._start()
+        mgr, _ = self._start(loading=False)
         step = int(checkpoint.get("global_step", 0))
         tree = {"lightning": _plain(checkpoint), "rng": capture_rng()}
         try:
@@ -165,7 +176,7 @@ class CkptsdkCheckpointIO(CheckpointIO):
             logger.warning("%s was written for %s; reading step %s from this plugin's root %s",
                            path, pointer.get("url"), pointer.get("step"), self.url)
         step = int(pointer["step"])
-        mgr, tree = self._start()
+        mgr, tree = self._start(loading=True)
         if tree is None or tree.get("lightning", {}).get("global_step") != step:
             # Not the newest checkpoint (a `best` one, or a read-only rank): read it as it is.
             if not mgr.read_only and tree is not None:

@@ -123,13 +123,15 @@ class CkptsdkTrainer(Trainer):
         self._ckpt_mgr = CheckpointManager(self.ckpt_url, **self._ckpt_options)  # takes the lease
         folder = None
         try:
+            latest = self._ckpt_mgr.latest()
+            if latest is not None and resume_from_checkpoint is not True:
+                # Checked before restore(), which would already record this writer's lineage.
+                raise ConfigError(
+                    f"{self.ckpt_url} holds checkpoints up to step {latest.step}: pass "
+                    "resume_from_checkpoint=True to continue that run, or use a new ckpt_url")
             parts = {"model": self.model, "optimizer": _Deferred(), "scheduler": _Deferred(),
                      "scaler": _Deferred(), "trainer": _TrainerStateJSON(self)}
             pos = self._ckpt_mgr.restore(_Capture(parts))
-            if pos is not None and resume_from_checkpoint is not True:
-                raise ConfigError(
-                    f"{self.ckpt_url} holds checkpoints up to step {pos.step}: pass "
-                    "resume_from_checkpoint=True to continue that run, or use a new ckpt_url")
             if pos is None:
                 return super().train(None, trial, ignore_keys_for_eval, **kwargs)
             self._resume = parts
