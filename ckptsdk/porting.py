@@ -208,18 +208,17 @@ def import_torch_checkpoint(
         if mgr.latest() is not None:
             raise ConfigError(f"{url} already holds checkpoints; import into a new root so the imported "
                               "state cannot be mistaken for (or rotate away) this run's own")
-        if mgr.restore(_AnyState()) is not None:  # pragma: no cover - latest() said there is none
-            raise ConfigError(f"{url} already holds checkpoints")
+        mgr.restore(_Refuse())  # starts this writer's lineage and step log on the empty root
         return mgr.save(tree, step=position["step"], epoch=position.get("epoch"),
                         batch_idx=position.get("batch_idx"), extra=position["extra"],
                         tags={"imported_from": os.path.basename(source)})
 
 
-class _AnyState:
-    """restore() on a fresh root starts the writer's records; it never loads anything into this."""
+class _Refuse:
+    """A restore target for a root known to be empty: loading anything into it is an error."""
 
-    def load_state_dict(self, tree: Any) -> None:  # pragma: no cover - only on a non-empty root
-        raise ConfigError("the root is not empty")
+    def load_state_dict(self, tree: Any) -> None:
+        raise ConfigError("the root gained a checkpoint while importing; import into a new root")
 
 
 # ---------------------------------------------------------------------------- export

@@ -135,8 +135,15 @@ def run_accelerate(args: argparse.Namespace) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in acc.unwrap_model(model).state_dict().items()}
 
 
+def tiny_gpt2_config():
+    from transformers import GPT2Config
+
+    return GPT2Config(vocab_size=32, n_positions=8, n_embd=16, n_layer=1, n_head=2, resid_pdrop=0.2,
+                      embd_pdrop=0.2, attn_pdrop=0.2)
+
+
 def run_transformers(args: argparse.Namespace) -> dict[str, torch.Tensor]:
-    from transformers import GPT2Config, GPT2LMHeadModel, TrainerCallback, TrainingArguments
+    from transformers import GPT2LMHeadModel, TrainerCallback, TrainingArguments
 
     from ckptsdk.integrations.transformers import CkptsdkTrainer
 
@@ -145,9 +152,7 @@ def run_transformers(args: argparse.Namespace) -> dict[str, torch.Tensor]:
             _kill_if(state.global_step + 1, args.kill_at)
 
     torch.manual_seed(0)
-    config = GPT2Config(vocab_size=32, n_positions=8, n_embd=16, n_layer=1, n_head=2, resid_pdrop=0.2,
-                        embd_pdrop=0.2, attn_pdrop=0.2)
-    model = GPT2LMHeadModel(config)  # tied input/output embeddings, dropout on
+    model = GPT2LMHeadModel(tiny_gpt2_config())  # tied input/output embeddings, dropout on
     g = torch.Generator().manual_seed(3)
     data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 32, (N, 8), generator=g)]
     targs = TrainingArguments(

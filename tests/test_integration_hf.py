@@ -34,6 +34,33 @@ def test_sigkilled_run_resumes_bit_exact(mode, kill_at, saved, last, tmp_path):
         assert mgr.latest().step == last
         attempts = mgr.audit().attempts
     assert [a.resumed_from_step for a in attempts] == [None, saved[-1]]
+    if mode == "transformers":  # GPT-2 ties lm_head to wte: exported once, as save_model would
+        _export_tied_gpt2(url, tmp_path, weights(tmp_path / "b.safetensors"))
+
+
+def _export_tied_gpt2(url, tmp_path, final):
+    import safetensors
+    import safetensors.torch
+    import torch
+    from transformers import GPT2LMHeadModel
+
+    from ckptsdk.porting import export_safetensors
+    from tests._integration_jobs import tiny_gpt2_config
+
+    out = tmp_path / "gpt2.safetensors"
+    report = export_safetensors(url, out, model=GPT2LMHeadModel(tiny_gpt2_config()))
+    assert report["removed"] == {"transformer.wte.weight": "lm_head.weight"}  # the sorted-first name stays
+    fresh = GPT2LMHeadModel(tiny_gpt2_config())
+    safetensors.torch.load_model(fresh, str(out))
+    assert all(torch.equal(fresh.state_dict()[k], v) for k, v in final.items())
+    assert torch.equal(fresh.lm_head.weight, final["transformer.wte.weight"])
+    # The same file layout as safetensors' own save_model of that model.
+    reference = tmp_path / "save_model.safetensors"
+    safetensors.torch.save_model(fresh, str(reference))
+    with safetensors.safe_open(str(reference), "pt") as ref, safetensors.safe_open(str(out), "pt") as ours:
+        assert set(ref.keys()) == set(ours.keys())
+        assert ref.metadata().items() <= ours.metadata().items()
+        assert all(torch.equal(ref.get_tensor(k), ours.get_tensor(k)) for k in ref.keys())
 
 
 @pytest.mark.parametrize("module,extra", [

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import safetensors.torch
 import torch
 
 pytest.importorskip("lightning")
@@ -13,6 +14,7 @@ pytest.importorskip("lightning")
 from ckptsdk import CheckpointManager, UnsupportedStateError  # noqa: E402
 from ckptsdk.errors import ConfigError  # noqa: E402
 from ckptsdk.integrations.lightning import POINTER_FORMAT, CkptsdkCheckpointIO  # noqa: E402
+from ckptsdk.porting import export_safetensors  # noqa: E402
 from tests._integration_jobs import assert_same, run_job, weights  # noqa: E402
 
 
@@ -41,6 +43,12 @@ def test_sigkilled_lightning_run_resumes_bit_exact(kind, reference, make_backend
     assert_same(weights(tmp_path / "b.safetensors"), reference)
     with CheckpointManager(target.url, read_only=True, storage_options=target.options) as mgr:
         assert mgr.latest().step == 24 and mgr.latest().epoch == 2  # the resumed writer's lease epoch
+    # `ckptsdk export` finds the LightningModule's weights in the tree the plugin wrote.
+    out = tmp_path / "model.safetensors"
+    report = export_safetensors(target.url, out, storage_options=target.options)
+    assert report["object"] == "lightning/state_dict"
+    exported = safetensors.torch.load_file(str(out))
+    assert_same({k.removeprefix("net."): v for k, v in exported.items()}, reference)
 
 
 def _checkpoint(**extra):
