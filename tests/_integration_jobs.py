@@ -111,6 +111,8 @@ def run_accelerate(args: argparse.Namespace) -> dict[str, torch.Tensor]:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.8)
     model, opt, loader, sched = acc.prepare(model, opt, loader, sched)
+    ema = LossEMA()
+    acc.register_for_checkpointing(ema)  # saved as custom_0, without pickle
     with AcceleratorCheckpoints(acc, args.url, save_every=5, lease_ttl=LEASE_TTL,
                                 storage_options=args.storage_options) as ckpt:
         pos = ckpt.restore()
@@ -126,13 +128,30 @@ def run_accelerate(args: argparse.Namespace) -> dict[str, torch.Tensor]:
                 opt.step()
                 sched.step()
                 opt.zero_grad()
+                ema.update(loss.detach())
                 ckpt.log_step(step, loss=loss.item())
-                if os.environ.get("JOB_DEBUG"):
-                    print(step, epoch, i, repr(loss.item()), flush=True)
                 if ckpt.should_save(step):
                     ckpt.save(step, epoch=epoch, batch_idx=i)
             done = 0
-    return {k: v.detach().clone() for k, v in acc.unwrap_model(model).state_dict().items()}
+    out = {k: v.detach().clone() for k, v in acc.unwrap_model(model).state_dict().items()}
+    return {**out, "custom.ema": ema.value.clone(), "custom.updates": torch.tensor(ema.updates)}
+
+
+class LossEMA:
+    """A user object registered for checkpointing: a running average of the loss."""
+
+    def __init__(self) -> None:
+        self.value, self.updates = torch.zeros(()), 0
+
+    def update(self, loss: torch.Tensor) -> None:
+        self.value = 0.9 * self.value + 0.1 * loss
+        self.updates += 1
+
+    def state_dict(self) -> dict:
+        return {"value": self.value, "updates": self.updates}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.value, self.updates = state["value"].clone(), int(state["updates"])
 
 
 def tiny_gpt2_config():
