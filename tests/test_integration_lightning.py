@@ -93,3 +93,21 @@ def test_a_torch_save_ckpt_is_not_unpickled(tmp_path):
     with pytest.raises(ConfigError, match="not a"):
         io.load_checkpoint(tmp_path / "p.ckpt")
     io.teardown()
+
+
+def test_training_on_from_an_older_step_is_refused_before_it_is_shadowed(tmp_path):
+    url = str(tmp_path / "root")
+    io = CkptsdkCheckpointIO(url, lease_ttl=5)
+    io.save_checkpoint(_checkpoint(), tmp_path / "best.ckpt")  # step 3
+    io.save_checkpoint({**_checkpoint(), "global_step": 5}, tmp_path / "last.ckpt")
+    io.teardown()
+
+    io = CkptsdkCheckpointIO(url, lease_ttl=5, force=True)
+    assert io.load_checkpoint(tmp_path / "best.ckpt")["global_step"] == 3  # fine for test/predict
+    with pytest.raises(ConfigError, match="shadowed"):
+        io.save_checkpoint({**_checkpoint(), "global_step": 4}, tmp_path / "next.ckpt")
+    io.save_checkpoint({**_checkpoint(), "global_step": 6}, tmp_path / "next.ckpt")  # past it: fine
+    io.teardown()
+    with CheckpointManager(url, read_only=True) as mgr:
+        assert [c.step for c in mgr.list() if c.valid][-1] == 6
+        assert 4 not in [c.step for c in mgr.list()]

@@ -93,6 +93,7 @@ class CkptsdkCheckpointIO(CheckpointIO):
         self.restore_rng = restore_rng
         self._mgr: Any = None
         self._restored = False
+        self._shadowed_by: int | None = None
 
     # ------------------------------------------------------------------ the manager
 
@@ -138,14 +139,20 @@ class CkptsdkCheckpointIO(CheckpointIO):
             UnsupportedStateError: an entry of Lightning's dict cannot be stored without pickle
                 (the message names the key; ``path`` holds the full path in the dict).
             LeaseLostError: another writer took the root over; nothing was written.
-            ConfigError: the root holds checkpoints but this fit did not load one (a fresh
-                start over a run's checkpoints is refused, not silently mixed in).
+            ConfigError: the root holds checkpoints but this fit did not load one, or it loaded
+                an older one than the newest and ``step`` is not past it (either would leave the
+                newest, not this run, to the next resume: refused, never silently mixed in).
         """
         if storage_options is not None:
             raise ConfigError("CkptsdkCheckpointIO takes no per-call storage_options; pass storage "
                               "options to its constructor")
         mgr, _ = self._start(loading=False)
         step = int(checkpoint.get("global_step", 0))
+        if self._shadowed_by is not None and step <= self._shadowed_by:
+            raise ConfigError(
+                f"this fit resumed from an older checkpoint than {self.url}'s newest (step "
+                f"{self._shadowed_by}); a save at step {step} would be shadowed by it on the next resume. "
+                "Resume from ckpt_path=\"last\", or train on from an older step in a new root")
         tree = {"lightning": _plain(checkpoint), "rng": capture_rng()}
         try:
             info = mgr.save(tree, step=step, epoch=checkpoint.get("epoch"), tags={"framework": "lightning"})
@@ -180,8 +187,9 @@ class CkptsdkCheckpointIO(CheckpointIO):
         if tree is None or tree.get("lightning", {}).get("global_step") != step:
             # Not the newest checkpoint (a `best` one, or a read-only rank): read it as it is.
             if not mgr.read_only and tree is not None:
-                logger.warning("loading step %d from %s, older than its newest checkpoint; training on "
-                               "from it leaves the newer ones in the root", step, self.url)
+                # Saves after this would sit below the newest step, which a later restore would
+                # pick instead: save_checkpoint refuses them (fine for test/validate/predict).
+                self._shadowed_by = int(tree["lightning"]["global_step"])
             tree = mgr.load(step)
         if self.restore_rng:
             restore_rng(tree["rng"])
