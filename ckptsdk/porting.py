@@ -48,16 +48,17 @@ _GLOBAL_IN_ERROR = re.compile(r"GLOBAL ([\w.]+)")
 
 def _numpy_rng_globals() -> list[Any]:
     """The minimal allowlist for ``np.random.get_state()`` pickled by numpy 1.x or 2.x."""
-    from numpy import dtypes
-
     reconstruct = np._core.multiarray._reconstruct if hasattr(np, "_core") else np.core.multiarray._reconstruct
-    return [
+    allowed: list[Any] = [
         reconstruct,
         (reconstruct, "numpy.core.multiarray._reconstruct"),  # the name numpy 1.x pickles under
         np.ndarray,
         np.dtype,
-        dtypes.UInt32DType,
     ]
+    uint32_dtype = getattr(getattr(np, "dtypes", None), "UInt32DType", None)  # numpy >= 1.25 pickles it
+    if uint32_dtype is not None:
+        allowed.append(uint32_dtype)
+    return allowed
 
 
 def load_torch_checkpoint(path: str | os.PathLike[str], *, allow_numpy_rng: bool = False) -> Any:
@@ -80,6 +81,9 @@ def load_torch_checkpoint(path: str | os.PathLike[str], *, allow_numpy_rng: bool
         ConfigError: the file cannot be read as a torch checkpoint.
     """
     path = os.fspath(path)
+    if not hasattr(torch.serialization, "safe_globals"):
+        raise ConfigError(f"importing {path} needs torch >= 2.5 (torch.serialization.safe_globals); "
+                          f"this is torch {torch.__version__}")
     allowed = _numpy_rng_globals() if allow_numpy_rng else []
     try:
         with torch.serialization.safe_globals(allowed):
