@@ -85,13 +85,14 @@ def run_lightning(args: argparse.Namespace) -> dict[str, torch.Tensor]:
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=BATCH,
                                          sampler=EpochSampler(N))
     module = Module()
+    io = CkptsdkCheckpointIO(args.url, storage_options=args.storage_options, lease_ttl=LEASE_TTL)
     trainer = L.Trainer(
         max_epochs=4, accelerator="cpu", devices=1, default_root_dir=args.work, logger=False,
-        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-        plugins=[CkptsdkCheckpointIO(args.url, storage_options=args.storage_options, lease_ttl=LEASE_TTL)],
-        callbacks=[ModelCheckpoint(dirpath=os.path.join(args.work, "ckpt"), save_last=True, every_n_epochs=1)],
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, plugins=[io],
+        callbacks=[ModelCheckpoint(dirpath=f"{args.work}/ckpt", save_last=True, every_n_epochs=1)],
     )
-    trainer.fit(module, loader, ckpt_path="last")
+    # A gs:// work dir: Lightning's "last" lookup cannot see remote pointers; resume from the root.
+    trainer.fit(module, loader, ckpt_path=io.resume_path() if args.work.startswith("gs://") else "last")
     return {k: v.detach().clone() for k, v in module.net.state_dict().items()}
 
 

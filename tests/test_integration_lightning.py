@@ -4,6 +4,7 @@ ckpt_path="last" ends with the weights of an uninterrupted run, on local disk an
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import safetensors.torch
@@ -30,14 +31,22 @@ def reference(tmp_path_factory):
 @pytest.mark.parametrize("kind", ["local", pytest.param("gcs", marks=pytest.mark.gcs)])
 def test_sigkilled_lightning_run_resumes_bit_exact(kind, reference, make_backend_target, tmp_path):
     target = make_backend_target(kind)
-    work = tmp_path / "work"
+    # On GCS the pointers go there too (ModelCheckpoint's dirpath gs://...): the resume then
+    # starts from CkptsdkCheckpointIO.resume_path(), Lightning's "last" lookup being local-only.
+    work = tmp_path / "work" if kind == "local" else make_backend_target(kind, name="work").url
     # 6 steps per epoch, a checkpoint at every epoch end: killed as step 15 begins (mid epoch 2).
     run_job("lightning", target.url, work, tmp_path / "a.safetensors", kill_at=15, options=target.options,
             env=target.env)
     assert not (tmp_path / "a.safetensors").exists()
     with CheckpointManager(target.url, read_only=True, storage_options=target.options) as mgr:
         assert [c.step for c in mgr.list() if c.valid] == [6, 12]
-    assert json.loads((work / "ckpt" / "last.ckpt").read_text())["step"] == 12
+    if kind == "local":
+        last = (work / "ckpt" / "last.ckpt").read_bytes()
+    else:
+        import gcsfs
+
+        last = gcsfs.GCSFileSystem(**target.options).cat_file(f"{work}/ckpt/last.ckpt")
+    assert json.loads(last)["step"] == 12
 
     run_job("lightning", target.url, work, tmp_path / "b.safetensors", options=target.options, env=target.env)
     assert_same(weights(tmp_path / "b.safetensors"), reference)
@@ -98,9 +107,13 @@ def test_a_torch_save_ckpt_is_not_unpickled(tmp_path):
 def test_training_on_from_an_older_step_is_refused_before_it_is_shadowed(tmp_path):
     url = str(tmp_path / "root")
     io = CkptsdkCheckpointIO(url, lease_ttl=5)
+    assert io.resume_path() is None  # an empty root: a fresh fit
     io.save_checkpoint(_checkpoint(), tmp_path / "best.ckpt")  # step 3
     io.save_checkpoint({**_checkpoint(), "global_step": 5}, tmp_path / "last.ckpt")
+    resume = io.resume_path()
+    assert json.loads(open(resume).read())["step"] == 5
     io.teardown()
+    assert not os.path.exists(resume)  # teardown removes its temporary pointers
 
     io = CkptsdkCheckpointIO(url, lease_ttl=5, force=True)
     assert io.load_checkpoint(tmp_path / "best.ckpt")["global_step"] == 3  # fine for test/predict

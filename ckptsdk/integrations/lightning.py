@@ -3,7 +3,7 @@
 Lightning's checkpoint dict goes into a ckptsdk root (tensors in safetensors, the rest JSON,
 writer lease, manifest commit, digests) together with the RNG states; at the path Lightning
 names (``last.ckpt``...) the plugin leaves a small JSON pointer, so ``ModelCheckpoint`` and
-``trainer.fit(ckpt_path="last")`` work unchanged. What is stored and when is Lightning's business.
+``trainer.fit(ckpt_path="last")`` work unchanged (or ``ckpt_path=io.resume_path()``, from the root alone). What is stored and when is Lightning's business.
 """
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
+import tempfile
 from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
@@ -94,6 +96,7 @@ class CkptsdkCheckpointIO(CheckpointIO):
         self._mgr: Any = None
         self._restored = False
         self._shadowed_by: int | None = None
+        self._tmpdir: str | None = None
 
     # ------------------------------------------------------------------ the manager
 
@@ -125,6 +128,29 @@ class CkptsdkCheckpointIO(CheckpointIO):
             mgr.restore(captured)
             self._restored = True
         return mgr, captured.tree
+
+    def resume_path(self) -> str | None:
+        """A pointer to the root's newest valid checkpoint, for ``trainer.fit(ckpt_path=...)``.
+
+        Use it where ``ckpt_path="last"`` cannot find Lightning's pointers: a new VM whose
+        ``default_root_dir`` was on its lost local disk, or a ``gs://`` checkpoint dirpath
+        (Lightning 2.6 lists remote folders without their ``gs://`` prefix, then looks for the
+        files locally). The pointer is written to a local temporary folder.
+
+        Returns:
+            The pointer's path, or None when the root holds no checkpoint (a fresh run).
+        """
+        from ..manager import CheckpointManager
+
+        with CheckpointManager(self.url, read_only=True, storage_options=self.storage_options) as mgr:
+            info = mgr.latest()
+        if info is None:
+            return None
+        if self._tmpdir is None:
+            self._tmpdir = tempfile.mkdtemp(prefix="ckptsdk-lightning-")
+        path = os.path.join(self._tmpdir, f"resume-{info.step}.ckpt")
+        self._write_pointer(path, {"format": POINTER_FORMAT, "url": self.url, "step": info.step, "key": info.key})
+        return path
 
     # ------------------------------------------------------------------ CheckpointIO
 
@@ -204,6 +230,9 @@ class CkptsdkCheckpointIO(CheckpointIO):
 
     def teardown(self) -> None:
         """Wait for saves, flush the step log and release the lease (a later call reopens)."""
+        if self._tmpdir is not None:
+            shutil.rmtree(self._tmpdir, ignore_errors=True)
+            self._tmpdir = None
         if self._mgr is not None:
             mgr, self._mgr = self._mgr, None
             mgr.close()
