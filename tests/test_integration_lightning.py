@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 
 import pytest
 import safetensors.torch
@@ -111,7 +112,7 @@ def test_training_on_from_an_older_step_is_refused_before_it_is_shadowed(tmp_pat
     io.save_checkpoint(_checkpoint(), tmp_path / "best.ckpt")  # step 3
     io.save_checkpoint({**_checkpoint(), "global_step": 5}, tmp_path / "last.ckpt")
     resume = io.resume_path()
-    assert json.loads(open(resume).read())["step"] == 5
+    assert json.loads(pathlib.Path(resume).read_text())["step"] == 5
     io.teardown()
     assert not os.path.exists(resume)  # teardown removes its temporary pointers
 
