@@ -1,7 +1,7 @@
 """The ``ckptsdk`` command: inspect, verify, audit and tidy a checkpoint root from a shell.
 
 ``ckptsdk {ls,show,verify,audit,lease,gc} URL``, ``ckptsdk import FILE.pt URL`` and
-``ckptsdk export URL[@STEP] OUT.safetensors`` (their logic is in porting.py); each prints a human table, or one JSON document
+``ckptsdk export URL[@STEP] OUT.safetensors`` (their logic is in legacy_import.py and export.py); each prints a human table, or one JSON document
 on stdout with ``--json``. Read-only commands never take the writer lease. This module only parses
 arguments, calls the library and formats what it returns; checkpoint logic belongs elsewhere.
 
@@ -540,12 +540,13 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _porting(name: str) -> Any:
-    """A command whose logic lives in ckptsdk.porting, imported only when that command runs."""
+def _porting(module: str, name: str) -> Any:
+    """A command whose logic lives in ckptsdk.legacy_import / ckptsdk.export, imported only when
+    that command runs (so nothing else in the CLI ever imports the torch.load door)."""
     def run(args: argparse.Namespace) -> int:
-        from . import porting
+        import importlib
 
-        return int(getattr(porting, name)(args))
+        return int(getattr(importlib.import_module(f"ckptsdk.{module}"), name)(args))
     return run
 
 
@@ -562,7 +563,7 @@ def _add_porting_commands(sub: Any) -> None:
     sp.add_argument("--step", type=int, help="the step to record (default: the file's 'step'/'global_step')")
     sp.add_argument("--drop", action="append", metavar="KEY", help="leave this key of the file out (repeatable)")
     sp.add_argument("--force", action="store_true", help="break a live writer lease on URL")
-    sp.set_defaults(fn=_porting("cmd_import"))
+    sp.set_defaults(fn=_porting("legacy_import", "cmd_import"))
     sp = sub.add_parser("export", parents=[common], help="write a checkpoint's model weights to one .safetensors file")
     sp.add_argument("url", metavar="URL[@STEP]", help="checkpoint root, optionally @STEP (default: newest valid)")
     sp.add_argument("out", metavar="OUT.safetensors")
@@ -570,7 +571,7 @@ def _add_porting_commands(sub: Any) -> None:
                     "objects/model_0 or lightning/state_dict)")
     sp.add_argument("--tied", action="append", metavar="REMOVED=KEPT",
                     help="declare a tied weight: written once, recorded in the metadata as save_model does")
-    sp.set_defaults(fn=_porting("cmd_export"))
+    sp.set_defaults(fn=_porting("export", "cmd_export"))
 
 
 def _exit_code(exc: CkptError) -> int:

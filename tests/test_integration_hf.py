@@ -44,7 +44,7 @@ def _export_tied_gpt2(url, tmp_path, final):
     import torch
     from transformers import GPT2LMHeadModel
 
-    from ckptsdk.porting import export_safetensors
+    from ckptsdk.export import export_safetensors
     from tests._integration_jobs import tiny_gpt2_config
 
     out = tmp_path / "gpt2.safetensors"

@@ -22,7 +22,8 @@ import torch
 from ckptsdk import CheckpointManager, TrainState, UnsupportedStateError
 from ckptsdk.cli import main
 from ckptsdk.errors import ConfigError
-from ckptsdk.porting import export_safetensors, import_torch_checkpoint
+from ckptsdk.export import export_safetensors
+from ckptsdk.legacy_import import import_torch_checkpoint
 
 
 def _objects(seed: int):
@@ -162,7 +163,7 @@ def test_restore_path_never_imports_the_torch_load_module(tmp_path):
         "print(sorted(n for n in sys.modules if n.startswith('ckptsdk')))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
-    assert "ckptsdk.manager" in out.stdout and "ckptsdk.porting" not in out.stdout
+    assert "ckptsdk.manager" in out.stdout and "ckptsdk.legacy_import" not in out.stdout
 
 
 class _Tied(torch.nn.Module):
