@@ -11,12 +11,14 @@ import logging
 import re
 from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from .backends.base import Backend, ObjectInfo
 from .errors import BackendError, LeaseError, ManifestError, ObjectNotFound
-from .lease import LEASE_KEY, LeaseRecord, parse_lease
 from .manifest import LineageRecord, Manifest, parse_lineage, parse_manifest
-from .tensorfile import ALGORITHMS
+
+if TYPE_CHECKING:
+    from .lease import LeaseRecord
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +35,15 @@ _LINEAGE_RE = re.compile(r"^lineage/epoch-(\d+)(?:\.([0-9a-f]{8}))?\.json$")
 # believe they took the same epoch; the tag (the first 8 hex digits of the lease nonce) keeps
 # their names apart and orders them: the lower rank is superseded, exactly like a lower epoch.
 Rank = tuple[int, str]
+
+#: Hex digits of the lease nonce that make a writer's tag (and order writers of one epoch).
+TAG_DIGITS = 8
+
+
+def writer_tag(nonce: str, *, compare_and_swap: bool) -> str:
+    """The tag a writer carries in its names: empty where compare-and-swap makes every epoch
+    exclusive, else the first ``TAG_DIGITS`` hex digits of its lease nonce (see ``Rank``)."""
+    return "" if compare_and_swap else nonce[:TAG_DIGITS]
 
 
 def checkpoint_dir(step: int, epoch: int, tag: str = "") -> str:
@@ -236,6 +247,8 @@ _TOLD: set[tuple[Rank, str]] = set()
 
 
 def _read_lease(backend: Backend) -> LeaseRecord | None:
+    from .lease import LEASE_KEY, parse_lease  # late: lease.py imports this module
+
     try:
         return parse_lease(backend.read(LEASE_KEY), url=backend.url)
     except (ObjectNotFound, LeaseError, BackendError):
@@ -331,6 +344,8 @@ def _check_files(manifest: Manifest, files: dict[str, ObjectInfo], step: int, ep
             f"manifest says step {manifest.step} epoch {manifest.writer.lease_epoch} but lives in "
             f"the folder of step {step} epoch {epoch}"
         )
+    from .tensorfile import ALGORITHMS  # late: the catalog itself needs no torch
+
     for entry in manifest.files:
         if entry.algorithm not in ALGORITHMS:
             return (f"{entry.name}: unknown digest algorithm {entry.algorithm!r} (this ckptsdk knows "
