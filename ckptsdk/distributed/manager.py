@@ -1,0 +1,381 @@
+"""CheckpointManager under a torch.distributed process group: one committer, every rank writes.
+
+Rank 0 owns an ordinary :class:`ckptsdk.CheckpointManager` (lease, lineage, rotation, step log)
+and commits; the other ranks never touch the lease. Every decision (fenced or not, which folder,
+which checkpoint to restore, did the save commit) is made on rank 0 and broadcast as JSON, so all
+ranks act alike and none writes after rank 0 was fenced. Sharded and replicated tensors go through
+``torch.distributed.checkpoint`` with :mod:`.storage`; each rank's RNG states and ``local`` extras
+(its sampler position) go to a small per-rank file. Storage formats live in :mod:`.storage`.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from .. import codec, errors
+from .. import catalog as _catalog
+from ..backends import open_backend
+from ..backends.base import Backend
+from ..catalog import checkpoint_dir
+from ..errors import CkptError, ConfigError, CorruptCheckpointError, LeaseLostError
+from ..manager import CheckpointManager, ResumePoint
+from ..state import capture_rng, restore_rng
+from ..tensorfile import DIGEST_ALGORITHM, read_tensorfile, write_tensorfile
+from .collective import all_min, broadcast_json, gather_json
+from .metadata import metadata_from_json
+from .storage import CkptStorageReader, CkptStorageWriter, JsonLoadPlanner, JsonSavePlanner
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["DistributedCheckpointManager", "PAYLOAD_FORMAT", "read_payload"]
+
+#: The ``format`` of the JSON tree a distributed checkpoint's manifest holds.
+PAYLOAD_FORMAT = "ckptsdk.distributed/1"
+
+
+def local_file(rank: int) -> str:
+    """The file of one rank's own state (RNG states, ``local`` extras) in a checkpoint folder."""
+    return f"local-{rank:05d}.safetensors"
+
+
+def read_payload(tree: Any, *, where: str = "") -> dict[str, Any]:
+    """The distributed payload of a manifest tree, checked; CorruptCheckpointError if it is none."""
+    payload = codec.decode(tree, {}) if not _is_payload(tree) else tree
+    if not _is_payload(payload):
+        raise CorruptCheckpointError(
+            f"{where}: not a distributed checkpoint (no {PAYLOAD_FORMAT} payload); open it with "
+            "ckptsdk.CheckpointManager instead", key=where or None)
+    return payload
+
+
+def _is_payload(tree: Any) -> bool:
+    return isinstance(tree, dict) and tree.get("format") == PAYLOAD_FORMAT
+
+
+class _Capture:
+    """What the core manager's ``restore`` loads into on rank 0: the payload, nothing else.
+
+    Before the core manager re-commits the restored checkpoint under the new lease epoch (its
+    "anchor", which keeps a zombie from rotating the resume point away), the rank files are
+    copied into the new folder, so the anchored manifest commits a complete checkpoint.
+    """
+
+    def __init__(self, dm: DistributedCheckpointManager) -> None:
+        self.dm = dm
+        self.payload: dict[str, Any] | None = None
+        self.source: str | None = None
+
+    def load_state_dict(self, tree: Any) -> None:
+        payload = read_payload(tree)
+        core = self.dm._core
+        assert core is not None
+        source = next(
+            (c for c in core.list() if c.manifest is not None and _is_payload(_maybe_payload(c.manifest.tree))
+             and _maybe_payload(c.manifest.tree).get("save_id") == payload["save_id"]), None)
+        if source is None:
+            raise CorruptCheckpointError(f"{core.url}: the restored checkpoint's folder vanished while "
+                                         "restoring; retry", url=core.url)
+        self.payload, self.source = payload, source.key
+        own = self.dm._folder(source.step)
+        if source.key != own and not any(c.key == own and c.committed for c in core.list()):
+            for name in sorted(payload["files"]):
+                core.backend.write(f"{own}/{name}", core.backend.read(f"{source.key}/{name}"))
+
+
+def _maybe_payload(tree: Any) -> Any:
+    try:
+        return codec.decode(tree, {})
+    except CkptError:
+        return None
+
+
+class DistributedCheckpointManager:
+    """Checkpoints of a torch.distributed job under one root URL (call on every rank).
+
+    Rank 0 acquires the writer lease (waiting or taking over as :class:`ckptsdk.CheckpointManager`
+    does) and is the single committer; every rank writes its own share of each save.
+
+    Args:
+        url: the root (any ckptsdk URL), or an opened backend.
+        group: the process group (default: the world). Its rank 0 is the committer.
+        keep_last, keep_every, save_every, lease_ttl, lease_wait, force, run_id, heartbeat:
+            as for :class:`ckptsdk.CheckpointManager` (used on rank 0).
+        storage_options: fsspec options for ``gs://``.
+
+    Example:
+        >>> # dm = DistributedCheckpointManager("gs://bucket/run", save_every=100)
+        >>> # state = {"app": AppState(model, optimizer)}
+        >>> # pos = dm.restore(state)            # every rank; the same step everywhere
+        >>> # if dm.should_save(step): dm.save(state, step=step, local={"batch": b})
+        >>> # dm.close()
+    """
+
+    def __init__(
+        self, url: str | Backend, *, group: Any = None, keep_last: int = 3, keep_every: int | None = None,
+        save_every: int | None = None, lease_ttl: float | None = None, lease_wait: float | None = None,
+        force: bool = False, storage_options: Mapping[str, Any] | None = None, run_id: str | None = None,
+        heartbeat: bool = True,
+    ) -> None:
+        if not dist.is_initialized():
+            raise ConfigError("DistributedCheckpointManager needs torch.distributed initialised "
+                              "(dist.init_process_group); use ckptsdk.CheckpointManager in one process")
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self._src = dist.get_global_rank(group, 0) if group is not None else 0
+        self.save_every = save_every
+        self.backend = open_backend(url, **dict(storage_options or {})) if isinstance(url, str) else url
+        self.url = self.backend.url
+        #: this rank's ``local`` extras from the restored checkpoint (None: fresh, or resharded).
+        self.local: dict[str, Any] | None = None
+        self._core: CheckpointManager | None = None
+        self._closed = False
+        outcome: dict[str, Any] = {"ok": True}
+        error: CkptError | None = None
+        if self.rank == 0:
+            try:
+                self._core = CheckpointManager(
+                    self.backend, keep_last=keep_last, keep_every=keep_every, save_every=save_every,
+                    lease_ttl=lease_ttl, lease_wait=lease_wait, force=force, run_id=run_id,
+                    heartbeat=heartbeat)
+            except CkptError as exc:
+                outcome, error = _describe(exc), exc
+        self._agree(outcome, error)
+
+    # ------------------------------------------------------------------ helpers
+
+    def _bcast(self, obj: Any) -> Any:
+        return broadcast_json(obj, src=self._src, group=self.group)
+
+    def _agree(self, outcome: dict[str, Any], error: BaseException | None) -> dict[str, Any]:
+        """Broadcast rank 0's outcome; every rank raises the same error type when it failed."""
+        outcome = self._bcast(outcome)
+        if error is not None:  # rank 0 raises its own exception, with its fields and cause
+            raise error if isinstance(error, Exception) else _rebuild(outcome)
+        if not outcome.get("ok"):
+            raise _rebuild(outcome)
+        return outcome
+
+    def _folder(self, step: int) -> str:
+        """This writer's folder for ``step``: the core manager names it the same way."""
+        core = self._core
+        assert core is not None and core.lease is not None
+        # The tag is empty where compare-and-swap makes epochs exclusive (catalog's rule; the core
+        # manager keeps it as ``_tag``); ``save`` checks the committed key equals this one.
+        return checkpoint_dir(step, core.lease.epoch, getattr(core, "_tag", ""))
+
+    def should_save(self, step: int) -> bool:
+        """True every ``save_every`` steps (the core manager's rule, on every rank)."""
+        return CheckpointManager.should_save(self, step)  # type: ignore[arg-type]
+
+    # ------------------------------------------------------------------ saving
+
+    def save(
+        self, state: dict[str, Any], *, step: int, epoch: int | None = None, batch_idx: int | None = None,
+        metrics: Mapping[str, Any] | None = None, extra: Mapping[str, Any] | None = None,
+        tags: Mapping[str, str] | None = None, local: Mapping[str, Any] | None = None,
+    ) -> str:
+        """Save ``state`` (a DCP state dict; Stateful values allowed) at ``step`` on every rank.
+
+        Rank 0 renews the lease and looks for a newer writer first; if it was fenced, every rank
+        raises ``LeaseLostError`` before writing anything. Each rank then writes its share and its
+        own RNG states and ``local`` extras; rank 0 publishes the manifest only after all of them.
+
+        Args:
+            state: what ``dcp.save`` takes (e.g. ``{"app": AppState(model, optimizer)}``).
+            step, epoch, batch_idx, metrics, extra, tags: as for ``CheckpointManager.save``.
+            local: this rank's own JSON/tensor extras (its sampler position), restored to the
+                same rank.
+
+        Returns:
+            The committed folder (the same on every rank).
+
+        Raises:
+            LeaseLostError: on every rank, when rank 0 lost the lease; nothing was written.
+            BackendError, CkptError: on every rank, as rank 0 saw it; nothing was committed.
+        """
+        if self._closed:
+            raise ConfigError(f"save() after close() on {self.url}")
+        rng = capture_rng()  # first: nothing below may draw before the state is captured
+        decision: dict[str, Any] = {"ok": True}
+        error: BaseException | None = None
+        if self.rank == 0:
+            try:
+                decision = self._preflight(step)
+            except CkptError as exc:
+                decision, error = _describe(exc), exc
+        decision = self._agree(decision, error)
+        folder = decision["folder"]
+        if decision.get("existing"):
+            return folder
+        tensors, skeleton = codec.encode({"rng": rng, "local": dict(local or {})})
+        size, digest = write_tensorfile(self.backend, f"{folder}/{local_file(self.rank)}", tensors)
+        mine = {"file": local_file(self.rank), "size": size, "digest": digest,
+                "algorithm": DIGEST_ALGORITHM, "tree": skeleton}
+        locals_ = gather_json(mine, group=self.group)
+        committed: dict[str, Any] = {}
+
+        def commit(md: dict[str, Any], files: dict[str, dict[str, Any]]) -> None:
+            core = self._core
+            assert core is not None
+            for rec in locals_:
+                files[rec["file"]] = {k: rec[k] for k in ("size", "digest", "algorithm")}
+            payload = {"format": PAYLOAD_FORMAT, "save_id": uuid.uuid4().hex, "world_size": self.world_size,
+                       "dcp": md, "files": files, "local": [rec["tree"] for rec in locals_]}
+            info = core.save(payload, step=step, epoch=epoch, batch_idx=batch_idx, metrics=metrics,
+                             extra=extra, tags=tags, blocking=True)
+            if info.key != folder:  # the core manager named the folder differently: never commit that
+                raise CorruptCheckpointError(
+                    f"{self.url}: the manifest went to {info.key} but the ranks wrote {folder}; this is "
+                    "a ckptsdk bug (folder naming drifted), report it", url=self.url, key=info.key)
+            committed["key"] = info.key
+
+        writer = CkptStorageWriter(self.backend, folder, commit=commit)
+        failure: BaseException | None = None
+        try:
+            dcp.save(state, storage_writer=writer, planner=JsonSavePlanner(), process_group=self.group)
+        except CheckpointException as exc:
+            failure = writer.commit_error or exc
+        outcome = {"ok": True, "key": folder} if failure is None else _describe(failure)
+        self._agree(outcome, failure if self.rank == 0 else None)
+        return folder
+
+    def _preflight(self, step: int) -> dict[str, Any]:
+        """On rank 0: renew the lease, fence on a newer writer, name the folder."""
+        core = self._core
+        assert core is not None and core.lease is not None
+        core.lease.check()
+        core.lease.renew()
+        if core.runlog is not None:
+            core.runlog.flush()  # the steps before a save are on storage even if a rank dies in it
+        cat = _catalog.scan(self.backend)
+        own = (core.lease.epoch, getattr(core, "_tag", ""))
+        if cat.max_rank > own:  # the core manager's fencing rule: any newer writer fences this one
+            core.lease.fence(f"saw a newer writer (epoch {cat.max_rank[0]}) under {self.url}", cat.max_rank[0])
+            core.lease.check()  # raises LeaseLostError
+        folder = self._folder(step)
+        existing = any(c.key == folder and c.committed for c in cat.checkpoints)
+        return {"ok": True, "folder": folder, "existing": existing}
+
+    # ------------------------------------------------------------------ restoring
+
+    def restore(self, state: dict[str, Any]) -> ResumePoint | None:
+        """Load the newest valid checkpoint into ``state`` on every rank (the same step on all).
+
+        Rank 0 picks it (skipping torn, corrupt and orphaned ones, like the core manager) and
+        broadcasts the choice; each rank loads what its shards need, verified, through DCP (a
+        checkpoint written by N ranks restores on M). When the world size is unchanged each rank
+        gets back its own RNG states and ``local`` extras (``self.local``); otherwise they are
+        left alone and a warning says so.
+
+        Returns:
+            The :class:`ckptsdk.ResumePoint` (same on every rank), or ``None`` on a fresh root.
+
+        Raises:
+            NoValidCheckpointError, CorruptCheckpointError, LeaseLostError: on every rank.
+        """
+        decision: dict[str, Any] = {"ok": True, "found": False}
+        error: BaseException | None = None
+        if self.rank == 0:
+            core = self._core
+            assert core is not None
+            capture = _Capture(self)
+            try:
+                pos = core.restore(capture)
+                if pos is not None:
+                    _t, point = codec.encode({k: getattr(pos, k) for k in ResumePoint.__dataclass_fields__})
+                    decision = {"ok": True, "found": True, "source": capture.source, "payload": capture.payload,
+                                "point": point}
+            except CkptError as exc:
+                decision, error = _describe(exc), exc
+        decision = self._agree(decision, error)
+        if not decision["found"]:
+            return None
+        payload, source = decision["payload"], decision["source"]
+        error = ""
+        try:
+            self._load(state, payload, source)
+        except CkptError as exc:
+            error = f"rank {self.rank}: {exc}"
+        if not all_min(0 if error else 1, group=self.group):
+            problems = [e for e in gather_json(error, group=self.group) if e]
+            raise CorruptCheckpointError(
+                f"{self.url}/{source} could not be restored on every rank: " + "; ".join(problems),
+                url=self.url, key=source)
+        point = codec.decode(decision["point"], {})
+        return ResumePoint(**point)
+
+    def _load(self, state: dict[str, Any], payload: dict[str, Any], source: str) -> None:
+        md = metadata_from_json(payload["dcp"], where=f"{self.url}/{source}")
+        reader = CkptStorageReader(self.backend, source, metadata=md, files=payload["files"])
+        with warnings.catch_warnings():
+            # Each rank plans its own reads (no collective, so nothing is pickled between ranks);
+            # DCP warns that it "assumes a single process" when asked to.
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, storage_reader=reader, planner=JsonLoadPlanner(), no_dist=True)
+        if payload["world_size"] != self.world_size:
+            logger.warning("%s/%s was written by %d ranks, this job has %d: RNG states and local extras "
+                           "are not restored (the run continues, but not bit-for-bit)", self.url, source,
+                           payload["world_size"], self.world_size)
+            self.local = None
+            return
+        name = local_file(self.rank)
+        entry = payload["files"][name]
+        tensors = read_tensorfile(self.backend, f"{source}/{name}", size=entry["size"],
+                                  digest=entry["digest"], algorithm=entry["algorithm"])
+        mine = codec.decode(payload["local"][self.rank], tensors)
+        restore_rng(mine["rng"])
+        self.local = mine["local"]
+
+    # ------------------------------------------------------------------ step log, lifecycle
+
+    def log_step(self, step: int, **scalars: Any) -> None:
+        """Append ``scalars`` for ``step`` to the step log (rank 0's; other ranks: no-op)."""
+        if self._core is not None:
+            self._core.log_step(step, **scalars)
+
+    def audit(self, tolerance: float = 0.0) -> Any:
+        """The resume audit (see :meth:`ckptsdk.CheckpointManager.audit`); rank 0 only, else None."""
+        return self._core.audit(tolerance) if self._core is not None else None
+
+    def list(self) -> list[Any]:
+        """Every checkpoint folder under the root, oldest first (any rank; read-only)."""
+        return _catalog.scan(self.backend).checkpoints
+
+    def close(self) -> None:
+        """Flush the step log and release the lease (rank 0). Idempotent; no collective."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._core is not None:
+            self._core.close()
+
+    def __enter__(self) -> DistributedCheckpointManager:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+# Errors travel between ranks as (type name, message): a rank rebuilds the same ckptsdk error.
+def _describe(exc: BaseException) -> dict[str, Any]:
+    return {"ok": False, "type": type(exc).__name__, "message": str(exc)}
+
+
+def _rebuild(outcome: Mapping[str, Any]) -> CkptError:
+    cls = getattr(errors, str(outcome.get("type")), None)
+    message = f"(from rank 0) {outcome.get('message')}"
+    if isinstance(cls, type) and issubclass(cls, CkptError):
+        try:
+            return cls(message)
+        except TypeError:  # an error whose fields are required: keep the message
+            pass
+    return errors.CheckpointError(message)
