@@ -1,6 +1,7 @@
-"""One rank of a small torch.distributed job for the distributed tests (``python -m tests._dist_child``).
+"""Ranks of small torch.distributed jobs for the distributed tests (``python -m tests._dist_child``).
 
-Arguments are one JSON object (argv[1]): ``mode`` ("ddp", "dtensor", "zombie"), ``rank``,
+``zygote`` forks one rank per JSON line on stdin (see :func:`zygote`); a single JSON argument
+runs one rank in this process. A rank's config: ``mode`` ("ddp", "dtensor", "zombie"), ``rank``,
 ``world``, ``init`` (a FileStore path), ``url``, ``out`` (a folder for results/markers) and
 mode-specific fields. Every result is a JSON file under ``out``; tensors are compared as hex of
 their bytes, so "equal" means bit-identical. What to assert lives in tests/test_distributed_*.py.
@@ -55,8 +56,8 @@ def _wait_for(path: str) -> None:
 
 
 class _StallingBackend:
-    """Delegates to a backend; after writing a file whose key contains ``marker``, reports it
-    in ``signal`` and stalls (the parent SIGKILLs this process there: a rank dying mid-save)."""
+    """Delegates to a backend; after writing this rank's DCP file into a folder whose name holds
+    ``marker``, reports it in ``signal`` and stalls (the parent SIGKILLs it: a rank dying mid-save)."""
 
     def __init__(self, inner: Any, marker: str, signal: str) -> None:
         self._inner, self._marker, self._signal = inner, marker, signal
@@ -66,7 +67,7 @@ class _StallingBackend:
 
     def write(self, key: str, data: Any) -> Any:
         info = self._inner.write(key, data)
-        if self._marker in key:
+        if self._marker in key and "/rank-" in key:
             with open(self._signal, "w") as f:
                 f.write(key)
             time.sleep(MAX_WAIT)
@@ -199,8 +200,8 @@ def zombie(cfg: dict[str, Any]) -> None:
     _write(cfg["out"], f"{cfg['job']}-{rank}.json", outcome)
 
 
-def main() -> int:
-    cfg = json.loads(sys.argv[1])
+def run(cfg: dict[str, Any]) -> int:
+    """One rank: join the job's FileStore, run the mode, leave. 3 when a CkptError ended it."""
     for k, v in cfg.get("env", {}).items():
         os.environ[k] = v
     dist.init_process_group("gloo", init_method=f"file://{cfg['init']}", rank=cfg["rank"],
@@ -215,5 +216,54 @@ def main() -> int:
     return 0
 
 
+def zygote() -> None:
+    """Fork one rank per stdin line (its cfg as JSON); print ``pid N``; record each exit status.
+
+    torch and ckptsdk are imported once here (seconds on a loaded machine), each rank is a fork:
+    a real process of its own that the test can SIGKILL or SIGSTOP. Its output goes to
+    ``cfg["log"]``, its exit status (negative: the signal) to ``cfg["status"]``. The zygote
+    never runs a torch op nor starts a thread, so forking it is safe. It exits at end of input.
+    """
+    import select
+
+    live: dict[int, str] = {}
+    open_input = True
+    while open_input or live:
+        if open_input and select.select([sys.stdin], [], [], 0.05)[0]:
+            line = sys.stdin.readline()
+            if not line:
+                open_input = False
+                continue
+            cfg = json.loads(line)
+            pid = os.fork()
+            if pid == 0:
+                fd = os.open(cfg["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+                os.dup2(fd, 1)
+                os.dup2(fd, 2)
+                code = 1
+                try:
+                    code = run(cfg)
+                finally:
+                    sys.stdout.flush()
+                    sys.stderr.flush()
+                    os._exit(code)
+            live[pid] = cfg["status"]
+            print(f"pid {pid}", flush=True)
+        elif not open_input:
+            time.sleep(0.05)
+        while live:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+            if pid == 0:
+                break
+            code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+            path = live.pop(pid)
+            with open(path + ".tmp", "w") as f:
+                f.write(str(code))
+            os.replace(path + ".tmp", path)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    if sys.argv[1:] == ["zygote"]:
+        zygote()
+    else:
+        sys.exit(run(json.loads(sys.argv[1])))
