@@ -30,14 +30,21 @@ def _hex(t: torch.Tensor) -> str:
     return t.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes().hex()
 
 
-def _no_pickle() -> None:
-    """Restore paths must never unpickle: make every unpickling entry point raise."""
+def _no_pickle() -> Any:
+    """Restore paths must never unpickle: make every unpickling entry point raise.
+
+    Returns the original ``pickle.Unpickler``: DCP's *save* exchanges its plans between ranks
+    with ``all_gather_object`` (in memory, never from storage), which needs it back afterwards.
+    """
     def refuse(*_a: Any, **_k: Any) -> Any:
         raise AssertionError("pickle/torch.load called on a restore path")
 
+    original = pickle.Unpickler
     pickle.load = refuse  # type: ignore[assignment]
     pickle.loads = refuse  # type: ignore[assignment]
+    pickle.Unpickler = refuse  # type: ignore[assignment,misc]
     torch.load = refuse  # type: ignore[assignment]
+    return original
 
 
 def _write(out: str, name: str, obj: Any) -> None:
@@ -87,9 +94,10 @@ def ddp(cfg: dict[str, Any]) -> None:
         backend = _StallingBackend(backend, f"step-{cfg['kill_step']:010d}", os.path.join(cfg["out"], "stalled"))
     dm = DistributedCheckpointManager(backend, save_every=cfg["save_every"], lease_ttl=cfg.get("ttl", 30.0))
     torch.manual_seed(100 + rank)  # per-rank data stream; a restore brings back each rank's own
-    if cfg.get("no_pickle"):
-        _no_pickle()
+    unpickler = _no_pickle() if cfg.get("no_pickle") else None
     pos = dm.restore(state)
+    if unpickler is not None:
+        pickle.Unpickler = unpickler  # type: ignore[misc]
     start = pos.step + 1 if pos else 1
     if pos is not None:
         assert dm.local == {"seen": pos.step}, dm.local

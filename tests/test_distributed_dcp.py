@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -27,6 +28,10 @@ from ckptsdk.distributed import export_consolidated
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def _refuse(*_a: Any, **_k: Any) -> Any:
+    raise AssertionError("unpickling was attempted on a restore path")
 
 
 class Zygote:
@@ -168,7 +173,7 @@ def test_ddp_rank_killed_mid_save_commits_nothing_and_the_resume_is_bit_identica
 @pytest.mark.gcs
 @pytest.mark.timeout(240)
 def test_fsdp2_on_4_ranks_restores_on_2_and_1_with_every_tensor_equal_on_gcs(
-    tmp_path: Path, make_backend_target: Any, jobs: Any
+    tmp_path: Path, make_backend_target: Any, jobs: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     target = make_backend_target("gcs")
     cfg = {"mode": "dtensor", "kind": "fsdp2", "url": target.url, "options": target.options}
@@ -182,6 +187,9 @@ def test_fsdp2_on_4_ranks_restores_on_2_and_1_with_every_tensor_equal_on_gcs(
         assert sorted(restored) == sorted(saved) and len(saved) == 16
         assert all(restored[k] == saved[k] for k in saved), [k for k in saved if restored[k] != saved[k]]
 
+    for name in ("load", "loads", "Unpickler"):
+        monkeypatch.setattr(pickle, name, _refuse)
+    monkeypatch.setattr(torch, "load", _refuse)
     out = tmp_path / "export" / "model.safetensors"
     assert export_consolidated(target.url, out, storage_options=target.options) == 3
     exported = safetensors.torch.load_file(str(out))

@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import json
 import os
-import warnings
 from collections.abc import Mapping
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from .. import codec
@@ -22,9 +20,9 @@ from ..backends import open_backend
 from ..errors import NoValidCheckpointError
 from ..manager import CheckpointManager
 from ..tensorfile import write_tensorfile
-from .manager import read_payload
+from .manager import load_quietly, read_payload
 from .metadata import metadata_from_json
-from .storage import CkptStorageReader, JsonLoadPlanner
+from .storage import CkptStorageReader
 
 __all__ = ["export_consolidated", "load_consolidated"]
 
@@ -64,11 +62,7 @@ def load_consolidated(
         else:
             state[fqn] = None  # filled by the planner from JSON
     reader = CkptStorageReader(mgr.backend, info.key, metadata=md, files=payload["files"])
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        # Flat names already: no flattening, so the keys stay DCP's fully qualified names.
-        dcp.load(state, storage_reader=reader, planner=JsonLoadPlanner(flatten_state_dict=False),
-                 no_dist=True)
+    load_quietly(state, reader, flatten=False)  # flat names already: keys stay DCP's names
     tensors = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
     others = {k: v for k, v in state.items() if not isinstance(v, torch.Tensor)}
     return tensors, others, info.step

@@ -31,11 +31,11 @@ from ..state import capture_rng, restore_rng
 from ..tensorfile import DIGEST_ALGORITHM, read_tensorfile, write_tensorfile
 from .collective import all_min, broadcast_json, gather_json
 from .metadata import metadata_from_json
-from .storage import CkptStorageReader, CkptStorageWriter, JsonLoadPlanner, JsonSavePlanner
+from .storage import CkptStorageReader, CkptStorageWriter, JsonLoadPlanner, JsonSavePlanner, unwrap
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DistributedCheckpointManager", "PAYLOAD_FORMAT", "read_payload"]
+__all__ = ["DistributedCheckpointManager", "PAYLOAD_FORMAT", "load_quietly", "read_payload"]
 
 #: The ``format`` of the JSON tree a distributed checkpoint's manifest holds.
 PAYLOAD_FORMAT = "ckptsdk.distributed/1"
@@ -243,7 +243,7 @@ class DistributedCheckpointManager:
         try:
             dcp.save(state, storage_writer=writer, planner=JsonSavePlanner(), process_group=self.group)
         except CheckpointException as exc:
-            failure = writer.commit_error or exc
+            failure = writer.commit_error or unwrap(exc)
         outcome = {"ok": True, "key": folder} if failure is None else _describe(failure)
         self._agree(outcome, failure if self.rank == 0 else None)
         return folder
@@ -316,11 +316,7 @@ class DistributedCheckpointManager:
     def _load(self, state: dict[str, Any], payload: dict[str, Any], source: str) -> None:
         md = metadata_from_json(payload["dcp"], where=f"{self.url}/{source}")
         reader = CkptStorageReader(self.backend, source, metadata=md, files=payload["files"])
-        with warnings.catch_warnings():
-            # Each rank plans its own reads (no collective, so nothing is pickled between ranks);
-            # DCP warns that it "assumes a single process" when asked to.
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(state, storage_reader=reader, planner=JsonLoadPlanner(), no_dist=True)
+        load_quietly(state, reader)
         if payload["world_size"] != self.world_size:
             logger.warning("%s/%s was written by %d ranks, this job has %d: RNG states and local extras "
                            "are not restored (the run continues, but not bit-for-bit)", self.url, source,
@@ -366,6 +362,25 @@ class DistributedCheckpointManager:
 
 
 # Errors travel between ranks as (type name, message): a rank rebuilds the same ckptsdk error.
+def load_quietly(state: dict[str, Any], reader: CkptStorageReader, *, flatten: bool = True) -> None:
+    """``dcp.load`` on this rank alone, re-raising the error a read hit (not DCP's wrapper).
+
+    Each rank plans its own reads: no collective, so nothing is pickled between ranks either.
+    """
+    with warnings.catch_warnings():
+        # DCP warns that no_dist "assumes a single process"; here it is the intent.
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        try:
+            dcp.load(state, storage_reader=reader, planner=JsonLoadPlanner(flatten_state_dict=flatten),
+                     no_dist=True)
+        except CheckpointException as exc:
+            cause = unwrap(exc)
+            if isinstance(cause, CkptError):
+                raise cause from None
+            raise CorruptCheckpointError(f"{reader.backend.url}/{reader.folder}: reading failed: "
+                                         f"{cause!r}", url=reader.backend.url, key=reader.folder) from None
+
+
 def _describe(exc: BaseException) -> dict[str, Any]:
     return {"ok": False, "type": type(exc).__name__, "message": str(exc)}
 

@@ -39,13 +39,13 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from .. import codec
 from ..backends.base import Backend
-from ..errors import CorruptCheckpointError, UnsupportedStateError
+from ..errors import CkptError, CorruptCheckpointError, UnsupportedStateError
 from ..tensorfile import DIGEST_ALGORITHM, read_tensorfile, write_tensorfile
 from .metadata import metadata_to_json
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CkptStorageWriter", "CkptStorageReader", "JsonSavePlanner", "JsonLoadPlanner", "rank_file"]
+__all__ = ["CkptStorageWriter", "CkptStorageReader", "JsonSavePlanner", "JsonLoadPlanner", "rank_file", "unwrap"]
 
 # Non-tensor entries are stored as this prefix + the codec's JSON skeleton, in a uint8 tensor.
 # The prefix lets the writer refuse bytes that another planner pickled.
@@ -53,6 +53,15 @@ _JSON_MAGIC = b"ckptsdk-json/1\n"
 
 #: ``commit(metadata_json, files)``: called on the coordinator once every rank's files exist.
 Commit = Callable[[dict[str, Any], dict[str, dict[str, Any]]], None]
+
+
+def unwrap(exc: BaseException) -> BaseException:
+    """The error a rank raised inside DCP, out of DCP's ``CheckpointException`` (a ckptsdk one first)."""
+    failures = getattr(exc, "failures", None)
+    if not failures:
+        return exc
+    found = [pair[0] for _rank, pair in sorted(failures.items())]
+    return next((e for e in found if isinstance(e, CkptError)), found[0])
 
 
 def rank_file(rank: int) -> str:
