@@ -92,7 +92,8 @@ def ddp(cfg: dict[str, Any]) -> None:
     backend: Any = open_backend(cfg["url"], **cfg.get("options", {}))
     if cfg.get("kill_rank") == rank:
         backend = _StallingBackend(backend, f"step-{cfg['kill_step']:010d}", os.path.join(cfg["out"], "stalled"))
-    dm = DistributedCheckpointManager(backend, save_every=cfg["save_every"], lease_ttl=cfg.get("ttl", 30.0))
+    dm = DistributedCheckpointManager(backend, save_every=cfg["save_every"], lease_ttl=cfg.get("ttl", 30.0),
+                                      async_save=bool(cfg.get("async")))
     torch.manual_seed(100 + rank)  # per-rank data stream; a restore brings back each rank's own
     unpickler = _no_pickle() if cfg.get("no_pickle") else None
     pos = dm.restore(state)

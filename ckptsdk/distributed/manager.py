@@ -10,15 +10,20 @@ ranks act alike and none writes after rank 0 was fenced. Sharded and replicated 
 
 from __future__ import annotations
 
+import copy
 import logging
 import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 import warnings
 from collections.abc import Mapping
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.stateful import Stateful
 
 from .. import codec, errors
 from .. import catalog as _catalog
@@ -90,6 +95,17 @@ class _Capture:
                 core.backend.write(f"{own}/{name}", core.backend.read(f"{source.key}/{name}"))
 
 
+def _snapshot(obj: Any) -> Any:
+    """A copy of a state tree whose tensors (DTensors too) no longer change with training."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, dict):
+        return {k: _snapshot(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_snapshot(v) for v in obj)
+    return copy.deepcopy(obj)
+
+
 def _maybe_payload(tree: Any) -> Any:
     try:
         return codec.decode(tree, {})
@@ -122,7 +138,7 @@ class DistributedCheckpointManager:
         self, url: str | Backend, *, group: Any = None, keep_last: int = 3, keep_every: int | None = None,
         save_every: int | None = None, lease_ttl: float | None = None, lease_wait: float | None = None,
         force: bool = False, storage_options: Mapping[str, Any] | None = None, run_id: str | None = None,
-        heartbeat: bool = True,
+        heartbeat: bool = True, async_save: bool = False,
     ) -> None:
         if not dist.is_initialized():
             raise ConfigError("DistributedCheckpointManager needs torch.distributed initialised "
@@ -138,6 +154,15 @@ class DistributedCheckpointManager:
         self.local: dict[str, Any] | None = None
         self._core: CheckpointManager | None = None
         self._closed = False
+        self.async_save = async_save
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckptsdk-dist-save") if async_save else None
+        self._pending: Future[str] | None = None
+        # Background saves talk over a group of their own (gloo: CPU, any thread), so their
+        # collectives never interleave with the training loop's on the main group.
+        self._bg_group: Any = None
+        if async_save:
+            ranks = None if group is None else dist.get_process_group_ranks(group)
+            self._bg_group = dist.new_group(ranks=ranks, backend="gloo")
         outcome: dict[str, Any] = {"ok": True}
         error: CkptError | None = None
         if self.rank == 0:
@@ -152,12 +177,12 @@ class DistributedCheckpointManager:
 
     # ------------------------------------------------------------------ helpers
 
-    def _bcast(self, obj: Any) -> Any:
-        return broadcast_json(obj, src=self._src, group=self.group)
+    def _bcast(self, obj: Any, group: Any = None) -> Any:
+        return broadcast_json(obj, src=self._src, group=group or self.group)
 
-    def _agree(self, outcome: dict[str, Any], error: BaseException | None) -> dict[str, Any]:
+    def _agree(self, outcome: dict[str, Any], error: BaseException | None, group: Any = None) -> dict[str, Any]:
         """Broadcast rank 0's outcome; every rank raises the same error type when it failed."""
-        outcome = self._bcast(outcome)
+        outcome = self._bcast(outcome, group)
         if error is not None:  # rank 0 raises its own exception, with its fields and cause
             raise error if isinstance(error, Exception) else _rebuild(outcome)
         if not outcome.get("ok"):
@@ -182,6 +207,7 @@ class DistributedCheckpointManager:
         self, state: dict[str, Any], *, step: int, epoch: int | None = None, batch_idx: int | None = None,
         metrics: Mapping[str, Any] | None = None, extra: Mapping[str, Any] | None = None,
         tags: Mapping[str, str] | None = None, local: Mapping[str, Any] | None = None,
+        blocking: bool | None = None,
     ) -> str:
         """Save ``state`` (a DCP state dict; Stateful values allowed) at ``step`` on every rank.
 
@@ -194,9 +220,14 @@ class DistributedCheckpointManager:
             step, epoch, batch_idx, metrics, extra, tags: as for ``CheckpointManager.save``.
             local: this rank's own JSON/tensor extras (its sampler position), restored to the
                 same rank.
+            blocking: False snapshots the state in memory (a copy of every tensor on its device)
+                and writes it from a background thread over a process group of its own; the
+                save's failure, on every rank, surfaces at the next ``save``/``wait``/``close``.
+                None: the manager's ``async_save``.
 
         Returns:
-            The committed folder (the same on every rank).
+            The checkpoint folder (the same on every rank); committed once the save returns
+            (blocking) or once ``wait()`` returns (not blocking).
 
         Raises:
             LeaseLostError: on every rank, when rank 0 lost the lease; nothing was written.
@@ -204,7 +235,39 @@ class DistributedCheckpointManager:
         """
         if self._closed:
             raise ConfigError(f"save() after close() on {self.url}")
+        self.wait()  # one save in flight; its failure surfaces here, on every rank
         rng = capture_rng()  # first: nothing below may draw before the state is captured
+        blocking = (not self.async_save) if blocking is None else blocking
+        if blocking:
+            return self._save(state, rng, step, epoch, batch_idx, metrics, extra, tags, local, self.group)
+        if self._bg_group is None:
+            raise ConfigError("save(blocking=False) needs DistributedCheckpointManager(async_save=True), "
+                              "which sets up the process group background saves talk over")
+        snapshot = _snapshot({k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state.items()})
+        args = (snapshot, rng, step, epoch, batch_idx, _snapshot(dict(metrics or {})), dict(extra or {}),
+                dict(tags or {}), _snapshot(dict(local or {})), self._bg_group)
+        assert self._pool is not None
+        self._pending = self._pool.submit(self._save, *args)
+        # Every rank's folder is rank 0's decision, made in the background: name what it will be.
+        return f"step-{step:010d} (saving)"
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait for a background save; re-raise its failure (every rank gets it). False: still running."""
+        pending = self._pending
+        if pending is None:
+            return True
+        done, _ = futures_wait([pending], timeout)
+        if not done:
+            return False
+        self._pending = None
+        pending.result()  # re-raises the background failure here
+        return True
+
+    def _save(
+        self, state: dict[str, Any], rng: Any, step: int, epoch: int | None, batch_idx: int | None,
+        metrics: Mapping[str, Any] | None, extra: Mapping[str, Any] | None, tags: Mapping[str, str] | None,
+        local: Mapping[str, Any] | None, group: Any,
+    ) -> str:
         decision: dict[str, Any] = {"ok": True}
         error: BaseException | None = None
         if self.rank == 0:
@@ -212,7 +275,7 @@ class DistributedCheckpointManager:
                 decision = self._preflight(step)
             except CkptError as exc:
                 decision, error = _describe(exc), exc
-        decision = self._agree(decision, error)
+        decision = self._agree(decision, error, group)
         folder = decision["folder"]
         if decision.get("existing"):
             return folder
@@ -220,8 +283,7 @@ class DistributedCheckpointManager:
         size, digest = write_tensorfile(self.backend, f"{folder}/{local_file(self.rank)}", tensors)
         mine = {"file": local_file(self.rank), "size": size, "digest": digest,
                 "algorithm": DIGEST_ALGORITHM, "tree": skeleton}
-        locals_ = gather_json(mine, group=self.group)
-        committed: dict[str, Any] = {}
+        locals_ = gather_json(mine, group=group)
 
         def commit(md: dict[str, Any], files: dict[str, dict[str, Any]]) -> None:
             core = self._core
@@ -236,16 +298,15 @@ class DistributedCheckpointManager:
                 raise CorruptCheckpointError(
                     f"{self.url}: the manifest went to {info.key} but the ranks wrote {folder}; this is "
                     "a ckptsdk bug (folder naming drifted), report it", url=self.url, key=info.key)
-            committed["key"] = info.key
 
         writer = CkptStorageWriter(self.backend, folder, commit=commit)
         failure: BaseException | None = None
         try:
-            dcp.save(state, storage_writer=writer, planner=JsonSavePlanner(), process_group=self.group)
+            dcp.save(state, storage_writer=writer, planner=JsonSavePlanner(), process_group=group)
         except CheckpointException as exc:
             failure = writer.commit_error or unwrap(exc)
         outcome = {"ok": True, "key": folder} if failure is None else _describe(failure)
-        self._agree(outcome, failure if self.rank == 0 else None)
+        self._agree(outcome, failure if self.rank == 0 else None, group)
         return folder
 
     def _preflight(self, step: int) -> dict[str, Any]:
@@ -351,8 +412,13 @@ class DistributedCheckpointManager:
         if self._closed:
             return
         self._closed = True
-        if self._core is not None:
-            self._core.close()
+        try:
+            self.wait()
+        finally:
+            if self._pool is not None:
+                self._pool.shutdown()
+            if self._core is not None:
+                self._core.close()
 
     def __enter__(self) -> DistributedCheckpointManager:
         return self
