@@ -30,7 +30,7 @@ from .. import catalog as _catalog
 from ..backends import open_backend
 from ..backends.base import Backend
 from ..catalog import checkpoint_dir
-from ..errors import CkptError, ConfigError, CorruptCheckpointError, LeaseLostError
+from ..errors import CkptError, ConfigError, CorruptCheckpointError
 from ..manager import CheckpointManager, ResumePoint
 from ..state import capture_rng, restore_rng
 from ..tensorfile import DIGEST_ALGORITHM, read_tensorfile, write_tensorfile
@@ -125,6 +125,12 @@ class DistributedCheckpointManager:
         keep_last, keep_every, save_every, lease_ttl, lease_wait, force, run_id, heartbeat:
             as for :class:`ckptsdk.CheckpointManager` (used on rank 0).
         storage_options: fsspec options for ``gs://``.
+        async_save: make ``save`` non-blocking by default; sets up (collectively, on every
+            rank) the gloo process group background saves use.
+
+    Raises:
+        ConfigError: torch.distributed is not initialised.
+        LeaseHeldError: on every rank, when rank 0 could not get the lease.
 
     Example:
         >>> # dm = DistributedCheckpointManager("gs://bucket/run", save_every=100)
