@@ -29,7 +29,7 @@ from .. import codec, errors
 from .. import catalog as _catalog
 from ..backends import open_backend
 from ..backends.base import Backend
-from ..catalog import checkpoint_dir
+from ..catalog import checkpoint_dir, writer_tag
 from ..errors import CkptError, ConfigError, CorruptCheckpointError
 from ..manager import CheckpointManager, ResumePoint
 from ..state import capture_rng, restore_rng
@@ -195,13 +195,16 @@ class DistributedCheckpointManager:
             raise _rebuild(outcome)
         return outcome
 
-    def _folder(self, step: int) -> str:
-        """This writer's folder for ``step``: the core manager names it the same way."""
+    def _writer(self) -> tuple[int, str]:
+        """Rank 0's writer rank (lease epoch, tag), as the core manager names its folders."""
         core = self._core
-        assert core is not None and core.lease is not None
-        # The tag is empty where compare-and-swap makes epochs exclusive (catalog's rule; the core
-        # manager keeps it as ``_tag``); ``save`` checks the committed key equals this one.
-        return checkpoint_dir(step, core.lease.epoch, getattr(core, "_tag", ""))
+        assert core is not None and core.lease is not None and core.lease.record is not None
+        tag = writer_tag(core.lease.record.holder.nonce, compare_and_swap=self.backend.capabilities.compare_and_swap)
+        return core.lease.epoch, tag
+
+    def _folder(self, step: int) -> str:
+        """This writer's folder for ``step`` (``save`` checks the core manager committed that one)."""
+        return checkpoint_dir(step, *self._writer())
 
     def should_save(self, step: int) -> bool:
         """True every ``save_every`` steps (the core manager's rule, on every rank)."""
@@ -324,7 +327,7 @@ class DistributedCheckpointManager:
         if core.runlog is not None:
             core.runlog.flush()  # the steps before a save are on storage even if a rank dies in it
         cat = _catalog.scan(self.backend)
-        own = (core.lease.epoch, getattr(core, "_tag", ""))
+        own = self._writer()
         if cat.max_rank > own:  # the core manager's fencing rule: any newer writer fences this one
             core.lease.fence(f"saw a newer writer (epoch {cat.max_rank[0]}) under {self.url}", cat.max_rank[0])
             core.lease.check()  # raises LeaseLostError
