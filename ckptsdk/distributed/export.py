@@ -20,7 +20,7 @@ from ..backends import open_backend
 from ..errors import NoValidCheckpointError
 from ..manager import CheckpointManager
 from ..tensorfile import write_tensorfile
-from .manager import load_quietly, read_payload
+from .manager import file_table, load_quietly, read_payload
 from .metadata import metadata_from_json
 from .storage import CkptStorageReader
 
@@ -61,7 +61,7 @@ def load_consolidated(
             state[fqn] = torch.empty(entry.size, dtype=entry.properties.dtype)
         else:
             state[fqn] = None  # filled by the planner from JSON
-    reader = CkptStorageReader(mgr.backend, info.key, metadata=md, files=payload["files"])
+    reader = CkptStorageReader(mgr.backend, info.key, metadata=md, files=file_table(info.manifest))
     load_quietly(state, reader, flatten=False)  # flat names already: keys stay DCP's names
     tensors = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
     others = {k: v for k, v in state.items() if not isinstance(v, torch.Tensor)}

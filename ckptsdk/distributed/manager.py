@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 import warnings
@@ -32,6 +31,7 @@ from ..backends.base import Backend
 from ..catalog import checkpoint_dir, writer_tag
 from ..errors import CkptError, ConfigError, CorruptCheckpointError
 from ..manager import CheckpointManager, ResumePoint
+from ..manifest import FileEntry, Manifest
 from ..state import capture_rng, restore_rng
 from ..tensorfile import DIGEST_ALGORITHM, read_tensorfile, write_tensorfile
 from .collective import all_min, broadcast_json, gather_json
@@ -40,7 +40,7 @@ from .storage import CkptStorageReader, CkptStorageWriter, JsonLoadPlanner, Json
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DistributedCheckpointManager", "PAYLOAD_FORMAT", "load_quietly", "read_payload"]
+__all__ = ["DistributedCheckpointManager", "PAYLOAD_FORMAT", "file_table", "load_quietly", "read_payload"]
 
 #: The ``format`` of the JSON tree a distributed checkpoint's manifest holds.
 PAYLOAD_FORMAT = "ckptsdk.distributed/1"
@@ -65,34 +65,24 @@ def _is_payload(tree: Any) -> bool:
     return isinstance(tree, dict) and tree.get("format") == PAYLOAD_FORMAT
 
 
+def file_table(manifest: Manifest) -> dict[str, dict[str, Any]]:
+    """``{name: {"size", "digest", "algorithm"}}`` of a manifest's files (what the reader checks)."""
+    return {f.name: {"size": f.size, "digest": f.digest, "algorithm": f.algorithm} for f in manifest.files}
+
+
 class _Capture:
     """What the core manager's ``restore`` loads into on rank 0: the payload, nothing else.
 
-    Before the core manager re-commits the restored checkpoint under the new lease epoch (its
-    "anchor", which keeps a zombie from rotating the resume point away), the rank files are
-    copied into the new folder, so the anchored manifest commits a complete checkpoint.
+    The core manager picks the checkpoint (skipping torn, corrupt and orphaned ones: the rank
+    files are in its manifest), records the lineage, and re-commits it under the new lease epoch
+    (its "anchor", copying the rank files) so a zombie cannot rotate the resume point away.
     """
 
-    def __init__(self, dm: DistributedCheckpointManager) -> None:
-        self.dm = dm
+    def __init__(self) -> None:
         self.payload: dict[str, Any] | None = None
-        self.source: str | None = None
 
     def load_state_dict(self, tree: Any) -> None:
-        payload = read_payload(tree)
-        core = self.dm._core
-        assert core is not None
-        source = next(
-            (c for c in core.list() if c.manifest is not None and _is_payload(_maybe_payload(c.manifest.tree))
-             and _maybe_payload(c.manifest.tree).get("save_id") == payload["save_id"]), None)
-        if source is None:
-            raise CorruptCheckpointError(f"{core.url}: the restored checkpoint's folder vanished while "
-                                         "restoring; retry", url=core.url)
-        self.payload, self.source = payload, source.key
-        own = self.dm._folder(source.step)
-        if source.key != own and not any(c.key == own and c.committed for c in core.list()):
-            for name in sorted(payload["files"]):
-                core.backend.write(f"{own}/{name}", core.backend.read(f"{source.key}/{name}"))
+        self.payload = read_payload(tree)
 
 
 def _snapshot(obj: Any) -> Any:
@@ -104,13 +94,6 @@ def _snapshot(obj: Any) -> Any:
     if isinstance(obj, (list, tuple)):
         return type(obj)(_snapshot(v) for v in obj)
     return copy.deepcopy(obj)
-
-
-def _maybe_payload(tree: Any) -> Any:
-    try:
-        return codec.decode(tree, {})
-    except CkptError:
-        return None
 
 
 class DistributedCheckpointManager:
@@ -288,21 +271,33 @@ class DistributedCheckpointManager:
         folder = decision["folder"]
         if decision.get("existing"):
             return folder
-        tensors, skeleton = codec.encode({"rng": rng, "local": dict(local or {})})
-        size, digest = write_tensorfile(self.backend, f"{folder}/{local_file(self.rank)}", tensors)
-        mine = {"file": local_file(self.rank), "size": size, "digest": digest,
-                "algorithm": DIGEST_ALGORITHM, "tree": skeleton}
+        mine: dict[str, Any]
+        failed: Exception | None = None
+        try:
+            tensors, skeleton = codec.encode({"rng": rng, "local": dict(local or {})})
+            size, digest = write_tensorfile(self.backend, f"{folder}/{local_file(self.rank)}", tensors)
+            mine = {"file": local_file(self.rank), "size": size, "digest": digest,
+                    "algorithm": DIGEST_ALGORITHM, "tree": skeleton}
+        except CkptError as exc:  # reported to every rank below, so that none waits for this one
+            mine, failed = {"error": _describe(exc)}, exc
         locals_ = gather_json(mine, group=group)
+        if failed is not None:
+            raise failed
+        bad = next((rec["error"] for rec in locals_ if "error" in rec), None)
+        if bad is not None:
+            raise _rebuild(bad)
 
         def commit(md: dict[str, Any], files: dict[str, dict[str, Any]]) -> None:
             core = self._core
             assert core is not None
             for rec in locals_:
                 files[rec["file"]] = {k: rec[k] for k in ("size", "digest", "algorithm")}
-            payload = {"format": PAYLOAD_FORMAT, "save_id": uuid.uuid4().hex, "world_size": self.world_size,
-                       "dcp": md, "files": files, "local": [rec["tree"] for rec in locals_]}
+            payload = {"format": PAYLOAD_FORMAT, "world_size": self.world_size, "dcp": md,
+                       "local": [rec["tree"] for rec in locals_]}
+            # The rank files go into the manifest's file list: listing, verify and restore check them.
             info = core.save(payload, step=step, epoch=epoch, batch_idx=batch_idx, metrics=metrics,
-                             extra=extra, tags=tags, blocking=True)
+                             extra=extra, tags=tags, blocking=True,
+                             extra_files=[FileEntry(name=name, **entry) for name, entry in sorted(files.items())])
             if info.key != folder:  # the core manager named the folder differently: never commit that
                 raise CorruptCheckpointError(
                     f"{self.url}: the manifest went to {info.key} but the ranks wrote {folder}; this is "
@@ -357,35 +352,40 @@ class DistributedCheckpointManager:
         if self.rank == 0:
             core = self._core
             assert core is not None
-            capture = _Capture(self)
+            capture = _Capture()
             try:
                 pos = core.restore(capture)
                 if pos is not None:
+                    assert core.resumed_from is not None and core.resumed_from.manifest is not None
                     _t, point = codec.encode({k: getattr(pos, k) for k in ResumePoint.__dataclass_fields__})
-                    decision = {"ok": True, "found": True, "source": capture.source, "payload": capture.payload,
-                                "point": point}
+                    decision = {"ok": True, "found": True, "source": core.resumed_from.key,
+                                "payload": capture.payload, "point": point,
+                                "files": file_table(core.resumed_from.manifest)}
             except CkptError as exc:
                 decision, error = _describe(exc), exc
         decision = self._agree(decision, error)
         if not decision["found"]:
             return None
         payload, source = decision["payload"], decision["source"]
-        error = ""
+        error, original = "", None
         try:
-            self._load(state, payload, source)
-        except CkptError as exc:
-            error = f"rank {self.rank}: {exc}"
+            self._load(state, payload, source, decision["files"])
+        except Exception as exc:  # any failure, on any rank, must reach every rank (none may hang)
+            error, original = f"rank {self.rank}: {type(exc).__name__}: {exc}", exc
         if not all_min(0 if error else 1, group=self.group):
             problems = [e for e in gather_json(error, group=self.group) if e]
+            if original is not None:
+                raise original
             raise CorruptCheckpointError(
                 f"{self.url}/{source} could not be restored on every rank: " + "; ".join(problems),
                 url=self.url, key=source)
         point = codec.decode(decision["point"], {})
         return ResumePoint(**point)
 
-    def _load(self, state: dict[str, Any], payload: dict[str, Any], source: str) -> None:
+    def _load(self, state: dict[str, Any], payload: dict[str, Any], source: str,
+              files: dict[str, dict[str, Any]]) -> None:
         md = metadata_from_json(payload["dcp"], where=f"{self.url}/{source}")
-        reader = CkptStorageReader(self.backend, source, metadata=md, files=payload["files"])
+        reader = CkptStorageReader(self.backend, source, metadata=md, files=files)
         load_quietly(state, reader)
         if payload["world_size"] != self.world_size:
             logger.warning("%s/%s was written by %d ranks, this job has %d: RNG states and local extras "
@@ -394,7 +394,7 @@ class DistributedCheckpointManager:
             self.local = None
             return
         name = local_file(self.rank)
-        entry = payload["files"][name]
+        entry = files[name]
         tensors = read_tensorfile(self.backend, f"{source}/{name}", size=entry["size"],
                                   digest=entry["digest"], algorithm=entry["algorithm"])
         mine = codec.decode(payload["local"][self.rank], tensors)
@@ -457,12 +457,12 @@ def load_quietly(state: dict[str, Any], reader: CkptStorageReader, *, flatten: b
 
 
 def _describe(exc: BaseException) -> dict[str, Any]:
-    return {"ok": False, "type": type(exc).__name__, "message": str(exc)}
+    return {"ok": False, "type": type(exc).__name__, "message": str(exc), "rank": dist.get_rank()}
 
 
 def _rebuild(outcome: Mapping[str, Any]) -> CkptError:
     cls = getattr(errors, str(outcome.get("type")), None)
-    message = f"(from rank 0) {outcome.get('message')}"
+    message = f"(from rank {outcome.get('rank')}) {outcome.get('message')}"
     if isinstance(cls, type) and issubclass(cls, CkptError):
         try:
             return cls(message)
