@@ -9,6 +9,7 @@ lands on disk per checkpoint, and per rank file. Writes go to ``--dir`` (a real 
 
     python -m benchmarks.bench_distributed                       # 64 MiB, ranks 1 2 4, 3 reps, 2 runs
     python -m benchmarks.bench_distributed --mb 128 --kind sharded --json-out dist.json
+    python -m benchmarks.bench_distributed --rank0-row           # + DCP with rank 0 writing all replicated state
 """
 
 from __future__ import annotations
@@ -74,6 +75,8 @@ def worker(cfg: dict[str, Any]) -> None:
         warnings.simplefilter("ignore")
         for rep in range(-1, cfg["reps"]):  # rep -1: warm-up, not recorded
             order = ["ckptsdk", "dcp"] if rep % 2 == 0 else ["dcp", "ckptsdk"]
+            if cfg["rank0_row"]:
+                order.append("dcp-rank0")
             for method in order:
                 step = rep + 2
                 if method == "ckptsdk":
@@ -81,8 +84,11 @@ def worker(cfg: dict[str, Any]) -> None:
                     load = timed(lambda: dm.restore(state))
                     folder = next((base / "ckptsdk").glob(f"step-{step:010d}.*"))
                 else:
-                    folder = base / f"dcp-{step}"
-                    save = timed(lambda: dcp.save(state, storage_writer=dcp.FileSystemWriter(str(folder))))
+                    folder = base / f"{method}-{step}"
+                    # dcp-rank0: the same, but every replicated tensor written by rank 0 alone.
+                    planner = dcp.DefaultSavePlanner(dedup_save_to_lowest_rank=method == "dcp-rank0")
+                    save = timed(lambda: dcp.save(state, storage_writer=dcp.FileSystemWriter(str(folder)),
+                                                  planner=planner))
                     load = timed(lambda: dcp.load(state, storage_reader=dcp.FileSystemReader(str(folder))))
                 dist.barrier()
                 if rank == 0 and rep >= 0:
@@ -90,7 +96,7 @@ def worker(cfg: dict[str, Any]) -> None:
                     rows.append({"world": world, "method": method, "rep": rep, "save_s": save,
                                  "restore_s": load, "bytes": _size(folder), "files": per_file})
                 dist.barrier()
-                if rank == 0 and method == "dcp":
+                if rank == 0 and method != "ckptsdk":
                     shutil.rmtree(folder)
     dm.close()
     dist.destroy_process_group()
@@ -103,6 +109,7 @@ def run_world(world: int, args: argparse.Namespace, run: int) -> list[dict[str, 
     try:
         out = work / "rows.json"
         cfg = {"world": world, "mb": args.mb, "kind": args.kind, "reps": args.reps, "dir": str(work),
+               "rank0_row": args.rank0_row,
                "init": str(work / "store"), "out": str(out)}
         procs = [subprocess.Popen([sys.executable, "-m", "benchmarks.bench_distributed", "--worker",
                                    json.dumps({**cfg, "rank": r})]) for r in range(world)]
@@ -130,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=3, help="measured repetitions per run")
     parser.add_argument("--runs", type=int, default=2, help="fresh sets of processes per world size")
     parser.add_argument("--dir", default=None, help="where to write (a real disk; default: the temp dir)")
+    parser.add_argument("--rank0-row", action="store_true",
+                        help="add plain DCP with replicated tensors all written by rank 0 (dedup_save_to_lowest_rank)")
     parser.add_argument("--json-out", default=None)
     args = parser.parse_args(argv)
     if args.worker:
@@ -145,8 +154,10 @@ def main(argv: list[str] | None = None) -> int:
           f"load average before {load_before[0]:.2f} after {load_after[0]:.2f}")
     print("world  method    save s: median (min-max)   restore s: median (min-max)   bytes/checkpoint   per-rank data files")
     for world in args.worlds:
-        for method in ("ckptsdk", "dcp"):
+        for method in ("ckptsdk", "dcp", "dcp-rank0"):
             sel = [r for r in rows if r["world"] == world and r["method"] == method]
+            if not sel:
+                continue
             files = sel[-1]["files"]
             data = {k: v for k, v in files.items() if k.startswith(("rank-", "__"))}
             print(f"{world:5d}  {method:8s}  {_stat([r['save_s'] for r in sel])}       "
