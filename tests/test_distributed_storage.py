@@ -21,7 +21,7 @@ from ckptsdk.distributed import CkptStorageReader, CkptStorageWriter, JsonLoadPl
 from ckptsdk.distributed.manager import load_quietly
 from ckptsdk.distributed.metadata import metadata_from_json
 from ckptsdk.distributed.storage import unwrap
-from ckptsdk.errors import CorruptCheckpointError, ManifestError, UnsupportedStateError
+from ckptsdk.errors import CorruptCheckpointError, ManifestError, StateMismatchError, UnsupportedStateError
 
 
 def _refuse(*_a: Any, **_k: Any) -> Any:
@@ -100,6 +100,18 @@ def test_a_corrupt_rank_file_is_refused_before_any_tensor_is_used() -> None:
         load_quietly(target, reader)
     assert info.value.key == "ck/rank-00000.safetensors"
     assert torch.equal(target["model"]["w"], before)
+
+
+@pytest.mark.parametrize("other", [{"extra": torch.zeros(2)}, {"model": {"w": torch.zeros(6, 3)}}],
+                         ids=["missing-key", "other-shape"])
+def test_a_state_that_does_not_fit_is_a_state_mismatch(other: dict[str, Any]) -> None:
+    backend = open_backend(f"memory://dist-mismatch-{len(other)}-{list(other)[0]}")
+    md, files = _save(backend, _state(1))
+    target = {**_state(2), **other}
+    reader = CkptStorageReader(backend, "ck", metadata=metadata_from_json(md, where="ck"), files=files)
+    with pytest.raises(StateMismatchError, match="does not fit the state") as info:
+        load_quietly(target, reader)
+    assert info.value.mismatches
 
 
 def test_metadata_of_another_format_is_a_manifest_error() -> None:

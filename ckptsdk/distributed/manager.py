@@ -29,7 +29,7 @@ from .. import catalog as _catalog
 from ..backends import open_backend
 from ..backends.base import Backend
 from ..catalog import checkpoint_dir, writer_tag
-from ..errors import CkptError, ConfigError, CorruptCheckpointError
+from ..errors import CkptError, ConfigError, CorruptCheckpointError, StateMismatchError
 from ..manager import CheckpointManager, ResumePoint
 from ..manifest import FileEntry, Manifest
 from ..state import capture_rng, restore_rng
@@ -367,18 +367,16 @@ class DistributedCheckpointManager:
         if not decision["found"]:
             return None
         payload, source = decision["payload"], decision["source"]
-        error, original = "", None
+        original: Exception | None = None
         try:
             self._load(state, payload, source, decision["files"])
         except Exception as exc:  # any failure, on any rank, must reach every rank (none may hang)
-            error, original = f"rank {self.rank}: {type(exc).__name__}: {exc}", exc
-        if not all_min(0 if error else 1, group=self.group):
-            problems = [e for e in gather_json(error, group=self.group) if e]
+            original = exc
+        if not all_min(0 if original is not None else 1, group=self.group):
+            described = gather_json(None if original is None else _describe(original), group=self.group)
             if original is not None:
                 raise original
-            raise CorruptCheckpointError(
-                f"{self.url}/{source} could not be restored on every rank: " + "; ".join(problems),
-                url=self.url, key=source)
+            raise _rebuild(next(d for d in described if d))
         point = codec.decode(decision["point"], {})
         return ResumePoint(**point)
 
@@ -449,11 +447,21 @@ def load_quietly(state: dict[str, Any], reader: CkptStorageReader, *, flatten: b
             dcp.load(state, storage_reader=reader, planner=JsonLoadPlanner(flatten_state_dict=flatten),
                      no_dist=True)
         except CheckpointException as exc:
-            cause = unwrap(exc)
+            cause: BaseException = unwrap(exc)
             if isinstance(cause, CkptError):
                 raise cause from None
-            raise CorruptCheckpointError(f"{reader.backend.url}/{reader.folder}: reading failed: "
-                                         f"{cause!r}", url=reader.backend.url, key=reader.folder) from None
+        except (RuntimeError, ValueError) as exc:  # DCP's planning: missing keys, other shapes
+            if isinstance(exc, CkptError):
+                raise
+            cause = exc
+        else:
+            return
+    # Corrupt data is a ckptsdk error from the verified read; anything else is a state that
+    # does not fit the checkpoint (DCP names the key).
+    raise StateMismatchError(
+        f"{reader.backend.url}/{reader.folder} does not fit the state given to restore: {cause}. "
+        "Build the same model/optimizer (any parallelism) as the job that saved it",
+        url=reader.backend.url, mismatches=[str(cause)]) from cause
 
 
 def _describe(exc: BaseException) -> dict[str, Any]:
