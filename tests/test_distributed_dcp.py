@@ -140,7 +140,7 @@ class Job:
 
 @pytest.mark.timeout(240)
 def test_ddp_rank_killed_mid_save_commits_nothing_and_the_resume_is_bit_identical(tmp_path: Path, jobs: Any) -> None:
-    base = {"mode": "ddp", "steps": 8, "save_every": 2}
+    base = {"mode": "ddp", "steps": 8, "save_every": 2, "ttl": 2.0}  # the resume waits one ttl for the dead lease
     root = str(tmp_path / "root")
     ref = jobs(tmp_path / "ref", {**base, "url": str(tmp_path / "ref-root")}, 2)
     job = jobs(tmp_path / "job", {**base, "url": root, "kill_rank": 1, "kill_step": 6}, 2)
