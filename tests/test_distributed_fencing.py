@@ -1,6 +1,9 @@
-"""Fencing of a distributed save, in one process (a world of 1 on gloo): a takeover seen before
-the save writes nothing; one that happens while the ranks write leaves nothing committed.
-The multi-process zombie (SIGSTOP) is in test_distributed_dcp.py."""
+"""Fencing and damaged files of distributed checkpoints, in one process (a world of 1 on gloo).
+
+A takeover while the ranks write leaves nothing committed and the next save writes nothing; a
+torn rank file makes restore fall back, a corrupt one is refused. The multi-process zombie
+(SIGSTOP) and the SIGKILLed rank are in test_distributed_dcp.py.
+"""
 
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ import torch.distributed as dist
 from ckptsdk import CheckpointManager
 from ckptsdk.backends import open_backend
 from ckptsdk.distributed import DistributedCheckpointManager
-from ckptsdk.errors import LeaseLostError
+from ckptsdk.errors import CorruptCheckpointError, LeaseLostError
 
 
 @pytest.fixture
@@ -61,3 +64,29 @@ def test_a_takeover_during_the_write_commits_nothing(tmp_path: Path, world_of_on
     assert [c.step for c in CheckpointManager(url, read_only=True).list() if c.valid] == [1]
     backend.newcomer.close()
     dm.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_torn_rank_file_is_skipped_and_a_corrupt_one_refused(tmp_path: Path, world_of_one: Any) -> None:
+    url = str(tmp_path / "root")
+    with DistributedCheckpointManager(url, lease_ttl=5, heartbeat=False) as dm:
+        for step in (1, 2, 3):
+            dm.save({"w": torch.full((4,), float(step))}, step=step)
+    backend = open_backend(url)
+    backend.delete("step-0000000003.e1/rank-00000.safetensors")  # torn: restore falls back to step 2
+    state = {"w": torch.zeros(4)}
+    with DistributedCheckpointManager(url, lease_ttl=5, heartbeat=False) as dm:
+        assert dm.restore(state).step == 2  # type: ignore[union-attr]
+    assert torch.equal(state["w"], torch.full((4,), 2.0))
+
+    newest = max((c for c in CheckpointManager(url, read_only=True).list() if c.valid), key=lambda c: c.rank)
+    key = f"{newest.key}/rank-00000.safetensors"
+    data = bytearray(backend.read(key))
+    data[-1] ^= 0xFF  # same size, other bytes: only the digest sees it
+    backend.write(key, bytes(data))
+    state = {"w": torch.zeros(4)}
+    with DistributedCheckpointManager(url, lease_ttl=5, heartbeat=False) as dm:
+        with pytest.raises(CorruptCheckpointError) as info:
+            dm.restore(state)
+    assert info.value.key == key and torch.equal(state["w"], torch.zeros(4))
+    assert backend.read(key) == bytes(data)  # nothing was deleted or rewritten
