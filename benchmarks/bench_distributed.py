@@ -10,6 +10,7 @@ lands on disk per checkpoint, and per rank file. Writes go to ``--dir`` (a real 
     python -m benchmarks.bench_distributed                       # 64 MiB, ranks 1 2 4, 3 reps, 2 runs
     python -m benchmarks.bench_distributed --mb 128 --kind sharded --json-out dist.json
     python -m benchmarks.bench_distributed --rank0-row           # + DCP with rank 0 writing all replicated state
+    python -m benchmarks.bench_distributed --async-row           # + save(blocking=False): stall and total
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ def worker(cfg: dict[str, Any]) -> None:
     dist.init_process_group("gloo", init_method=f"file://{cfg['init']}", rank=rank, world_size=world)
     state = _state(cfg["mb"], cfg["kind"], world)
     base = Path(cfg["dir"])
-    dm = DistributedCheckpointManager(str(base / "ckptsdk"), keep_last=1, lease_ttl=60.0)
+    dm = DistributedCheckpointManager(str(base / "ckptsdk"), keep_last=1, lease_ttl=60.0, async_save=True)
     rows: list[dict[str, Any]] = []
 
     def timed(fn: Any) -> float:
@@ -77,10 +78,18 @@ def worker(cfg: dict[str, Any]) -> None:
             order = ["ckptsdk", "dcp"] if rep % 2 == 0 else ["dcp", "ckptsdk"]
             if cfg["rank0_row"]:
                 order.append("dcp-rank0")
+            if cfg["async_row"]:
+                order.append("ckptsdk-async")
             for method in order:
                 step = rep + 2
-                if method == "ckptsdk":
-                    save = timed(lambda: dm.save(state, step=step))
+                total = None
+                if method.startswith("ckptsdk"):
+                    if method == "ckptsdk":
+                        save = timed(lambda: dm.save(state, step=step, blocking=True))
+                    else:  # the stall: what the training loop waits for; total: until committed
+                        save = timed(lambda: dm.save(state, step=step + 1000, blocking=False))
+                        total = save + timed(dm.wait)
+                        step += 1000
                     load = timed(lambda: dm.restore(state))
                     folder = next((base / "ckptsdk").glob(f"step-{step:010d}.*"))
                 else:
@@ -94,7 +103,7 @@ def worker(cfg: dict[str, Any]) -> None:
                 if rank == 0 and rep >= 0:
                     per_file = {f.name: f.stat().st_size for f in sorted(folder.iterdir())}
                     rows.append({"world": world, "method": method, "rep": rep, "save_s": save,
-                                 "restore_s": load, "bytes": _size(folder), "files": per_file})
+                                 "total_s": total, "restore_s": load, "bytes": _size(folder), "files": per_file})
                 dist.barrier()
                 if rank == 0 and method != "ckptsdk":
                     shutil.rmtree(folder)
@@ -109,7 +118,7 @@ def run_world(world: int, args: argparse.Namespace, run: int) -> list[dict[str, 
     try:
         out = work / "rows.json"
         cfg = {"world": world, "mb": args.mb, "kind": args.kind, "reps": args.reps, "dir": str(work),
-               "rank0_row": args.rank0_row,
+               "rank0_row": args.rank0_row, "async_row": args.async_row,
                "init": str(work / "store"), "out": str(out)}
         procs = [subprocess.Popen([sys.executable, "-m", "benchmarks.bench_distributed", "--worker",
                                    json.dumps({**cfg, "rank": r})]) for r in range(world)]
@@ -139,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dir", default=None, help="where to write (a real disk; default: the temp dir)")
     parser.add_argument("--rank0-row", action="store_true",
                         help="add plain DCP with replicated tensors all written by rank 0 (dedup_save_to_lowest_rank)")
+    parser.add_argument("--async-row", action="store_true",
+                        help="add ckptsdk's save(blocking=False): the stall as save, the time to commit as total")
     parser.add_argument("--json-out", default=None)
     args = parser.parse_args(argv)
     if args.worker:
@@ -154,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
           f"load average before {load_before[0]:.2f} after {load_after[0]:.2f}")
     print("world  method    save s: median (min-max)   restore s: median (min-max)   bytes/checkpoint   per-rank data files")
     for world in args.worlds:
-        for method in ("ckptsdk", "dcp", "dcp-rank0"):
+        for method in ("ckptsdk", "ckptsdk-async", "dcp", "dcp-rank0"):
             sel = [r for r in rows if r["world"] == world and r["method"] == method]
             if not sel:
                 continue
@@ -162,7 +173,8 @@ def main(argv: list[str] | None = None) -> int:
             data = {k: v for k, v in files.items() if k.startswith(("rank-", "__"))}
             print(f"{world:5d}  {method:8s}  {_stat([r['save_s'] for r in sel])}       "
                   f"{_stat([r['restore_s'] for r in sel])}        {sel[-1]['bytes']:>12,d}   "
-                  + " ".join(f"{k}={v / 2**20:.1f}M" for k, v in data.items()))
+                  + " ".join(f"{k}={v / 2**20:.1f}M" for k, v in data.items())
+                  + (f"   total (until committed) {_stat([r['total_s'] for r in sel])}" if sel[-1]["total_s"] else ""))
     if args.json_out:
         Path(args.json_out).write_text(json.dumps({"args": vars(args), "load": [load_before, load_after],
                                                    "rows": rows}, indent=1))
