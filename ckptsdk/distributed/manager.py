@@ -5,17 +5,19 @@ and commits; the other ranks never touch the lease. Every decision (fenced or no
 which checkpoint to restore, did the save commit) is made on rank 0 and broadcast as JSON, so all
 ranks act alike and none writes after rank 0 was fenced. Sharded and replicated tensors go through
 ``torch.distributed.checkpoint`` with :mod:`.storage`; each rank's RNG states and ``local`` extras
-(its sampler position) go to a small per-rank file. Storage formats live in :mod:`.storage`.
+(its sampler position) go to a small per-rank file. With ``async_save`` a save snapshots the state
+in memory and runs in a background thread over a gloo group of its own. Storage formats live in
+:mod:`.storage`.
 """
 
 from __future__ import annotations
 
 import copy
 import logging
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import wait as futures_wait
 import warnings
 from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from typing import Any
 
 import torch
@@ -335,17 +337,20 @@ class DistributedCheckpointManager:
     def restore(self, state: dict[str, Any]) -> ResumePoint | None:
         """Load the newest valid checkpoint into ``state`` on every rank (the same step on all).
 
-        Rank 0 picks it (skipping torn, corrupt and orphaned ones, like the core manager) and
-        broadcasts the choice; each rank loads what its shards need, verified, through DCP (a
-        checkpoint written by N ranks restores on M). When the world size is unchanged each rank
-        gets back its own RNG states and ``local`` extras (``self.local``); otherwise they are
-        left alone and a warning says so.
+        Rank 0 picks it through its core manager (skipping torn and orphaned ones: the rank files
+        are in the manifest) and broadcasts the choice; each rank loads what its shards need,
+        verified, through DCP (a checkpoint written by N ranks restores on M). When the world
+        size is unchanged each rank gets back its own RNG states and ``local`` extras
+        (``self.local``); otherwise they are left alone and a warning says so.
 
         Returns:
             The :class:`ckptsdk.ResumePoint` (same on every rank), or ``None`` on a fresh root.
 
         Raises:
-            NoValidCheckpointError, CorruptCheckpointError, LeaseLostError: on every rank.
+            CorruptCheckpointError: on every rank, when a rank file of the chosen checkpoint
+                fails its digest (it is not skipped: restore an older step by hand, or gc it).
+            StateMismatchError: on every rank, when ``state`` does not fit the checkpoint.
+            NoValidCheckpointError, LeaseLostError: on every rank, as rank 0 saw them.
         """
         decision: dict[str, Any] = {"ok": True, "found": False}
         error: BaseException | None = None
