@@ -348,7 +348,7 @@ class DistributedCheckpointManager:
 
         Raises:
             CorruptCheckpointError: on every rank, when a rank file of the chosen checkpoint
-                fails its digest (it is not skipped: restore an older step by hand, or gc it).
+                fails its digest (not skipped: delete that folder to fall back to the previous one).
             StateMismatchError: on every rank, when ``state`` does not fit the checkpoint.
             NoValidCheckpointError, LeaseLostError: on every rank, as rank 0 saw them.
         """
