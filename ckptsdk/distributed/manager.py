@@ -1,13 +1,9 @@
 """CheckpointManager under a torch.distributed process group: one committer, every rank writes.
 
 Rank 0 owns an ordinary :class:`ckptsdk.CheckpointManager` (lease, lineage, rotation, step log)
-and commits; the other ranks never touch the lease. Every decision (fenced or not, which folder,
-which checkpoint to restore, did the save commit) is made on rank 0 and broadcast as JSON, so all
-ranks act alike and none writes after rank 0 was fenced. Sharded and replicated tensors go through
-``torch.distributed.checkpoint`` with :mod:`.storage`; each rank's RNG states and ``local`` extras
-(its sampler position) go to a small per-rank file. With ``async_save`` a save snapshots the state
-in memory and runs in a background thread over a gloo group of its own. Storage formats live in
-:mod:`.storage`.
+and commits; other ranks never touch the lease. Every decision (fenced or not, which folder, which
+checkpoint, did it commit) is made on rank 0 and broadcast as JSON, so no rank writes after rank 0
+was fenced. Tensors go through DCP with :mod:`.storage`; each rank's RNG states go to its own file.
 """
 
 from __future__ import annotations

@@ -1,13 +1,9 @@
 """A ``torch.distributed.checkpoint`` storage layer on ckptsdk backends, with JSON instead of pickle.
 
-``CkptStorageWriter`` writes each rank's share of a DCP save as one safetensors file
-(``rank-00003.safetensors``) through any ckptsdk backend, with its digest; on the coordinator,
-``finish()`` hands the DCP metadata (as JSON) and every file's digest to a commit callback: the
-manager publishes them in its manifest, so a rank that dies mid-save leaves nothing committed.
-``CkptStorageReader`` reads them back, verifying each file's digest before any byte is used.
-Non-tensor entries (optimizer ``param_groups``...) go through the ckptsdk codec as JSON via
-:class:`JsonSavePlanner`/:class:`JsonLoadPlanner`, never ``torch.save``/``torch.load``.
-The lease, the choice of folder and the manifest belong to :mod:`ckptsdk.distributed.manager`.
+Each rank's share of a DCP save is one safetensors file (``rank-00003.safetensors``) with its
+digest; on the coordinator ``finish()`` hands DCP's metadata, as JSON, and the digests to a commit
+callback (the manager's manifest). Non-tensor entries travel as codec JSON through the planners
+here, never ``torch.save``. The lease, the folder and the manifest belong to :mod:`.manager`.
 """
 
 from __future__ import annotations
