@@ -106,8 +106,9 @@ class DistributedCheckpointManager:
         keep_last, keep_every, save_every, lease_ttl, lease_wait, force, run_id, heartbeat:
             as for :class:`ckptsdk.CheckpointManager` (used on rank 0).
         storage_options: fsspec options for ``gs://``.
-        async_save: make ``save`` non-blocking by default; sets up (collectively, on every
-            rank) the gloo process group background saves use.
+        async_save: make ``save`` non-blocking by default; sets up the gloo process group
+            background saves use (``dist.new_group``: every rank of the world takes part, even
+            with a ``group`` that holds only some of them).
 
     Raises:
         ConfigError: torch.distributed is not initialised.
