@@ -217,8 +217,8 @@ class DistributedCheckpointManager:
                 None: the manager's ``async_save``.
 
         Returns:
-            The checkpoint folder (the same on every rank); committed once the save returns
-            (blocking) or once ``wait()`` returns (not blocking).
+            Blocking: the committed folder (the same on every rank). Not blocking:
+            ``"step-0000000100 (saving)"``; the save is committed once ``wait()`` returns.
 
         Raises:
             LeaseLostError: on every rank, when rank 0 lost the lease; nothing was written.
