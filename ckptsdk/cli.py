@@ -10,8 +10,10 @@ Exit codes:
     1  a check failed: ``verify`` found a torn or corrupt checkpoint; ``audit --strict`` DIVERGED
     2  usage: bad arguments or options, unknown URL scheme, missing optional dependency
     3  storage or lease: the store is unreachable or failed, the lease is unreadable or held
-    4  checkpoint: no such checkpoint, none valid, an unreadable manifest
+    4  checkpoint: no checkpoint root at the URL, no such checkpoint, none valid, an unreadable
+       manifest
   130  interrupted (Ctrl-C)
+  141  stdout was closed by its reader (``| head``): stopped quietly, like other Unix tools
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import argparse
 import json
 import logging
 import math
+import os
 import struct
 import sys
 import time
@@ -36,6 +39,7 @@ from .errors import (
     LeaseError,
     ManifestError,
     MissingDependencyError,
+    NoCheckpointRootError,
     ObjectNotFound,
 )
 
@@ -49,6 +53,7 @@ EXIT_USAGE = 2
 EXIT_STORAGE = 3
 EXIT_CHECKPOINT = 4
 EXIT_INTERRUPTED = 130
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: what a shell reports for a Unix tool whose reader left
 
 _MAX_SAFETENSORS_HEADER = 100_000_000
 
@@ -87,6 +92,17 @@ def _backend(args: argparse.Namespace) -> Any:
     from .backends import open_backend
 
     return open_backend(args.url, **_storage_options(args.storage_option))
+
+
+def _require_root(backend: Any, url: str) -> None:
+    """Exit 4 on a URL where nothing is stored: a typo must not read as "no checkpoints", exit 0."""
+    from .lease import LEASE_KEY
+
+    if backend.exists(LEASE_KEY) or backend.list(""):
+        return
+    raise NoCheckpointRootError(
+        f"no checkpoint root at {url}: nothing is stored there (no {LEASE_KEY}, no checkpoint); "
+        "check the URL", url=url)
 
 
 def _human_size(n: int | None) -> str:
@@ -166,7 +182,7 @@ def _info_dict(info: Any) -> dict[str, Any]:
 
 def _status(info: Any) -> str:
     if info.valid:
-        return "valid"
+        return "sizes ok"  # what the listing checked; only `verify` re-hashes the bytes
     return info.reason or "invalid"
 
 
@@ -213,6 +229,7 @@ def _parse_wall(text: str | None) -> datetime | None:
 
 def cmd_ls(args: argparse.Namespace) -> int:
     mgr = _manager(args)
+    _require_root(mgr.backend, args.url)
     infos = mgr.list()
     rows = [_info_dict(i) for i in infos]
     if args.json:
@@ -228,8 +245,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
     ]
     print(_table(table, ["STEP", "EPOCH", "SIZE", "WRITER", "CREATED", "STATUS"]))
     valid = sum(1 for r in rows if r["valid"])
-    print(f"\n{len(rows)} checkpoint folders under {args.url}, {valid} valid "
-          "(WRITER: lease epoch/attempt)")
+    print(f"\n{len(rows)} checkpoint folders under {args.url}, {valid} restorable by their manifest "
+          "and file sizes (WRITER: lease epoch/attempt); `ckptsdk verify URL --all` re-hashes the bytes")
     return EXIT_OK
 
 
@@ -308,6 +325,7 @@ def _verify_one(mgr: Any, info: Any) -> tuple[str, str | None]:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     mgr = _manager(args)
+    _require_root(mgr.backend, args.url)
     infos = mgr.list()
     if args.all:
         targets = list(infos)
@@ -360,7 +378,9 @@ def cmd_audit(args: argparse.Namespace) -> int:
 
     if args.tolerance < 0 or not math.isfinite(args.tolerance):
         raise _UsageError(f"--tolerance must be a finite number >= 0, got {args.tolerance}")
-    report = audit(_backend(args), tolerance=args.tolerance)
+    backend = _backend(args)
+    _require_root(backend, args.url)
+    report = audit(backend, tolerance=args.tolerance)
     plot_path = None
     if args.plot:
         from .plot import plot_audit
@@ -472,6 +492,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
     if args.keep_last is not None and args.keep_last < 1:
         raise _UsageError(f"--keep-last must be >= 1 (the newest checkpoint is always kept), got {args.keep_last}")
     mgr = _manager(args)
+    _require_root(mgr.backend, args.url)
     kwargs: dict[str, Any] = {"keep_last": args.keep_last, "dry_run": args.dry_run}
     if args.grace is not None:
         kwargs["grace"] = args.grace
@@ -498,7 +519,7 @@ def _parser() -> argparse.ArgumentParser:
         prog="ckptsdk",
         description="Inspect, verify, audit and tidy a ckptsdk checkpoint root (a path, drive://REL, gs://BUCKET/PREFIX).",
         epilog="exit codes: 0 ok, 1 a check failed (verify, audit --strict), 2 usage, 3 storage or lease, "
-               "4 no such/valid checkpoint, 130 interrupted. gs:// uses the ambient credentials or "
+               "4 no checkpoint root or no such/valid checkpoint, 130 interrupted, 141 reader closed the pipe. gs:// uses the ambient credentials or "
                "STORAGE_EMULATOR_HOST; add --storage-option KEY=VALUE for gcsfs.",
     )
     p.add_argument("-v", "--verbose", action="count", default=0, help="log more (-v info, -vv debug) to stderr")
@@ -604,6 +625,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.monotonic()
     try:
         code = args.fn(args)
+        sys.stdout.flush()  # here, so that a closed pipe is handled below and not at exit
+    except BrokenPipeError:
+        # `ckptsdk audit URL | head -1`: the reader has what it wanted. Stop quietly, as Unix
+        # tools do, and keep the interpreter's exit flush from failing on the closed pipe too.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
     except _Failed:
         code = EXIT_FAILED
     except _UsageError as exc:

@@ -34,10 +34,11 @@ from .errors import (
     NoValidCheckpointError,
 )
 from .lease import Lease
-from .manifest import FileEntry, Manifest, Position
+from .manifest import FileEntry, Manifest, Position, user_fields
 from .rotation import GcReport, Rotation
 from .runlog import RunLog
 from .saving import SavePipeline
+from .state import preflight
 from .tensorfile import read_tensorfile, verify_file
 
 logger = logging.getLogger(__name__)
@@ -259,7 +260,12 @@ class CheckpointManager:
         Raises:
             NoValidCheckpointError: checkpoints exist but none can be restored (lists each and why).
             StateMismatchError: the checkpoint does not fit ``state`` (lists the mismatches).
+            ConfigError: after ``close()``, or ``state`` is a bare module/optimizer.
+            UnsupportedStateError: an object's state cannot be saved (found now, not at a save).
         """
+        if self._closed:
+            raise ConfigError(f"restore() after close() on {self.url}; open a new CheckpointManager")
+        preflight(state, "restore")  # before any training: what cannot be saved fails here
         if self._saving is not None:
             self._saving.raise_background_failure()
         try:
@@ -416,6 +422,8 @@ class CheckpointManager:
             raise ConfigError(f"save() after close() on {self.url}")
         if step < 0:
             raise ConfigError(f"step must be >= 0, got {step}")
+        preflight(state, "save", encode=False)
+        metrics, extra = user_fields(metrics=metrics, extra=extra)
         blocking = (not self.async_save) if blocking is None else blocking
         position = Position(epoch=epoch, batch_idx=batch_idx, extra=dict(extra or {}))
         with self._lock:
