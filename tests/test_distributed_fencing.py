@@ -90,3 +90,21 @@ def test_a_torn_rank_file_is_skipped_and_a_corrupt_one_refused(tmp_path: Path, w
             dm.restore(state)
     assert info.value.key == key and torch.equal(state["w"], torch.zeros(4))
     assert backend.read(key) == bytes(data)  # nothing was deleted or rewritten
+
+
+@pytest.mark.timeout(60)
+def test_the_export_command_consolidates_a_distributed_checkpoint(tmp_path: Path, world_of_one: Any) -> None:
+    """`ckptsdk export` sees a distributed checkpoint and writes every entry at full size."""
+    from safetensors.torch import load_file
+
+    from ckptsdk.cli import main
+
+    url = str(tmp_path / "root")
+    with DistributedCheckpointManager(url, lease_ttl=5, heartbeat=False) as dm:
+        dm.save({"w": torch.arange(6.0)}, step=1)
+        dm.save({"w": torch.arange(6.0) * 2}, step=2)
+    out = tmp_path / "out.safetensors"
+    assert main(["export", f"{url}@1", str(out)]) == 0
+    assert torch.equal(load_file(str(out))["w"], torch.arange(6.0))
+    assert main(["export", url, str(out), "--object", "objects/model"]) == 2  # usage: not for DCP
+    assert torch.equal(load_file(str(out))["w"], torch.arange(6.0))  # the earlier file is intact

@@ -29,6 +29,7 @@ from ..backends.base import Backend
 from ..catalog import checkpoint_dir, writer_tag
 from ..errors import CkptError, ConfigError, CorruptCheckpointError, StateMismatchError
 from ..manager import CheckpointManager, ResumePoint
+from ..export import DISTRIBUTED_FORMAT
 from ..manifest import FileEntry, Manifest
 from ..state import capture_rng, restore_rng
 from ..tensorfile import DIGEST_ALGORITHM, read_tensorfile, write_tensorfile
@@ -41,7 +42,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["DistributedCheckpointManager", "PAYLOAD_FORMAT", "file_table", "load_quietly", "read_payload"]
 
 #: The ``format`` of the JSON tree a distributed checkpoint's manifest holds.
-PAYLOAD_FORMAT = "ckptsdk.distributed/1"
+PAYLOAD_FORMAT = DISTRIBUTED_FORMAT  # one home: ckptsdk/export.py (the CLI detects it there)
 
 
 def local_file(rank: int) -> str:
