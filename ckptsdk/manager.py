@@ -14,7 +14,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,7 +34,7 @@ from .errors import (
     NoValidCheckpointError,
 )
 from .lease import Lease
-from .manifest import Manifest, Position, user_fields
+from .manifest import FileEntry, Manifest, Position, user_fields
 from .rotation import GcReport, Rotation
 from .runlog import RunLog
 from .saving import SavePipeline
@@ -399,6 +399,7 @@ class CheckpointManager:
         extra: Mapping[str, Any] | None = None,
         tags: Mapping[str, str] | None = None,
         blocking: bool | None = None,
+        extra_files: Sequence[FileEntry] = (),
     ) -> CheckpointInfo:
         """Commit a checkpoint of ``state`` at ``step``, then rotate old ones.
 
@@ -413,6 +414,9 @@ class CheckpointManager:
             tags: string tags (e.g. ``{"data_hash": ...}``) checked by the job on resume.
             blocking: False returns once the state is snapshotted into staging buffers and
                 writes in the background; None uses the manager's ``async_save``.
+            extra_files: files other processes already wrote into this save's folder (the
+                ranks of :mod:`ckptsdk.distributed`), listed in the manifest so that listing,
+                ``verify`` and ``restore`` check them and a takeover's anchor copies them.
 
         Returns:
             The committed (or, when not blocking, the pending) checkpoint.
@@ -433,7 +437,7 @@ class CheckpointManager:
         position = Position(epoch=epoch, batch_idx=batch_idx, extra=dict(extra or {}))
         with self._lock:
             return self._saving.save(state, step=step, position=position, metrics=metrics, tags=tags,
-                                     blocking=blocking)
+                                     blocking=blocking, extra_files=extra_files)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait for a background save; re-raise its failure. False if it is still running."""

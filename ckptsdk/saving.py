@@ -17,7 +17,7 @@ import logging
 import os
 import socket
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime, timezone
 from typing import Any
 
@@ -121,7 +121,8 @@ class SavePipeline:
             self._bg.wait()
 
     def save(self, state: Any, *, step: int, position: Position, metrics: Mapping[str, Any] | None,
-             tags: Mapping[str, str] | None, blocking: bool) -> CheckpointInfo:
+             tags: Mapping[str, str] | None, blocking: bool,
+             extra_files: Sequence[FileEntry] = ()) -> CheckpointInfo:
         """See :meth:`ckptsdk.CheckpointManager.save`."""
         self._bg.wait()  # one save in flight; its failure surfaces here
         self.lease.check()
@@ -140,13 +141,13 @@ class SavePipeline:
         if self.runlog is not None:
             self.runlog.flush()
         if blocking:
-            return self.commit(folder, step, tensors, skeleton, position, metrics, tags, device)
+            return self.commit(folder, step, tensors, skeleton, position, metrics, tags, device, extra_files)
         if self._stager is None:
             self._stager = Stager()
         staged = self._stager.snapshot(tensors)
         skeleton = json.loads(json.dumps(skeleton))  # detached from live objects
         self._bg.start(
-            lambda: self.commit(folder, step, staged, skeleton, position, metrics, tags, device),
+            lambda: self.commit(folder, step, staged, skeleton, position, metrics, tags, device, extra_files),
             name=f"ckptsdk-save-{step}",
         )
         return CheckpointInfo(step=step, epoch=self.lease.epoch, key=folder, size=0, committed=False,
@@ -155,9 +156,12 @@ class SavePipeline:
     def commit(
         self, folder: str, step: int, tensors: dict[str, torch.Tensor], skeleton: Any,
         position: Position, metrics: Mapping[str, Any] | None, tags: Mapping[str, str] | None,
-        device: str,
+        device: str, extra_files: Sequence[FileEntry] = (),
     ) -> CheckpointInfo:
-        """Write the tensor file, publish the manifest (the commit), then rotate."""
+        """Write the tensor file, publish the manifest (the commit), then rotate.
+
+        ``extra_files`` were written into ``folder`` by others (distributed ranks) beforehand.
+        """
         self.lease.check()
         size, digest = write_tensorfile(self.backend, f"{folder}/{TENSORS}", tensors)
         manifest = Manifest(
@@ -169,7 +173,7 @@ class SavePipeline:
                 host=socket.gethostname(), pid=os.getpid(),
                 resumed_from_step=self.resumed_from.step if self.resumed_from else None,
             ),
-            files=[FileEntry(name=TENSORS, size=size, digest=digest, algorithm=DIGEST_ALGORITHM)],
+            files=[FileEntry(name=TENSORS, size=size, digest=digest, algorithm=DIGEST_ALGORITHM), *extra_files],
             tree=skeleton,
             metrics=_plain_metrics(metrics),
             environment=Environment.current(device=device),
@@ -189,8 +193,16 @@ class SavePipeline:
         """Re-commit a restored checkpoint under this writer's rank (see ``restore``)."""
         tensors, skeleton = codec.encode(tree)
         folder = checkpoint_dir(manifest.step, self.lease.epoch, self.tag)
+        # Files beyond the tensor file (distributed ranks') are copied as they are, then listed.
+        extra = [f for f in manifest.files if f.name != TENSORS]
+        if extra:
+            assert self.resumed_from is not None
+            for entry in extra:
+                self.lease.check()
+                self.backend.write(f"{folder}/{entry.name}",
+                                   self.backend.read(f"{self.resumed_from.key}/{entry.name}"))
         self.commit(folder, manifest.step, tensors, skeleton, manifest.position, manifest.metrics,
-                    manifest.tags, manifest.environment.device or "cpu")
+                    manifest.tags, manifest.environment.device or "cpu", extra)
 
     def write_lineage(self, step: int | None, epoch: int | None) -> None:
         """Record, once per epoch, where this writer's lineage starts (before its first commit)."""
