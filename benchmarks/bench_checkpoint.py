@@ -276,7 +276,8 @@ class Bench:
 
         def begin() -> threading.Thread:
             snap = self.stager.snapshot(tensors)
-            t = threading.Thread(target=lambda: result.update(out=write_tensorfile(self.direct, f"rep{r}/async.safetensors", snap)))
+            t = threading.Thread(
+                target=lambda: result.update(out=write_tensorfile(self.direct, f"rep{r}/async.safetensors", snap)))
             t.start()
             return t
 
@@ -444,7 +445,8 @@ def gcs_rows(job: Job, reps: int, warmup: int) -> dict[str, list[float]]:
             digest = xxhash.xxh3_128(data).hexdigest()
             reads: list[tuple[str, Callable[[], Any]]] = [
                 ("gcs raw download", lambda: backend.read("raw.bin")),
-                ("gcs ckptsdk restore (direct)", lambda: read_tensorfile(backend, "t.safetensors", size=size, digest=digest)),
+                ("gcs ckptsdk restore (direct)",
+                 lambda size=size, digest=digest: read_tensorfile(backend, "t.safetensors", size=size, digest=digest)),
             ]
             if mgr is not None:
                 reads.append(("gcs ckptsdk restore (manager)", lambda: mgr.restore(state)))
@@ -462,7 +464,8 @@ def gcs_rows(job: Job, reps: int, warmup: int) -> dict[str, list[float]]:
 
 
 ROW_ORDER = [
-    "raw write+fsync", "backend publish, same bytes", "torch.save+fsync", "DCP save", "ckptsdk save (direct, sync)", "ckptsdk save (manager, sync)",
+    "raw write+fsync", "backend publish, same bytes", "torch.save+fsync", "DCP save", "ckptsdk save (direct, sync)",
+    "ckptsdk save (manager, sync)",
     "ckptsdk async stall (direct)", "ckptsdk async total (direct)", "ckptsdk async stall (manager)",
     "ckptsdk async total (manager)", "raw cold read", "torch.load (cold)", "ckptsdk restore (direct, verified)",
     "ckptsdk restore (manager, verified)", "gcs raw upload", "gcs ckptsdk save (direct)", "gcs ckptsdk save (manager)",
@@ -486,7 +489,7 @@ def ratios(summary: dict[str, dict[str, float]], times: dict[str, list[float]]) 
             continue
         entry = {"reference": ref, "ratio": summary[row]["median"] / summary[ref]["median"]}
         # Paired ratios (same repetition): less sensitive to drift across the run.
-        pairs = [a / b for a, b in zip(times[row], times[ref])]
+        pairs = [a / b for a, b in zip(times[row], times[ref], strict=True)]
         entry["paired_median"] = statistics.median(pairs)
         if row in TARGETS:
             entry["target"] = TARGETS[row][1]
@@ -501,7 +504,8 @@ def ratios(summary: dict[str, dict[str, float]], times: dict[str, list[float]]) 
     return out
 
 
-def print_table(title: str, summary: dict[str, dict[str, float]], rat: dict[str, Any], mem: dict[str, Any], state_bytes: int) -> None:
+def print_table(title: str, summary: dict[str, dict[str, float]], rat: dict[str, Any], mem: dict[str, Any],
+                state_bytes: int) -> None:
     print(f"\n== {title}: {state_bytes / 1e6:.1f} MB of tensors ==")
     print(f"{'row':40s} {'median s':>9s} {'min–max s':>17s} {'× limit':>8s}  target")
     for row, s in summary.items():
@@ -583,7 +587,8 @@ def main(argv: list[str] | None = None) -> int:
     for job in jobs:
         entry = report["states"][job.name]
         state = "resnet" if job.name == "resnet18" else "large"
-        entry["memory"] = {} if args.no_memory else measure_memory(state, args.large_mb, use_manager, args.dir, timeout=600)
+        entry["memory"] = ({} if args.no_memory
+                           else measure_memory(state, args.large_mb, use_manager, args.dir, timeout=600))
     if args.gcs:
         g = gcs_rows(jobs[0], args.reps, args.warmup)
         report["gcs"] = {"times": g, "summary": summarise(g), "ratios": ratios(summarise(g), g)}

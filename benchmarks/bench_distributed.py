@@ -85,9 +85,9 @@ def worker(cfg: dict[str, Any]) -> None:
                 total = None
                 if method.startswith("ckptsdk"):
                     if method == "ckptsdk":
-                        save = timed(lambda: dm.save(state, step=step, blocking=True))
+                        save = timed(lambda step=step: dm.save(state, step=step, blocking=True))
                     else:  # the stall: what the training loop waits for; total: until committed
-                        save = timed(lambda: dm.save(state, step=step + 1000, blocking=False))
+                        save = timed(lambda step=step: dm.save(state, step=step + 1000, blocking=False))
                         total = save + timed(dm.wait)
                         step += 1000
                     load = timed(lambda: dm.restore(state))
@@ -96,9 +96,10 @@ def worker(cfg: dict[str, Any]) -> None:
                     folder = base / f"{method}-{step}"
                     # dcp-rank0: the same, but every replicated tensor written by rank 0 alone.
                     planner = dcp.DefaultSavePlanner(dedup_save_to_lowest_rank=method == "dcp-rank0")
-                    save = timed(lambda: dcp.save(state, storage_writer=dcp.FileSystemWriter(str(folder)),
-                                                  planner=planner))
-                    load = timed(lambda: dcp.load(state, storage_reader=dcp.FileSystemReader(str(folder))))
+                    save = timed(lambda folder=folder, planner=planner: dcp.save(
+                        state, storage_writer=dcp.FileSystemWriter(str(folder)), planner=planner))
+                    load = timed(lambda folder=folder: dcp.load(
+                        state, storage_reader=dcp.FileSystemReader(str(folder))))
                 dist.barrier()
                 if rank == 0 and rep >= 0:
                     per_file = {f.name: f.stat().st_size for f in sorted(folder.iterdir())}
@@ -163,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     load_after = os.getloadavg()
     print(f"state: {args.mb} MiB {args.kind} in {N_TENSORS} float32 tensors; {args.reps} reps x {args.runs} runs; "
           f"load average before {load_before[0]:.2f} after {load_after[0]:.2f}")
-    print("world  method    save s: median (min-max)   restore s: median (min-max)   bytes/checkpoint   per-rank data files")
+    print("world  method    save s: median (min-max)   restore s: median (min-max)   bytes/checkpoint"
+          "   per-rank data files")
     for world in args.worlds:
         for method in ("ckptsdk", "ckptsdk-async", "dcp", "dcp-rank0"):
             sel = [r for r in rows if r["world"] == world and r["method"] == method]

@@ -12,6 +12,7 @@ Example:
 from typing import TYPE_CHECKING, Any
 
 from .backends import open_backend
+
 # Every error of the tree (errors.py): whatever a public call raises can be caught as ckptsdk.X.
 from .errors import (
     AllSourcesFailedError,
@@ -54,10 +55,10 @@ _LAZY = {
 }
 
 if TYPE_CHECKING:
+    from .audit import AuditReport
     from .catalog import CheckpointInfo
     from .datacache import DataCache
     from .manager import CheckpointManager, GcReport, ResumePoint
-    from .audit import AuditReport
     from .state import TrainState
 
 

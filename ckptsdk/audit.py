@@ -147,7 +147,8 @@ def _parse_chunk(text: str, key: str) -> tuple[AttemptRecord, list[tuple[int, di
     rows = []
     for n, line in enumerate(lines[1:], start=2):
         row = json.loads(line)
-        if not isinstance(row, dict) or not isinstance(row.get("step"), int) or not isinstance(row.get("scalars"), dict):
+        if (not isinstance(row, dict) or not isinstance(row.get("step"), int)
+                or not isinstance(row.get("scalars"), dict)):
             raise ValueError(f"line {n} is not a step record")
         rows.append((row["step"], {str(k): _decode_float(v) for k, v in row["scalars"].items()}))
     return header, rows
@@ -260,7 +261,7 @@ def _read_all(backend: Backend, keys: list[str]) -> dict[str, bytes | BaseExcept
     if len(keys) <= 2:
         return {k: one(k) for k in keys}
     with ThreadPoolExecutor(max_workers=min(_READ_WORKERS, len(keys)), thread_name_prefix="ckptsdk-runlog") as pool:
-        return dict(zip(keys, pool.map(one, keys)))
+        return dict(zip(keys, pool.map(one, keys), strict=True))
 
 
 def _same(a: float, b: float) -> bool:
@@ -339,7 +340,8 @@ def audit(backend: Backend, *, tolerance: float = 0.0) -> AuditReport:
     for step in shared:
         groups.setdefault(tuple(sorted(by_step[step])), []).append(step)
     for attempts, group in sorted(groups.items(), key=lambda kv: kv[1][0]):
-        overlaps.append(OverlapRange(attempts=list(attempts), first_step=group[0], last_step=group[-1], steps=len(group)))
+        overlaps.append(OverlapRange(attempts=list(attempts), first_step=group[0], last_step=group[-1],
+                                     steps=len(group)))
 
     if not shared:
         verdict = "no overlap"

@@ -256,7 +256,8 @@ def _read_lease(backend: Backend) -> LeaseRecord | None:
 
 
 def _resume_points(
-    lineage: dict[Rank, LineageRecord], parsed: list[tuple[int, Rank, str, dict[str, ObjectInfo], Manifest | None, str | None]],
+    lineage: dict[Rank, LineageRecord],
+    parsed: list[tuple[int, Rank, str, dict[str, ObjectInfo], Manifest | None, str | None]],
     lease: Callable[[], LeaseRecord | None], *, exclusive: bool,
 ) -> tuple[dict[Rank, int | None], dict[Rank, str]]:
     """Where each writer resumed from, and the lineage records that are not believed (and why).

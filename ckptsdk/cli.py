@@ -1,9 +1,9 @@
 """The ``ckptsdk`` command: inspect, verify, audit and tidy a checkpoint root from a shell.
 
 ``ckptsdk {ls,show,verify,audit,lease,gc} URL``, ``ckptsdk import FILE.pt URL`` and
-``ckptsdk export URL[@STEP] OUT.safetensors`` (their logic is in legacy_import.py and export.py); each prints a human table, or one JSON document
-on stdout with ``--json``. Read-only commands never take the writer lease. This module only parses
-arguments, calls the library and formats what it returns; checkpoint logic belongs elsewhere.
+``ckptsdk export URL[@STEP] OUT.safetensors`` (their logic is in legacy_import.py and export.py); each prints a
+human table, or one JSON document on stdout with ``--json``. Read-only commands never take the writer lease. This
+module only parses arguments, calls the library and formats what it returns; checkpoint logic belongs elsewhere.
 
 Exit codes:
     0  success (for ``audit`` without ``--strict``: whatever the verdict)
@@ -124,7 +124,7 @@ def _fmt_float(x: float | None) -> str:
 def _table(rows: list[list[Any]], header: list[str]) -> str:
     cells = [header] + [["-" if c is None else str(c) for c in row] for row in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in cells]
     return "\n".join(lines)
 
 
@@ -222,9 +222,10 @@ def cmd_ls(args: argparse.Namespace) -> int:
         print(f"no checkpoints under {args.url}")
         return EXIT_OK
     table = [
-        [r["step"], r["train_epoch"], _human_size(r["size"]), f"e{r['lease_epoch']}/a{r['attempt'] if r['attempt'] is not None else '?'}",
+        [r["step"], r["train_epoch"], _human_size(r["size"]),
+         f"e{r['lease_epoch']}/a{r['attempt'] if r['attempt'] is not None else '?'}",
          _short_time(r["created_at"]), _status(i)]
-        for r, i in zip(rows, infos)
+        for r, i in zip(rows, infos, strict=True)
     ]
     print(_table(table, ["STEP", "EPOCH", "SIZE", "WRITER", "CREATED", "STATUS"]))
     valid = sum(1 for r in rows if r["valid"])
@@ -392,7 +393,8 @@ def cmd_audit(args: argparse.Namespace) -> int:
                 print(f"steps logged by attempts {', '.join(map(str, o.attempts))}: {o.first_step}..{o.last_step} "
                       f"({o.steps} steps)")
             print()
-            print(_table([[n, _fmt_float(d.max_abs_diff), d.at_step, d.compared_steps] for n, d in report.scalars.items()],
+            print(_table([[n, _fmt_float(d.max_abs_diff), d.at_step, d.compared_steps]
+                          for n, d in report.scalars.items()],
                          ["SCALAR", "MAX |DIFF|", "AT STEP", "COMPARED"]))
             if report.first_divergence is not None:
                 d = report.first_divergence
@@ -511,7 +513,8 @@ def _parser() -> argparse.ArgumentParser:
         prog="ckptsdk",
         description="Inspect, verify, audit and tidy a ckptsdk checkpoint root (a path, drive://REL, gs://BUCKET/PREFIX).",
         epilog="exit codes: 0 ok, 1 a check failed (verify, audit --strict), 2 usage, 3 storage or lease, "
-               "4 no checkpoint root or no such/valid checkpoint, 130 interrupted, 141 reader closed the pipe. gs:// uses the ambient credentials or "
+               "4 no checkpoint root or no such/valid checkpoint, 130 interrupted, 141 reader closed the pipe. "
+               "gs:// uses the ambient credentials or "
                "STORAGE_EMULATOR_HOST; add --storage-option KEY=VALUE for gcsfs.",
     )
     p.add_argument("-v", "--verbose", action="count", default=0, help="log more (-v info, -vv debug) to stderr")
@@ -525,7 +528,8 @@ def _parser() -> argparse.ArgumentParser:
                         help="fsspec/gcsfs storage option (repeatable), e.g. token=anon")
         return sp
 
-    add("ls", "list checkpoints: step, epoch, size, writer (lease epoch/attempt), valid or why not").set_defaults(fn=cmd_ls)
+    add("ls", "list checkpoints: step, epoch, size, writer (lease epoch/attempt), valid or why not").set_defaults(
+        fn=cmd_ls)
     sp = add("show", "show a checkpoint's manifest and tensor table (newest valid one by default)")
     sp.add_argument("--step", type=int, help="which step (default: the newest valid checkpoint)")
     sp.set_defaults(fn=cmd_show)
@@ -601,7 +605,8 @@ def _fail(args: argparse.Namespace | None, code: int, kind: str, message: str) -
     message = " ".join(message.split())  # one line, whatever the library wrote
     sys.stderr.write(f"ckptsdk: error: {message}\n")
     if args is not None and getattr(args, "json", False):
-        _emit_json({"command": args.command, "url": args.url, "error": {"type": kind, "message": message, "exit_code": code}})
+        _emit_json({"command": args.command, "url": args.url,
+                    "error": {"type": kind, "message": message, "exit_code": code}})
     return code
 
 

@@ -121,7 +121,7 @@ def export_safetensors(
 
 def cmd_export(args: argparse.Namespace) -> int:
     """``ckptsdk export URL[@STEP] OUT.safetensors``: see :func:`export_safetensors`."""
-    from .cli import _UsageError, _emit_json, _storage_options
+    from .cli import _emit_json, _storage_options, _UsageError
 
     url, step = args.url, None
     head, sep, tail = url.rpartition("@")

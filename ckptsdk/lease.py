@@ -32,7 +32,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .backends.base import Backend
 from .catalog import writer_tag
-from .waiting import SHOW_FROM_S, WaitNotice
 from .errors import (
     BackendError,
     ConfigError,
@@ -42,6 +41,7 @@ from .errors import (
     ObjectNotFound,
     PreconditionFailed,
 )
+from .waiting import SHOW_FROM_S, WaitNotice
 
 logger = logging.getLogger(__name__)
 
@@ -137,14 +137,16 @@ def parse_lease(data: bytes, *, url: str = "") -> LeaseRecord:
         raw = json.loads(data)
     except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError too
         raise LeaseError(
-            f"{where} is not JSON ({exc}); if no writer is running, break it with force=True or `ckptsdk lease URL --break --yes-i-am-sure`",
+            f"{where} is not JSON ({exc}); if no writer is running, break it with force=True or "
+            "`ckptsdk lease URL --break --yes-i-am-sure`",
             url=url,
         ) from exc
     fmt = raw.get("format") if isinstance(raw, dict) else None
     if fmt != LEASE_FORMAT:
         raise LeaseError(
             f"{where} has format {fmt!r}, this ckptsdk reads {LEASE_FORMAT!r}: it was written by "
-            "another (newer?) version; upgrade ckptsdk, or break it with force=True or `ckptsdk lease URL --break --yes-i-am-sure`",
+            "another (newer?) version; upgrade ckptsdk, or break it with force=True or "
+            "`ckptsdk lease URL --break --yes-i-am-sure`",
             url=url,
         )
     try:

@@ -39,8 +39,8 @@ from pydantic import (
 from pydantic.json_schema import models_json_schema
 
 from .codec import FLOAT_FORM, decode_float, encode_float
-from .skeleton import skeleton_schema, tensor_paths
 from .errors import ConfigError, ManifestError
+from .skeleton import skeleton_schema, tensor_paths
 
 logger = logging.getLogger(__name__)
 

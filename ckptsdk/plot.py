@@ -12,8 +12,8 @@ import math
 import os
 from typing import Any
 
-from .errors import ConfigError, MissingDependencyError
 from .audit import AuditReport, audit
+from .errors import ConfigError, MissingDependencyError
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ def plot_audit(source: Any, path: str | os.PathLike[str], *, scalar: str = "loss
     ax = fig.add_subplot(1, 1, 1)
     colors = [f"C{i % 10}" for i in range(len(report.series))]
     summaries = {a.attempt: a for a in report.attempts}
-    for i, (color, (attempt, rows)) in enumerate(zip(colors, sorted(report.series.items()))):
+    for i, (color, (attempt, rows)) in enumerate(zip(colors, sorted(report.series.items()), strict=True)):
         pts = [(s, v[scalar]) for s, v in rows if scalar in v]
         if not pts:
             continue

@@ -360,7 +360,7 @@ def _optimizer_mismatches(name: str, opt: torch.optim.Optimizer, saved: Any) -> 
                 f"{len(opt.param_groups)} in the live optimizer"]
     problems = []
     params: dict[Any, torch.Tensor] = {}
-    for i, (group, live_group) in enumerate(zip(groups, opt.param_groups)):
+    for i, (group, live_group) in enumerate(zip(groups, opt.param_groups, strict=True)):
         ids = group.get("params") if isinstance(group, Mapping) else None
         if not isinstance(ids, list):
             problems.append(f"{name}: param group {i} has no 'params' list")
@@ -369,7 +369,7 @@ def _optimizer_mismatches(name: str, opt: torch.optim.Optimizer, saved: Any) -> 
             problems.append(f"{name}: param group {i} has {len(ids)} params in the checkpoint, "
                             f"{len(live_group['params'])} in the live optimizer")
             continue
-        params.update(zip(ids, live_group["params"]))
+        params.update(zip(ids, live_group["params"], strict=True))
     if problems:
         return problems
     for pid, entry in saved["state"].items():

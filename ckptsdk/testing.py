@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
-from collections.abc import Iterable
-from typing import BinaryIO, Callable, Optional, Union
+from collections.abc import Callable, Iterable
+from typing import BinaryIO
 
 from .backends.base import Backend, Capabilities, Data, ObjectInfo
 from .errors import BackendError
@@ -23,7 +23,7 @@ OPS = ("read", "open", "stat", "exists", "list", "write", "create", "replace", "
 #: ``fail_on(op, key, n)``: return an exception to raise instead of the call (or ``None`` to let
 #: it through). ``n`` is how many calls of ``op`` this wrapper has seen, this one included (1-based).
 #: ``key`` is the key (the prefix for ``list``, ``""`` for ``sweep``).
-FailOn = Callable[[str, str, int], Optional[BaseException]]
+FailOn = Callable[[str, str, int], BaseException | None]
 
 
 class SimulatedCrash(BaseException):
@@ -130,9 +130,9 @@ class FaultyBackend:
 
 
 def fail_nth(
-    ops: Union[str, Iterable[str]],
+    ops: str | Iterable[str],
     n: int,
-    exc: Union[BaseException, type[BaseException], None] = None,
+    exc: BaseException | type[BaseException] | None = None,
     *,
     key_prefix: str = "",
     persist: bool = False,
@@ -159,7 +159,7 @@ def fail_nth(
     seen = 0
     lock = threading.Lock()
 
-    def fail_on(op: str, key: str, _count: int) -> Optional[BaseException]:
+    def fail_on(op: str, key: str, _count: int) -> BaseException | None:
         nonlocal seen
         if op not in wanted or not key.startswith(key_prefix):
             return None

@@ -81,7 +81,8 @@ def main(argv: list[str] | None = None) -> int:
             if not att.killed:
                 raise SystemExit(f"attempt {number} ended (exit {att.returncode}) before its kill: {tail}")
             lines.append(f"attempt {number}: SIGKILLed {'in the save of' if kill[0] == 'saving' else 'after'} "
-                         f"step {kill[1]} after {att.seconds:.1f} s" + (f": {att.save_state}" if att.save_state else ""))
+                         f"step {kill[1]} after {att.seconds:.1f} s"
+                         + (f": {att.save_state}" if att.save_state else ""))
             return {}
         if att.returncode != 0:
             raise SystemExit(f"attempt {number} failed (exit {att.returncode}): {tail}")

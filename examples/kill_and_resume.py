@@ -203,7 +203,7 @@ def compare_states(a: Any, b: Any, path: str = "") -> list[str]:
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         if type(a) is not type(b) or len(a) != len(b):
             return [f"{path}: {type(a).__name__}[{len(a)}] vs {type(b).__name__}[{len(b)}]"]
-        return [d for i, (x, y) in enumerate(zip(a, b)) for d in compare_states(x, y, f"{path}/{i}")]
+        return [d for i, (x, y) in enumerate(zip(a, b, strict=True)) for d in compare_states(x, y, f"{path}/{i}")]
     if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
         return []
     return [] if (type(a) is type(b) and a == b) else [f"{path}: {a!r} vs {b!r}"]

@@ -2,8 +2,8 @@
 
 ``zygote URL KEY FILE0 FILE1``: import ckptsdk and map the two contents once, then for each
 ``go N`` line on stdin fork a writer that publishes the contents at KEY, alternating and starting
-with content N % 2, until the parent SIGKILLs it; the zygote reaps it and reports. (Forking skips the interpreter start and the
-``import ckptsdk`` of each trial, seconds on a loaded machine.) ``race URL``: for each
+with content N % 2, until the parent SIGKILLs it; the zygote reaps it and reports. (Forking skips the interpreter
+start and the ``import ckptsdk`` of each trial, seconds on a loaded machine.) ``race URL``: for each
 ``ROUND START`` line on stdin, wait until the wall clock reads START, ``create`` ``race/ROUND``
 and print one JSON line saying whether it won. What to assert lives in the test files.
 

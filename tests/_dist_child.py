@@ -124,8 +124,8 @@ def ddp(cfg: dict[str, Any]) -> None:
 
 def dtensor(cfg: dict[str, Any]) -> None:
     """Save a sharded model+optimizer (FSDP2 when it works here, else DTensor), or restore one."""
-    from torch.distributed.tensor import Shard, distribute_tensor
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
 
     rank, world = cfg["rank"], cfg["world"]
     mesh = init_device_mesh("cpu", (world,))

@@ -117,8 +117,8 @@ def run_accelerate(args: argparse.Namespace) -> dict[str, torch.Tensor]:
     with AcceleratorCheckpoints(acc, args.url, save_every=5, lease_ttl=LEASE_TTL,
                                 storage_options=args.storage_options) as ckpt:
         pos = ckpt.restore()
-        step, epoch, done = (0, 0, 0) if pos is None else (pos.step, pos.epoch, pos.batch_idx)
-        for epoch in range(epoch, 4):
+        step, first_epoch, done = (0, 0, 0) if pos is None else (pos.step, pos.epoch, pos.batch_idx)
+        for epoch in range(first_epoch, 4):
             loader.set_epoch(epoch)  # accelerate's loader forwards it to the sampler
             batches = acc.skip_first_batches(loader, done) if done else loader
             for i, (xb, yb) in enumerate(batches, start=done + 1):

@@ -33,6 +33,10 @@ import tests.hypothesis_profiles  # noqa: F401  (registers the ci/deep profiles:
 from ckptsdk.backends import open_backend
 from ckptsdk.backends.memory import MemoryBackend
 
+# The local HTTP server and CIFAR fixtures (tests/cifar_fixtures.py), shared here so test files
+# take them by argument name without importing names their arguments then shadow (ruff F811).
+from tests.cifar_fixtures import cifar_files, cifar_server, http_server, small_cifar  # noqa: F401
+
 KINDS = ("memory", "local", "drive", "gcs")
 
 

@@ -52,7 +52,7 @@ class _State:
 
 
 class _Handler(BaseHTTPRequestHandler):
-    server: "_Server"
+    server: _Server
     protocol_version = "HTTP/1.1"
 
     def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - silence stderr noise
@@ -197,7 +197,7 @@ class FileServer:
         self._server.server_close()
         self._thread.join(timeout=5)
 
-    def __enter__(self) -> "FileServer":
+    def __enter__(self) -> FileServer:
         return self
 
     def __exit__(self, *exc: object) -> None:

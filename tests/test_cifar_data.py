@@ -21,19 +21,13 @@ from adapters.cifar10.data import CANONICAL_NAME, load_cifar10, tensor_hash
 from adapters.cifar10.synthetic import synthetic_cifar10, write_both
 from ckptsdk.archive import safe_extract
 from ckptsdk.errors import AllSourcesFailedError, DatasetMismatchError, UnsafeArchiveError
-from tests.cifar_fixtures import (  # noqa: F401 - fixtures
-    cifar_files,
-    cifar_server,
-    http_server,
-    serve_cifar,
-    small_cifar,
-)
+from tests.cifar_fixtures import serve_cifar
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _arrays_equal(a: src.Arrays, b: src.Arrays) -> bool:
-    return all(np.array_equal(x, y) and x.dtype == y.dtype for x, y in zip(a, b))
+    return all(np.array_equal(x, y) and x.dtype == y.dtype for x, y in zip(a, b, strict=True))
 
 
 def _canonical(data) -> src.Arrays:
@@ -60,7 +54,8 @@ def test_skipping_the_row_order_fix_changes_the_hash(cifar_files):
     assert _hash(fixed) == cifar_files.data.tensor_hash
     assert _hash(unfixed) != cifar_files.data.tensor_hash
     # Same images, other order: a job switching source would train on other batches at each step.
-    assert sorted(map(bytes, unfixed[0].reshape(len(unfixed[0]), -1))) == sorted(map(bytes, fixed[0].reshape(len(fixed[0]), -1)))
+    assert (sorted(map(bytes, unfixed[0].reshape(len(unfixed[0]), -1)))
+            == sorted(map(bytes, fixed[0].reshape(len(fixed[0]), -1))))
 
 
 def test_load_without_the_fix_is_refused_naming_both_hashes(cifar_server, tmp_path, monkeypatch):
@@ -103,7 +98,7 @@ def test_fresh_runtime_gets_the_data_from_the_cache_with_zero_downloads(cifar_se
                          tv_url=cifar_server.tv_url, progress=False)
     assert fresh.source == "cache" and fresh.tensor_hash == first.tensor_hash
     assert cifar_server.downloads() == downloads  # zero downloads on the fresh runtime
-    for a, b in zip(_canonical(fresh), _canonical(first)):
+    for a, b in zip(_canonical(fresh), _canonical(first), strict=True):
         assert np.array_equal(a, b)
     assert fresh.train_images.dtype == torch.uint8 and fresh.train_images.shape == (500, 32, 32, 3)
     assert fresh.train_labels.dtype == torch.int64

@@ -110,14 +110,16 @@ def test_every_subcommand_as_a_subprocess(kind, make_backend_target, tmp_path):
     doc = as_json(show)
     assert doc["manifest"]["step"] == 50 and doc["key"] == "step-0000000050.e2"
     tensors = {t["name"]: t for t in doc["tensors"]}
-    weight = next(t for name, t in tensors.items() if name.endswith("model/0/weight") or name.endswith("model/0.weight"))
+    weight = next(t for name, t in tensors.items()
+                  if name.endswith("model/0/weight") or name.endswith("model/0.weight"))
     assert (weight["dtype"], weight["shape"], weight["bytes"]) == ("F32", [16, 8], 16 * 8 * 4)
 
     verify = run_cli("verify", url, "--all", "--json", target=target, cwd=tmp_path)
     assert verify.returncode == 0, verify.stderr
     vdoc = as_json(verify)
     assert vdoc["ok"] and [(c["key"], c["status"], c["rehashed"]) for c in vdoc["checked"]] == [
-        (k, "ok", True) for k in ("step-0000000040.e1", "step-0000000040.e2", "step-0000000050.e2", "step-0000000060.e2")]
+        (k, "ok", True)
+        for k in ("step-0000000040.e1", "step-0000000040.e2", "step-0000000050.e2", "step-0000000060.e2")]
 
     audit = run_cli("audit", url, "--json", "--strict", target=target, cwd=tmp_path)
     assert audit.returncode == 0, audit.stderr

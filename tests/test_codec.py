@@ -17,8 +17,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ckptsdk.codec import decode, encode
-from ckptsdk.skeleton import tensor_paths
 from ckptsdk.errors import CorruptCheckpointError, ManifestError, UnsupportedStateError
+from ckptsdk.skeleton import tensor_paths
 from ckptsdk.state import TrainState
 
 
@@ -47,11 +47,11 @@ def assert_same(a, b, path="root"):
     elif isinstance(a, dict):
         assert list(a.keys()) == list(b.keys()) or _keys_same(a, b), f"{path}: keys differ"
         assert [type(k) for k in a] == [type(k) for k in b], f"{path}: key types differ"
-        for (ka, va), vb in zip(a.items(), b.values()):
+        for (ka, va), vb in zip(a.items(), b.values(), strict=True):
             assert_same(va, vb, f"{path}/{ka!r}")
     elif isinstance(a, (list, tuple)):
         assert len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b)):
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
             assert_same(x, y, f"{path}/{i}")
     else:
         assert a == b, f"{path}: {a!r} != {b!r}"
@@ -59,7 +59,7 @@ def assert_same(a, b, path="root"):
 
 def _keys_same(a, b):  # nan keys are never == each other
     return all(struct.pack("<d", x) == struct.pack("<d", y) if isinstance(x, float) else x == y
-               for x, y in zip(a, b))
+               for x, y in zip(a, b, strict=True))
 
 
 def _bytes(t: torch.Tensor) -> bytes:
@@ -84,7 +84,8 @@ def tensors(draw):
     raw = draw(st.binary(min_size=n * dtype.itemsize, max_size=n * dtype.itemsize))
     if dtype == torch.bool:
         raw = bytes(b & 1 for b in raw)  # other bytes are not valid bools
-    t = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).reshape(shape) if n else torch.empty(shape, dtype=dtype)
+    t = (torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).reshape(shape) if n
+         else torch.empty(shape, dtype=dtype))
     if draw(st.booleans()) and t.dim() >= 2:
         t = t.transpose(0, 1)  # non-contiguous view
     return t
@@ -173,7 +174,8 @@ def test_special_values_and_types_survive():
             "npnan": np.float32("nan"), "u64": np.uint64(2**64 - 1), "c": np.complex64(1 - 2j),
             "zero_d": torch.tensor(3, dtype=torch.int64), "empty": torch.empty(0, 5),
             "np0d": np.array(2.5), "bf16": torch.randn(3, generator=torch.Generator().manual_seed(0)).bfloat16(),
-            "mixed": {1: "a", "1": "b", None: 0, True: 1.5, 2.5: [], "$x": ()}}
+            # False, not True: True == 1, so {1: .., True: ..} is one key and no bool key got tested.
+            "mixed": {1: "a", "1": "b", None: 0, False: 1.5, 2.5: [], "$x": ()}}
     back = through_files(tree)
     assert_same(tree, back)
     assert type(back["bool"]) is bool and type(back["np32"]) is np.float32

@@ -10,7 +10,6 @@ import pytest
 from ckptsdk.datacache import DataCache
 from ckptsdk.download import DownloadError, download
 from ckptsdk.errors import AllSourcesFailedError
-from tests.cifar_fixtures import http_server  # noqa: F401 - fixture
 from tests.http_server import Behaviour, FileServer
 
 PAYLOAD = os.urandom(1_000_003)

@@ -20,7 +20,8 @@ from ckptsdk.tensorfile import DIGEST_ALGORITHM, write_tensorfile
 def _save_with_extra(mgr: CheckpointManager, step: int) -> str:
     assert mgr.lease is not None
     folder = checkpoint_dir(step, mgr.lease.epoch)
-    size, digest = write_tensorfile(mgr.backend, f"{folder}/rank-00001.safetensors", {"w": torch.full((4,), float(step))})
+    size, digest = write_tensorfile(mgr.backend, f"{folder}/rank-00001.safetensors",
+                                    {"w": torch.full((4,), float(step))})
     info = mgr.save({"step": step}, step=step,
                     extra_files=[FileEntry(name="rank-00001.safetensors", size=size, digest=digest,
                                            algorithm=DIGEST_ALGORITHM)])

@@ -123,7 +123,8 @@ def test_metadata_of_another_format_is_a_manifest_error() -> None:
 
 def test_unsupported_state_error_names_the_entry() -> None:
     planner = JsonSavePlanner()
-    item = type("I", (), {"type": __import__("torch.distributed.checkpoint.planner", fromlist=["x"]).WriteItemType.BYTE_IO,
+    byte_io = __import__("torch.distributed.checkpoint.planner", fromlist=["x"]).WriteItemType.BYTE_IO
+    item = type("I", (), {"type": byte_io,
                           "index": type("X", (), {"fqn": "optim.weird"})()})()
     with pytest.raises(UnsupportedStateError) as info:
         planner.transform_object(item, {"t": torch.ones(1)})

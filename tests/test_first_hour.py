@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import io
 import json
-from pathlib import Path
 import math
 import os
 import signal
@@ -16,6 +15,7 @@ import subprocess
 import sys
 import time
 from collections import Counter, OrderedDict, defaultdict, deque
+from pathlib import Path
 
 import numpy as np
 import pytest

@@ -17,6 +17,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from itertools import pairwise
 
 import pytest
 import xxhash
@@ -80,7 +81,8 @@ def test_create_race_two_threads_fifty_rounds(emulator: Emulator) -> None:
         barrier = threading.Barrier(2)
         outcomes: list[object] = [None, None]
 
-        def race(i: int, key: str = key, barrier: threading.Barrier = barrier) -> None:
+        def race(i: int, key: str = key, barrier: threading.Barrier = barrier,
+                 outcomes: list[object] = outcomes, round_: int = round_) -> None:
             barrier.wait(timeout=30)
             try:
                 outcomes[i] = racers[i].create(key, f"writer-{i}-{round_}".encode())
@@ -421,8 +423,8 @@ def test_sigkilled_uploader_leaves_old_or_new_never_partial(
             os.waitpid(pid, 0)
         with progress:
             lines = progress.read().split()
-        started = [int(v) for w, v in zip(lines, lines[1:]) if w == "start"]
-        written = [int(v) for w, v in zip(lines, lines[1:]) if w == "wrote"]
+        started = [int(v) for w, v in pairwise(lines) if w == "start"]
+        written = [int(v) for w, v in pairwise(lines) if w == "wrote"]
         for v in started:
             digests.setdefault(xxhash.xxh3_128_hexdigest(_payload(v, size)), v)
         if started and (not written or written[-1] < started[-1]):

@@ -196,7 +196,7 @@ def test_export_tied_weights_like_save_model_and_plain_load(tmp_path):
     fresh = _Tied()
     missing, unexpected = fresh.load_state_dict(loaded, strict=False)
     assert (missing, unexpected) == (["head.weight"], [])
-    assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), model.state_dict().values()))
+    assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), model.state_dict().values(), strict=True))
     other = _Tied()
     safetensors.torch.load_model(other, str(out))  # safetensors' own counterpart of save_model
     assert torch.equal(other.head.weight, model.head.weight)
@@ -220,4 +220,4 @@ def test_export_untied_loads_strictly_into_a_fresh_model(tmp_path):
     assert main(["export", url, str(out), "--json"]) == 0
     fresh = _objects(5)[0]
     fresh.load_state_dict(safetensors.torch.load_file(str(out)), strict=True)
-    assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), model.state_dict().values()))
+    assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), model.state_dict().values(), strict=True))

@@ -15,8 +15,8 @@ pytest.importorskip("lightning")
 
 from ckptsdk import CheckpointManager, UnsupportedStateError  # noqa: E402
 from ckptsdk.errors import ConfigError  # noqa: E402
-from ckptsdk.integrations.lightning import POINTER_FORMAT, CkptsdkCheckpointIO  # noqa: E402
 from ckptsdk.export import export_safetensors  # noqa: E402
+from ckptsdk.integrations.lightning import POINTER_FORMAT, CkptsdkCheckpointIO  # noqa: E402
 from tests._integration_jobs import assert_same, run_job, weights  # noqa: E402
 
 

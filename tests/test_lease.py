@@ -583,7 +583,7 @@ def test_two_processes_race_for_a_stale_lease(kind: str, make_backend_target: An
     procs = [_child("race", target, f, "--ttl", "1", "--wait", "3", "--hold", "4",
                     "--go", str(go)) for f in files]
     try:
-        for f, p in zip(files, procs):
+        for f, p in zip(files, procs, strict=True):
             _wait_event(f, "ready", 60, p)
         go.touch()
         for p in procs:

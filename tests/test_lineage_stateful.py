@@ -266,7 +266,8 @@ class Writer:
 class _Tap:
     """A writer's (or reader's) backend: forwards everything, reporting writes and deletes first."""
 
-    def __init__(self, inner: Any, actor: Writer | None, hook: Callable[[Writer | None, str, str, bytes | None], None]) -> None:
+    def __init__(self, inner: Any, actor: Writer | None,
+                 hook: Callable[[Writer | None, str, str, bytes | None], None]) -> None:
         self._inner = inner
         self._actor = actor
         self._hook = hook
@@ -670,7 +671,8 @@ class LineageMachine(RuleBasedStateMachine):
         self._reap()
 
     @precondition(lambda self: len(self.writers) < self.max_writers)
-    @rule(data=st.data(), force=st.sampled_from((False, False, True)), then_restore=st.sampled_from((True, True, False)))
+    @rule(data=st.data(), force=st.sampled_from((False, False, True)),
+          then_restore=st.sampled_from((True, True, False)))
     def open_writer(self, data: st.DataObject, force: bool, then_restore: bool) -> None:
         """A newcomer starts; with ``then_restore`` it restores the moment it becomes the writer."""
         if self.sim is not None:
@@ -793,7 +795,7 @@ class LineageMachine(RuleBasedStateMachine):
         except LeaseLostError as exc:
             self.stats['save refused (fenced)'] += 1
             self._say(f"{w.label()} save step {step} refused: LeaseLostError "
-                      f"({'fenced by epoch %s' % exc.newer_epoch if exc.newer_epoch else 'stale lease'})")
+                      f"({f'fenced by epoch {exc.newer_epoch}' if exc.newer_epoch else 'stale lease'})")
             return
         finally:
             self._no_draw()
@@ -1073,7 +1075,6 @@ def test_the_machine_catches_a_writer_that_ignores_newer_ranks(monkeypatch: pyte
     """Sabotage: a writer never fences itself on seeing a newer lease, lineage record or folder
     (``fence_if_newer`` gets a rank tuple and does nothing)."""
     from ckptsdk.lease import Lease
-
     from ckptsdk.saving import SavePipeline
 
     monkeypatch.setattr(SavePipeline, "fence_if_newer", lambda self, seen: None)

@@ -261,7 +261,7 @@ def _assert_identical(a, b, path="<root>"):
             _assert_identical(a[k], b[k], f"{path}/{k}")
     elif isinstance(a, (list, tuple, deque)):
         assert len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b)):
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
             _assert_identical(x, y, f"{path}/{i}")
     elif isinstance(a, float) and math.isnan(a):
         assert struct.pack("<d", a) == struct.pack("<d", b), path
@@ -276,7 +276,8 @@ def test_format_md_reader_reads_a_checkpoint_without_torch(tmp_path):
     sched = torch.optim.lr_scheduler.MultiStepLR(torch.optim.SGD(model.parameters(), lr=0.1), [3, 3, 5])
     tree = {
         "objects": {"net": torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.BatchNorm1d(3)).state_dict(),
-                    "model": {"layer1.0.conv1.weight": torch.randn(4, 3, 3, 3), "bn.num_batches_tracked": torch.tensor(7),
+                    "model": {"layer1.0.conv1.weight": torch.randn(4, 3, 3, 3),
+                              "bn.num_batches_tracked": torch.tensor(7),
                               "half": torch.randn(3).to(torch.bfloat16), "f16": torch.ones(2, dtype=torch.float16),
                               "mask": torch.tensor([True, False]), "empty": torch.zeros(0, 3)},
                     "optimizer": {"state": {0: {"momentum_buffer": torch.zeros(4)}},
@@ -286,7 +287,8 @@ def test_format_md_reader_reads_a_checkpoint_without_torch(tmp_path):
                              "c": np.complex64(1j), "$k": 1, "nested": [(1, 2), {None: "x"}],
                              "od": OrderedDict(b=1, a=2), "dd": defaultdict(list, {"x": [1]}),
                              "dq": deque([1, 2], maxlen=5)}},
-        "rng": {"numpy": np.random.get_state(legacy=False), "python": random.getstate(), "be": np.arange(3, dtype=">i4")},
+        "rng": {"numpy": np.random.get_state(legacy=False), "python": random.getstate(),
+                "be": np.arange(3, dtype=">i4")},
     }
     tensors, skeleton = encode(tree)
     folder = tmp_path / "step-0000005700.e1"

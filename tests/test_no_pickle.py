@@ -7,7 +7,6 @@ import pathlib
 import pickle
 import re
 
-import pytest
 import torch
 
 import ckptsdk

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 import torch
 
+from ckptsdk.audit import AuditReport, audit, read_runlog
 from ckptsdk.backends import open_backend
 from ckptsdk.errors import ConfigError, MissingDependencyError, PreconditionFailed, StorageUnavailable
 from ckptsdk.plot import plot_audit
-from ckptsdk.audit import AuditReport, audit, read_runlog
 from ckptsdk.runlog import RunLog, chunk_key
 
 CHUNK_RE = re.compile(r"^runlog/attempt-\d{6}/(attempt\.json|chunk-\d{6}\.jsonl)$")
@@ -54,8 +54,9 @@ def test_two_attempts_overlapping_50_steps_bit_exact(backend):
     assert report.overlap_steps == 50
     assert [(o.attempts, o.first_step, o.last_step, o.steps) for o in report.overlaps] == [([1, 2], 100, 149, 50)]
     a1, a2 = report.attempts
-    assert (a1.attempt, a1.first_step, a1.last_step, a1.steps, a1.closed, a1.resumed_from_step) == (1, 0, 149, 150, False, None)
-    assert (a2.attempt, a2.first_step, a2.last_step, a2.steps, a2.closed, a2.resumed_from_step) == (2, 100, 249, 150, True, 100)
+    fields = ("attempt", "first_step", "last_step", "steps", "closed", "resumed_from_step")
+    assert tuple(getattr(a1, f) for f in fields) == (1, 0, 149, 150, False, None)
+    assert tuple(getattr(a2, f) for f in fields) == (2, 100, 249, 150, True, 100)
     assert (a1.lease_epoch, a1.host, a1.run_id, a2.host) == (1, "host-1", "run-1", "host-2")
     assert a1.versions["python"] and a1.started_at
     assert set(report.scalars) == {"loss", "lr"}
@@ -290,7 +291,8 @@ def test_a_write_that_landed_but_reported_failure_is_not_duplicated(backend):
     log.close()
     assert failed == [chunk_key(1, 0)]
     (summary,) = audit(backend).attempts
-    assert (summary.steps, summary.first_step, summary.last_step, summary.chunks, summary.closed) == (12, 0, 11, 3, True)
+    assert ((summary.steps, summary.first_step, summary.last_step, summary.chunks, summary.closed)
+            == (12, 0, 11, 3, True))
     assert [o.key for o in backend.list("runlog/")][-1] == chunk_key(1, 2)
 
 

@@ -120,9 +120,10 @@ def test_train_state_round_trip_restores_objects_and_rng():
     counter2 = Counter()
     TrainState(model=model2, optimizer=opt2, counter=counter2).load_state_dict(tree)
     assert counter2.n == 41
-    for a, b in zip(model.state_dict().values(), model2.state_dict().values()):
+    for a, b in zip(model.state_dict().values(), model2.state_dict().values(), strict=True):
         assert torch.equal(a, b)
-    assert torch.equal(opt2.state_dict()["state"][0]["momentum_buffer"], opt.state_dict()["state"][0]["momentum_buffer"])
+    assert torch.equal(opt2.state_dict()["state"][0]["momentum_buffer"],
+                       opt.state_dict()["state"][0]["momentum_buffer"])
     assert torch.equal(torch.rand(2), expected)
 
 

@@ -19,8 +19,8 @@ import xxhash
 from ckptsdk import open_backend
 from ckptsdk.errors import ConfigError, CorruptCheckpointError
 from ckptsdk.tensorfile import (
-    DIGEST_ALGORITHM,
     _TO_NAME,
+    DIGEST_ALGORITHM,
     read_tensorfile,
     verify_file,
     write_tensorfile,

@@ -8,13 +8,13 @@ back into torchvision order). Fetching, caching and hashing belong to ``data.py`
 from __future__ import annotations
 
 import io
-import math
 import logging
+import math
 import os
 import pickle
 from collections.abc import Sequence
-from typing import Any
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import numpy as np
 

@@ -117,7 +117,8 @@ def _py2_pickle(obj: object) -> bytes:
 def _per_batch(data: CifarData) -> int:
     n = len(data.train_labels)
     if n % 5:
-        raise ConfigError(f"the published layouts split the train set into 5 equal data_batch parts; {n} is not a multiple of 5")
+        raise ConfigError(f"the published layouts split the train set into 5 equal data_batch parts; "
+                          f"{n} is not a multiple of 5")
     return n // 5
 
 

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import BinaryIO, Protocol, Union, runtime_checkable
+from typing import BinaryIO, Protocol, TypeAlias, runtime_checkable
 
 from ..errors import InvalidKey
 
 # What ``write``/``create``/``replace`` accept: one bytes-like object, or an iterable of them
 # streamed in order (lets a checkpoint go from tensor memory to storage without a joined copy).
-Data = Union[bytes, bytearray, memoryview, Iterable[Union[bytes, bytearray, memoryview]]]
+Data: TypeAlias = bytes | bytearray | memoryview | Iterable[bytes | bytearray | memoryview]
 
 
 @dataclass(frozen=True)

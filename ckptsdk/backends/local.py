@@ -15,9 +15,9 @@ import secrets
 import stat as stat_mod
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import BinaryIO, Callable
+from typing import BinaryIO
 
 from ..errors import (
     BackendError,

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import io
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import BinaryIO, Callable, Optional
+from typing import BinaryIO
 
 from ..errors import ObjectNotFound, PreconditionFailed
 from .base import Capabilities, Data, ObjectInfo, check_key, check_prefix, iter_chunks
@@ -134,7 +135,7 @@ class MemoryBackend:
         return current
 
     def _put(
-        self, key: str, data: Data, check: Callable[[Optional[tuple[bytes, str]]], None]
+        self, key: str, data: Data, check: Callable[[tuple[bytes, str] | None], None]
     ) -> ObjectInfo:
         check_key(key, url=self.url)
         # Join outside the lock: the caller's iterable may be slow or raise (then nothing changes).

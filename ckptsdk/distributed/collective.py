@@ -66,7 +66,7 @@ def gather_json(obj: Any, *, group: Any = None) -> list[Any]:
     padded[: mine.numel()] = mine
     out = [torch.empty(longest, dtype=torch.uint8, device=dev) for _ in range(world)]
     dist.all_gather(out, padded, group=group)
-    return [_decode(t[: int(s.item())]) for t, s in zip(out, sizes)]
+    return [_decode(t[: int(s.item())]) for t, s in zip(out, sizes, strict=True)]
 
 
 def all_min(value: int, *, group: Any = None) -> int:

@@ -22,14 +22,14 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 
-from .. import codec, errors
 from .. import catalog as _catalog
+from .. import codec, errors
 from ..backends import open_backend
 from ..backends.base import Backend
 from ..catalog import checkpoint_dir, writer_tag
 from ..errors import CkptError, ConfigError, CorruptCheckpointError, StateMismatchError
-from ..manager import CheckpointManager, ResumePoint
 from ..export import DISTRIBUTED_FORMAT
+from ..manager import CheckpointManager, ResumePoint
 from ..manifest import FileEntry, Manifest
 from ..state import capture_rng, restore_rng
 from ..tensorfile import DIGEST_ALGORITHM, read_tensorfile, write_tensorfile

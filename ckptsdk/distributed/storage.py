@@ -17,7 +17,6 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-from torch.futures import Future
 from torch.distributed.checkpoint import (
     DefaultLoadPlanner,
     DefaultSavePlanner,
@@ -32,6 +31,7 @@ from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
 
 from .. import codec
 from ..backends.base import Backend
@@ -246,7 +246,7 @@ class CkptStorageReader(StorageReader):
                 if req.type == LoadItemType.BYTE_IO:
                     planner.load_bytes(req, io.BytesIO(stored.numpy().tobytes()))
                     continue
-                for dim, (start, length) in enumerate(zip(req.storage_offsets, req.lengths)):
+                for dim, (start, length) in enumerate(zip(req.storage_offsets, req.lengths, strict=True)):
                     stored = stored.narrow(dim, start, length)
                 target = planner.resolve_tensor(req).detach()
                 if target.size() != stored.size():

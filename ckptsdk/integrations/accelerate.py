@@ -47,7 +47,7 @@ class _Counters:
             raise ConfigError(f"the checkpoint has {len(saved)} prepared dataloader(s), this run prepared "
                               f"{len(loaders)}; prepare the same ones in the same order")
         self.accelerator.step = int(state["step"])
-        for loader, iteration in zip(loaders, saved):
+        for loader, iteration in zip(loaders, saved, strict=True):
             if hasattr(loader, "iteration"):
                 loader.iteration = iteration
 

@@ -3,7 +3,8 @@
 Lightning's checkpoint dict goes into a ckptsdk root (tensors in safetensors, the rest JSON,
 writer lease, manifest commit, digests) together with the RNG states; at the path Lightning
 names (``last.ckpt``...) the plugin leaves a small JSON pointer, so ``ModelCheckpoint`` and
-``trainer.fit(ckpt_path="last")`` work unchanged (or ``ckpt_path=io.resume_path()``, from the root alone). What is stored and when is Lightning's business.
+``trainer.fit(ckpt_path="last")`` work unchanged (or ``ckpt_path=io.resume_path()``, from the root alone). What is
+stored and when is Lightning's business.
 """
 
 from __future__ import annotations
@@ -193,7 +194,8 @@ class CkptsdkCheckpointIO(CheckpointIO):
                                               "key": info.key})
         logger.info("lightning checkpoint %s -> %s/%s", path, self.url, info.key)
 
-    def load_checkpoint(self, path: Any, map_location: Any | None = None, weights_only: bool | None = None) -> dict[str, Any]:
+    def load_checkpoint(self, path: Any, map_location: Any | None = None,
+                        weights_only: bool | None = None) -> dict[str, Any]:
         """Read the checkpoint a pointer names, verified; restore the RNG states.
 
         Tensors come back on the CPU (Lightning moves them where its modules live), whatever
