@@ -12,7 +12,7 @@ import logging
 import math
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -25,7 +25,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["AUDIT_FORMAT", "AttemptSummary", "OverlapRange", "ScalarDiff", "Divergence", "AuditReport",
            "audit", "read_runlog"]
 
-AUDIT_FORMAT = "ckptsdk.audit/1"
+AUDIT_FORMAT: Final = "ckptsdk.audit/1"
 _READ_WORKERS = 8  # concurrent chunk reads (each a GCS/Drive round trip)
 
 
@@ -321,19 +321,19 @@ def audit(backend: Backend, *, tolerance: float = 0.0) -> AuditReport:
         per = by_step[step]
         names = sorted({n for vals in per.values() for n in vals})
         for name in names:
-            vals = {a: v[name] for a, v in per.items() if name in v}
-            if len(vals) < 2:
+            by_attempt = {a: v[name] for a, v in per.items() if name in v}
+            if len(by_attempt) < 2:
                 continue  # a scalar only one attempt logged here cannot be compared
-            d = _spread(vals.values())
-            first = next(iter(vals.values()))
-            if not all(_same(first, v) for v in vals.values()):
+            d = _spread(by_attempt.values())
+            first = next(iter(by_attempt.values()))
+            if not all(_same(first, v) for v in by_attempt.values()):
                 bit_exact = False
             entry = diffs.setdefault(name, [0.0, None, 0])
             entry[2] += 1
             if d > entry[0]:  # at_step stays None while every difference is 0
                 entry[0], entry[1] = d, step
             if first_div is None and d > tolerance:
-                first_div = Divergence(step=step, scalar=name, values=vals, abs_diff=d)
+                first_div = Divergence(step=step, scalar=name, values=by_attempt, abs_diff=d)
 
     overlaps: list[OverlapRange] = []
     groups: dict[tuple[int, ...], list[int]] = {}
@@ -380,7 +380,8 @@ def _short(exc: BaseException) -> str:
 
 def _ranges(nums: list[int]) -> str:
     out: list[str] = []
-    start = prev = None
+    start: int | None = None
+    prev = 0  # meaningful only once start is set
     for n in sorted(nums):
         if start is None:
             start = prev = n

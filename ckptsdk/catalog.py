@@ -151,7 +151,8 @@ def scan(backend: Backend, *, cache: MutableMapping[tuple[str, str], object] | N
         if not m:
             continue
         rank = (int(m.group(1)), m.group(2) or "")
-        record = memo.get((obj.key, obj.version))
+        cached = memo.get((obj.key, obj.version))
+        record = cached if isinstance(cached, LineageRecord) else None
         if record is None:
             raw = _read_json_object(backend, obj.key)
             if raw is None:
@@ -162,10 +163,10 @@ def scan(backend: Backend, *, cache: MutableMapping[tuple[str, str], object] | N
                 logger.warning("ignoring unreadable lineage record %s: %s", obj.key, exc)
                 continue
             memo[(obj.key, obj.version)] = record
-        if record.epoch != rank[0]:  # type: ignore[union-attr]
-            logger.warning("ignoring lineage record %s: it says epoch %s", obj.key, record.epoch)  # type: ignore[union-attr]
+        if record.epoch != rank[0]:
+            logger.warning("ignoring lineage record %s: it says epoch %s", obj.key, record.epoch)
             continue
-        lineage[rank] = record  # type: ignore[assignment]
+        lineage[rank] = record
 
     # First pass: manifests (commit markers) and sizes.
     parsed: list[tuple[int, Rank, str, dict[str, ObjectInfo], Manifest | None, str | None]] = []

@@ -441,7 +441,7 @@ def cmd_lease(args: argparse.Namespace) -> int:
         if not args.break_lease:
             raise
         record, unreadable = None, str(exc)
-    broken = None
+    broken: dict[str, Any] | None = None
     if args.break_lease and (unreadable or (record is not None and not record.released)):
         if not backend.capabilities.immediately_consistent:
             sys.stderr.write("ckptsdk: breaking the lease; on this store the takeover waits a settle "

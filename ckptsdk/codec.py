@@ -52,7 +52,7 @@ _TAGS = ("$tensor", "$ndarray", "$tuple", "$dict", "$float", "$int", "$npscalar"
          "$ordered_dict", "$counter", "$defaultdict", "$deque")
 # The standard-library containers torch's own objects hold (MultiStepLR's milestones is a
 # Counter), kept exactly. A defaultdict's factory is stored by name, so only these are known.
-_MAPPING_TAGS = {OrderedDict: "$ordered_dict", Counter: "$counter", defaultdict: "$defaultdict"}
+_MAPPING_TAGS: dict[type, str] = {OrderedDict: "$ordered_dict", Counter: "$counter", defaultdict: "$defaultdict"}
 _FACTORIES: dict[str, Any] = {
     "None": None, "int": int, "float": float, "str": str, "bool": bool, "list": list, "dict": dict,
     "tuple": tuple, "set": set, "frozenset": frozenset, "collections.OrderedDict": OrderedDict,
@@ -291,7 +291,8 @@ class _Encoder:
         if type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
             raise _refuse(path, t, "tensor subclasses are not stored; convert with torch.Tensor(t) "
                                    "or t.as_subclass(torch.Tensor)")
-        if isinstance(t, torch.nn.parameter.UninitializedTensorMixin):
+        # UninitializedTensorMixin is public in torch.nn.parameter but missing from its .pyi stub.
+        if isinstance(t, torch.nn.parameter.UninitializedTensorMixin):  # type: ignore[attr-defined]
             if self.preflight:
                 return None
             raise _refuse(path, t, "a lazy module's parameter is not materialised yet; run one "

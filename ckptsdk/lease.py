@@ -26,7 +26,7 @@ import time
 import uuid
 from collections.abc import Callable
 from datetime import datetime, timezone
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -57,7 +57,7 @@ __all__ = [
 ]
 
 LEASE_KEY = "LEASE.json"
-LEASE_FORMAT = "ckptsdk.lease/1"
+LEASE_FORMAT: Final = "ckptsdk.lease/1"
 
 DEFAULT_TTL = 60.0  # local disk, GCS: see the module docstring
 DRIVE_TTL = 300.0  # backends whose changes reach other hosts late (Drive)

@@ -8,6 +8,7 @@ on request, the few numpy globals an RNG state needs); nothing on the restore pa
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import os
 import pickle
@@ -28,26 +29,29 @@ __all__ = ["cmd_import", "import_torch_checkpoint", "load_torch_checkpoint"]
 
 # Where the story's (and most hand-written loops') keys go. First match wins; each list is short
 # on purpose: an unknown key is reported, never guessed at.
-_OBJECT_KEYS = {
+_OBJECT_KEYS: dict[str, tuple[str, ...]] = {
     "model": ("model", "model_state_dict", "state_dict"),
     "optimizer": ("optimizer", "optimizer_state_dict", "optim"),
     "scheduler": ("scheduler", "lr_scheduler", "scheduler_state_dict"),
     "scaler": ("scaler", "grad_scaler", "scaler_state_dict"),
 }
-_RNG_KEYS = {
+_RNG_KEYS: dict[str, tuple[str, ...]] = {
     "torch": ("torch_rng", "torch_rng_state", "cpu_rng_state", "rng_state"),
     "cuda": ("cuda_rng", "cuda_rng_state"),
     "numpy": ("numpy_rng", "np_rng", "numpy_rng_state"),
     "python": ("python_rng", "py_rng", "python_rng_state", "random_state"),
 }
-_POSITION_KEYS = {"step": ("step", "global_step"), "epoch": ("epoch",), "batch_idx": ("batch_idx",)}
+_POSITION_KEYS: dict[str, tuple[str, ...]] = {
+    "step": ("step", "global_step"), "epoch": ("epoch",), "batch_idx": ("batch_idx",)}
 
 _GLOBAL_IN_ERROR = re.compile(r"GLOBAL ([\w.]+)")
 
 
 def _numpy_rng_globals() -> list[Any]:
     """The minimal allowlist for ``np.random.get_state()`` pickled by numpy 1.x or 2.x."""
-    reconstruct = np._core.multiarray._reconstruct if hasattr(np, "_core") else np.core.multiarray._reconstruct
+    # numpy 2 moved numpy.core to numpy._core; its stubs no longer have the old path.
+    multiarray = importlib.import_module("numpy._core.multiarray" if hasattr(np, "_core") else "numpy.core.multiarray")
+    reconstruct = multiarray._reconstruct
     allowed: list[Any] = [
         reconstruct,
         (reconstruct, "numpy.core.multiarray._reconstruct"),  # the name numpy 1.x pickles under

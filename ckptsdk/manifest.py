@@ -65,8 +65,8 @@ _FILE_NAME = r"^(?!\.\.?(/|$))[A-Za-z0-9_.-]+(/(?!\.\.?(/|$))[A-Za-z0-9_.-]+)*$"
 _UTC_TIME = (r"^[0-9]{4}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])T([01][0-9]|2[0-3]):[0-5][0-9]:"
              r"[0-5][0-9](\.[0-9]{1,6})?(Z|\+00:00)$")
 _NODE_REF = "#/$defs/SkeletonNode"
-_UTC_FIELD: dict[str, Any] = {"description": "UTC, ISO-8601: 2026-11-30T06:10:00.123456Z",
-                              "json_schema_extra": {"pattern": _UTC_TIME}}
+_UtcTime = Annotated[str, Field(description="UTC, ISO-8601: 2026-11-30T06:10:00.123456Z",
+                                 json_schema_extra={"pattern": _UTC_TIME})]
 
 
 def utc_now() -> str:
@@ -146,7 +146,7 @@ def user_fields(
     Raises:
         ConfigError: a value outside the rule; names the field, the key and the type.
     """
-    out = []
+    out: list[dict[str, Any]] = []
     for field, values, nested in (("metrics", metrics, False), ("extra", extra, True)):
         if values is None:
             out.append({})
@@ -320,7 +320,7 @@ class Manifest(_Model):
     format: str = Field(default=FORMAT, pattern=r"^ckptsdk\.checkpoint/1(\.[0-9]+)?$")
     step: int = Field(ge=0)
     position: Position = Field(default_factory=Position)
-    created_at: str = Field(default_factory=utc_now, **_UTC_FIELD)
+    created_at: _UtcTime = Field(default_factory=utc_now)
     writer: Writer
     files: list[FileEntry] = Field(json_schema_extra={
         "description": "unique names (JSON Schema cannot say so in general: readers check); at "
@@ -395,7 +395,7 @@ class LineageRecord(_Model):
     resumed_from_epoch: int | None = Field(default=None, ge=0)
     host: str = Field(default_factory=socket.gethostname)
     pid: int = Field(default_factory=os.getpid, ge=0)
-    created_at: str = Field(default_factory=utc_now, **_UTC_FIELD)
+    created_at: _UtcTime = Field(default_factory=utc_now)
 
     @field_validator("format", mode="before")
     @classmethod

@@ -88,7 +88,7 @@ def plot_audit(source: Any, path: str | os.PathLike[str], *, scalar: str = "loss
         bad = [s for s, v in pts if not math.isfinite(v)]
         if bad:
             ax.plot(bad, [0.0] * len(bad), "x", color="red", markersize=5)
-        resumed = summaries.get(attempt).resumed_from_step if attempt in summaries else None
+        resumed = summaries[attempt].resumed_from_step if attempt in summaries else None
         if resumed is not None:
             ax.axvline(resumed, color=color, linestyle="--", linewidth=1.0)
             ax.annotate(

@@ -30,7 +30,7 @@ import sys
 import threading
 import time
 from datetime import datetime, timezone
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -47,7 +47,7 @@ __all__ = [
 ]
 
 RUNLOG_PREFIX = "runlog/"
-RUNLOG_FORMAT = "ckptsdk.runlog/1"
+RUNLOG_FORMAT: Final = "ckptsdk.runlog/1"
 
 _ATTEMPT_RE = re.compile(r"^runlog/attempt-(\d+)/(attempt\.json|chunk-(\d+)\.jsonl)$")
 _NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}

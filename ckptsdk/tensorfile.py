@@ -105,7 +105,7 @@ def _byte_view(t: torch.Tensor) -> memoryview:
     flat = t.reshape(-1)
     if flat.dtype != torch.uint8:
         flat = flat.view(torch.uint8)
-    return memoryview(flat.numpy()).cast("B")
+    return flat.numpy().data.cast("B")
 
 
 class _Plan:
@@ -331,7 +331,7 @@ class _Reader:
     def scratch(self, n: int) -> memoryview:
         """A reusable uninitialised buffer of at least ``n`` bytes (n <= _READ_CHUNK)."""
         if self._scratch is None:
-            self._scratch = memoryview(torch.empty(max(1, min(self.size, _READ_CHUNK)), dtype=torch.uint8).numpy())
+            self._scratch = torch.empty(max(1, min(self.size, _READ_CHUNK)), dtype=torch.uint8).numpy().data
         return self._scratch[:n]
 
     def read_into(self, dest: memoryview) -> None:

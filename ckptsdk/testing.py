@@ -7,13 +7,16 @@ uses this module; it only wraps the public backend contract.
 
 from __future__ import annotations
 
+import builtins
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterable
-from typing import BinaryIO
+from typing import BinaryIO, TypeVar
 
 from .backends.base import Backend, Capabilities, Data, ObjectInfo
 from .errors import BackendError
+
+_T = TypeVar("_T")
 
 __all__ = ["FaultyBackend", "SimulatedCrash", "fail_nth", "FailOn", "OPS"]
 
@@ -71,11 +74,11 @@ class FaultyBackend:
         self._lock = threading.Lock()
 
     @property
-    def url(self) -> str:  # type: ignore[override]
+    def url(self) -> str:
         return self.inner.url
 
     @property
-    def capabilities(self) -> Capabilities:  # type: ignore[override]
+    def capabilities(self) -> Capabilities:
         return self.inner.capabilities
 
     def __repr__(self) -> str:
@@ -108,10 +111,10 @@ class FaultyBackend:
     def delete(self, key: str, *, version: str | None = None) -> None:
         return self._call("delete", key, lambda: self.inner.delete(key, version=version))
 
-    def sweep(self, older_than: float) -> list[str]:
+    def sweep(self, older_than: float) -> builtins.list[str]:  # `list` here is the method above
         return self._call("sweep", "", lambda: self.inner.sweep(older_than))
 
-    def _call(self, op: str, key: str, run: Callable[[], object]):  # type: ignore[no-untyped-def]
+    def _call(self, op: str, key: str, run: Callable[[], _T]) -> _T:
         with self._lock:
             self.calls[op] += 1
             n = self.calls[op]

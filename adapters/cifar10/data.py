@@ -80,7 +80,7 @@ def tensor_hash(images: torch.Tensor | Sequence[torch.Tensor], labels: torch.Ten
         for t in ([group] if isinstance(group, torch.Tensor) else list(group)):
             t = t.detach().cpu().contiguous()
             h.update(f"{str(t.dtype).removeprefix('torch.')}{tuple(t.shape)};".encode())
-            h.update(memoryview(t.numpy()).cast("B") if t.numel() else b"")
+            h.update(t.numpy().data.cast("B") if t.numel() else b"")
     return f"{HASH_ALGORITHM}:{h.hexdigest()}"
 
 

@@ -86,7 +86,7 @@ def _bounded_nbytes(shape: Any, dtype: Any, limit: int, where: str) -> None:
                         "(nothing was allocated)")
 
 
-class _RestrictedUnpickler(pickle._Unpickler):  # type: ignore[name-defined,misc]
+class _RestrictedUnpickler(pickle._Unpickler):
     # The pure-Python unpickler: the C one sizes its memo table from a pickle's index (a
     # LONG_BINPUT of 2**32 - 1 makes it allocate tens of GB); this one keeps a dict. Every other
     # structure a pickle can build costs bytes of the file, except the arrays, bounded below.

@@ -14,6 +14,7 @@ import pickle
 import struct
 import tarfile
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -76,7 +77,7 @@ def synthetic_cifar10(*, n_train: int = 50_000, n_test: int = 10_000, seed: int 
 
 
 # ------------------------------------------------------------------------ torchvision layout
-class _Py2Pickler(pickle._Pickler):  # type: ignore[misc]  # the pure-Python pickler is overridable
+class _Py2Pickler(pickle._Pickler):  # the pure-Python pickler is overridable
     """Writes pickles the way Python 2 + numpy 1.x wrote the real batch files.
 
     Bytes become ``BINSTRING`` (what a py2 ``str`` was; read back with ``encoding="bytes"``) instead of
@@ -84,6 +85,10 @@ class _Py2Pickler(pickle._Pickler):  # type: ignore[misc]  # the pure-Python pic
     """
 
     dispatch = pickle._Pickler.dispatch.copy()
+
+    if TYPE_CHECKING:  # the pure-Python pickler's own methods, which typeshed leaves out
+        def write(self, data: bytes) -> None: ...
+        def memoize(self, obj: object) -> None: ...
 
     def _save_py2_str(self, obj: bytes) -> None:
         n = len(obj)
@@ -93,7 +98,8 @@ class _Py2Pickler(pickle._Pickler):  # type: ignore[misc]  # the pure-Python pic
             self.write(pickle.BINSTRING + struct.pack("<i", n) + obj)
         self.memoize(obj)
 
-    dispatch[bytes] = _save_py2_str
+    # typeshed types dispatch entries as taking an Unpickler; pickle.py calls them with the pickler.
+    dispatch[bytes] = _save_py2_str  # type: ignore[assignment]
 
     def save_global(self, obj, name=None):  # noqa: ANN001, ANN201 - pickle's signature
         if obj is _reconstruct_fn():

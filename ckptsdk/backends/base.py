@@ -7,6 +7,7 @@ checkpoints, leases or manifests; implementations live in sibling modules.
 
 from __future__ import annotations
 
+import builtins
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import BinaryIO, Protocol, TypeAlias, runtime_checkable
@@ -138,7 +139,7 @@ class Backend(Protocol):
         """
         ...
 
-    def sweep(self, older_than: float) -> list[str]:
+    def sweep(self, older_than: float) -> builtins.list[str]:  # `list` here is the method above
         """Remove leftovers of crashed writes (temp files) older than ``older_than`` seconds.
 
         Returns what was removed. Stores without temp files (GCS, memory) return ``[]``.

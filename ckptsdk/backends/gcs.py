@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import builtins
 import io
 import json
 import logging
@@ -347,7 +348,7 @@ class GCSBackend:
         """
         meta = self._stat_meta(key)
         raw = _RangeReader(self, key, str(meta["generation"]), int(meta["size"]))
-        return io.BufferedReader(raw, buffer_size=self.read_block)  # type: ignore[return-value]
+        return io.BufferedReader(raw, buffer_size=self.read_block)
 
     def list(self, prefix: str = "") -> list[ObjectInfo]:
         """Every object whose key starts with ``prefix``, sorted; always a fresh listing."""
@@ -587,7 +588,7 @@ class GCSBackend:
             raise self._precondition(key, version)
         raise self._fail(reply, "DELETE", url, key, "delete")
 
-    def sweep(self, older_than: float) -> list[str]:
+    def sweep(self, older_than: float) -> builtins.list[str]:  # `list` here is the method above
         """Nothing to sweep: an unfinished GCS upload is never an object."""
         return []
 

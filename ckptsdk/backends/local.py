@@ -7,6 +7,7 @@ method meets is documented in ``base.py``.
 
 from __future__ import annotations
 
+import builtins
 import errno
 import fcntl
 import logging
@@ -250,7 +251,7 @@ class LocalBackend:
                 self._fsync_dir(folder)
                 self._prune(folder)
 
-    def sweep(self, older_than: float) -> list[str]:
+    def sweep(self, older_than: float) -> builtins.list[str]:  # `list` here is the method above
         """Remove temp files of crashed writes last modified more than ``older_than`` seconds ago.
 
         Returns:

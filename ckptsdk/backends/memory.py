@@ -7,6 +7,7 @@ a disk; persistence, crash behaviour and other hosts belong to the real backends
 
 from __future__ import annotations
 
+import builtins
 import io
 import threading
 from collections.abc import Callable
@@ -122,7 +123,7 @@ class MemoryBackend:
                 self._check_version("delete", key, current, version)
             del self._store.objects[key]
 
-    def sweep(self, older_than: float) -> list[str]:
+    def sweep(self, older_than: float) -> builtins.list[str]:  # `list` here is the method above
         """Nothing to sweep: a memory write has no temp objects."""
         return []
 

@@ -14,7 +14,7 @@ import json
 import logging
 from collections import Counter
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.distributed.checkpoint import (
@@ -144,7 +144,8 @@ class CkptStorageWriter(StorageWriter):
             # A rank holding several chunks of one entry names them by offset.
             name = fqn if counts[fqn] == 1 else f"{fqn}@{','.join(map(str, item.index.offset or ()))}"
             if item.type == WriteItemType.BYTE_IO:
-                raw = data.getvalue()
+                # resolve_data returns BytesIO for BYTE_IO items and a tensor otherwise.
+                raw = cast(io.BytesIO, data).getvalue()
                 if not raw.startswith(_JSON_MAGIC):
                     raise UnsupportedStateError(
                         f"state entry {fqn!r} arrived pickled; save with "
@@ -152,7 +153,7 @@ class CkptStorageWriter(StorageWriter):
                         type_name="bytes")
                 t = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
             else:
-                t = data.detach()
+                t = cast(torch.Tensor, data).detach()
                 if t.device.type != "cpu":
                     t = t.cpu()
             tensors[name] = t

@@ -102,8 +102,8 @@ class CkptsdkTrainer(Trainer):
             raise ConfigError("CkptsdkTrainer does not support load_best_model_at_end (it reloads from a "
                               "checkpoint folder); export the best step with `ckptsdk export URL@STEP`")
         self.ckpt_url = ckpt_url
-        self._ckpt_options = dict(keep_last=keep_last, keep_every=keep_every, lease_ttl=lease_ttl, force=force,
-                                  storage_options=dict(storage_options or {}))
+        self._ckpt_options: dict[str, Any] = dict(keep_last=keep_last, keep_every=keep_every, lease_ttl=lease_ttl,
+                                                  force=force, storage_options=dict(storage_options or {}))
         self._ckpt_mgr: CheckpointManager | None = None
         self._resume: dict[str, Any] | None = None
 
