@@ -512,8 +512,16 @@ class CheckpointManager:
         self.runlog.log_step(step, **scalars)
 
     def close(self) -> None:
-        """Wait for a background save, flush the step log, release the lease. Idempotent."""
+        """Wait for a background save, flush the step log, release the lease. Idempotent.
+
+        A stop signal that arrived since (``save_on_signal``) and was not yet acted on by a
+        save takes effect here, once the lease is released.
+        """
+        if self._closed:
+            return
         self._shutdown(wait=True)
+        if self._preemption is not None and self._preemption.requested:
+            self._preemption.deliver()
 
     def _shutdown(self, *, wait: bool) -> None:
         if self._closed:
