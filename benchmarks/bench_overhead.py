@@ -8,7 +8,7 @@ wrapper that adds a fixed latency to every storage call (what a GCS request or a
 metadata call costs). Then, per storage, a child process running the job gets SIGTERM at a random
 step; we time the signal to the committed checkpoint and to the process's exit.
 
-    python -m benchmarks.bench_overhead                    # 3-5 min on a 2-core VM (width 32, batch 32)
+    python -m benchmarks.bench_overhead                    # 2-5 min on a 2-core VM (width 16, batch 32)
     python -m benchmarks.bench_overhead --width 64 --batch-size 128 --steps 300   # ResNet-18 proper
 
 Overhead = (time of K steps with saves) / (time of K steps without) - 1, the configurations
@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=100, help="steps per configuration (default 100)")
     ap.add_argument("--reps", type=int, default=1, help="repetitions of the whole schedule (default 1)")
     ap.add_argument("--block", type=int, default=10, help="steps a configuration runs before the next takes over (default 10)")
-    ap.add_argument("--width", type=int, default=32, help="first-stage channels (64 = ResNet-18 proper; default 32)")
+    ap.add_argument("--width", type=int, default=16, help="first-stage channels (64 = ResNet-18 proper; default 16)")
     ap.add_argument("--batch-size", type=int, default=32, help="images per step (default 32)")
     ap.add_argument("--latency-ms", type=float, default=50.0, help="added to every storage call (default 50)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda (examples/gpu_check.py runs this on CUDA)")
