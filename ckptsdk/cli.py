@@ -1,6 +1,7 @@
 """The ``ckptsdk`` command: inspect, verify, audit and tidy a checkpoint root from a shell.
 
-``ckptsdk {ls,show,verify,audit,lease,gc} URL``; each prints a human table, or one JSON document
+``ckptsdk {ls,show,verify,audit,lease,gc} URL``, ``ckptsdk import FILE.pt URL`` and
+``ckptsdk export URL[@STEP] OUT.safetensors`` (their logic is in legacy_import.py and export.py); each prints a human table, or one JSON document
 on stdout with ``--json``. Read-only commands never take the writer lease. This module only parses
 arguments, calls the library and formats what it returns; checkpoint logic belongs elsewhere.
 
@@ -9,8 +10,10 @@ Exit codes:
     1  a check failed: ``verify`` found a torn or corrupt checkpoint; ``audit --strict`` DIVERGED
     2  usage: bad arguments or options, unknown URL scheme, missing optional dependency
     3  storage or lease: the store is unreachable or failed, the lease is unreadable or held
-    4  checkpoint: no such checkpoint, none valid, an unreadable manifest
+    4  checkpoint: no checkpoint root at the URL, no such checkpoint, none valid, an unreadable
+       manifest
   130  interrupted (Ctrl-C)
+  141  stdout was closed by its reader (``| head``): stopped quietly, like other Unix tools
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import argparse
 import json
 import logging
 import math
+import os
 import struct
 import sys
 import time
@@ -35,6 +39,7 @@ from .errors import (
     LeaseError,
     ManifestError,
     MissingDependencyError,
+    NoCheckpointRootError,
     ObjectNotFound,
 )
 
@@ -48,6 +53,7 @@ EXIT_USAGE = 2
 EXIT_STORAGE = 3
 EXIT_CHECKPOINT = 4
 EXIT_INTERRUPTED = 130
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: what a shell reports for a Unix tool whose reader left
 
 _MAX_SAFETENSORS_HEADER = 100_000_000
 
@@ -86,6 +92,17 @@ def _backend(args: argparse.Namespace) -> Any:
     from .backends import open_backend
 
     return open_backend(args.url, **_storage_options(args.storage_option))
+
+
+def _require_root(backend: Any, url: str) -> None:
+    """Exit 4 on a URL where nothing is stored: a typo must not read as "no checkpoints", exit 0."""
+    from .lease import LEASE_KEY
+
+    if backend.exists(LEASE_KEY) or backend.list(""):
+        return
+    raise NoCheckpointRootError(
+        f"no checkpoint root at {url}: nothing is stored there (no {LEASE_KEY}, no checkpoint); "
+        "check the URL", url=url)
 
 
 def _human_size(n: int | None) -> str:
@@ -165,7 +182,7 @@ def _info_dict(info: Any) -> dict[str, Any]:
 
 def _status(info: Any) -> str:
     if info.valid:
-        return "valid"
+        return "sizes ok"  # what the listing checked; only `verify` re-hashes the bytes
     return info.reason or "invalid"
 
 
@@ -212,6 +229,7 @@ def _parse_wall(text: str | None) -> datetime | None:
 
 def cmd_ls(args: argparse.Namespace) -> int:
     mgr = _manager(args)
+    _require_root(mgr.backend, args.url)
     infos = mgr.list()
     rows = [_info_dict(i) for i in infos]
     if args.json:
@@ -227,8 +245,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
     ]
     print(_table(table, ["STEP", "EPOCH", "SIZE", "WRITER", "CREATED", "STATUS"]))
     valid = sum(1 for r in rows if r["valid"])
-    print(f"\n{len(rows)} checkpoint folders under {args.url}, {valid} valid "
-          "(WRITER: lease epoch/attempt)")
+    print(f"\n{len(rows)} checkpoint folders under {args.url}, {valid} restorable by their manifest "
+          "and file sizes (WRITER: lease epoch/attempt); `ckptsdk verify URL --all` re-hashes the bytes")
     return EXIT_OK
 
 
@@ -307,6 +325,7 @@ def _verify_one(mgr: Any, info: Any) -> tuple[str, str | None]:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     mgr = _manager(args)
+    _require_root(mgr.backend, args.url)
     infos = mgr.list()
     if args.all:
         targets = list(infos)
@@ -359,7 +378,9 @@ def cmd_audit(args: argparse.Namespace) -> int:
 
     if args.tolerance < 0 or not math.isfinite(args.tolerance):
         raise _UsageError(f"--tolerance must be a finite number >= 0, got {args.tolerance}")
-    report = audit(_backend(args), tolerance=args.tolerance)
+    backend = _backend(args)
+    _require_root(backend, args.url)
+    report = audit(backend, tolerance=args.tolerance)
     plot_path = None
     if args.plot:
         from .plot import plot_audit
@@ -471,6 +492,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
     if args.keep_last is not None and args.keep_last < 1:
         raise _UsageError(f"--keep-last must be >= 1 (the newest checkpoint is always kept), got {args.keep_last}")
     mgr = _manager(args)
+    _require_root(mgr.backend, args.url)
     kwargs: dict[str, Any] = {"keep_last": args.keep_last, "dry_run": args.dry_run}
     if args.grace is not None:
         kwargs["grace"] = args.grace
@@ -497,7 +519,7 @@ def _parser() -> argparse.ArgumentParser:
         prog="ckptsdk",
         description="Inspect, verify, audit and tidy a ckptsdk checkpoint root (a path, drive://REL, gs://BUCKET/PREFIX).",
         epilog="exit codes: 0 ok, 1 a check failed (verify, audit --strict), 2 usage, 3 storage or lease, "
-               "4 no such/valid checkpoint, 130 interrupted. gs:// uses the ambient credentials or "
+               "4 no checkpoint root or no such/valid checkpoint, 130 interrupted, 141 reader closed the pipe. gs:// uses the ambient credentials or "
                "STORAGE_EMULATOR_HOST; add --storage-option KEY=VALUE for gcsfs.",
     )
     p.add_argument("-v", "--verbose", action="count", default=0, help="log more (-v info, -vv debug) to stderr")
@@ -535,7 +557,42 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("--dry-run", action="store_true", help="only print what would be deleted")
     sp.add_argument("--grace", type=float, help="seconds a crashed write's leftovers must be old to go")
     sp.set_defaults(fn=cmd_gc)
+    _add_porting_commands(sub)
     return p
+
+
+def _porting(module: str, name: str) -> Any:
+    """A command whose logic lives in ckptsdk.legacy_import / ckptsdk.export, imported only when
+    that command runs (so nothing else in the CLI ever imports the torch.load door)."""
+    def run(args: argparse.Namespace) -> int:
+        import importlib
+
+        return int(getattr(importlib.import_module(f"ckptsdk.{module}"), name)(args))
+    return run
+
+
+def _add_porting_commands(sub: Any) -> None:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--json", action="store_true", help="print one JSON document")
+    common.add_argument("--storage-option", action="append", metavar="KEY=VALUE", help="fsspec/gcsfs storage option")
+    sp = sub.add_parser("import", parents=[common], help="commit a torch.save checkpoint (.pt) as a new root's first "
+                        "checkpoint, read with weights_only=True")
+    sp.add_argument("file", metavar="FILE.pt")
+    sp.add_argument("url", metavar="URL", help="a checkpoint root without checkpoints")
+    sp.add_argument("--allow-numpy-rng", action="store_true",
+                    help="accept the 4 numpy globals np.random.get_state() needs (nothing else)")
+    sp.add_argument("--step", type=int, help="the step to record (default: the file's 'step'/'global_step')")
+    sp.add_argument("--drop", action="append", metavar="KEY", help="leave this key of the file out (repeatable)")
+    sp.add_argument("--force", action="store_true", help="break a live writer lease on URL")
+    sp.set_defaults(fn=_porting("legacy_import", "cmd_import"))
+    sp = sub.add_parser("export", parents=[common], help="write a checkpoint's model weights to one .safetensors file")
+    sp.add_argument("url", metavar="URL[@STEP]", help="checkpoint root, optionally @STEP (default: newest valid)")
+    sp.add_argument("out", metavar="OUT.safetensors")
+    sp.add_argument("--object", metavar="PATH", help="where the state dict is in the tree (default: objects/model, "
+                    "objects/model_0 or lightning/state_dict)")
+    sp.add_argument("--tied", action="append", metavar="REMOVED=KEPT",
+                    help="declare a tied weight: written once, recorded in the metadata as save_model does")
+    sp.set_defaults(fn=_porting("export", "cmd_export"))
 
 
 def _exit_code(exc: CkptError) -> int:
@@ -568,6 +625,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.monotonic()
     try:
         code = args.fn(args)
+        sys.stdout.flush()  # here, so that a closed pipe is handled below and not at exit
+    except BrokenPipeError:
+        # `ckptsdk audit URL | head -1`: the reader has what it wanted. Stop quietly, as Unix
+        # tools do, and keep the interpreter's exit flush from failing on the closed pipe too.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
     except _Failed:
         code = EXIT_FAILED
     except _UsageError as exc:

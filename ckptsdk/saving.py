@@ -17,7 +17,7 @@ import os
 import queue
 import socket
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
@@ -108,6 +108,7 @@ class _Job:
     metrics: dict[str, Any]
     tags: dict[str, str]
     device: str
+    extra_files: tuple[FileEntry, ...] = ()
 
 
 class SavePipeline:
@@ -156,7 +157,8 @@ class SavePipeline:
         self._bg.stop()
 
     def save(self, state: Any, *, step: int, position: Position, metrics: Mapping[str, Any] | None,
-             tags: Mapping[str, str] | None, blocking: bool, snapshot: str = "pipelined") -> CheckpointInfo:
+             tags: Mapping[str, str] | None, blocking: bool, snapshot: str = "pipelined",
+             extra_files: Sequence[FileEntry] = ()) -> CheckpointInfo:
         """See :meth:`ckptsdk.CheckpointManager.save`.
 
         Non-blocking saves touch no storage here: the fencing check reads the flag the lease
@@ -172,7 +174,7 @@ class SavePipeline:
         tree = state.state_dict() if hasattr(state, "state_dict") else state
         tensors, skeleton = codec.encode(tree)
         job = _Job(folder=folder, step=step, position=position, metrics=dict(metrics or {}),
-                   tags=dict(tags or {}), device=_device_of(tensors))
+                   tags=dict(tags or {}), device=_device_of(tensors), extra_files=tuple(extra_files))
         if blocking:
             return self._store(job, tensors, skeleton)
         defer: set[str] = set()
@@ -222,14 +224,17 @@ class SavePipeline:
         if self.runlog is not None:
             self.runlog.flush()
         return self.commit(job.folder, job.step, dict(tensors), skeleton, job.position, job.metrics,
-                           job.tags, job.device)
+                           job.tags, job.device, job.extra_files)
 
     def commit(
         self, folder: str, step: int, tensors: dict[str, torch.Tensor], skeleton: Any,
         position: Position, metrics: Mapping[str, Any] | None, tags: Mapping[str, str] | None,
-        device: str,
+        device: str, extra_files: Sequence[FileEntry] = (),
     ) -> CheckpointInfo:
-        """Write the tensor file, renew the lease, publish the manifest (the commit), rotate."""
+        """Write the tensor file, renew the lease, publish the manifest (the commit), rotate.
+
+        ``extra_files`` were written into ``folder`` by others (distributed ranks) beforehand.
+        """
         self.lease.check()
         size, digest = write_tensorfile(self.backend, f"{folder}/{TENSORS}", tensors)
         manifest = Manifest(
@@ -241,7 +246,7 @@ class SavePipeline:
                 host=socket.gethostname(), pid=os.getpid(),
                 resumed_from_step=self.resumed_from.step if self.resumed_from else None,
             ),
-            files=[FileEntry(name=TENSORS, size=size, digest=digest, algorithm=DIGEST_ALGORITHM)],
+            files=[FileEntry(name=TENSORS, size=size, digest=digest, algorithm=DIGEST_ALGORITHM), *extra_files],
             tree=skeleton,
             metrics=_plain_metrics(metrics),
             environment=Environment.current(device=device),
@@ -268,8 +273,16 @@ class SavePipeline:
         """Re-commit a restored checkpoint under this writer's rank (see ``restore``)."""
         tensors, skeleton = codec.encode(tree)
         folder = checkpoint_dir(manifest.step, self.lease.epoch, self.tag)
+        # Files beyond the tensor file (distributed ranks') are copied as they are, then listed.
+        extra = [f for f in manifest.files if f.name != TENSORS]
+        if extra:
+            assert self.resumed_from is not None
+            for entry in extra:
+                self.lease.check()
+                self.backend.write(f"{folder}/{entry.name}",
+                                   self.backend.read(f"{self.resumed_from.key}/{entry.name}"))
         self.commit(folder, manifest.step, tensors, skeleton, manifest.position, manifest.metrics,
-                    manifest.tags, manifest.environment.device or "cpu")
+                    manifest.tags, manifest.environment.device or "cpu", extra)
 
     def write_lineage(self, step: int | None, epoch: int | None) -> None:
         """Record, once per epoch, where this writer's lineage starts (before its first commit)."""
