@@ -268,7 +268,9 @@ class CheckpointManager:
 
     def should_save(self, step: int) -> bool:
         """True every ``save_every`` steps (never at step 0), and at once after a stop signal."""
-        if self.preempted:
+        # getattr: ckptsdk.distributed's manager borrows this method without the signal machinery.
+        preemption = getattr(self, "_preemption", None)
+        if preemption is not None and preemption.requested:
             return True
         return bool(self.save_every) and step > 0 and step % self.save_every == 0  # type: ignore[operator]
 
