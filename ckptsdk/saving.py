@@ -12,12 +12,13 @@ Ordering that matters (each is a crash window or a zombie window):
 
 from __future__ import annotations
 
-import json
 import logging
 import os
+import queue
 import socket
 import threading
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
@@ -26,12 +27,13 @@ import torch
 from . import codec
 from .backends.base import Backend
 from .catalog import MANIFEST, TENSORS, Catalog, CheckpointInfo, Rank, checkpoint_dir, lineage_key, writer_tag
-from .errors import LeaseLostError, PreconditionFailed
+from .errors import CheckpointError, LeaseLostError, PreconditionFailed
 from .lease import Lease
 from .manifest import Environment, FileEntry, LineageRecord, Manifest, Position, Writer
 from .rotation import Rotation
 from .runlog import RunLog
 from .staging import Stager
+from .state import tensor_key
 from .tensorfile import DIGEST_ALGORITHM, write_tensorfile
 
 logger = logging.getLogger(__name__)
@@ -40,40 +42,73 @@ __all__ = ["SavePipeline"]
 
 
 class _BackgroundSave:
-    """One save in flight on a worker thread; its failure is kept until someone asks."""
+    """One save at a time on a long-lived worker thread; its failure is kept until someone asks.
+
+    The worker is started once and fed through a queue: ``Thread.start()`` would make every
+    save wait for the new thread to come up and hand the interpreter lock back, a few
+    milliseconds of stall on a busy machine.
+    """
 
     def __init__(self) -> None:
         self._thread: threading.Thread | None = None
+        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._idle = threading.Event()
+        self._idle.set()
         self._error: BaseException | None = None
         self._lock = threading.Lock()
 
-    def start(self, fn: Any, name: str) -> None:
-        def run() -> None:
+    def start(self, fn: Callable[[], None], name: str) -> None:
+        self._idle.clear()
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+            self._thread.start()
+        self._jobs.put(fn)
+
+    def _run(self) -> None:
+        while True:
+            fn = self._jobs.get()
+            if fn is None:
+                return
             try:
                 fn()
             except BaseException as exc:  # kept and re-raised on the caller's thread
                 with self._lock:
                     self._error = exc
+            finally:
+                self._idle.set()
 
-        self._thread = threading.Thread(target=run, name=name, daemon=True)
-        self._thread.start()
+    def stop(self) -> None:
+        """Let the worker thread end once the save in flight is done."""
+        if self._thread is not None:
+            self._jobs.put(None)
+            self._thread = None
 
     @property
     def busy(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return not self._idle.is_set()
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait for the save in flight; re-raise its failure here. False if still running."""
-        if self._thread is not None:
-            self._thread.join(timeout)
-            if self._thread.is_alive():
-                return False
-            self._thread = None
+        if not self._idle.wait(timeout):
+            return False
         with self._lock:
             error, self._error = self._error, None
         if error is not None:
             raise error
         return True
+
+
+@dataclass(frozen=True)
+class _Job:
+    """What a save commits besides its tensors (captured at ``save()``)."""
+
+    folder: str
+    step: int
+    position: Position
+    metrics: dict[str, Any]
+    tags: dict[str, str]
+    device: str
+    extra_files: tuple[FileEntry, ...] = ()
 
 
 class SavePipeline:
@@ -105,6 +140,8 @@ class SavePipeline:
         self._bg = _BackgroundSave()
         self._stager: Stager | None = None
         self._lineage_written = False
+        self._abandoned = threading.Event()
+        self._committed: dict[str, CheckpointInfo] = {}
 
     @property
     def busy(self) -> bool:
@@ -115,50 +152,86 @@ class SavePipeline:
         """Wait for a background save; re-raise its failure. False if it is still running."""
         return self._bg.wait(timeout)
 
-    def raise_background_failure(self) -> None:
-        """Re-raise a finished background save's failure (no wait for one in flight)."""
-        if not self._bg.busy:
-            self._bg.wait()
+    def stop(self) -> None:
+        """No more saves: let the worker thread end after the one in flight."""
+        self._bg.stop()
 
     def save(self, state: Any, *, step: int, position: Position, metrics: Mapping[str, Any] | None,
-             tags: Mapping[str, str] | None, blocking: bool,
+             tags: Mapping[str, str] | None, blocking: bool, snapshot: str = "pipelined",
              extra_files: Sequence[FileEntry] = ()) -> CheckpointInfo:
-        """See :meth:`ckptsdk.CheckpointManager.save`."""
-        self._bg.wait()  # one save in flight; its failure surfaces here
+        """See :meth:`ckptsdk.CheckpointManager.save`.
+
+        Non-blocking saves touch no storage here: the fencing check reads the flag the lease
+        heartbeat keeps fresh, and everything else runs on the worker (:meth:`_store`).
+        """
+        self._bg.wait()  # one save in flight (the staging buffers are its); its failure surfaces here
         self.lease.check()
+        folder = checkpoint_dir(step, self.lease.epoch, self.tag)
+        done = self._committed.get(folder)
+        if done is not None:
+            logger.debug("step %d already committed as %s; not saving it twice", step, folder)
+            return done
+        tree = state.state_dict() if hasattr(state, "state_dict") else state
+        tensors, skeleton = codec.encode(tree)
+        job = _Job(folder=folder, step=step, position=position, metrics=dict(metrics or {}),
+                   tags=dict(tags or {}), device=_device_of(tensors), extra_files=tuple(extra_files))
+        if blocking:
+            return self._store(job, tensors, skeleton)
+        defer: set[str] = set()
+        if snapshot == "pipelined" and callable(getattr(state, "step_only_tensors", None)) and state.optimizers():
+            keys = state.step_only_tensors()
+            defer = {name for name, t in tensors.items() if tensor_key(t) in keys}
+        if self._stager is None:
+            self._stager = Stager()
+        pending = self._stager.begin(tensors, defer)
+        if defer:
+            state.hold_steps(pending.wait_copied)
+        # The skeleton needs no copy: codec.encode builds fresh containers of immutable leaves.
+
+        def work() -> None:
+            pending.finish()
+            self._store(job, pending.tensors, skeleton)
+
+        self._bg.start(work, name=f"ckptsdk-save-{step}")
+        return CheckpointInfo(step=step, epoch=self.lease.epoch, key=folder, size=0, committed=False,
+                              valid=False, reason="save in progress")
+
+    @property
+    def last_committed(self) -> CheckpointInfo | None:
+        """The newest checkpoint this pipeline committed, if any."""
+        return next(iter(self._committed.values()), None)
+
+    def abandon(self) -> None:
+        """Make the save in flight stop before its commit (preemption past its deadline).
+
+        A publish already under way completes (it is atomic); nothing is published after it.
+        """
+        self._abandoned.set()
+
+    def _store(self, job: _Job, tensors: Mapping[str, torch.Tensor], skeleton: Any) -> CheckpointInfo:
+        """The storage half of a save: renew and list (fencing), lineage, step log, tensors,
+        renew again, commit, rotate."""
+        # Renewed before anything is written: a writer taken over (even by a newcomer that has
+        # not listed anything yet) stops here, not after writing a tensor file it cannot commit.
         self.lease.renew()
         cat = self._scan()
         self.fence_if_newer(cat.max_rank)
-        folder = checkpoint_dir(step, self.lease.epoch, self.tag)
-        existing = next((c for c in cat.checkpoints if c.key == folder and c.committed), None)
+        existing = next((c for c in cat.checkpoints if c.key == job.folder and c.committed), None)
         if existing is not None:
-            logger.debug("step %d already committed as %s; not saving it twice", step, folder)
+            logger.debug("step %d already committed as %s; not saving it twice", job.step, job.folder)
             return existing
         self.write_lineage(None, None)
-        tree = state.state_dict() if hasattr(state, "state_dict") else state
-        tensors, skeleton = codec.encode(tree)
-        device = _device_of(tensors)
         if self.runlog is not None:
             self.runlog.flush()
-        if blocking:
-            return self.commit(folder, step, tensors, skeleton, position, metrics, tags, device, extra_files)
-        if self._stager is None:
-            self._stager = Stager()
-        staged = self._stager.snapshot(tensors)
-        skeleton = json.loads(json.dumps(skeleton))  # detached from live objects
-        self._bg.start(
-            lambda: self.commit(folder, step, staged, skeleton, position, metrics, tags, device, extra_files),
-            name=f"ckptsdk-save-{step}",
-        )
-        return CheckpointInfo(step=step, epoch=self.lease.epoch, key=folder, size=0, committed=False,
-                              valid=False, reason="save in progress")
+        return self.commit(job.folder, job.step, dict(tensors), skeleton, job.position, job.metrics,
+                           job.tags, job.device, job.extra_files)
 
     def commit(
         self, folder: str, step: int, tensors: dict[str, torch.Tensor], skeleton: Any,
         position: Position, metrics: Mapping[str, Any] | None, tags: Mapping[str, str] | None,
         device: str, extra_files: Sequence[FileEntry] = (),
     ) -> CheckpointInfo:
-        """Write the tensor file, publish the manifest (the commit), then rotate.
+        """Write the tensor file, renew the lease, publish the manifest (the commit), rotate.
 
         ``extra_files`` were written into ``folder`` by others (distributed ranks) beforehand.
         """
@@ -180,14 +253,21 @@ class SavePipeline:
             tags=dict(tags or {}),
         )
         # A zombie that lost the lease while writing the tensors must not commit them: renew
-        # (not just check) so a takeover during a long write is seen before the commit.
+        # (compare-and-swap, not just check) so a takeover during the write is seen here.
         self.lease.renew()
+        if self._abandoned.is_set():
+            raise CheckpointError(
+                f"the save of step {step} under {self.url} was abandoned before its commit (its "
+                "deadline passed); the previous committed checkpoint is intact",
+                url=self.url, step=step, key=folder)
         published = self.backend.write(f"{folder}/{MANIFEST}", manifest.to_json())
         self._memo[(published.key, published.version)] = manifest  # the next scan need not re-read it
         logger.info("committed %s/%s (%d bytes)", self.url, folder, size)
-        self.rotation.rotate(self.lease, self.rank, self._scan, self.resumed_from)
-        return CheckpointInfo(step=step, epoch=self.lease.epoch, key=folder, size=size, committed=True,
+        info = CheckpointInfo(step=step, epoch=self.lease.epoch, key=folder, size=size, committed=True,
                               valid=True, manifest=manifest)
+        self._committed = {folder: info}  # the newest only: an older one may have been rotated out
+        self.rotation.rotate(self.lease, self.rank, self._scan, self.resumed_from)
+        return info
 
     def anchor(self, tree: Any, manifest: Manifest) -> None:
         """Re-commit a restored checkpoint under this writer's rank (see ``restore``)."""
