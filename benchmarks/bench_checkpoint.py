@@ -502,7 +502,8 @@ ROW_ORDER = [
     "ckptsdk save (manager, sync)",
     "ckptsdk async stall (direct)", "ckptsdk async total (direct)", "ckptsdk async stall (manager)",
     "ckptsdk async total (manager)", "ckptsdk async stall (manager, +20 ms/call)",
-    "ckptsdk async stall (manager, +50 ms/call)", "raw cold read", "torch.load (cold)", "ckptsdk restore (direct, verified)",
+    "ckptsdk async stall (manager, +50 ms/call)", "raw cold read", "torch.load (cold)",
+    "ckptsdk restore (direct, verified)",
     "ckptsdk restore (manager, verified)", "gcs raw upload", "gcs ckptsdk save (direct)", "gcs ckptsdk save (manager)",
     "gcs raw download", "gcs ckptsdk restore (direct)", "gcs ckptsdk restore (manager)",
 ]

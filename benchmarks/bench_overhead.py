@@ -173,7 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=100, help="steps per configuration (default 100)")
     ap.add_argument("--reps", type=int, default=1, help="repetitions of the whole schedule (default 1)")
-    ap.add_argument("--block", type=int, default=10, help="steps a configuration runs before the next takes over (default 10)")
+    ap.add_argument("--block", type=int, default=10,
+                    help="steps a configuration runs before the next takes over (default 10)")
     ap.add_argument("--width", type=int, default=16, help="first-stage channels (64 = ResNet-18 proper; default 16)")
     ap.add_argument("--batch-size", type=int, default=32, help="images per step (default 32)")
     ap.add_argument("--latency-ms", type=float, default=50.0, help="added to every storage call (default 50)")
@@ -210,7 +211,8 @@ def main(argv: list[str] | None = None) -> int:
         # Round-robin in blocks: each configuration runs --block steps in turn, so the load of a
         # shared machine drifts over all of them alike (order rotated every round).
         configs: list[tuple[str, int | None]] = [("-", None)] + saving
-        runs = {f"{s}/{e or 'never'}": {"seconds": 0.0, "thread_cpu": 0.0, "stalls": [], "blocks": []} for s, e in configs}
+        runs = {f"{s}/{e or 'never'}": {"seconds": 0.0, "thread_cpu": 0.0, "stalls": [], "blocks": []}
+                for s, e in configs}
         counters = {key: 0 for key in runs}
         rounds = max(1, args.steps // args.block) * args.reps
         for r in range(rounds):

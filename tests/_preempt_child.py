@@ -20,7 +20,6 @@ import torch
 from ckptsdk import CheckpointManager, TrainState, open_backend
 from ckptsdk.testing import FaultyBackend
 
-
 _ARMED = [False]  # slow writes only after restore (a takeover's anchor writes at full speed)
 
 

@@ -15,10 +15,9 @@ import pytest
 import torch
 
 from adapters.cifar10.model import build_model
-from ckptsdk import CheckpointManager, TrainState
-from ckptsdk.catalog import TENSORS
-from ckptsdk import staging
+from ckptsdk import CheckpointManager, TrainState, staging
 from ckptsdk.backends.memory import MemoryBackend
+from ckptsdk.catalog import TENSORS
 
 
 def _sgd_job(seed: int = 0):
@@ -115,7 +114,7 @@ def _first_difference(x, y, path="") -> str:
             if d:
                 return d
     if isinstance(x, (list, tuple)):
-        for i, (u, v) in enumerate(zip(x, y)):
+        for i, (u, v) in enumerate(zip(x, y, strict=True)):  # a length difference fails too
             d = _first_difference(u, v, f"{path}/{i}")
             if d:
                 return d

@@ -41,7 +41,8 @@ def _read_until(proc: subprocess.Popen[str], want: str, limit: float = 120.0) ->
         lines.append(line.strip())
         if line.strip() == want:
             return lines
-    raise AssertionError(f"child never printed {want!r}; got {lines[-5:]}, stderr: {proc.stderr.read() if proc.stderr else ''}")
+    stderr = proc.stderr.read() if proc.stderr else ""
+    raise AssertionError(f"child never printed {want!r}; got {lines[-5:]}, stderr: {stderr}")
 
 
 def _finish(proc: subprocess.Popen[str], limit: float = 120.0) -> tuple[int, list[str], str]:
