@@ -176,7 +176,7 @@ class SimDriveBackend:
     def stat(self, key: str) -> ObjectInfo:
         obj = self._get(key)
         assert obj.data is not None
-        return ObjectInfo(key, len(obj.data), obj.version)
+        return ObjectInfo(key, len(obj.data), obj.version, obj.stamp[0])
 
     def exists(self, key: str) -> bool:
         check_key(key, url=self.url)
@@ -185,14 +185,14 @@ class SimDriveBackend:
 
     def list(self, prefix: str = "") -> list[ObjectInfo]:
         check_prefix(prefix, url=self.url)
-        return [ObjectInfo(k, len(o.data), o.version) for k, o in sorted(self._view().items())
+        return [ObjectInfo(k, len(o.data), o.version, o.stamp[0]) for k, o in sorted(self._view().items())
                 if o.data is not None and k.startswith(prefix)]
 
     def write(self, key: str, data: Data) -> ObjectInfo:
         check_key(key, url=self.url)
         blob = b"".join(bytes(c) for c in iter_chunks(data))
         obj = self.sim.change(self.vm, key, blob)
-        return ObjectInfo(key, len(blob), obj.version)
+        return ObjectInfo(key, len(blob), obj.version, obj.stamp[0])
 
     def create(self, key: str, data: Data) -> ObjectInfo:
         # Checks this VM's view only: another VM's object of the same name may be in flight.

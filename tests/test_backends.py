@@ -120,6 +120,26 @@ def test_stat_and_exists(backend):
         backend.stat("k")
 
 
+def test_objects_carry_the_time_the_store_reports(backend):
+    """``mtime`` is the store's own time of the last write: the same through write, stat and
+    list, moving forward with a later write, and this store's clock (here: 127.0.0.1's)."""
+    first = backend.write("t/a", b"1")
+    time.sleep(0.02)
+    second = backend.write("t/b", b"22")
+    for info in (first, second):
+        assert isinstance(info.mtime, float)
+        assert abs(info.mtime - time.time()) < 120
+    listed = {o.key: o for o in backend.list("t/")}
+    assert listed["t/a"].mtime == backend.stat("t/a").mtime == first.mtime
+    assert listed["t/b"].mtime == second.mtime
+    assert second.mtime >= first.mtime
+    time.sleep(0.02)
+    rewritten = backend.write("t/a", b"333")
+    assert rewritten.mtime >= second.mtime and backend.stat("t/a").mtime == rewritten.mtime
+    # Equality stays the version's business: a record without a time equals one with it.
+    assert ObjectInfo("t/b", 2, second.version) == second
+
+
 @pytest.mark.parametrize("op", ["read", "open", "stat", "delete"])
 def test_missing_key_is_object_not_found(backend, op):
     backend.write("present", b"1")

@@ -8,7 +8,7 @@ checkpoints, leases or manifests; implementations live in sibling modules.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import BinaryIO, Protocol, Union, runtime_checkable
 
 from ..errors import InvalidKey
@@ -46,11 +46,19 @@ class ObjectInfo:
 
     ``version`` is opaque: equal tokens mean the same write. GCS: the generation. Local disk: the
     inode, size and mtime of the published file (a new file is published at every write).
+
+    ``mtime`` is the time the *store* reports for the object's last write, in POSIX seconds
+    (local disk and the Drive mount: the file's mtime; GCS: the object's ``updated``; memory: the
+    process clock at the write), or None where the store reports none. It is what the age of a
+    crashed writer's leftovers is judged by: compare it with another object's ``mtime`` from the
+    same store, not with this machine's clock (another VM's clock may drift). Not part of
+    equality: the version alone identifies a write.
     """
 
     key: str
     size: int
     version: str
+    mtime: float | None = field(default=None, compare=False)
 
 
 @runtime_checkable
@@ -116,7 +124,10 @@ class Backend(Protocol):
         ...
 
     def stat(self, key: str) -> ObjectInfo:
-        """Return the object's size and version, or raise ``ObjectNotFound``."""
+        """Return the object's size, version and store time, or raise ``ObjectNotFound``.
+
+        Hint: local ``os.stat`` (``st_mtime``); GCS the object resource's ``updated``.
+        """
         ...
 
     def exists(self, key: str) -> bool:

@@ -20,6 +20,7 @@ import secrets
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any, BinaryIO
 from urllib.parse import quote
 
@@ -250,7 +251,8 @@ class GCSBackend:
         )
 
     def _info(self, key: str, meta: dict[str, Any]) -> ObjectInfo:
-        return ObjectInfo(key=key, size=int(meta["size"]), version=str(meta["generation"]))
+        return ObjectInfo(key=key, size=int(meta["size"]), version=str(meta["generation"]),
+                          mtime=_rfc3339(meta.get("updated")))
 
     def _current_generation(self, key: str) -> str | None:
         try:
@@ -630,6 +632,16 @@ def _rechunk(pieces: Iterator[memoryview], step: int) -> Iterator[tuple[bytes, b
             del buf[:step]
             yield chunk, False
     yield bytes(buf), True
+
+
+def _rfc3339(stamp: Any) -> float | None:
+    """GCS's ``updated`` (RFC 3339, server clock) as POSIX seconds; None if absent or odd."""
+    if not isinstance(stamp, str):
+        return None
+    try:
+        return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return None
 
 
 def _crc32c(crc: int, data: Any) -> int:

@@ -143,7 +143,7 @@ class LocalBackend:
             st = os.stat(path)
             if not stat_mod.S_ISREG(st.st_mode):
                 raise IsADirectoryError(errno.EISDIR, "a folder, not an object", path)
-            return ObjectInfo(key, st.st_size, version_of(st))
+            return ObjectInfo(key, st.st_size, version_of(st), st.st_mtime_ns / 1e9)
 
     def exists(self, key: str) -> bool:
         """Whether ``key`` is an object now, as this machine sees it."""
@@ -176,7 +176,7 @@ class LocalBackend:
                 except FileNotFoundError:  # deleted while we listed: it is simply not there
                     continue
                 if stat_mod.S_ISREG(st.st_mode):
-                    out.append(ObjectInfo(key, st.st_size, version_of(st)))
+                    out.append(ObjectInfo(key, st.st_size, version_of(st), st.st_mtime_ns / 1e9))
         out.sort(key=lambda info: info.key)
         return out
 
@@ -269,7 +269,7 @@ class LocalBackend:
         except BaseException:
             self._discard(tmp)
             raise
-        return ObjectInfo(key, st.st_size, version_of(st))
+        return ObjectInfo(key, st.st_size, version_of(st), st.st_mtime_ns / 1e9)
 
     def _commit_replace(self, path: str, tmp: str) -> None:
         os.replace(tmp, path)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import BinaryIO, Callable, Optional
 
@@ -19,7 +20,7 @@ from .base import Capabilities, Data, ObjectInfo, check_key, check_prefix, iter_
 @dataclass
 class _Store:
     lock: threading.Lock = field(default_factory=threading.Lock)
-    objects: dict[str, tuple[bytes, str]] = field(default_factory=dict)
+    objects: dict[str, tuple[bytes, str, float]] = field(default_factory=dict)  # data, version, mtime
     counter: int = 0
 
     def next_version(self) -> str:
@@ -73,8 +74,8 @@ class MemoryBackend:
 
     def stat(self, key: str) -> ObjectInfo:
         """Size and version of ``key``, or ``ObjectNotFound``."""
-        data, version = self._get(key)
-        return ObjectInfo(key, len(data), version)
+        data, version, mtime = self._get(key)
+        return ObjectInfo(key, len(data), version, mtime)
 
     def exists(self, key: str) -> bool:
         """Whether ``key`` exists now."""
@@ -87,7 +88,7 @@ class MemoryBackend:
         check_prefix(prefix, url=self.url)
         with self._store.lock:
             items = [(k, v) for k, v in self._store.objects.items() if k.startswith(prefix)]
-        return [ObjectInfo(k, len(data), version) for k, (data, version) in sorted(items)]
+        return [ObjectInfo(k, len(data), version, mtime) for k, (data, version, mtime) in sorted(items)]
 
     def write(self, key: str, data: Data) -> ObjectInfo:
         """Publish ``data`` at ``key``; the joined bytes appear at once, never in part."""
@@ -96,7 +97,7 @@ class MemoryBackend:
     def create(self, key: str, data: Data) -> ObjectInfo:
         """Publish only if ``key`` is absent, else ``PreconditionFailed``."""
 
-        def check(current: tuple[bytes, str] | None) -> None:
+        def check(current: tuple[bytes, str, float] | None) -> None:
             if current is not None:
                 raise PreconditionFailed(
                     f"create of {key!r} under {self.url} failed: it already exists (version "
@@ -125,7 +126,7 @@ class MemoryBackend:
         """Nothing to sweep: a memory write has no temp objects."""
         return []
 
-    def _get(self, key: str) -> tuple[bytes, str]:
+    def _get(self, key: str) -> tuple[bytes, str, float]:
         check_key(key, url=self.url)
         with self._store.lock:
             current = self._store.objects.get(key)
@@ -134,7 +135,7 @@ class MemoryBackend:
         return current
 
     def _put(
-        self, key: str, data: Data, check: Callable[[Optional[tuple[bytes, str]]], None]
+        self, key: str, data: Data, check: Callable[[Optional[tuple[bytes, str, float]]], None]
     ) -> ObjectInfo:
         check_key(key, url=self.url)
         # Join outside the lock: the caller's iterable may be slow or raise (then nothing changes).
@@ -142,10 +143,11 @@ class MemoryBackend:
         with self._store.lock:
             check(self._store.objects.get(key))
             version = self._store.next_version()
-            self._store.objects[key] = (blob, version)
-        return ObjectInfo(key, len(blob), version)
+            mtime = time.time()
+            self._store.objects[key] = (blob, version, mtime)
+        return ObjectInfo(key, len(blob), version, mtime)
 
-    def _check_version(self, op: str, key: str, current: tuple[bytes, str] | None, version: str) -> None:
+    def _check_version(self, op: str, key: str, current: tuple[bytes, str, float] | None, version: str) -> None:
         actual = None if current is None else current[1]
         if actual != version:
             state = "is gone" if actual is None else f"is now at version {actual}"
