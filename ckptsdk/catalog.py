@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import MutableMapping
-from dataclasses import dataclass, field
+from collections.abc import Iterable, MutableMapping
+from dataclasses import dataclass, field, replace
 
 from .backends.base import Backend, ObjectInfo
 from .errors import ManifestError, ObjectNotFound
@@ -59,6 +59,10 @@ class CheckpointInfo:
         reason: why it is not valid, or ``None``.
         orphan: written by a superseded writer past the point a newer epoch resumed from.
         manifest: the parsed manifest, when it could be read.
+        tag: the writer's tag (the nonce prefix in the folder name on Drive; "" elsewhere).
+        mtime: the store's time of the folder's newest object (see ``ObjectInfo.mtime``).
+        anchor: the writer re-committed the checkpoint it resumed from under its own name.
+        copies: the other folders of the same step (set only on :meth:`Catalog.rows`' rows).
     """
 
     step: int
@@ -71,6 +75,9 @@ class CheckpointInfo:
     orphan: bool = False
     manifest: Manifest | None = field(default=None, repr=False, compare=False)
     tag: str = ""
+    mtime: float | None = field(default=None, compare=False)
+    anchor: bool = False
+    copies: tuple[str, ...] = ()
 
     @property
     def attempt(self) -> int | None:
@@ -90,6 +97,7 @@ class Catalog:
     lineage: dict[Rank, LineageRecord]
     resume_points: dict[Rank, int | None]
     max_rank: Rank
+    lineage_mtimes: list[float] = field(default_factory=list, repr=False)
 
     @property
     def max_epoch(self) -> int:
@@ -99,6 +107,63 @@ class Catalog:
         """Valid checkpoints, newest first (higher step, then higher writer rank)."""
         good = [c for c in self.checkpoints if c.valid]
         return sorted(good, key=lambda c: (c.step, c.rank), reverse=True)
+
+    def rows(self) -> list[CheckpointInfo]:
+        """One row per step, oldest first: the highest writer's valid folder of that step (else
+        the highest writer's folder), with the other folders of the step in ``copies``.
+
+        A takeover's anchor and the checkpoint it copies are one step, and ``keep_last`` counts
+        steps, so a listing shows each step once."""
+        by_step: dict[int, list[CheckpointInfo]] = {}
+        for c in self.checkpoints:
+            by_step.setdefault(c.step, []).append(c)
+        out = []
+        for step in sorted(by_step):
+            folders = sorted(by_step[step], key=lambda c: (c.valid, c.rank), reverse=True)
+            best = folders[0]
+            out.append(replace(best, copies=tuple(c.key for c in folders[1:])))
+        return out
+
+    def store_now(self) -> float | None:
+        """The newest object time listed: the store's own "now", as near as a listing tells.
+
+        Ages of leftovers are measured against this, never against this machine's clock, so a
+        drifting VM clock cannot make a fresh upload look old. It lags the true time when
+        nothing was written lately, which only makes leftovers look younger (kept longer)."""
+        times = [c.mtime for c in self.checkpoints if c.mtime is not None] + self.lineage_mtimes
+        return max(times, default=None)
+
+    def leftovers(
+        self, *, rank: Rank | None, grace: float, exclusive: bool, now: float | None = None,
+        busy: Iterable[str] = (),
+    ) -> list[tuple[CheckpointInfo, str]]:
+        """Uncommitted folders that can never commit and may go now, each with why.
+
+        A folder without a manifest can never commit when its writer is superseded (a lower
+        rank than the live writer ``rank``) or is the live writer itself with no save of that
+        folder in flight (``busy``: an earlier attempt that failed or was killed). Such a
+        folder may go at once when ``exclusive`` (the caller holds a compare-and-swap lease:
+        a superseded writer's commit would fail its renewal, and nothing else writes it);
+        otherwise only once its newest object is ``grace`` seconds older than ``now`` (store
+        time; default :meth:`store_now`), because on Drive another VM's upload of it may still
+        be in flight. ``rank=None`` (gc without the lease): every uncommitted folder, after
+        the grace only. A higher writer's folder is never returned.
+        """
+        now = self.store_now() if now is None else now
+        busy = set(busy)
+        out = []
+        for c in self.checkpoints:
+            if c.committed or c.key in busy:
+                continue
+            if rank is not None and c.rank > rank:
+                continue
+            age = None if now is None or c.mtime is None else max(0.0, now - c.mtime)
+            who = "a superseded writer's" if rank is None or c.rank < rank else "this writer's own"
+            if exclusive and rank is not None:
+                out.append((c, f"uncommitted: {who} save that can never commit"))
+            elif age is not None and age >= grace:
+                out.append((c, f"uncommitted: {who} save, no write for {age:.0f} s (grace {grace:.0f} s)"))
+        return out
 
     def find(self, step: int) -> list[CheckpointInfo]:
         """Every checkpoint folder of ``step`` (several writers may have written it), newest writer first."""
@@ -128,11 +193,14 @@ def scan(backend: Backend, *, cache: MutableMapping[tuple[str, str], object] | N
             folders.setdefault(folder, {})[name] = obj
 
     lineage: dict[Rank, LineageRecord] = {}
+    lineage_mtimes: list[float] = []
     max_rank: Rank = (0, "")
     for obj in backend.list(LINEAGE_PREFIX):
         m = _LINEAGE_RE.match(obj.key)
         if not m:
             continue
+        if obj.mtime is not None:
+            lineage_mtimes.append(obj.mtime)
         rank = (int(m.group(1)), m.group(2) or "")
         max_rank = max(max_rank, rank)
         record = memo.get((obj.key, obj.version))
@@ -213,9 +281,12 @@ def scan(backend: Backend, *, cache: MutableMapping[tuple[str, str], object] | N
                 reason=reason,
                 orphan=orphan,
                 manifest=manifest,
+                mtime=max((o.mtime for o in files.values() if o.mtime is not None), default=None),
+                anchor=manifest is not None and resume_points.get(rank) == step,
             )
         )
-    return Catalog(checkpoints=checkpoints, lineage=lineage, resume_points=resume_points, max_rank=max_rank)
+    return Catalog(checkpoints=checkpoints, lineage=lineage, resume_points=resume_points,
+                   max_rank=max_rank, lineage_mtimes=lineage_mtimes)
 
 
 def _name(rank: Rank) -> str:

@@ -33,11 +33,12 @@ BIG = random.Random(7).randbytes(3 * MIB + 12345)
 
 # What each kind honestly promises (DRIVE_FACTS: no cross-VM exclusion, write-back cache, trash).
 EXPECTED_CAPABILITIES = {
-    "memory": Capabilities(exclusive_create=True, compare_and_swap=True, durable_on_return=False),
-    "local": Capabilities(exclusive_create=True, compare_and_swap=True),
+    "memory": Capabilities(exclusive_create=True, compare_and_swap=True, durable_on_return=False,
+                           cheap_copy=True),
+    "local": Capabilities(exclusive_create=True, compare_and_swap=True, cheap_copy=True),
     "drive": Capabilities(exclusive_create=False, compare_and_swap=False, durable_on_return=False,
                           immediately_consistent=False, trash_on_delete=True),
-    "gcs": Capabilities(exclusive_create=True, compare_and_swap=True),
+    "gcs": Capabilities(exclusive_create=True, compare_and_swap=True, cheap_copy=True),
 }
 
 
@@ -118,6 +119,28 @@ def test_stat_and_exists(backend):
     assert not backend.exists("k")  # a folder-like prefix is not an object
     with pytest.raises(ObjectNotFound):
         backend.stat("k")
+
+
+def test_cheap_copy_where_the_store_has_one(backend):
+    """Where ``cheap_copy`` is claimed, ``copy`` duplicates inside the store, refuses an existing
+    target and a missing source, and the copies part ways cleanly; Drive says it has none."""
+    backend.write("c/src", BIG)
+    if not backend.capabilities.cheap_copy:
+        with pytest.raises(BackendError):
+            backend.copy("c/src", "c/dst")
+        assert not backend.exists("c/dst")
+        return
+    info = backend.copy("c/src", "c/dst")
+    assert (info.key, info.size) == ("c/dst", len(BIG)) and backend.stat("c/dst").size == len(BIG)
+    assert backend.read("c/dst") == BIG
+    with pytest.raises(PreconditionFailed):
+        backend.copy("c/src", "c/dst")
+    with pytest.raises(ObjectNotFound):
+        backend.copy("c/absent", "c/other")
+    backend.write("c/src", b"new")  # a write publishes a new object: the copy keeps the old bytes
+    assert backend.read("c/dst") == BIG
+    backend.delete("c/src")
+    assert backend.read("c/dst") == BIG
 
 
 def test_objects_carry_the_time_the_store_reports(backend):

@@ -30,6 +30,9 @@ class Capabilities:
         immediately_consistent: another host sees a write (and a delete) as soon as it returns.
             False on the Drive mount, where other VMs see changes minutes late and out of order.
         trash_on_delete: deletes keep costing quota for a while (Drive's 30-day trash).
+        cheap_copy: the backend has ``copy(src, dst)``, which duplicates an object inside the
+            store without sending its bytes through this machine (a hard link on local disk, a
+            server-side rewrite on GCS). False on the Drive mount: neither exists there.
     """
 
     exclusive_create: bool
@@ -38,6 +41,7 @@ class Capabilities:
     durable_on_return: bool = True
     immediately_consistent: bool = True
     trash_on_delete: bool = False
+    cheap_copy: bool = False
 
 
 @dataclass(frozen=True)
@@ -148,6 +152,12 @@ class Backend(Protocol):
         Raises ``ObjectNotFound`` if absent, ``PreconditionFailed`` if the version moved on.
         """
         ...
+
+    # Optional, present where ``capabilities.cheap_copy`` (not part of the protocol):
+    #   copy(src, dst) -> ObjectInfo: publish at ``dst`` (which must not exist: PreconditionFailed)
+    #   the object at ``src`` (ObjectNotFound if absent), inside the store.
+    #   Hint: local ``os.link`` (files are never rewritten in place, so sharing an inode is safe);
+    #   GCS ``rewriteTo`` with ``ifGenerationMatch=0``.
 
     def sweep(self, older_than: float) -> list[str]:
         """Remove leftovers of crashed writes (temp files) older than ``older_than`` seconds.

@@ -24,8 +24,8 @@ from __future__ import annotations
 import logging
 import os
 
-from ..errors import StorageUnavailable
-from .base import Capabilities
+from ..errors import BackendError, StorageUnavailable
+from .base import Capabilities, ObjectInfo
 from .local import LocalBackend
 
 logger = logging.getLogger(__name__)
@@ -59,6 +59,7 @@ class DriveBackend(LocalBackend):
         durable_on_return=False,
         immediately_consistent=False,
         trash_on_delete=True,
+        cheap_copy=False,  # os.link fails on the mount (Errno 38); Drive's server copy is not reachable
     )
     # DriveFS documents nothing about flock; if the mount refuses it, writes must still work
     # (capabilities promise no exclusion anyway), so fall back to excluding this process's threads.
@@ -80,6 +81,15 @@ class DriveBackend(LocalBackend):
                 "set CKPTSDK_DRIVE_ROOT to the mounted folder",
                 url=self.url,
             )
+
+    def copy(self, src: str, dst: str) -> ObjectInfo:
+        """Not on the mount: no hard links (Errno 38), and Drive's server-side copy is an API call
+        the mount does not offer. Callers check ``capabilities.cheap_copy`` first."""
+        raise BackendError(
+            f"copy of {src!r} to {dst!r} under {self.url}: the Drive mount has no cheap copy "
+            "(capabilities.cheap_copy is False); read and write the bytes instead",
+            url=self.url, key=dst,
+        )
 
     def _commit_create(self, path: str, tmp: str) -> None:
         # The mount refuses link() (Errno 38). Under the root flock, which every publish of this

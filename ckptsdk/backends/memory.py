@@ -47,7 +47,8 @@ class MemoryBackend:
     """
 
     # Atomic and conditional within the process; gone when the process dies.
-    capabilities = Capabilities(exclusive_create=True, compare_and_swap=True, durable_on_return=False)
+    capabilities = Capabilities(exclusive_create=True, compare_and_swap=True, durable_on_return=False,
+                                cheap_copy=True)
 
     def __init__(self, name: str, *, url: str | None = None) -> None:
         self.name = name
@@ -110,6 +111,11 @@ class MemoryBackend:
     def replace(self, key: str, data: Data, version: str) -> ObjectInfo:
         """Publish only if ``key``'s version is ``version``, else ``PreconditionFailed``."""
         return self._put(key, data, lambda current: self._check_version("replace", key, current, version))
+
+    def copy(self, src: str, dst: str) -> ObjectInfo:
+        """Publish ``src``'s bytes at ``dst`` (shared, not copied); ``dst`` must not exist."""
+        data = self._get(src)[0]
+        return self.create(dst, data)
 
     def delete(self, key: str, *, version: str | None = None) -> None:
         """Delete ``key`` (with ``version``: only if unchanged)."""
