@@ -37,7 +37,8 @@ EXPECTED_CAPABILITIES = {
                            cheap_copy=True),
     "local": Capabilities(exclusive_create=True, compare_and_swap=True, cheap_copy=True),
     "drive": Capabilities(exclusive_create=False, compare_and_swap=False, durable_on_return=False,
-                          immediately_consistent=False, trash_on_delete=True),
+                          immediately_consistent=False, trash_on_delete=True,
+                          rewrite_in_place=True),
     "gcs": Capabilities(exclusive_create=True, compare_and_swap=True, cheap_copy=True),
 }
 
@@ -141,6 +142,29 @@ def test_cheap_copy_where_the_store_has_one(backend):
     assert backend.read("c/dst") == BIG
     backend.delete("c/src")
     assert backend.read("c/dst") == BIG
+
+
+def test_drive_moves_and_overwrites_a_file_in_place(make_backend_target):
+    """The ring retention's primitives: a move keeps the file (same inode: no new upload, no
+    trash), an overwrite rewrites that same file to any length; both refuse what they must."""
+    b = make_backend_target("drive").open()
+    b.write("step-1/tensors", BIG)
+    ino = os.stat(os.path.join(b.root, "step-1", "tensors")).st_ino
+    moved = b.move("step-1/tensors", "step-2/tensors")
+    assert moved.size == len(BIG) and not b.exists("step-1/tensors")
+    assert not os.path.exists(os.path.join(b.root, "step-1"))  # the emptied folder is pruned
+    for data in (b"short", BIG + b"longer"):
+        info = b.overwrite("step-2/tensors", [data[:3], data[3:]])
+        assert b.read("step-2/tensors") == data and info == b.stat("step-2/tensors")
+        assert os.stat(os.path.join(b.root, "step-2", "tensors")).st_ino == ino
+    b.write("step-3/tensors", b"x")
+    with pytest.raises(PreconditionFailed):
+        b.move("step-2/tensors", "step-3/tensors")
+    with pytest.raises(ObjectNotFound):
+        b.move("step-9/tensors", "step-8/tensors")
+    with pytest.raises(ObjectNotFound):
+        b.overwrite("step-9/tensors", b"x")
+    assert b.read("step-3/tensors") == b"x"
 
 
 def test_objects_carry_the_time_the_store_reports(backend):

@@ -30,6 +30,9 @@ class Capabilities:
         immediately_consistent: another host sees a write (and a delete) as soon as it returns.
             False on the Drive mount, where other VMs see changes minutes late and out of order.
         trash_on_delete: deletes keep costing quota for a while (Drive's 30-day trash).
+        rewrite_in_place: the backend has ``move(src, dst)`` and ``overwrite(key, data)``, which
+            keep a stored file (and its identity in the store) instead of making a new one: how
+            a retention ring reuses space without sending anything to a trash (Drive only).
         cheap_copy: the backend has ``copy(src, dst)``, which duplicates an object inside the
             store without sending its bytes through this machine (a hard link on local disk, a
             server-side rewrite on GCS). False on the Drive mount: neither exists there.
@@ -42,6 +45,7 @@ class Capabilities:
     immediately_consistent: bool = True
     trash_on_delete: bool = False
     cheap_copy: bool = False
+    rewrite_in_place: bool = False
 
 
 @dataclass(frozen=True)
