@@ -1,6 +1,6 @@
 """The ``ckptsdk`` command: inspect, verify, audit and tidy a checkpoint root from a shell.
 
-``ckptsdk {ls,show,verify,audit,lease,gc} URL``; each prints a human table, or one JSON document
+``ckptsdk {ls,show,verify,audit,lease,gc,du} URL``; each prints a human table, or one JSON document
 on stdout with ``--json``. Read-only commands never take the writer lease. This module only parses
 arguments, calls the library and formats what it returns; checkpoint logic belongs elsewhere.
 
@@ -489,6 +489,17 @@ def cmd_gc(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_du(args: argparse.Namespace) -> int:
+    from . import usage
+
+    u = usage.usage(_backend(args))
+    if args.json:
+        _emit_json({"command": "du", "url": args.url, **usage.as_dict(u)})
+    else:
+        print(usage.render(u, args.url))
+    return EXIT_OK
+
+
 # ---------------------------------------------------------------------------- parser, main
 
 
@@ -535,6 +546,7 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("--dry-run", action="store_true", help="only print what would be deleted")
     sp.add_argument("--grace", type=float, help="seconds a crashed write's leftovers must be old to go")
     sp.set_defaults(fn=cmd_gc)
+    add("du", "bytes held: committed, anchor, duplicate, uncommitted, orphaned; Drive trash estimate").set_defaults(fn=cmd_du)
     return p
 
 

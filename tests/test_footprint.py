@@ -1,0 +1,144 @@
+"""Storage footprint: one row per step, leftovers that can never commit, bytes by kind.
+
+The catalog's pure decisions are tested on hand-aged folders; what rotation and gc do with them,
+the anchor's cost and the SIGKILL runs on every backend live in tests/test_leftovers.py.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from ckptsdk import CheckpointManager, TrainState
+from ckptsdk.backends import open_backend
+from ckptsdk.catalog import TENSORS, checkpoint_dir, scan
+from ckptsdk.usage import record_trash, usage
+
+
+def _state() -> TrainState:
+    torch.manual_seed(0)
+    return TrainState(model=torch.nn.Linear(16, 16))
+
+
+def _age(root, folder: str, seconds: float) -> None:
+    """Make every file of ``folder`` look ``seconds`` older (the store's time, as a crash leaves it)."""
+    for name in os.listdir(root / folder):
+        path = root / folder / name
+        st = os.stat(path)
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns - int(seconds * 1e9)))
+
+
+def _unclean_takeover(url: str) -> None:
+    """e1 saves 1 and 2 and dies without releasing; e2 breaks the lease, restores (anchoring 2)."""
+    state = _state()
+    first = CheckpointManager(url, keep_last=3, lease_ttl=5, heartbeat=False)
+    first.save(state, step=1)
+    first.save(state, step=2)
+    first._closed = True  # dies: never closes, never releases its lease
+    second = CheckpointManager(url, keep_last=3, lease_ttl=5, force=True)
+    assert second.restore(state).step == 2
+    second.close()
+
+
+def test_rows_show_each_step_once_with_the_anchor_marked(tmp_path):
+    url = str(tmp_path / "r")
+    _unclean_takeover(url)
+    cat = scan(open_backend(url))
+    assert sorted(c.key for c in cat.checkpoints) == [checkpoint_dir(1, 1), checkpoint_dir(2, 1), checkpoint_dir(2, 2)]
+    rows = cat.rows()
+    assert [(r.step, r.epoch, r.anchor, r.copies) for r in rows] == [
+        (1, 1, False, ()), (2, 2, True, (checkpoint_dir(2, 1),))]
+    assert [(r.step, r.epoch) for r in CheckpointManager(url, read_only=True).list()] == [(1, 1), (2, 2)]
+
+
+def test_leftovers_rules(tmp_path):
+    """A superseded writer's uncommitted folder goes at once under an exclusive lease, else after
+    the grace by the store's own times; the live writer's busy folder and a newer writer's never."""
+    root = tmp_path / "r"
+    b = open_backend(str(root))
+    for step, epoch in ((3, 1), (4, 2), (5, 2), (6, 3)):
+        b.write(f"{checkpoint_dir(step, epoch)}/{TENSORS}", b"x" * 100 * step)
+    b.write("lineage/epoch-000002.json.tmp-not-a-record", b"")  # ignored by the catalog
+    _age(root, checkpoint_dir(3, 1), 7200)
+    cat = scan(b)
+    assert all(not c.committed for c in cat.checkpoints)
+
+    def keys(**kw):  # type: ignore[no-untyped-def]
+        return sorted(c.key for c, _why in cat.leftovers(**kw))
+
+    # the live writer is e2, saving step 5 now; e3's folder belongs to a newer writer
+    assert keys(rank=(2, ""), grace=3600, exclusive=True, busy=[checkpoint_dir(5, 2)]) == [
+        checkpoint_dir(3, 1), checkpoint_dir(4, 2)]
+    assert keys(rank=(2, ""), grace=3600, exclusive=False, busy=[checkpoint_dir(5, 2)]) == [checkpoint_dir(3, 1)]
+    assert keys(rank=None, grace=3600, exclusive=False) == [checkpoint_dir(3, 1)]
+    assert keys(rank=None, grace=0, exclusive=False) == sorted(c.key for c in cat.checkpoints)
+    why = dict((c.key, w) for c, w in cat.leftovers(rank=(2, ""), grace=3600, exclusive=False))
+    assert "superseded" in why[checkpoint_dir(3, 1)] and "7200 s" in why[checkpoint_dir(3, 1)]
+    # Ages come from the store's times, not this machine's clock: the reference is the newest object.
+    assert cat.store_now() == max(c.mtime for c in cat.checkpoints)
+
+
+def test_leftovers_without_store_times_wait_for_an_exclusive_lease(tmp_path):
+    """A store that reports no time never has a leftover judged old: only the lease removes it."""
+    b = open_backend("memory://footprint-notime")
+    b.write(f"{checkpoint_dir(1, 1)}/{TENSORS}", b"x")
+    cat = scan(b)
+    stripped = [c.__class__(**{**c.__dict__, "mtime": None}) for c in cat.checkpoints]
+    cat = cat.__class__(checkpoints=stripped, lineage=cat.lineage, resume_points=cat.resume_points,
+                        max_rank=cat.max_rank)
+    assert cat.leftovers(rank=None, grace=0, exclusive=False) == []
+    assert [c.key for c, _ in cat.leftovers(rank=(2, ""), grace=0, exclusive=True)] == [checkpoint_dir(1, 1)]
+
+
+def test_du_counts_each_kind_and_hard_links_once(tmp_path):
+    url = str(tmp_path / "r")
+    _unclean_takeover(url)
+    b = open_backend(url)
+    b.write(f"{checkpoint_dir(9, 1)}/{TENSORS}", b"y" * 1000)  # a killed save of the superseded e1
+    u = usage(b)
+    cat = scan(b)
+    size = {c.key: c.size for c in cat.checkpoints}
+    assert u.folders["committed"] == [checkpoint_dir(1, 1)]
+    assert u.folders["anchor"] == [checkpoint_dir(2, 2)]
+    assert u.folders["duplicate"] == [checkpoint_dir(2, 1)]
+    assert u.folders["uncommitted"] == [checkpoint_dir(9, 1)]
+    assert (u.committed, u.anchor, u.duplicate, u.uncommitted) == (
+        size[checkpoint_dir(1, 1)], size[checkpoint_dir(2, 2)], size[checkpoint_dir(2, 1)], 1000)
+    # The anchor on local disk is a hard link of e1's tensor file: held once.
+    tensors = os.path.getsize(tmp_path / "r" / checkpoint_dir(2, 1) / TENSORS)
+    assert u.shared == tensors
+    assert u.total == sum(size.values()) - tensors
+    assert u.trash_bytes is None  # no trash on a local disk
+
+
+def test_du_on_drive_sums_recent_trash_ledgers(tmp_path, monkeypatch):
+    monkeypatch.setenv("CKPTSDK_DRIVE_ROOT", str(tmp_path))
+    b = open_backend("drive://run")
+    b.write(f"{checkpoint_dir(1, 1, 'ab12cd34')}/{TENSORS}", b"z" * 10)
+    record_trash(b, (1, "ab12cd34"), total_bytes=5000, files=2)
+    record_trash(b, (2, "00ff00ff"), total_bytes=7000, files=3)
+    old = tmp_path / "run" / "trash" / "epoch-000002.00ff00ff.json"
+    st = os.stat(old)
+    os.utime(old, ns=(st.st_atime_ns, st.st_mtime_ns - int(31 * 86400 * 1e9)))  # emptied by Drive by now
+    u = usage(b)
+    assert (u.trash_bytes, u.trash_files) == (5000, 2)
+
+
+@pytest.mark.parametrize("argv_json", [False, True])
+def test_du_command(tmp_path, capsys, argv_json):
+    from ckptsdk.cli import main
+
+    url = str(tmp_path / "r")
+    _unclean_takeover(url)
+    code = main(["du", url] + (["--json"] if argv_json else []))
+    out = capsys.readouterr().out
+    assert code == 0
+    if argv_json:
+        import json
+
+        doc = json.loads(out)
+        assert doc["folders"]["anchor"] == [checkpoint_dir(2, 2)] and doc["bytes"]["total"] > 0
+    else:
+        assert "anchor" in out and "duplicate" in out and "total" in out
