@@ -31,6 +31,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .backends.base import Backend
+from .catalog import writer_tag
 from .errors import (
     BackendError,
     ConfigError,
@@ -612,7 +613,8 @@ class Lease:
         # (Drive) two VMs can both believe they took it; they are ordered by nonce, like the
         # tags in their folder names, and only the lower one steps back.
         same_epoch_wins = seen.epoch == ours.epoch and not seen.released and (
-            self._cas or seen.holder.nonce[:8] > ours.holder.nonce[:8])
+            self._cas or writer_tag(seen.holder.nonce, compare_and_swap=False)
+            > writer_tag(ours.holder.nonce, compare_and_swap=False))
         if seen.epoch > ours.epoch or same_epoch_wins:
             self._fence(f"the lease now belongs to {seen.describe()}", seen.epoch,
                         seen.model_dump(mode="json"))

@@ -1,40 +1,29 @@
-"""CheckpointManager: save, restore and rotate checkpoints of one run under one root URL.
+"""CheckpointManager: the face of one run's checkpoints under one root URL.
 
-It owns the writer lease (fencing), the per-attempt step log, lineage records and an optional
-background save worker. Encoding a state tree, the tensor-file format, the lease protocol and the
-retention policies live in their own modules; this one orders them so that every crash window
-leaves the previous committed checkpoint intact.
-
-Ordering that matters (each is a crash window or a zombie window):
-  - tensors first, manifest last: a checkpoint exists only once its manifest is published;
-  - the lease is renewed before anything is written and again before anything is deleted;
-  - a writer deletes only checkpoints of its own epoch or older (never a newer epoch's), nothing
-    while fenced, never the newest, never its resume point until a newer one is committed;
-  - deletion removes the manifest first, then the data.
+It holds the configuration, acquires the writer lease, and offers the read API, restore (with
+anchoring after a takeover) and the run-log front end. The save pipeline (snapshot, write,
+commit, fencing, lineage) lives in :mod:`ckptsdk.saving`, rotation and gc in
+:mod:`ckptsdk.rotation`; this module only wires them together.
 """
 
 from __future__ import annotations
 
 import atexit
-import json
 import logging
 import os
-import socket
 import threading
 import time
 import weakref
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from . import catalog as _catalog
-from . import codec, retention
+from . import codec
+from .audit import audit as _audit
 from .backends import open_backend
 from .backends.base import Backend
-from .catalog import MANIFEST, TENSORS, CheckpointInfo, Rank, checkpoint_dir, lineage_key
+from .catalog import MANIFEST, TENSORS, CheckpointInfo
 from .errors import (
     BackendError,
     CheckpointError,
@@ -43,15 +32,13 @@ from .errors import (
     LeaseLostError,
     ManifestError,
     NoValidCheckpointError,
-    ObjectNotFound,
-    PreconditionFailed,
 )
 from .lease import Lease
-from .manifest import Environment, FileEntry, LineageRecord, Manifest, Position, Writer
-from .audit import audit as _audit
+from .manifest import Manifest, Position
+from .rotation import GcReport, Rotation
 from .runlog import RunLog
-from .staging import Stager
-from .tensorfile import DIGEST_ALGORITHM, read_tensorfile, verify_file, write_tensorfile
+from .saving import SavePipeline
+from .tensorfile import read_tensorfile, verify_file
 
 logger = logging.getLogger(__name__)
 
@@ -81,52 +68,6 @@ class ResumePoint:
     tags: dict[str, str]
     key: str
     lease_epoch: int
-
-
-@dataclass(frozen=True)
-class GcReport:
-    """What ``gc`` removed (or would remove, with ``dry_run``), each with why."""
-
-    deleted: list[str] = field(default_factory=list)
-    reasons: dict[str, str] = field(default_factory=dict)
-    dry_run: bool = False
-
-
-class _BackgroundSave:
-    """One save in flight on a worker thread; its failure is kept until someone asks."""
-
-    def __init__(self) -> None:
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
-        self._lock = threading.Lock()
-
-    def start(self, fn: Any, name: str) -> None:
-        def run() -> None:
-            try:
-                fn()
-            except BaseException as exc:  # kept and re-raised on the caller's thread
-                with self._lock:
-                    self._error = exc
-
-        self._thread = threading.Thread(target=run, name=name, daemon=True)
-        self._thread.start()
-
-    @property
-    def busy(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
-
-    def wait(self, timeout: float | None = None) -> bool:
-        """Wait for the save in flight; re-raise its failure here. False if still running."""
-        if self._thread is not None:
-            self._thread.join(timeout)
-            if self._thread.is_alive():
-                return False
-            self._thread = None
-        with self._lock:
-            error, self._error = self._error, None
-        if error is not None:
-            raise error
-        return True
 
 
 class CheckpointManager:
@@ -190,9 +131,9 @@ class CheckpointManager:
             raise ConfigError(f"save_every must be >= 1 or None, got {save_every}")
         if isinstance(url, (str, os.PathLike)):
             self.url = os.fspath(url)
-            self.backend: Backend = open_backend(self.url, **dict(storage_options or {}))
+            self._backend: Backend = open_backend(self.url, **dict(storage_options or {}))
         else:  # an already opened backend (custom storage, simulations)
-            self.backend = url
+            self._backend = url
             self.url = url.url
         self.keep_last = keep_last
         self.keep_every = keep_every
@@ -201,12 +142,9 @@ class CheckpointManager:
         self.async_save = async_save
         self._memo: dict[tuple[str, str], object] = {}
         self._lock = threading.RLock()
-        self._bg = _BackgroundSave()
-        self._stager: Stager | None = None
         self._closed = False
-        self._lineage_written = False
-        self._trashed_bytes = 0
-        self._trash_warned = False
+        self._rotation = Rotation(self.backend, keep_last=keep_last, keep_every=keep_every)
+        self._saving: SavePipeline | None = None
         self.resumed_from: CheckpointInfo | None = None
         self.restored_manifest: Manifest | None = None
         self.lease: Lease | None = None
@@ -216,23 +154,36 @@ class CheckpointManager:
         self.lease = Lease(self.backend, ttl=lease_ttl, force=force, run_id=run_id, wait_timeout=lease_wait,
                            settle=lease_settle, clock=clock, sleep=sleep)
         # Epochs never go back, even on a root whose LEASE.json was lost: names stay unique.
-        record = self.lease.acquire(min_epoch=self._scan().max_epoch + 1)
-        # Where compare-and-swap makes every epoch exclusive the tag is empty; on Drive two VMs
-        # can take the same epoch, and the tag keeps their names apart and orders them.
-        self._tag = "" if self.backend.capabilities.compare_and_swap else record.holder.nonce[:8]
-        self._rank: Rank = (self.lease.epoch, self._tag)
+        self.lease.acquire(min_epoch=self._scan().max_epoch + 1)
         if heartbeat:
             self.lease.start_heartbeat()
         self.runlog = RunLog(
             self.backend, run_id=self.lease.run_id, attempt=self.lease.attempt,
             lease_epoch=self.lease.epoch, resumed_from_step=None,
         )
+        self._saving = SavePipeline(self.backend, self.lease, runlog=self.runlog, rotation=self._rotation,
+                                    scan=self._scan, memo=self._memo)
         # An interpreter exit with a save in flight waits for it (or says it abandons it).
         atexit.register(_close_at_exit, weakref.ref(self))
         logger.info(
             "writer of %s: run %s, attempt %d, lease epoch %d",
             self.url, self.lease.run_id, self.lease.attempt, self.lease.epoch,
         )
+
+    @property
+    def backend(self) -> Backend:
+        """The storage of the root (the lease keeps the one it was opened with)."""
+        return self._backend
+
+    @backend.setter
+    def backend(self, backend: Backend) -> None:
+        # Tests wrap the storage in a fault injector after opening; saving and rotation follow.
+        self._backend = backend
+        self._rotation.backend = backend
+        if self._saving is not None:
+            self._saving.backend = backend
+        if self.runlog is not None:
+            self.runlog.backend = backend
 
     # ------------------------------------------------------------------ reading
 
@@ -309,14 +260,15 @@ class CheckpointManager:
             NoValidCheckpointError: checkpoints exist but none can be restored (lists each and why).
             StateMismatchError: the checkpoint does not fit ``state`` (lists the mismatches).
         """
-        self._raise_background_failure()
+        if self._saving is not None:
+            self._saving.raise_background_failure()
         try:
             tree, info = self._read_newest()
         except NoValidCheckpointError as exc:
             if not exc.tried:
-                if self.lease is not None:
-                    self._confirm_writer()
-                self._write_lineage(None, None)
+                if self._saving is not None:
+                    self._saving.confirm_writer()
+                    self._saving.write_lineage(None, None)
                 if self.runlog is not None:
                     self.runlog.start()
                 return None
@@ -326,16 +278,17 @@ class CheckpointManager:
         assert manifest is not None
         self.resumed_from = info
         self.restored_manifest = manifest
-        if self.lease is not None:
+        if self._saving is not None:
             # A writer taken over between opening and restoring must not record a lineage or
             # anchor anything: confirm the lease and look for newer writers first.
-            self._confirm_writer()
-            self._write_lineage(info.step, info.epoch)
+            self._saving.resumed_from = info
+            self._saving.confirm_writer()
+            self._saving.write_lineage(info.step, info.epoch)
             assert self.runlog is not None
             self.runlog.resumed_from_step = info.step
             self.runlog.start()
-            if info.rank < self._rank:
-                self._anchor(tree, manifest)
+            if info.rank < self._saving.rank:
+                self._saving.anchor(tree, manifest)
         logger.info("restored %s (step %d) from %s", info.key, info.step, self.url)
         pos = manifest.position
         return ResumePoint(
@@ -453,227 +406,29 @@ class CheckpointManager:
             LeaseLostError: another writer took over; nothing was written or deleted.
             BackendError: storage failed; the previous checkpoints are intact.
         """
-        if self.read_only or self.lease is None:
+        if self.read_only or self._saving is None:
             raise ConfigError(f"{self.url} was opened read_only: save() is refused; open it without read_only")
         if self._closed:
             raise ConfigError(f"save() after close() on {self.url}")
         if step < 0:
             raise ConfigError(f"step must be >= 0, got {step}")
         blocking = (not self.async_save) if blocking is None else blocking
+        position = Position(epoch=epoch, batch_idx=batch_idx, extra=dict(extra or {}))
         with self._lock:
-            self._bg.wait()  # one save in flight; its failure surfaces here
-            self.lease.check()
-            self.lease.renew()
-            cat = self._scan()
-            self._fence_if_newer(cat.max_rank)
-            folder = checkpoint_dir(step, self.lease.epoch, self._tag)
-            existing = next((c for c in cat.checkpoints if c.key == folder and c.committed), None)
-            if existing is not None:
-                logger.debug("step %d already committed as %s; not saving it twice", step, folder)
-                return existing
-            self._write_lineage(None, None)
-            tree = state.state_dict() if hasattr(state, "state_dict") else state
-            tensors, skeleton = codec.encode(tree)
-            position = Position(epoch=epoch, batch_idx=batch_idx, extra=dict(extra or {}))
-            device = _device_of(tensors)
-            if self.runlog is not None:
-                self.runlog.flush()
-            if blocking:
-                return self._commit(folder, step, tensors, skeleton, position, metrics, tags, device)
-            if self._stager is None:
-                self._stager = Stager()
-            staged = self._stager.snapshot(tensors)
-            skeleton = json.loads(json.dumps(skeleton))  # detached from live objects
-            self._bg.start(
-                lambda: self._commit(folder, step, staged, skeleton, position, metrics, tags, device),
-                name=f"ckptsdk-save-{step}",
-            )
-            return CheckpointInfo(step=step, epoch=self.lease.epoch, key=folder, size=0, committed=False,
-                                  valid=False, reason="save in progress")
+            return self._saving.save(state, step=step, position=position, metrics=metrics, tags=tags,
+                                     blocking=blocking)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait for a background save; re-raise its failure. False if it is still running."""
-        return self._bg.wait(timeout)
-
-    def _commit(
-        self, folder: str, step: int, tensors: dict[str, torch.Tensor], skeleton: Any,
-        position: Position, metrics: Mapping[str, Any] | None, tags: Mapping[str, str] | None,
-        device: str,
-    ) -> CheckpointInfo:
-        assert self.lease is not None
-        self.lease.check()
-        size, digest = write_tensorfile(self.backend, f"{folder}/{TENSORS}", tensors)
-        manifest = Manifest(
-            step=step,
-            position=position,
-            created_at=datetime.now(timezone.utc).isoformat(),
-            writer=Writer(
-                run_id=self.lease.run_id, attempt=self.lease.attempt, lease_epoch=self.lease.epoch,
-                host=socket.gethostname(), pid=os.getpid(),
-                resumed_from_step=self.resumed_from.step if self.resumed_from else None,
-            ),
-            files=[FileEntry(name=TENSORS, size=size, digest=digest, algorithm=DIGEST_ALGORITHM)],
-            tree=skeleton,
-            metrics=_plain_metrics(metrics),
-            environment=Environment.current(device=device),
-            tags=dict(tags or {}),
-        )
-        # A zombie that lost the lease while writing the tensors must not commit them: renew
-        # (not just check) so a takeover during a long write is seen before the commit.
-        self.lease.renew()
-        published = self.backend.write(f"{folder}/{MANIFEST}", manifest.to_json())
-        self._memo[(published.key, published.version)] = manifest  # the next scan need not re-read it
-        logger.info("committed %s/%s (%d bytes)", self.url, folder, size)
-        self._rotate()
-        return CheckpointInfo(step=step, epoch=self.lease.epoch, key=folder, size=size, committed=True,
-                              valid=True, manifest=manifest)
-
-    def _anchor(self, tree: Any, manifest: Manifest) -> None:
-        """Re-commit a restored checkpoint under this epoch (see ``restore``)."""
-        assert self.lease is not None
-        tensors, skeleton = codec.encode(tree)
-        folder = checkpoint_dir(manifest.step, self.lease.epoch, self._tag)
-        self._commit(folder, manifest.step, tensors, skeleton, manifest.position, manifest.metrics,
-                     manifest.tags, manifest.environment.device or "cpu")
-
-    def _write_lineage(self, step: int | None, epoch: int | None) -> None:
-        """Record, once per epoch, where this writer's lineage starts (before its first commit)."""
-        if self._lineage_written or self.lease is None:
-            return
-        record = LineageRecord(
-            epoch=self.lease.epoch, attempt=self.lease.attempt, run_id=self.lease.run_id,
-            resumed_from_step=step, resumed_from_epoch=epoch, host=socket.gethostname(),
-            pid=os.getpid(), created_at=datetime.now(timezone.utc).isoformat(),
-        )
-        self.lease.check()
-        try:
-            self.backend.create(lineage_key(self.lease.epoch, self._tag), record.to_json())
-        except PreconditionFailed as exc:
-            # Only the holder of this epoch writes this key: someone else did -> we lost the lease.
-            self.lease.fence(f"lineage record of epoch {self.lease.epoch} already exists", None)
-            raise LeaseLostError(
-                f"another writer already recorded epoch {self.lease.epoch} under {self.url}; "
-                "this writer stops (nothing was written or deleted)", url=self.url,
-                epoch=self.lease.epoch,
-            ) from exc
-        self._lineage_written = True
-
-    def _fence_if_newer(self, seen: Rank) -> None:
-        assert self.lease is not None
-        if seen > self._rank:
-            self.lease.fence(f"saw a newer writer (epoch {seen[0]}) under {self.url}", seen[0])
-            self.lease.check()  # raises LeaseLostError
-
-    def _confirm_writer(self) -> None:
-        """Renew the lease and look for newer writers; LeaseLostError if this one is stale."""
-        assert self.lease is not None
-        self.lease.renew()
-        self._fence_if_newer(self._scan().max_rank)
-
-    # ------------------------------------------------------------------ rotation and gc
-
-    def _rotate(self) -> None:
-        """Delete what retention allows, of this lineage only, unless fenced.
-
-        The lease was renewed just before the manifest was published (and the heartbeat keeps
-        watching); a fresh listing then shows any newer writer. Safety does not rest on this
-        check's timing: a takeover anchors its resume point under its own rank, which no
-        lower-ranked writer ever deletes.
-        """
-        assert self.lease is not None
-        try:
-            self.lease.check()
-        except LeaseLostError:
-            logger.warning("lease lost after a commit under %s: rotation deletes nothing", self.url)
-            return
-        cat = self._scan()
-        if cat.max_rank > self._rank:
-            self.lease.fence(f"saw epoch {cat.max_epoch} under {self.url}", cat.max_epoch)
-            logger.warning("a newer writer (epoch %d) exists under %s: rotation deletes nothing",
-                           cat.max_epoch, self.url)
-            return
-        mine = [c for c in cat.checkpoints if c.valid and c.rank <= self._rank]
-        # Where writes reach the cloud late and out of order (Drive), a rotation's small deletes
-        # can arrive long before the new checkpoint's tensor file: rotate one save late, so the
-        # newest checkpoint has a whole save interval to upload before its predecessor goes.
-        late = 0 if self.backend.capabilities.immediately_consistent else 1
-        protected: list[int] = []
-        if self.resumed_from is not None:
-            newer_own = any(c.rank == self._rank and c.step > self.resumed_from.step for c in mine)
-            if not newer_own:
-                protected.append(self.resumed_from.step)
-        for c in self._beyond_retention(mine, self.keep_last + late, protected):
-            self.lease.check()
-            self._delete_checkpoint(c)
-
-    def _beyond_retention(
-        self, checkpoints: list[CheckpointInfo], keep_last: int, protected: Sequence[int] = ()
-    ) -> list[CheckpointInfo]:
-        """The checkpoints retention lets go: keep_last steps, keep_every milestones, protected
-        steps kept. Every folder of a step (several writers may hold one) shares its fate."""
-        by_step: dict[int, list[CheckpointInfo]] = {}
-        for c in checkpoints:
-            by_step.setdefault(c.step, []).append(c)
-        policies = [retention.keep_last(keep_last)]
-        if self.keep_every:
-            policies.append(retention.keep_every(self.keep_every))
-        if protected:
-            policies.append(retention.protect(protected))
-        _kept, doomed = retention.plan(by_step, policies)
-        return [c for step in doomed for c in by_step[step]]
-
-    def _delete_checkpoint(self, info: CheckpointInfo) -> None:
-        """Manifest first (the checkpoint stops existing), then the data."""
-        keys = [f"{info.key}/{MANIFEST}"] + [
-            o.key for o in self.backend.list(info.key + "/") if not o.key.endswith("/" + MANIFEST)
-        ]
-        for key in keys:
-            try:
-                self.backend.delete(key)
-            except ObjectNotFound:
-                pass  # already gone (another cleaner); deletion is idempotent
-        logger.info("rotated out %s/%s", self.url, info.key)
-        if self.backend.capabilities.trash_on_delete:
-            # Drive moves deleted files to its trash, which counts against the quota for 30 days.
-            self._trashed_bytes += info.size
-            log = logger.warning if not self._trash_warned else logger.info
-            self._trash_warned = True
-            log("%s keeps deleted checkpoints in its trash for 30 days, counting against your quota: "
-                "%.1f MB sent there by this run so far. Empty the Drive trash, or raise save_every / "
-                "lower keep_last", self.url, self._trashed_bytes / 1e6)
+        return True if self._saving is None else self._saving.wait(timeout)
 
     def gc(self, *, keep_last: int | None = None, dry_run: bool = False, grace: float = 3600.0) -> GcReport:
         """Remove orphans of superseded writers, torn checkpoints and rotated-out checkpoints.
 
-        Works without the lease, so a running writer is not disturbed: orphans are never
-        restorable, retention keeps the newest ``keep_last`` steps, and temp files of crashed
-        writes are swept when older than ``grace`` seconds. Uncommitted folders (a save in
-        progress, or one that crashed) are left alone. Where writes reach other hosts late
-        (Drive), a checkpoint that looks torn here may still be uploading from the VM that wrote
-        it, so gc keeps torn checkpoints there (delete them by hand once no VM is writing).
+        See :meth:`ckptsdk.rotation.Rotation.gc`: works without the lease, keeps the newest
+        ``keep_last`` steps, sweeps temp files older than ``grace`` seconds.
         """
-        keep = keep_last or self.keep_last
-        cat = self._scan()
-        reasons: dict[str, str] = {}
-        settled = self.backend.capabilities.immediately_consistent
-        for c in cat.checkpoints:
-            if c.orphan:
-                reasons[c.key] = c.reason or "orphan"
-            elif c.committed and not c.valid:
-                if settled:
-                    reasons[c.key] = c.reason or "invalid"
-                else:
-                    logger.info("gc keeps %s/%s (%s): it may still be uploading from another VM",
-                                self.url, c.key, c.reason)
-        for c in self._beyond_retention([c for c in cat.checkpoints if c.valid], keep):
-            reasons[c.key] = f"beyond keep_last={keep}"
-        if not dry_run:
-            for c in cat.checkpoints:
-                if c.key in reasons:
-                    self._delete_checkpoint(c)
-            for key in self.backend.sweep(grace):
-                reasons[key] = f"temp file of a crashed write, older than {grace:.0f} s"
-        return GcReport(deleted=sorted(reasons), reasons=reasons, dry_run=dry_run)
+        return self._rotation.gc(self._scan(), keep_last=keep_last, dry_run=dry_run, grace=grace)
 
     # ------------------------------------------------------------------ step log, lifecycle
 
@@ -689,7 +444,8 @@ class CheckpointManager:
             return
         self._closed = True
         try:
-            self._bg.wait()
+            if self._saving is not None:
+                self._saving.wait()
         finally:
             try:
                 if self.runlog is not None:
@@ -707,16 +463,13 @@ class CheckpointManager:
     def _scan(self) -> _catalog.Catalog:
         return _catalog.scan(self.backend, cache=self._memo)
 
-    def _raise_background_failure(self) -> None:
-        if not self._bg.busy:
-            self._bg.wait()
 
 
 def _close_at_exit(ref: weakref.ReferenceType[CheckpointManager]) -> None:
     mgr = ref()
     if mgr is None or mgr._closed:
         return
-    if mgr._bg.busy:
+    if mgr._saving is not None and mgr._saving.busy:
         logger.warning("interpreter exit: waiting for the checkpoint save in flight under %s", mgr.url)
     try:
         mgr.close()
@@ -726,20 +479,3 @@ def _close_at_exit(ref: weakref.ReferenceType[CheckpointManager]) -> None:
         logger.error("interpreter exit: closing %s failed: %s (the last committed checkpoint is intact)",
                      mgr.url, exc)
 
-
-def _device_of(tensors: Mapping[str, torch.Tensor]) -> str:
-    for t in tensors.values():
-        if t.device.type != "cpu":
-            return str(t.device)
-    return "cpu"
-
-
-def _plain_metrics(metrics: Mapping[str, Any] | None) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in (metrics or {}).items():
-        if isinstance(v, torch.Tensor):
-            v = v.item()
-        elif hasattr(v, "item") and callable(v.item):
-            v = v.item()  # numpy scalars
-        out[str(k)] = v
-    return out

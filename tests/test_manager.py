@@ -352,7 +352,7 @@ def test_interrupted_first_save_is_a_fresh_start(tmp_path):
 def test_drive_rotation_reports_the_trash_cost(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("CKPTSDK_DRIVE_ROOT", str(tmp_path / "drive"))
     (tmp_path / "drive").mkdir()
-    caplog.set_level(logging.INFO, logger="ckptsdk.manager")
+    caplog.set_level(logging.INFO, logger="ckptsdk")
     with CheckpointManager("drive://run", keep_last=1, lease_ttl=5, lease_settle=0) as mgr:
         for step in (1, 2, 3, 4):
             mgr.save(make_state(), step=step)

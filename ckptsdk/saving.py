@@ -1,0 +1,244 @@
+"""The save pipeline of one writer: snapshot a state, write its tensors, commit, rotate.
+
+It orders the writes so that every crash window leaves the previous committed checkpoint intact,
+and fences a writer that lost the lease before it writes or deletes anything. Configuration, the
+read API and restore belong to the manager; which checkpoints go is :mod:`ckptsdk.rotation`'s.
+
+Ordering that matters (each is a crash window or a zombie window):
+  - tensors first, manifest last: a checkpoint exists only once its manifest is published;
+  - the lease is renewed before anything is written and again right before the commit;
+  - a writer deletes only checkpoints of its own rank or lower, nothing while fenced.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+from collections.abc import Callable, Mapping
+from datetime import datetime, timezone
+from typing import Any
+
+import torch
+
+from . import codec
+from .backends.base import Backend
+from .catalog import MANIFEST, TENSORS, Catalog, CheckpointInfo, Rank, checkpoint_dir, lineage_key, writer_tag
+from .errors import LeaseLostError, PreconditionFailed
+from .lease import Lease
+from .manifest import Environment, FileEntry, LineageRecord, Manifest, Position, Writer
+from .rotation import Rotation
+from .runlog import RunLog
+from .staging import Stager
+from .tensorfile import DIGEST_ALGORITHM, write_tensorfile
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["SavePipeline"]
+
+
+class _BackgroundSave:
+    """One save in flight on a worker thread; its failure is kept until someone asks."""
+
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._lock = threading.Lock()
+
+    def start(self, fn: Any, name: str) -> None:
+        def run() -> None:
+            try:
+                fn()
+            except BaseException as exc:  # kept and re-raised on the caller's thread
+                with self._lock:
+                    self._error = exc
+
+        self._thread = threading.Thread(target=run, name=name, daemon=True)
+        self._thread.start()
+
+    @property
+    def busy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait for the save in flight; re-raise its failure here. False if still running."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                return False
+            self._thread = None
+        with self._lock:
+            error, self._error = self._error, None
+        if error is not None:
+            raise error
+        return True
+
+
+class SavePipeline:
+    """Saves of one lease holder: foreground snapshot, background write, commit, rotation.
+
+    Args:
+        backend: the checkpoint root.
+        lease: the acquired writer lease (its epoch and nonce name this writer).
+        runlog: the attempt's step log, flushed before each commit.
+        rotation: applies retention after each commit.
+        scan: lists the root (the manager's memoised catalog scan).
+        memo: the scan's memo, fed with each manifest just written.
+    """
+
+    def __init__(self, backend: Backend, lease: Lease, *, runlog: RunLog | None, rotation: Rotation,
+                 scan: Callable[[], Catalog], memo: dict[tuple[str, str], object]) -> None:
+        self.backend = backend
+        self.url = backend.url
+        self.lease = lease
+        self.runlog = runlog
+        self.rotation = rotation
+        self._scan = scan
+        self._memo = memo
+        record = lease.record
+        assert record is not None
+        self.tag = writer_tag(record.holder.nonce, compare_and_swap=backend.capabilities.compare_and_swap)
+        self.rank: Rank = (lease.epoch, self.tag)
+        self.resumed_from: CheckpointInfo | None = None
+        self._bg = _BackgroundSave()
+        self._stager: Stager | None = None
+        self._lineage_written = False
+
+    @property
+    def busy(self) -> bool:
+        """A background save is in flight."""
+        return self._bg.busy
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait for a background save; re-raise its failure. False if it is still running."""
+        return self._bg.wait(timeout)
+
+    def raise_background_failure(self) -> None:
+        """Re-raise a finished background save's failure (no wait for one in flight)."""
+        if not self._bg.busy:
+            self._bg.wait()
+
+    def save(self, state: Any, *, step: int, position: Position, metrics: Mapping[str, Any] | None,
+             tags: Mapping[str, str] | None, blocking: bool) -> CheckpointInfo:
+        """See :meth:`ckptsdk.CheckpointManager.save`."""
+        self._bg.wait()  # one save in flight; its failure surfaces here
+        self.lease.check()
+        self.lease.renew()
+        cat = self._scan()
+        self.fence_if_newer(cat.max_rank)
+        folder = checkpoint_dir(step, self.lease.epoch, self.tag)
+        existing = next((c for c in cat.checkpoints if c.key == folder and c.committed), None)
+        if existing is not None:
+            logger.debug("step %d already committed as %s; not saving it twice", step, folder)
+            return existing
+        self.write_lineage(None, None)
+        tree = state.state_dict() if hasattr(state, "state_dict") else state
+        tensors, skeleton = codec.encode(tree)
+        device = _device_of(tensors)
+        if self.runlog is not None:
+            self.runlog.flush()
+        if blocking:
+            return self.commit(folder, step, tensors, skeleton, position, metrics, tags, device)
+        if self._stager is None:
+            self._stager = Stager()
+        staged = self._stager.snapshot(tensors)
+        skeleton = json.loads(json.dumps(skeleton))  # detached from live objects
+        self._bg.start(
+            lambda: self.commit(folder, step, staged, skeleton, position, metrics, tags, device),
+            name=f"ckptsdk-save-{step}",
+        )
+        return CheckpointInfo(step=step, epoch=self.lease.epoch, key=folder, size=0, committed=False,
+                              valid=False, reason="save in progress")
+
+    def commit(
+        self, folder: str, step: int, tensors: dict[str, torch.Tensor], skeleton: Any,
+        position: Position, metrics: Mapping[str, Any] | None, tags: Mapping[str, str] | None,
+        device: str,
+    ) -> CheckpointInfo:
+        """Write the tensor file, publish the manifest (the commit), then rotate."""
+        self.lease.check()
+        size, digest = write_tensorfile(self.backend, f"{folder}/{TENSORS}", tensors)
+        manifest = Manifest(
+            step=step,
+            position=position,
+            created_at=datetime.now(timezone.utc).isoformat(),
+            writer=Writer(
+                run_id=self.lease.run_id, attempt=self.lease.attempt, lease_epoch=self.lease.epoch,
+                host=socket.gethostname(), pid=os.getpid(),
+                resumed_from_step=self.resumed_from.step if self.resumed_from else None,
+            ),
+            files=[FileEntry(name=TENSORS, size=size, digest=digest, algorithm=DIGEST_ALGORITHM)],
+            tree=skeleton,
+            metrics=_plain_metrics(metrics),
+            environment=Environment.current(device=device),
+            tags=dict(tags or {}),
+        )
+        # A zombie that lost the lease while writing the tensors must not commit them: renew
+        # (not just check) so a takeover during a long write is seen before the commit.
+        self.lease.renew()
+        published = self.backend.write(f"{folder}/{MANIFEST}", manifest.to_json())
+        self._memo[(published.key, published.version)] = manifest  # the next scan need not re-read it
+        logger.info("committed %s/%s (%d bytes)", self.url, folder, size)
+        self.rotation.rotate(self.lease, self.rank, self._scan, self.resumed_from)
+        return CheckpointInfo(step=step, epoch=self.lease.epoch, key=folder, size=size, committed=True,
+                              valid=True, manifest=manifest)
+
+    def anchor(self, tree: Any, manifest: Manifest) -> None:
+        """Re-commit a restored checkpoint under this writer's rank (see ``restore``)."""
+        tensors, skeleton = codec.encode(tree)
+        folder = checkpoint_dir(manifest.step, self.lease.epoch, self.tag)
+        self.commit(folder, manifest.step, tensors, skeleton, manifest.position, manifest.metrics,
+                    manifest.tags, manifest.environment.device or "cpu")
+
+    def write_lineage(self, step: int | None, epoch: int | None) -> None:
+        """Record, once per epoch, where this writer's lineage starts (before its first commit)."""
+        if self._lineage_written:
+            return
+        record = LineageRecord(
+            epoch=self.lease.epoch, attempt=self.lease.attempt, run_id=self.lease.run_id,
+            resumed_from_step=step, resumed_from_epoch=epoch, host=socket.gethostname(),
+            pid=os.getpid(), created_at=datetime.now(timezone.utc).isoformat(),
+        )
+        self.lease.check()
+        try:
+            self.backend.create(lineage_key(self.lease.epoch, self.tag), record.to_json())
+        except PreconditionFailed as exc:
+            # Only the holder of this epoch writes this key: someone else did -> we lost the lease.
+            self.lease.fence(f"lineage record of epoch {self.lease.epoch} already exists", None)
+            raise LeaseLostError(
+                f"another writer already recorded epoch {self.lease.epoch} under {self.url}; "
+                "this writer stops (nothing was written or deleted)", url=self.url,
+                epoch=self.lease.epoch,
+            ) from exc
+        self._lineage_written = True
+
+    def fence_if_newer(self, seen: Rank) -> None:
+        """Fence this writer (and raise ``LeaseLostError``) if ``seen`` outranks it."""
+        if seen > self.rank:
+            self.lease.fence(f"saw a newer writer (epoch {seen[0]}) under {self.url}", seen[0])
+            self.lease.check()  # raises LeaseLostError
+
+    def confirm_writer(self) -> None:
+        """Renew the lease and look for newer writers; LeaseLostError if this one is stale."""
+        self.lease.renew()
+        self.fence_if_newer(self._scan().max_rank)
+
+
+def _device_of(tensors: Mapping[str, torch.Tensor]) -> str:
+    for t in tensors.values():
+        if t.device.type != "cpu":
+            return str(t.device)
+    return "cpu"
+
+
+def _plain_metrics(metrics: Mapping[str, Any] | None) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in (metrics or {}).items():
+        if isinstance(v, torch.Tensor):
+            v = v.item()
+        elif hasattr(v, "item") and callable(v.item):
+            v = v.item()  # numpy scalars
+        out[str(k)] = v
+    return out
