@@ -150,13 +150,14 @@ class Catalog:
 
         A folder without a manifest can never commit when its writer is superseded (a lower
         rank than the live writer ``rank``) or is the live writer itself with no save of that
-        folder in flight (``busy``: an earlier attempt that failed or was killed). Such a
-        folder may go at once when ``exclusive`` (the caller holds a compare-and-swap lease:
-        a superseded writer's commit would fail its renewal, and nothing else writes it);
-        otherwise only once its newest object is ``grace`` seconds older than ``now`` (store
-        time; default :meth:`store_now`), because on Drive another VM's upload of it may still
-        be in flight. ``rank=None`` (gc without the lease): every uncommitted folder, after
-        the grace only. A higher writer's folder is never returned.
+        folder in flight (``busy``): an earlier save of this writer that failed. The live
+        writer's own may go at once (only it writes its names, from this machine). A lower
+        writer's may go at once when ``exclusive`` (the caller holds a compare-and-swap lease:
+        that writer's commit would fail its own renewal); otherwise only once the folder's
+        newest object is ``grace`` seconds older than ``now`` (store time; default
+        :meth:`store_now`), because on Drive another VM's upload of it may still be in flight.
+        ``rank=None`` (gc without the lease): every uncommitted folder, after the grace only.
+        A higher writer's folder is never returned.
         """
         now = self.store_now() if now is None else now
         busy = set(busy)
@@ -167,11 +168,13 @@ class Catalog:
             if rank is not None and c.rank > rank:
                 continue
             age = None if now is None or c.mtime is None else max(0.0, now - c.mtime)
-            who = "a superseded writer's" if rank is None or c.rank < rank else "this writer's own"
-            if exclusive and rank is not None:
-                out.append((c, f"uncommitted: {who} save that can never commit"))
+            if rank is not None and c.rank == rank:
+                out.append((c, "uncommitted: this writer's own failed save"))
+            elif exclusive and rank is not None:
+                out.append((c, "uncommitted: a superseded writer's save that can never commit"))
             elif age is not None and age >= grace:
-                out.append((c, f"uncommitted: {who} save, no write for {age:.0f} s (grace {grace:.0f} s)"))
+                who = "a superseded writer's" if rank is not None else "a save"
+                out.append((c, f"uncommitted: {who} folder, silent for {age:.0f} s (grace {grace:.0f} s)"))
         return out
 
     def find(self, step: int) -> list[CheckpointInfo]:

@@ -71,11 +71,14 @@ def test_leftovers_rules(tmp_path):
     # the live writer is e2, saving step 5 now; e3's folder belongs to a newer writer
     assert keys(rank=(2, ""), grace=3600, exclusive=True, busy=[checkpoint_dir(5, 2)]) == [
         checkpoint_dir(3, 1), checkpoint_dir(4, 2)]
-    assert keys(rank=(2, ""), grace=3600, exclusive=False, busy=[checkpoint_dir(5, 2)]) == [checkpoint_dir(3, 1)]
+    assert keys(rank=(2, ""), grace=3600, exclusive=False, busy=[checkpoint_dir(5, 2)]) == [
+        checkpoint_dir(3, 1), checkpoint_dir(4, 2)]  # own: at once; the lower writer's: aged
+    assert keys(rank=(2, ""), grace=9000, exclusive=False, busy=[checkpoint_dir(5, 2)]) == [checkpoint_dir(4, 2)]
     assert keys(rank=None, grace=3600, exclusive=False) == [checkpoint_dir(3, 1)]
     assert keys(rank=None, grace=0, exclusive=False) == sorted(c.key for c in cat.checkpoints)
     why = dict((c.key, w) for c, w in cat.leftovers(rank=(2, ""), grace=3600, exclusive=False))
     assert "superseded" in why[checkpoint_dir(3, 1)] and "7200 s" in why[checkpoint_dir(3, 1)]
+    assert "own" in why[checkpoint_dir(4, 2)]
     # Ages come from the store's times, not this machine's clock: the reference is the newest object.
     assert cat.store_now() == max(c.mtime for c in cat.checkpoints)
 
