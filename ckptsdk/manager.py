@@ -268,7 +268,8 @@ class CheckpointManager:
         zombie, still rotating), the restored checkpoint is re-committed under this writer's
         epoch at once (the anchor: a hard link or server-side copy where the store has one), so
         this run's resume point can no longer be rotated away by it. A clean handover (the
-        previous writer ``close()``d) writes no copy.
+        previous writer ``close()``d) on a store with compare-and-swap writes no copy; on Drive
+        every takeover anchors (see ``_anchor_needed``).
 
         Args:
             state: a :class:`~ckptsdk.TrainState` (or anything with ``load_state_dict``).
@@ -307,7 +308,7 @@ class CheckpointManager:
             assert self.runlog is not None
             self.runlog.resumed_from_step = info.step
             self.runlog.start()
-            if info.rank < self._saving.rank and not self.lease.clean_handover:  # type: ignore[union-attr]
+            if info.rank < self._saving.rank and self._anchor_needed():
                 self._saving.anchor(tree, info)
         logger.info("restored %s (step %d) from %s", info.key, info.step, self.url)
         pos = manifest.position
@@ -316,6 +317,20 @@ class CheckpointManager:
             metrics=dict(manifest.metrics), tags=dict(manifest.tags), key=info.key,
             lease_epoch=info.epoch,
         )
+
+    def _anchor_needed(self) -> bool:
+        """Whether the resume point needs a re-commit under this writer's rank.
+
+        Not after a clean handover on a store with compare-and-swap: the released lease we
+        replaced was the latest state of the root, so no zombie can delete the resume point and
+        no unseen writer's lineage can orphan it. Elsewhere it is needed: after an unclean end
+        the previous writer may still be rotating; and on Drive, even after a clean one, another
+        VM's writer that took over in between may not be visible yet, and its lineage record,
+        arriving late, would turn the resume point into an orphan (the lineage property test
+        finds that schedule).
+        """
+        assert self.lease is not None
+        return not (self.lease.clean_handover and self.backend.capabilities.compare_and_swap)
 
     def _read_newest(self) -> tuple[Any, CheckpointInfo]:
         cat = self._scan()

@@ -219,6 +219,21 @@ class SimDriveBackend:
                                      expected=version, actual=obj.version)
         self.sim.change(self.vm, key, None)
 
+    def move(self, src: str, dst: str) -> ObjectInfo:
+        """The recycle ring's rename: gone from ``src``, there at ``dst`` (checked in this view)."""
+        data = self.read(src)
+        if self.exists(dst):
+            raise PreconditionFailed(f"move to {dst!r} under {self.url}: it exists on this VM",
+                                     url=self.url, key=dst, expected=None, actual=self._view()[dst].version)
+        info = self.write(dst, data)
+        self.sim.change(self.vm, src, None)
+        return info
+
+    def overwrite(self, key: str, data: Data) -> ObjectInfo:
+        """A rewrite in place of an existing file (atomic here; readers verify digests anyway)."""
+        self._get(key)
+        return self.write(key, data)
+
     def sweep(self, older_than: float) -> list[str]:
         return []
 
