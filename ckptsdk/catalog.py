@@ -48,6 +48,12 @@ def checkpoint_dir(step: int, epoch: int, tag: str = "") -> str:
     return f"step-{step:010d}.e{epoch}" + (f".{tag}" if tag else "")
 
 
+def folder_rank(key: str) -> tuple[int, Rank] | None:
+    """(step, writer rank) of the checkpoint folder ``key`` lies in, or None if it is not in one."""
+    m = _DIR_RE.match(key.partition("/")[0])
+    return None if m is None else (int(m.group(1)), (int(m.group(2)), m.group(3) or ""))
+
+
 def lineage_key(epoch: int, tag: str = "") -> str:
     """Where the takeover record of the writer (``epoch``, ``tag``) lives."""
     return f"lineage/epoch-{epoch:06d}" + (f".{tag}" if tag else "") + ".json"

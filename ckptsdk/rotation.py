@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from . import retention
 from .backends.base import Backend
-from .catalog import MANIFEST, TENSORS, Catalog, CheckpointInfo, Rank
+from .catalog import MANIFEST, Catalog, CheckpointInfo, Rank, folder_rank
 from .errors import LeaseLostError, ObjectNotFound
 from .lease import Lease
 from .usage import record_trash
@@ -121,6 +121,15 @@ class Rotation:
             lease.check()
             logger.info("removing %s/%s (%s, %d bytes)", self.url, c.key, why, c.size)
             self.delete(c)
+        # A save killed mid-write leaves a full-size temp file (invisible to listings) in its
+        # folder. Those of this writer's lineage go by the same rule; never a higher writer's.
+        def ours(key: str) -> bool:
+            found = folder_rank(key)
+            return found is not None and found[1] <= rank
+
+        lease.check()
+        for key in self.backend.sweep(0.0 if exclusive else self.leftover_grace, only=ours):
+            logger.info("removed %s/%s: temp file of a killed save", self.url, key)
         self._flush_ledger()
 
     def _protected(self, mine: list[CheckpointInfo], rank: Rank,

@@ -108,8 +108,8 @@ class FaultyBackend:
     def delete(self, key: str, *, version: str | None = None) -> None:
         return self._call("delete", key, lambda: self.inner.delete(key, version=version))
 
-    def sweep(self, older_than: float) -> list[str]:
-        return self._call("sweep", "", lambda: self.inner.sweep(older_than))
+    def sweep(self, older_than: float, *, only: Callable[[str], bool] | None = None) -> list[str]:
+        return self._call("sweep", "", lambda: self.inner.sweep(older_than, only=only))
 
     def _call(self, op: str, key: str, run: Callable[[], object]):  # type: ignore[no-untyped-def]
         with self._lock:

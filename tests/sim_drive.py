@@ -16,7 +16,7 @@ import io
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 from ckptsdk.backends.base import Data, ObjectInfo, check_key, check_prefix, iter_chunks
 from ckptsdk.backends.drive import DriveBackend
@@ -234,7 +234,7 @@ class SimDriveBackend:
         self._get(key)
         return self.write(key, data)
 
-    def sweep(self, older_than: float) -> list[str]:
+    def sweep(self, older_than: float, *, only: Any = None) -> list[str]:
         return []
 
 

@@ -7,7 +7,7 @@ checkpoints, leases or manifests; implementations live in sibling modules.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import BinaryIO, Protocol, Union, runtime_checkable
 
@@ -163,10 +163,12 @@ class Backend(Protocol):
     #   Hint: local ``os.link`` (files are never rewritten in place, so sharing an inode is safe);
     #   GCS ``rewriteTo`` with ``ifGenerationMatch=0``.
 
-    def sweep(self, older_than: float) -> list[str]:
+    def sweep(self, older_than: float, *, only: Callable[[str], bool] | None = None) -> list[str]:
         """Remove leftovers of crashed writes (temp files) older than ``older_than`` seconds.
 
-        Returns what was removed. Stores without temp files (GCS, memory) return ``[]``.
+        ``only(key)``, given, limits the sweep to temp files of the objects it accepts (``key`` is
+        the object the temp file was going to publish). Returns what was removed. Stores
+        without temp files (GCS, memory) return ``[]``.
         """
         ...
 

@@ -574,7 +574,7 @@ class GCSBackend:
             raise self._precondition(key, version)
         raise self._fail(reply, "DELETE", url, key, "delete")
 
-    def sweep(self, older_than: float) -> list[str]:
+    def sweep(self, older_than: float, *, only: Any = None) -> list[str]:
         """Nothing to sweep: an unfinished GCS upload is never an object."""
         return []
 

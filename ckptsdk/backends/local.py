@@ -73,6 +73,13 @@ def version_of(st: os.stat_result) -> str:
     return f"{st.st_ino:x}-{st.st_size:x}-{st.st_mtime_ns:x}"
 
 
+def _published_key(temp_key: str) -> str:
+    """The key a temp file (``folder/.ckptsdk-tmp.NAME.PID.HEX``) was going to publish."""
+    folder, _, name = temp_key.rpartition("/")
+    target = name[len(TMP_PREFIX):].rsplit(".", 2)[0]
+    return f"{folder}/{target}" if folder else target
+
+
 class LocalBackend:
     """Objects as files under a folder on this machine.
 
@@ -254,8 +261,10 @@ class LocalBackend:
                 self._fsync_dir(folder)
                 self._prune(folder)
 
-    def sweep(self, older_than: float) -> list[str]:
+    def sweep(self, older_than: float, *, only: Callable[[str], bool] | None = None) -> list[str]:
         """Remove temp files of crashed writes last modified more than ``older_than`` seconds ago.
+
+        ``only(key)``: sweep only temp files that were to publish ``key`` (see ``Backend.sweep``).
 
         Returns:
             The removed temp files, as keys relative to the root, sorted.
@@ -265,6 +274,8 @@ class LocalBackend:
         with self._errors("sweep", None):
             for key, entry in self._scan("", lambda _folder: True):
                 if not entry.name.startswith(TMP_PREFIX):
+                    continue
+                if only is not None and not only(_published_key(key)):
                     continue
                 try:
                     if entry.stat(follow_symlinks=False).st_mtime > cutoff:

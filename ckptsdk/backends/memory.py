@@ -128,7 +128,7 @@ class MemoryBackend:
                 self._check_version("delete", key, current, version)
             del self._store.objects[key]
 
-    def sweep(self, older_than: float) -> list[str]:
+    def sweep(self, older_than: float, *, only: Callable[[str], bool] | None = None) -> list[str]:
         """Nothing to sweep: a memory write has no temp objects."""
         return []
 
