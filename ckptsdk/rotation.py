@@ -132,6 +132,23 @@ class Rotation:
             logger.info("removed %s/%s: temp file of a killed save", self.url, key)
         self._flush_ledger()
 
+    def drop_copies(self, lease: Lease, rank: Rank, cat: Catalog, step: int) -> None:
+        """After an anchor of ``step`` committed: delete the lower writers' folders of that step.
+
+        Only where the store is immediately consistent (local disk, GCS): there the anchor is
+        durable and visible the moment it is published, so the copies it replaces protect
+        nothing, and restarts that die before their first save no longer stack one copy per
+        restart on the resume step. On Drive the anchor may still be uploading when a delete of
+        the original arrives, so the copies wait for rotation to let the step go.
+        """
+        if not self.backend.capabilities.immediately_consistent or cat.max_rank > rank:
+            return
+        for c in cat.checkpoints:
+            if c.step == step and c.rank < rank and c.committed:
+                lease.check()
+                logger.info("the anchor of step %d under %s replaces %s", step, self.url, c.key)
+                self.delete(c)
+
     def _protected(self, mine: list[CheckpointInfo], rank: Rank,
                    resumed_from: CheckpointInfo | None) -> list[int]:
         """The resume point stays until this writer has committed a newer step."""

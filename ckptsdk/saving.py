@@ -231,6 +231,7 @@ class SavePipeline:
                 self.backend.copy(f"{source.key}/{entry.name}", f"{folder}/{entry.name}")  # type: ignore[attr-defined]
             self._publish(folder, manifest.step, list(manifest.files), manifest.tree, manifest.position,
                           manifest.metrics, manifest.tags, device)
+            self.rotation.drop_copies(self.lease, self.rank, self._scan(), manifest.step)
             return
         tensors, skeleton = codec.encode(tree)
         self.commit(folder, manifest.step, tensors, skeleton, manifest.position, manifest.metrics,

@@ -31,7 +31,10 @@ def _age(root, folder: str, seconds: float) -> None:
 
 
 def _unclean_takeover(url: str) -> None:
-    """e1 saves 1 and 2 and dies without releasing; e2 breaks the lease, restores (anchoring 2)."""
+    """e1 saves 1 and 2 and dies without releasing; e2 breaks the lease, restores (anchoring 2).
+
+    On local disk the anchor (a hard link) then replaces e1's folder of step 2; on Drive (no
+    cheap copy, late consistency) both folders stay until rotation lets step 2 go."""
     state = _state()
     first = CheckpointManager(url, keep_last=3, lease_ttl=5, heartbeat=False)
     first.save(state, step=1)
@@ -42,15 +45,20 @@ def _unclean_takeover(url: str) -> None:
     second.close()
 
 
-def test_rows_show_each_step_once_with_the_anchor_marked(tmp_path):
-    url = str(tmp_path / "r")
+def test_rows_show_each_step_once_with_the_anchor_marked(tmp_path, monkeypatch):
+    monkeypatch.setenv("CKPTSDK_DRIVE_ROOT", str(tmp_path))
+    url = "drive://r"
     _unclean_takeover(url)
     cat = scan(open_backend(url))
-    assert sorted(c.key for c in cat.checkpoints) == [checkpoint_dir(1, 1), checkpoint_dir(2, 1), checkpoint_dir(2, 2)]
+    assert sorted((c.step, c.epoch) for c in cat.checkpoints) == [(1, 1), (2, 1), (2, 2)]
     rows = cat.rows()
-    assert [(r.step, r.epoch, r.anchor, r.copies) for r in rows] == [
-        (1, 1, False, ()), (2, 2, True, (checkpoint_dir(2, 1),))]
+    e1_of_2 = next(c.key for c in cat.checkpoints if (c.step, c.epoch) == (2, 1))
+    assert [(r.step, r.epoch, r.anchor, r.copies) for r in rows] == [(1, 1, False, ()), (2, 2, True, (e1_of_2,))]
     assert [(r.step, r.epoch) for r in CheckpointManager(url, read_only=True).list()] == [(1, 1), (2, 2)]
+    # On local disk the anchor replaced e1's folder of step 2 at once.
+    local = str(tmp_path / "local")
+    _unclean_takeover(local)
+    assert [(c.step, c.epoch, c.anchor) for c in scan(open_backend(local)).checkpoints] == [(1, 1, False), (2, 2, True)]
 
 
 def test_leftovers_rules(tmp_path):
@@ -95,7 +103,12 @@ def test_leftovers_without_store_times_wait_for_an_exclusive_lease(tmp_path):
     assert [c.key for c, _ in cat.leftovers(rank=(2, ""), grace=0, exclusive=True)] == [checkpoint_dir(1, 1)]
 
 
-def test_du_counts_each_kind_and_hard_links_once(tmp_path):
+def test_du_counts_each_kind_and_hard_links_once(tmp_path, monkeypatch):
+    """A crash between the anchor's commit and the removal of the copy it replaces leaves a
+    hard-linked duplicate on local disk: counted by kind, held once."""
+    from ckptsdk.rotation import Rotation
+
+    monkeypatch.setattr(Rotation, "drop_copies", lambda *a, **k: None)
     url = str(tmp_path / "r")
     _unclean_takeover(url)
     b = open_backend(url)
@@ -130,10 +143,11 @@ def test_du_on_drive_sums_recent_trash_ledgers(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("argv_json", [False, True])
-def test_du_command(tmp_path, capsys, argv_json):
+def test_du_command(tmp_path, capsys, argv_json, monkeypatch):
     from ckptsdk.cli import main
 
-    url = str(tmp_path / "r")
+    monkeypatch.setenv("CKPTSDK_DRIVE_ROOT", str(tmp_path))
+    url = "drive://r"
     _unclean_takeover(url)
     code = main(["du", url] + (["--json"] if argv_json else []))
     out = capsys.readouterr().out
@@ -142,6 +156,7 @@ def test_du_command(tmp_path, capsys, argv_json):
         import json
 
         doc = json.loads(out)
-        assert doc["folders"]["anchor"] == [checkpoint_dir(2, 2)] and doc["bytes"]["total"] > 0
+        assert [k.split(".")[1] for k in doc["folders"]["anchor"]] == ["e2"] and doc["bytes"]["total"] > 0
+        assert doc["trash_bytes"] == 0  # nothing deleted yet
     else:
         assert "anchor" in out and "duplicate" in out and "total" in out
