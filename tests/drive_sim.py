@@ -225,13 +225,16 @@ class DriveSim:
 
     def _count_costs(self, known: dict[str, _Sig], current: dict[str, _Sig]) -> None:
         """Classify one VM's changes since the last scan by what Drive would keep of them."""
-        new_inodes = {sig[2]: sig for rel, sig in current.items() if known.get(rel) != sig}
+        # A rename keeps the inode and (for the ring's tensor files) the file name. Requiring both
+        # keeps a freed inode that a new file of another name reuses from passing as a rename.
+        new_inodes = {(sig[2], rel.rpartition("/")[2]): sig for rel, sig in current.items() if known.get(rel) != sig}
         for rel, old in known.items():
             sig = current.get(rel)
+            ident = (old[2], rel.rpartition("/")[2])
             if sig is None:
-                if old[2] in new_inodes:
+                if ident in new_inodes:
                     self.moved_files += 1  # the same file under another name: no trash
-                    if new_inodes[old[2]][:2] != old[:2]:  # and rewritten since: a revision
+                    if new_inodes[ident][:2] != old[:2]:  # and rewritten since: a revision
                         self.revision_bytes += old[0]
                 else:
                     self.trashed_bytes += old[0]
