@@ -477,15 +477,21 @@ def cmd_gc(args: argparse.Namespace) -> int:
     report = mgr.gc(**kwargs)
     deleted = list(report.deleted)
     reasons = dict(getattr(report, "reasons", {}) or {})
+    sizes, trash = dict(getattr(report, "sizes", {}) or {}), getattr(report, "trash_bytes", None)
     if args.json:
-        _emit_json({"command": "gc", "url": args.url, "dry_run": args.dry_run, "deleted": deleted, "reasons": reasons})
+        _emit_json({"command": "gc", "url": args.url, "dry_run": args.dry_run, "deleted": deleted, "reasons": reasons,
+                    "sizes": sizes, "trash_bytes": trash})
         return EXIT_OK
     verb = "would delete" if args.dry_run else "deleted"
     if not deleted:
         print(f"nothing to delete under {args.url}")
         return EXIT_OK
-    print(_table([[k, reasons.get(k, "")] for k in deleted], ["KEY", "WHY"]))
+    print(_table([[k, _human_size(sizes.get(k)), reasons.get(k, "")] for k in deleted], ["KEY", "SIZE", "WHY"]))
     print(f"\n{verb} {len(deleted)} item(s) under {args.url}" + (" (dry run: nothing deleted)" if args.dry_run else ""))
+    if trash is not None:
+        from . import usage
+
+        print(usage.trash_note(trash, _backend(args)))
     return EXIT_OK
 
 

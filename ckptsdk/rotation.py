@@ -260,8 +260,6 @@ class Rotation:
         """
         keep = (keep_last or self.keep_last) + self.late
         reasons: dict[str, str] = {}
-        for c, why in cat.leftovers(rank=None, grace=grace, exclusive=False):
-            reasons[c.key] = f"{why}; {c.size} bytes"
         settled = self.backend.capabilities.immediately_consistent
         for c in cat.checkpoints:
             if c.orphan:
@@ -272,6 +270,8 @@ class Rotation:
                 else:
                     logger.info("gc keeps %s/%s (%s): it may still be uploading from another VM",
                                 self.url, c.key, c.reason)
+        for c, why in cat.leftovers(rank=None, grace=grace, exclusive=False):
+            reasons[c.key] = f"{why}, {c.size} bytes" + ("; and an orphan" if c.key in reasons else "")
         late = f" (+{self.late}: on this store rotation runs one save late)" if self.late else ""
         for c in self.beyond_retention([c for c in cat.checkpoints if c.valid], keep):
             reasons[c.key] = f"beyond keep_last={keep - self.late}{late}"

@@ -176,3 +176,12 @@ def render(u: Usage, url: str) -> str:
     if u.uncommitted or u.orphaned or u.invalid:
         lines.append("`ckptsdk gc --dry-run URL` shows what can go and why")
     return "\n".join(lines)
+
+
+def trash_note(gc_bytes: int, backend: Backend) -> str:
+    """What ``ckptsdk gc`` tells about Drive's trash: these deletes, and what is there already."""
+    already = usage(backend).trash_bytes or 0
+    return (f"Drive trash: these deletes send {_mib(gc_bytes)} there (kept 30 days, on your quota); "
+            f"ckptsdk's writers already sent {_mib(already)} in the last {TRASH_DAYS} days. A save in "
+            "'delete' retention mode sends one checkpoint there; in 'recycle' mode (the default on "
+            "Drive) only its manifest, see docs/DRIVE.md")

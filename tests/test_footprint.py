@@ -6,6 +6,7 @@ the anchor's cost and the SIGKILL runs on every backend live in tests/test_lefto
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -153,10 +154,36 @@ def test_du_command(tmp_path, capsys, argv_json, monkeypatch):
     out = capsys.readouterr().out
     assert code == 0
     if argv_json:
-        import json
-
         doc = json.loads(out)
         assert [k.split(".")[1] for k in doc["folders"]["anchor"]] == ["e2"] and doc["bytes"]["total"] > 0
         assert doc["trash_bytes"] == 0  # nothing deleted yet
     else:
         assert "anchor" in out and "duplicate" in out and "total" in out
+
+
+def test_gc_dry_run_lists_leftovers_with_age_bytes_and_the_drive_trash(tmp_path, monkeypatch, capsys):
+    from ckptsdk.cli import main
+
+    monkeypatch.setenv("CKPTSDK_DRIVE_ROOT", str(tmp_path))
+    url = "drive://r"
+    with CheckpointManager(url, keep_last=1, lease_ttl=5, lease_settle=0, retention_mode="delete") as mgr:
+        for step in (1, 2, 3, 4):
+            mgr.save(_state(), step=step)
+        assert [c.step for c in mgr.list()] == [3, 4]  # one save late on Drive
+    dead = checkpoint_dir(9, 1, "0badcafe")
+    b = open_backend(url)
+    b.write(f"{dead}/{TENSORS}", b"t" * 5000)  # a killed save of a superseded writer
+    _age(tmp_path / "r", dead, 7200)
+    before = sorted(o.key for o in b.list(""))
+    assert main(["gc", url, "--dry-run", "--keep-last", "1"]) == 0
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.startswith(dead))
+    assert "4.9 KiB" in line and "silent for 72" in line and "grace 3600 s" in line
+    assert "Drive trash: these deletes send 0.0 MiB" in out and "already sent" in out
+    assert sorted(o.key for o in b.list("")) == before  # a dry run deletes nothing
+    assert main(["gc", url, "--dry-run", "--keep-last", "1", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["sizes"][dead] == 5000 and doc["trash_bytes"] == 5000
+    assert sorted(doc["deleted"]) == [dead]  # keep_last=1 keeps 2 steps on Drive (one save late)
+    assert main(["gc", url, "--keep-last", "1"]) == 0
+    assert not b.exists(f"{dead}/{TENSORS}")
