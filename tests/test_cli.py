@@ -223,7 +223,7 @@ def test_lease_break_needs_confirmation_and_fences_the_writer(make_backend_targe
     finally:
         live.close()
     assert [i.key for i in CheckpointManager(target.url, read_only=True).list() if i.valid] == [
-        "step-0000000010.e1", "step-0000000020.e1", "step-0000000020.e2", "step-0000000030.e2"]
+        "step-0000000010.e1", "step-0000000020.e1", "step-0000000030.e2"]  # a clean handover: no anchor
 
 
 def test_gc_deletes_for_real_and_keeps_the_rest(make_backend_target, capsys):
