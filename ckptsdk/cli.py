@@ -157,6 +157,8 @@ def _info_dict(info: Any) -> dict[str, Any]:
         "committed": getattr(info, "committed", m is not None),
         "valid": info.valid,
         "orphan": getattr(info, "orphan", False),
+        "anchor": getattr(info, "anchor", False),
+        "copies": list(getattr(info, "copies", ())),
         "reason": info.reason,
         "created_at": getattr(m, "created_at", None) and str(m.created_at),
         "metrics": dict(getattr(m, "metrics", {}) or {}),
@@ -165,7 +167,11 @@ def _info_dict(info: Any) -> dict[str, Any]:
 
 def _status(info: Any) -> str:
     if info.valid:
-        return "valid"
+        # An anchor is a takeover's re-commit of its resume point; copies: other folders of the step.
+        extra = [x for x in ("anchor" if getattr(info, "anchor", False) else "",
+                             f"+{len(info.copies)} cop{'y' if len(info.copies) == 1 else 'ies'}"
+                             if getattr(info, "copies", ()) else "") if x]
+        return "valid" + (f" ({', '.join(extra)})" if extra else "")
     return info.reason or "invalid"
 
 
@@ -227,8 +233,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
     ]
     print(_table(table, ["STEP", "EPOCH", "SIZE", "WRITER", "CREATED", "STATUS"]))
     valid = sum(1 for r in rows if r["valid"])
-    print(f"\n{len(rows)} checkpoint folders under {args.url}, {valid} valid "
-          "(WRITER: lease epoch/attempt)")
+    print(f"\n{len(rows)} steps under {args.url}, {valid} valid (one row per step, the highest "
+          "writer's; WRITER: lease epoch/attempt)")
     return EXIT_OK
 
 

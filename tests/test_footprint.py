@@ -159,6 +159,10 @@ def test_du_command(tmp_path, capsys, argv_json, monkeypatch):
         assert doc["trash_bytes"] == 0  # nothing deleted yet
     else:
         assert "anchor" in out and "duplicate" in out and "total" in out
+    assert main(["ls", url]) == 0
+    listing = capsys.readouterr().out
+    assert "valid (anchor, +1 copy)" in listing and [x.split()[0] for x in listing.splitlines()[1:3]] == ["1", "2"]
+    assert "2 steps under" in listing  # step 2 shown once, though two folders hold it
 
 
 def test_gc_dry_run_lists_leftovers_with_age_bytes_and_the_drive_trash(tmp_path, monkeypatch, capsys):
