@@ -8,6 +8,7 @@ manifest do not belong here. The skeleton format is documented in docs/FORMAT.md
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import re
@@ -198,6 +199,7 @@ def _refuse(path: tuple[str, ...], obj: Any, why: str = "") -> UnsupportedStateE
     return UnsupportedStateError(message, path=where, type_name=type_name)
 
 
+@functools.lru_cache(maxsize=8192)  # the same keys come back at every save: encoding is on the save's stall
 def _escape_str_key(key: str) -> str:
     # '%' and '/' are escaped so that '/' only ever separates components; a key that could be read
     # as an int key, a '#'-prefixed special key or safetensors' reserved '__metadata__' gets its

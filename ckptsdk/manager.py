@@ -35,6 +35,7 @@ from .errors import (
 )
 from .lease import Lease
 from .manifest import Manifest, Position
+from .preemption import DEFAULT_DEADLINE, Preemption
 from .rotation import LEFTOVER_GRACE_S, RETENTION_MODES, GcReport, Rotation
 from .runlog import RunLog
 from .saving import SavePipeline
@@ -91,6 +92,19 @@ class CheckpointManager:
         read_only: inspect without taking the lease; ``save`` is refused.
         storage_options: passed to fsspec for ``gs://`` (``endpoint_url``, ``token``, ...).
         async_save: make ``save`` non-blocking by default (see ``save(blocking=)``).
+        snapshot: how a non-blocking save copies the state. ``"pipelined"`` (default): at
+            ``save()`` only what can change before the next ``optimizer.step()`` is copied (RNG
+            states, module buffers, scheduler/scaler state, extras); parameters and optimizer
+            state are copied in the background, and each optimizer held by the
+            :class:`~ckptsdk.TrainState` waits for that copy at its next ``step()``. The rule a
+            job must follow: nothing but ``optimizer.step()`` changes parameters or optimizer
+            state between ``save()`` and the next step. ``"copy"``: copy everything at
+            ``save()`` (the opt-out; also what happens for a state without optimizers).
+        save_on_signal: on SIGTERM/SIGINT, make ``should_save`` true at the next step, commit
+            that save (blocking, within ``signal_deadline``), release the lease, then exit as
+            the signal asked (see :mod:`ckptsdk.preemption`). None: on when the manager is
+            created in the main thread for writing.
+        signal_deadline: seconds that final save may take before it is abandoned (no commit).
         run_id: name of the run (kept across takeovers); a new uuid on a fresh root by default.
         heartbeat: renew the lease from a background thread every ttl/3 (off only in
             simulations that drive time themselves; then every save still renews).
@@ -128,6 +142,9 @@ class CheckpointManager:
         read_only: bool = False,
         storage_options: Mapping[str, Any] | None = None,
         async_save: bool = False,
+        snapshot: str = "pipelined",
+        save_on_signal: bool | None = None,
+        signal_deadline: float = DEFAULT_DEADLINE,
         run_id: str | None = None,
         heartbeat: bool = True,
         clock: Callable[[], float] = time.monotonic,
@@ -139,6 +156,12 @@ class CheckpointManager:
             raise ConfigError(f"keep_last must be >= 1, got {keep_last}: the newest checkpoint is always kept")
         if save_every is not None and save_every < 1:
             raise ConfigError(f"save_every must be >= 1 or None, got {save_every}")
+        if snapshot not in ("pipelined", "copy"):
+            raise ConfigError(f"snapshot must be 'pipelined' or 'copy', got {snapshot!r}")
+        main = threading.current_thread() is threading.main_thread()
+        if save_on_signal and not main:
+            raise ConfigError("save_on_signal=True needs the manager to be created in the main "
+                              "thread (Python delivers signals only there); pass save_on_signal=False")
         if isinstance(url, (str, os.PathLike)):
             self.url = os.fspath(url)
             self._backend: Backend = open_backend(self.url, **dict(storage_options or {}))
@@ -150,6 +173,8 @@ class CheckpointManager:
         self.save_every = save_every
         self.read_only = read_only
         self.async_save = async_save
+        self.snapshot = snapshot
+        self._preemption: Preemption | None = None
         self._memo: dict[tuple[str, str], object] = {}
         self._lock = threading.RLock()
         self._closed = False
@@ -175,12 +200,16 @@ class CheckpointManager:
             self.lease.start_heartbeat()
         self.runlog = RunLog(
             self.backend, run_id=self.lease.run_id, attempt=self.lease.attempt,
-            lease_epoch=self.lease.epoch, resumed_from_step=None,
+            lease_epoch=self.lease.epoch, resumed_from_step=None, background=True,
         )
         self._saving = SavePipeline(self.backend, self.lease, runlog=self.runlog, rotation=self._rotation,
                                     scan=self._scan, memo=self._memo)
         # An interpreter exit with a save in flight waits for it (or says it abandons it).
         atexit.register(_close_at_exit, weakref.ref(self))
+        if save_on_signal or (save_on_signal is None and main):
+            preemption = Preemption(deadline=signal_deadline)
+            if preemption.install():
+                self._preemption = preemption
         logger.info(
             "writer of %s: run %s, attempt %d, lease epoch %d",
             self.url, self.lease.run_id, self.lease.attempt, self.lease.epoch,
@@ -248,8 +277,15 @@ class CheckpointManager:
             )
         return info
 
+    @property
+    def preempted(self) -> bool:
+        """A stop signal arrived (``save_on_signal``): the next ``save`` is the last one."""
+        return self._preemption is not None and self._preemption.requested
+
     def should_save(self, step: int) -> bool:
-        """True every ``save_every`` steps (never at step 0)."""
+        """True every ``save_every`` steps (never at step 0), and at once after a stop signal."""
+        if self.preempted:
+            return True
         return bool(self.save_every) and step > 0 and step % self.save_every == 0  # type: ignore[operator]
 
     def audit(self, tolerance: float = 0.0) -> Any:
@@ -282,7 +318,7 @@ class CheckpointManager:
             StateMismatchError: the checkpoint does not fit ``state`` (lists the mismatches).
         """
         if self._saving is not None:
-            self._saving.raise_background_failure()
+            self._saving.wait()  # a pipelined copy may still read the live tensors
         try:
             tree, info = self._read_newest()
         except NoValidCheckpointError as exc:
@@ -449,9 +485,41 @@ class CheckpointManager:
             raise ConfigError(f"step must be >= 0, got {step}")
         blocking = (not self.async_save) if blocking is None else blocking
         position = Position(epoch=epoch, batch_idx=batch_idx, extra=dict(extra or {}))
+        if self.preempted:
+            return self._save_and_stop(state, step=step, position=position, metrics=metrics, tags=tags)
         with self._lock:
             return self._saving.save(state, step=step, position=position, metrics=metrics, tags=tags,
-                                     blocking=blocking)
+                                     blocking=blocking, snapshot=self.snapshot)
+
+    def _save_and_stop(self, state: Any, *, step: int, position: Position,
+                       metrics: Mapping[str, Any] | None, tags: Mapping[str, str] | None) -> CheckpointInfo:
+        """The last save after a stop signal: commit within the deadline, close, then let the
+        signal act (this returns only if a chained handler returns)."""
+        assert self._preemption is not None and self._saving is not None
+        deadline = self._preemption.deadline
+        end = time.monotonic() + deadline
+        finished = False
+        try:
+            with self._lock:
+                # A save already in flight finishes first (its failure surfaces here).
+                if self._saving.wait(deadline):
+                    self._saving.save(state, step=step, position=position, metrics=metrics, tags=tags,
+                                      blocking=False, snapshot="copy")
+                    finished = self._saving.wait(max(0.0, end - time.monotonic()))
+            if finished:
+                logger.warning("stop signal: committed step %d under %s; stopping", step, self.url)
+            else:
+                logger.error("stop signal: the save of step %d under %s took over %.0f s; abandoned "
+                             "(the previous committed checkpoint stands)", step, self.url, deadline)
+        finally:
+            if not finished:
+                self._saving.abandon()
+            self._shutdown(wait=finished)
+        self._preemption.deliver()
+        # Only a chained handler that returns brings us here: the job goes on, without a writer.
+        return self._saving.last_committed or CheckpointInfo(
+            step=step, epoch=self._saving.rank[0], key="", size=0, committed=False, valid=False,
+            reason="abandoned after a stop signal")
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait for a background save; re-raise its failure. False if it is still running."""
@@ -475,11 +543,16 @@ class CheckpointManager:
 
     def close(self) -> None:
         """Wait for a background save, flush the step log, release the lease. Idempotent."""
+        self._shutdown(wait=True)
+
+    def _shutdown(self, *, wait: bool) -> None:
         if self._closed:
             return
         self._closed = True
+        if self._preemption is not None:
+            self._preemption.uninstall()
         try:
-            if self._saving is not None:
+            if self._saving is not None and wait:
                 self._saving.wait()
         finally:
             try:

@@ -157,6 +157,8 @@ class RunLog:
             so that a runtime killed between checkpoints still leaves its last steps behind
             (those are the steps the audit compares with the next attempt).
         clock: a monotonic clock (tests).
+        background: publish the chunks ``log_step`` finds due on a thread of their own, so the
+            training loop never waits on storage (the manager turns this on).
 
     Example:
         >>> from ckptsdk.backends import open_backend
@@ -179,6 +181,7 @@ class RunLog:
         flush_every: int = 200,
         flush_interval: float = 15.0,
         clock: Any = time.monotonic,
+        background: bool = False,
     ) -> None:
         if not isinstance(attempt, int) or isinstance(attempt, bool) or attempt < 0:
             raise ConfigError(f"RunLog attempt must be a non-negative int, got {attempt!r}")
@@ -209,6 +212,10 @@ class RunLog:
         self._publish_lock = threading.RLock()  # one publish at a time
         self._started_written = False
         self._closed = False
+        # A due flush from log_step runs on its own thread: the training loop never waits on
+        # storage for the log (explicit flush() and close() still publish on the caller's thread).
+        self._background = background
+        self._flusher: threading.Thread | None = None
 
     @property
     def record(self) -> AttemptRecord:
@@ -259,18 +266,27 @@ class RunLog:
                 self._oldest = self._clock()
             self._buffer.append((int(step), time.time(), values))
             due = len(self._buffer) >= self.flush_every or self._clock() - self._oldest >= self.flush_interval
-        if due:
-            try:
-                self.flush()
-            except BackendError as exc:
-                # Logging must not kill training; the steps stay buffered and go out with the
-                # next flush (explicit flush() and close() do raise).
-                logger.warning(
-                    "run log of attempt %d: could not publish buffered steps (%s); "
-                    "keeping them for the next flush", self.attempt, exc,
-                )
-                with self._lock:
-                    self._oldest = self._clock()
+        if due and self._background:
+            with self._lock:
+                if self._flusher is None or not self._flusher.is_alive():
+                    self._flusher = threading.Thread(target=self._flush_quietly, daemon=True,
+                                                     name=f"ckptsdk-runlog-{self.attempt}")
+                    self._flusher.start()
+        elif due:
+            self._flush_quietly()
+
+    def _flush_quietly(self) -> None:
+        try:
+            self.flush()
+        except BackendError as exc:
+            # Logging must not kill training; the steps stay buffered and go out with the
+            # next flush (explicit flush() and close() do raise).
+            logger.warning(
+                "run log of attempt %d: could not publish buffered steps (%s); "
+                "keeping them for the next flush", self.attempt, exc,
+            )
+            with self._lock:
+                self._oldest = self._clock()
 
     def start(self) -> None:
         """Publish this attempt's record now (once), before any step is logged.
@@ -306,6 +322,9 @@ class RunLog:
 
         Idempotent. Raises ``BackendError`` if storage fails (the log stays open, retry is safe).
         """
+        flusher = self._flusher
+        if flusher is not None and flusher is not threading.current_thread():
+            flusher.join()
         with self._publish_lock:
             if self._closed:
                 return

@@ -12,12 +12,12 @@ Ordering that matters (each is a crash window or a zombie window):
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import socket
 import threading
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
@@ -26,12 +26,13 @@ import torch
 from . import codec
 from .backends.base import Backend
 from .catalog import MANIFEST, TENSORS, Catalog, CheckpointInfo, Rank, checkpoint_dir, lineage_key, writer_tag
-from .errors import LeaseLostError, ObjectNotFound, PreconditionFailed
+from .errors import CheckpointError, LeaseLostError, ObjectNotFound, PreconditionFailed
 from .lease import Lease
 from .manifest import Environment, FileEntry, LineageRecord, Manifest, Position, Writer
 from .rotation import Rotation
 from .runlog import RunLog
 from .staging import Stager
+from .state import tensor_key
 from .tensorfile import DIGEST_ALGORITHM, write_tensorfile
 
 logger = logging.getLogger(__name__)
@@ -76,6 +77,18 @@ class _BackgroundSave:
         return True
 
 
+@dataclass(frozen=True)
+class _Job:
+    """What a save commits besides its tensors (captured at ``save()``)."""
+
+    folder: str
+    step: int
+    position: Position
+    metrics: dict[str, Any]
+    tags: dict[str, str]
+    device: str
+
+
 class SavePipeline:
     """Saves of one lease holder: foreground snapshot, background write, commit, rotation.
 
@@ -105,6 +118,8 @@ class SavePipeline:
         self._bg = _BackgroundSave()
         self._stager: Stager | None = None
         self._lineage_written = False
+        self._abandoned = threading.Event()
+        self._committed: dict[str, CheckpointInfo] = {}
 
     @property
     def busy(self) -> bool:
@@ -121,43 +136,77 @@ class SavePipeline:
             self._bg.wait()
 
     def save(self, state: Any, *, step: int, position: Position, metrics: Mapping[str, Any] | None,
-             tags: Mapping[str, str] | None, blocking: bool) -> CheckpointInfo:
-        """See :meth:`ckptsdk.CheckpointManager.save`."""
-        self._bg.wait()  # one save in flight; its failure surfaces here
+             tags: Mapping[str, str] | None, blocking: bool, snapshot: str = "pipelined") -> CheckpointInfo:
+        """See :meth:`ckptsdk.CheckpointManager.save`.
+
+        Non-blocking saves touch no storage here: the fencing check reads the flag the lease
+        heartbeat keeps fresh, and everything else runs on the worker (:meth:`_store`).
+        """
+        self._bg.wait()  # one save in flight (the staging buffers are its); its failure surfaces here
         self.lease.check()
-        self.lease.renew()
-        cat = self._scan()
-        self.fence_if_newer(cat.max_rank)
         folder = checkpoint_dir(step, self.lease.epoch, self.tag)
-        existing = next((c for c in cat.checkpoints if c.key == folder and c.committed), None)
-        if existing is not None:
+        done = self._committed.get(folder)
+        if done is not None:
             logger.debug("step %d already committed as %s; not saving it twice", step, folder)
-            return existing
-        self.write_lineage(None, None)
+            return done
         tree = state.state_dict() if hasattr(state, "state_dict") else state
         tensors, skeleton = codec.encode(tree)
-        device = _device_of(tensors)
-        if self.runlog is not None:
-            self.runlog.flush()
+        job = _Job(folder=folder, step=step, position=position, metrics=dict(metrics or {}),
+                   tags=dict(tags or {}), device=_device_of(tensors))
         if blocking:
-            return self.commit(folder, step, tensors, skeleton, position, metrics, tags, device)
+            return self._store(job, tensors, skeleton)
+        defer: set[str] = set()
+        if snapshot == "pipelined" and callable(getattr(state, "step_only_tensors", None)) and state.optimizers():
+            keys = state.step_only_tensors()
+            defer = {name for name, t in tensors.items() if tensor_key(t) in keys}
         if self._stager is None:
             self._stager = Stager()
-        staged = self._stager.snapshot(tensors)
-        skeleton = json.loads(json.dumps(skeleton))  # detached from live objects
-        self._bg.start(
-            lambda: self.commit(folder, step, staged, skeleton, position, metrics, tags, device),
-            name=f"ckptsdk-save-{step}",
-        )
+        pending = self._stager.begin(tensors, defer)
+        if defer:
+            state.hold_steps(pending.wait_copied)
+        # The skeleton needs no copy: codec.encode builds fresh containers of immutable leaves.
+
+        def work() -> None:
+            pending.finish()
+            self._store(job, pending.tensors, skeleton)
+
+        self._bg.start(work, name=f"ckptsdk-save-{step}")
         return CheckpointInfo(step=step, epoch=self.lease.epoch, key=folder, size=0, committed=False,
                               valid=False, reason="save in progress")
+
+    @property
+    def last_committed(self) -> CheckpointInfo | None:
+        """The newest checkpoint this pipeline committed, if any."""
+        return next(iter(self._committed.values()), None)
+
+    def abandon(self) -> None:
+        """Make the save in flight stop before its commit (preemption past its deadline).
+
+        A publish already under way completes (it is atomic); nothing is published after it.
+        """
+        self._abandoned.set()
+
+    def _store(self, job: _Job, tensors: Mapping[str, torch.Tensor], skeleton: Any) -> CheckpointInfo:
+        """The storage half of a save: list and fence, lineage, step log, tensors, commit, rotate."""
+        self.lease.check()
+        cat = self._scan()
+        self.fence_if_newer(cat.max_rank)
+        existing = next((c for c in cat.checkpoints if c.key == job.folder and c.committed), None)
+        if existing is not None:
+            logger.debug("step %d already committed as %s; not saving it twice", job.step, job.folder)
+            return existing
+        self.write_lineage(None, None)
+        if self.runlog is not None:
+            self.runlog.flush()
+        return self.commit(job.folder, job.step, dict(tensors), skeleton, job.position, job.metrics,
+                           job.tags, job.device)
 
     def commit(
         self, folder: str, step: int, tensors: dict[str, torch.Tensor], skeleton: Any,
         position: Position, metrics: Mapping[str, Any] | None, tags: Mapping[str, str] | None,
         device: str,
     ) -> CheckpointInfo:
-        """Write the tensor file, publish the manifest (the commit), then rotate."""
+        """Write the tensor file, renew the lease, publish the manifest (the commit), rotate."""
         self.lease.check()
         key = f"{folder}/{TENSORS}"
         source = (self.rotation.recycle_source(self.lease, self.rank, self._scan(), step, self.resumed_from)
@@ -204,15 +253,22 @@ class SavePipeline:
             tags=dict(tags or {}),
         )
         # A zombie that lost the lease while writing the tensors must not commit them: renew
-        # (not just check) so a takeover during a long write is seen before the commit.
+        # (compare-and-swap, not just check) so a takeover during the write is seen here.
         self.lease.renew()
+        if self._abandoned.is_set():
+            raise CheckpointError(
+                f"the save of step {step} under {self.url} was abandoned before its commit (its "
+                "deadline passed); the previous committed checkpoint is intact",
+                url=self.url, step=step, key=folder)
         published = self.backend.write(f"{folder}/{MANIFEST}", manifest.to_json())
         self._memo[(published.key, published.version)] = manifest  # the next scan need not re-read it
         size = sum(f.size for f in files)
         logger.info("committed %s/%s (%d bytes)", self.url, folder, size)
-        self.rotation.rotate(self.lease, self.rank, self._scan, self.resumed_from)
-        return CheckpointInfo(step=step, epoch=self.lease.epoch, key=folder, size=size, committed=True,
+        info = CheckpointInfo(step=step, epoch=self.lease.epoch, key=folder, size=size, committed=True,
                               valid=True, manifest=manifest)
+        self._committed = {folder: info}  # the newest only: an older one may have been rotated out
+        self.rotation.rotate(self.lease, self.rank, self._scan, self.resumed_from)
+        return info
 
     def anchor(self, tree: Any, source: CheckpointInfo) -> None:
         """Re-commit a restored checkpoint under this writer's rank (see ``restore``).

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
+from typing import Any
 
 import numpy as np
 import torch
@@ -18,7 +19,58 @@ from .errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Stager"]
+__all__ = ["PendingSnapshot", "Stager"]
+
+
+class PendingSnapshot:
+    """A snapshot whose deferred copies may still be running; see :meth:`Stager.begin`.
+
+    Attributes:
+        tensors: name -> staging buffer (complete once :meth:`finish` returned).
+    """
+
+    def __init__(self, tensors: dict[str, torch.Tensor], later: list[tuple[torch.Tensor, torch.Tensor]],
+                 events: list[Any], side_events: list[tuple[torch.device, Any]]) -> None:
+        self.tensors = tensors
+        self._later = later
+        self._events = events
+        self._side_events = side_events
+        self._copied = threading.Event()
+        if not later:
+            self._copied.set()
+
+    @property
+    def deferred(self) -> int:
+        """How many CPU copies wait for :meth:`finish`."""
+        return len(self._later)
+
+    def finish(self) -> None:
+        """Run the deferred CPU copies, then wait for device copies (on the save worker)."""
+        try:
+            for buf, src in self._later:
+                _copy(buf, src)
+        finally:
+            self._later = []
+            self._copied.set()  # never leave a training step waiting on a failed copy
+        for ev in self._events:
+            ev.synchronize()
+
+    def wait_copied(self) -> None:
+        """Block until no deferred source is still being read (the optimizer-step pre-hook).
+
+        CPU copies: wait for :meth:`finish`. CUDA: make the current stream wait for the side
+        stream's copies, without blocking the host.
+        """
+        self._copied.wait()
+        for device, ev in self._side_events:
+            torch.cuda.current_stream(device).wait_event(ev)
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    if src.is_contiguous() and not (src.is_conj() or src.is_neg()):
+        _memcpy(dst, src)
+    else:
+        dst.copy_(src)  # strided: torch walks the strides
 
 
 def _memcpy(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -85,9 +137,31 @@ class Stager:
         Raises:
             ConfigError: a value is not a dense tensor.
         """
+        pending = self.begin(tensors)
+        pending.finish()
+        return pending.tensors
+
+    def begin(self, tensors: Mapping[str, torch.Tensor], defer: Collection[str] = ()) -> PendingSnapshot:
+        """Start a snapshot: copy every tensor not in ``defer`` now, the others later.
+
+        The deferred copies (parameters and optimizer state, which only ``optimizer.step()``
+        changes) run in :meth:`PendingSnapshot.finish` on the save worker while training goes on;
+        on CUDA they are queued on a side stream at once. Until ``finish`` returns, the sources
+        named in ``defer`` must not change: the caller holds the next optimizer step with
+        :meth:`PendingSnapshot.wait_copied`.
+
+        Args:
+            tensors: name -> dense tensor on any device.
+            defer: names whose copy may wait for the worker.
+
+        Raises:
+            ConfigError: a value is not a dense tensor.
+        """
         with self._lock:
             out: dict[str, torch.Tensor] = {}
-            devices: set[torch.device] = set()
+            later: list[tuple[torch.Tensor, torch.Tensor]] = []
+            side: dict[torch.device, Any] = {}
+            events: list[Any] = []
             with torch.no_grad():
                 for name, src in tensors.items():
                     if not isinstance(src, torch.Tensor) or src.layout != torch.strided:
@@ -97,25 +171,42 @@ class Stager:
                         )
                     buf = self._buffer(name, src)
                     src = src.detach()
-                    if src.device.type != "cpu":
-                        # non_blocking into pinned memory overlaps the copies; they are
-                        # synchronised below before anyone reads the buffers.
-                        buf.copy_(src, non_blocking=True)
-                        devices.add(src.device)
-                    elif src.is_contiguous() and not (src.is_conj() or src.is_neg()):
-                        _memcpy(buf, src)
-                    else:
-                        buf.copy_(src)  # strided: torch walks the strides
                     out[name] = buf
-            for device in devices:
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                else:  # other accelerators: a blocking no-op copy is the portable barrier
-                    torch.empty(0, device=device).cpu()
+                    if src.device.type == "cuda":
+                        if name in defer:
+                            stream = side.get(src.device)
+                            if stream is None:
+                                # The side stream first waits for the work already queued (the
+                                # step that produced these values), then copies while the next
+                                # forward runs on the main stream.
+                                stream = side[src.device] = torch.cuda.Stream(src.device)
+                                stream.wait_stream(torch.cuda.current_stream(src.device))
+                            with torch.cuda.stream(stream):
+                                buf.copy_(src, non_blocking=True)
+                                src.record_stream(stream)
+                        else:
+                            # Same stream as the forward that changes it next: ordered after us.
+                            buf.copy_(src, non_blocking=True)
+                    elif src.device.type != "cpu":
+                        buf.copy_(src)  # other accelerators: a plain blocking copy
+                    elif name in defer:
+                        later.append((buf, src))
+                    else:
+                        _copy(buf, src)
+            cuda_devices = {t.device for t in tensors.values() if t.device.type == "cuda"}
+            for device in cuda_devices:
+                main_done = torch.cuda.Event()
+                main_done.record(torch.cuda.current_stream(device))
+                events.append(main_done)
+            side_events = []
+            for stream in side.values():
+                ev = torch.cuda.Event()
+                ev.record(stream)
+                side_events.append((stream.device, ev))
             for stale in set(self._buffers) - set(out):
                 del self._buffers[stale]
                 self._pinned.discard(stale)
-            return out
+            return PendingSnapshot(out, later, events + [e for _, e in side_events], side_events)
 
     def _buffer(self, name: str, src: torch.Tensor) -> torch.Tensor:
         pin = src.device.type == "cuda"
