@@ -79,6 +79,7 @@ class DriveSim:
         self.replaced_bytes = 0  # files renamed over (os.replace): trash or revision, undocumented
         self.revision_bytes = 0  # files rewritten in place: old content kept as a revision
         self.moved_files = 0  # renames of one file (same inode): metadata only
+        self.trashed_by_name: dict[str, int] = {}  # trashed bytes by file name (tensor files vs the rest)
 
     # ------------------------------------------------------------------ public
     def root(self, vm: str) -> Path:
@@ -239,6 +240,8 @@ class DriveSim:
                 else:
                     self.trashed_bytes += old[0]
                     self.trashed_files += 1
+                    name = rel.rpartition("/")[2]
+                    self.trashed_by_name[name] = self.trashed_by_name.get(name, 0) + old[0]
             elif sig != old:
                 if sig[2] == old[2]:
                     self.revision_bytes += old[0]
