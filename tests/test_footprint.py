@@ -191,3 +191,21 @@ def test_gc_dry_run_lists_leftovers_with_age_bytes_and_the_drive_trash(tmp_path,
     assert sorted(doc["deleted"]) == [dead]  # keep_last=1 keeps 2 steps on Drive (one save late)
     assert main(["gc", url, "--keep-last", "1"]) == 0
     assert not b.exists(f"{dead}/{TENSORS}")
+
+
+def test_lease_says_whether_it_took_over_a_released_lease():
+    """What the anchor rule reads: a fresh root or a broken lease is not a clean handover."""
+    from ckptsdk.lease import Lease
+
+    b = open_backend("memory://footprint-handover")
+    first = Lease(b, ttl=5)
+    first.acquire()
+    assert not first.clean_handover  # a fresh root: nobody released anything
+    first.release()
+    second = Lease(b, ttl=5)
+    second.acquire()
+    assert second.clean_handover
+    third = Lease(b, ttl=5, force=True)  # breaks a live lease: its holder may still be running
+    third.acquire()
+    assert not third.clean_handover
+    third.release()
