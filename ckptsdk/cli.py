@@ -1,6 +1,8 @@
 """The ``ckptsdk`` command: inspect, verify, audit and tidy a checkpoint root from a shell.
 
-``ckptsdk {ls,show,verify,audit,lease,gc,du} URL``; each prints a human table, or one JSON document
+``ckptsdk {ls,show,verify,audit,lease,gc,du} URL``, ``ckptsdk import FILE.pt URL`` and
+``ckptsdk export URL[@STEP] OUT.safetensors`` (their logic is in legacy_import.py and export.py; du's
+in usage.py); each prints a human table, or one JSON document
 on stdout with ``--json``. Read-only commands never take the writer lease. This module only parses
 arguments, calls the library and formats what it returns; checkpoint logic belongs elsewhere.
 
@@ -559,7 +561,42 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("--grace", type=float, help="seconds a crashed write's leftovers must be old to go")
     sp.set_defaults(fn=cmd_gc)
     add("du", "bytes held: committed, anchor, duplicate, uncommitted, orphaned; Drive trash estimate").set_defaults(fn=cmd_du)
+    _add_porting_commands(sub)
     return p
+
+
+def _porting(module: str, name: str) -> Any:
+    """A command whose logic lives in ckptsdk.legacy_import / ckptsdk.export, imported only when
+    that command runs (so nothing else in the CLI ever imports the torch.load door)."""
+    def run(args: argparse.Namespace) -> int:
+        import importlib
+
+        return int(getattr(importlib.import_module(f"ckptsdk.{module}"), name)(args))
+    return run
+
+
+def _add_porting_commands(sub: Any) -> None:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--json", action="store_true", help="print one JSON document")
+    common.add_argument("--storage-option", action="append", metavar="KEY=VALUE", help="fsspec/gcsfs storage option")
+    sp = sub.add_parser("import", parents=[common], help="commit a torch.save checkpoint (.pt) as a new root's first "
+                        "checkpoint, read with weights_only=True")
+    sp.add_argument("file", metavar="FILE.pt")
+    sp.add_argument("url", metavar="URL", help="a checkpoint root without checkpoints")
+    sp.add_argument("--allow-numpy-rng", action="store_true",
+                    help="accept the 4 numpy globals np.random.get_state() needs (nothing else)")
+    sp.add_argument("--step", type=int, help="the step to record (default: the file's 'step'/'global_step')")
+    sp.add_argument("--drop", action="append", metavar="KEY", help="leave this key of the file out (repeatable)")
+    sp.add_argument("--force", action="store_true", help="break a live writer lease on URL")
+    sp.set_defaults(fn=_porting("legacy_import", "cmd_import"))
+    sp = sub.add_parser("export", parents=[common], help="write a checkpoint's model weights to one .safetensors file")
+    sp.add_argument("url", metavar="URL[@STEP]", help="checkpoint root, optionally @STEP (default: newest valid)")
+    sp.add_argument("out", metavar="OUT.safetensors")
+    sp.add_argument("--object", metavar="PATH", help="where the state dict is in the tree (default: objects/model, "
+                    "objects/model_0 or lightning/state_dict)")
+    sp.add_argument("--tied", action="append", metavar="REMOVED=KEPT",
+                    help="declare a tied weight: written once, recorded in the metadata as save_model does")
+    sp.set_defaults(fn=_porting("export", "cmd_export"))
 
 
 def _exit_code(exc: CkptError) -> int:

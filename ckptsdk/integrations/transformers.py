@@ -1,0 +1,223 @@
+"""Hugging Face ``Trainer`` checkpointing through ckptsdk: a small Trainer subclass.
+
+A callback cannot do it: the Trainer reads a resume point from a local folder with
+``torch.load`` (optimizer, scheduler, scaler, RNG). ``CkptsdkTrainer`` overrides those loads
+and the save, so every checkpoint is a leased, committed, pickle-free ckptsdk one; the
+Trainer's own resume logic (epochs, batches to skip, callback states) runs unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Mapping
+from typing import Any
+
+from . import require
+
+require("transformers", "transformers")
+from transformers import Trainer  # noqa: E402
+from transformers.trainer_callback import ExportableState  # noqa: E402
+from transformers.trainer_utils import TrainOutput  # noqa: E402
+
+from ..errors import ConfigError, StateMismatchError  # noqa: E402
+from ..manager import CheckpointManager  # noqa: E402
+from ..state import TrainState, restore_rng  # noqa: E402
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["CkptsdkTrainer"]
+
+_TRAINER_STATE = "trainer_state.json"  # the name Trainer's resume reads its position from
+
+
+class _TrainerStateJSON:
+    """The Trainer's TrainerState as one JSON string (its own format: ``save_to_json``'s)."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer = trainer
+        self.saved: str | None = None
+
+    def state_dict(self) -> dict[str, str]:
+        return {"json": json.dumps(dataclasses.asdict(self.trainer.state), sort_keys=True)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.saved = str(state["json"])
+
+
+class _Deferred:
+    """Holds a saved state until the Trainer has built the object it belongs to."""
+
+    def __init__(self, live: Any = None) -> None:
+        self.live = live
+        self.saved: Any = None
+
+    def state_dict(self) -> Any:
+        return self.live.state_dict() if self.live is not None else {}
+
+    def load_state_dict(self, state: Any) -> None:
+        self.saved = state
+
+
+class CkptsdkTrainer(Trainer):
+    """A ``transformers.Trainer`` whose checkpoints live in a ckptsdk root.
+
+    Saves happen where the Trainer saves (``save_strategy``/``save_steps``): model, optimizer,
+    scheduler, grad scaler, every RNG state and the TrainerState, committed at
+    ``state.global_step``. ``train(resume_from_checkpoint=True)`` continues from the newest
+    valid checkpoint (or starts fresh on an empty root); without it, a root that already holds
+    checkpoints is refused rather than silently trained over.
+
+    Args:
+        *args, **kwargs: as for ``transformers.Trainer``.
+        ckpt_url: the checkpoint root (``drive://``, ``gs://``, a path); its writer lease stops
+            a zombie runtime from writing or rotating there while this one trains.
+        keep_last, keep_every, lease_ttl, force, storage_options: as for
+            :class:`~ckptsdk.CheckpointManager` (``save_total_limit`` plays no part).
+
+    Raises:
+        ConfigError: more than one process, or ``load_best_model_at_end`` (both need folders
+            or gathering this subclass does not do).
+
+    Example:
+        >>> trainer = CkptsdkTrainer(model=model, args=TrainingArguments("out", save_steps=500),
+        ...                          train_dataset=ds, ckpt_url="drive://runs/gpt")
+        >>> trainer.train(resume_from_checkpoint=True)
+    """
+
+    def __init__(
+        self, *args: Any, ckpt_url: str, keep_last: int = 3, keep_every: int | None = None,
+        lease_ttl: float | None = None, force: bool = False, storage_options: Mapping[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        if self.args.world_size > 1:
+            raise ConfigError(f"CkptsdkTrainer supports one process, this run has {self.args.world_size}: "
+                              "per-rank RNG states need a gathering committer")
+        if self.args.load_best_model_at_end:
+            raise ConfigError("CkptsdkTrainer does not support load_best_model_at_end (it reloads from a "
+                              "checkpoint folder); export the best step with `ckptsdk export URL@STEP`")
+        self.ckpt_url = ckpt_url
+        self._ckpt_options = dict(keep_last=keep_last, keep_every=keep_every, lease_ttl=lease_ttl, force=force,
+                                  storage_options=dict(storage_options or {}))
+        self._ckpt_mgr: CheckpointManager | None = None
+        self._resume: dict[str, Any] | None = None
+
+    # ------------------------------------------------------------------ train
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, trial: Any = None,
+              ignore_keys_for_eval: list[str] | None = None, **kwargs: Any) -> TrainOutput:
+        """Train, checkpointing to ``ckpt_url``; ``resume_from_checkpoint=True`` continues.
+
+        Raises:
+            ConfigError: a path was given (use ``ckptsdk import`` for old folders), or the root
+                holds checkpoints and ``resume_from_checkpoint`` is not True.
+        """
+        if resume_from_checkpoint not in (None, False, True):
+            raise ConfigError(f"CkptsdkTrainer resumes from its ckpt_url, not from {resume_from_checkpoint!r}: "
+                              "pass resume_from_checkpoint=True")
+        self._ckpt_mgr = CheckpointManager(self.ckpt_url, **self._ckpt_options)  # takes the lease
+        folder = None
+        try:
+            latest = self._ckpt_mgr.latest()
+            if latest is not None and resume_from_checkpoint is not True:
+                # Checked before restore(), which would already record this writer's lineage.
+                raise ConfigError(
+                    f"{self.ckpt_url} holds checkpoints up to step {latest.step}: pass "
+                    "resume_from_checkpoint=True to continue that run, or use a new ckpt_url")
+            parts = {"model": self.model, "optimizer": _Deferred(), "scheduler": _Deferred(),
+                     "scaler": _Deferred(), "trainer": _TrainerStateJSON(self)}
+            pos = self._ckpt_mgr.restore(_Capture(parts))
+            if pos is None:
+                return super().train(None, trial, ignore_keys_for_eval, **kwargs)
+            self._resume = parts
+            # The Trainer's resume reads its position (epoch, steps to skip, callback states)
+            # from trainer_state.json in a folder: give it one holding only that JSON.
+            folder = tempfile.mkdtemp(prefix="ckptsdk-resume-")
+            with open(os.path.join(folder, _TRAINER_STATE), "w", encoding="utf-8") as f:
+                f.write(parts["trainer"].saved or "")
+            logger.info("resuming from %s/%s (step %d)", self.ckpt_url, pos.key, pos.step)
+            return super().train(folder, trial, ignore_keys_for_eval, **kwargs)
+        finally:
+            self._resume = None
+            if folder is not None:
+                shutil.rmtree(folder, ignore_errors=True)
+            mgr, self._ckpt_mgr = self._ckpt_mgr, None
+            mgr.close()
+
+    # ------------------------------------------------------------------ loads (resume only)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        if self._resume is None:
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        # restore() already loaded the weights into self.model (checked against its keys and shapes).
+        return None
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if self._resume is None:
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        self.optimizer.load_state_dict(self._resume["optimizer"].saved)
+        self.lr_scheduler.load_state_dict(self._resume["scheduler"].saved)
+        return None
+
+    def _load_scaler(self, checkpoint: str | None) -> None:
+        if self._resume is None:
+            return super()._load_scaler(checkpoint)
+        saved = self._resume["scaler"].saved
+        if saved and self.accelerator.scaler is not None:
+            self.accelerator.scaler.load_state_dict(saved)
+        return None
+
+    def _load_rng_state(self, checkpoint: str | None) -> None:
+        # Called by the Trainer at the right moment: after skipping the batches already done.
+        if self._resume is None:
+            return super()._load_rng_state(checkpoint)
+        restore_rng(self._resume["rng"])
+        return None
+
+    # ------------------------------------------------------------------ save
+
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        """As Trainer.log; the training loss also goes to ckptsdk's step log (``ckptsdk audit``)."""
+        super().log(logs, *args, **kwargs)
+        if self._ckpt_mgr is not None and isinstance(logs.get("loss"), (int, float)):
+            self._ckpt_mgr.log_step(self.state.global_step, loss=logs["loss"])
+
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        if self._ckpt_mgr is None:
+            raise ConfigError("CkptsdkTrainer saves only inside train()")
+        # As Trainer._save_checkpoint: stateful callbacks record their state in the TrainerState.
+        for cb in [c for c in self.callback_handler.callbacks + [self.control] if isinstance(c, ExportableState)]:
+            name = cb.__class__.__name__
+            if isinstance(self.state.stateful_callbacks.get(name), list):
+                self.state.stateful_callbacks[name].append(cb.state())
+            else:
+                self.state.stateful_callbacks[name] = cb.state()
+        state = TrainState(model=self.model, optimizer=self.optimizer, scheduler=self.lr_scheduler,
+                           scaler=_Deferred(self.accelerator.scaler), trainer=_TrainerStateJSON(self))
+        self._ckpt_mgr.save(state, step=self.state.global_step, epoch=int(self.state.epoch or 0),
+                            metrics={k: v for k, v in (self.state.log_history[-1:] or [{}])[0].items()
+                                     if isinstance(v, (int, float))},
+                            tags={"framework": "transformers"})
+
+
+class _Capture:
+    """Restores the model at once and keeps the rest until the Trainer asks for it."""
+
+    def __init__(self, parts: dict[str, Any]) -> None:
+        self.parts = parts
+
+    def load_state_dict(self, tree: Mapping[str, Any]) -> None:
+        state = TrainState(**self.parts)
+        problems = state.mismatches(tree)
+        if problems:
+            raise StateMismatchError("the checkpoint does not fit this Trainer: " + "; ".join(problems[:8]),
+                                     mismatches=problems)
+        self.parts["model"].load_state_dict(tree["objects"]["model"])
+        for name in ("optimizer", "scheduler", "scaler", "trainer"):
+            self.parts[name].load_state_dict(tree["objects"][name])
+        self.parts["rng"] = tree["rng"]
