@@ -82,7 +82,9 @@ class Rotation:
     @property
     def recycles(self) -> bool:
         """Whether rotated-out checkpoints are recycled rather than deleted on this store."""
-        return self.mode == "recycle" and self.backend.capabilities.rewrite_in_place
+        return (self.mode == "recycle" and self.backend.capabilities.rewrite_in_place
+                and callable(getattr(self.backend, "move", None))
+                and callable(getattr(self.backend, "overwrite", None)))
 
     def rotate(self, lease: Lease, rank: Rank, scan: Callable[[], Catalog],
                resumed_from: CheckpointInfo | None) -> None:

@@ -281,7 +281,7 @@ class SavePipeline:
         assert manifest is not None
         folder = checkpoint_dir(manifest.step, self.lease.epoch, self.tag)
         device = manifest.environment.device or "cpu"
-        if self.backend.capabilities.cheap_copy:
+        if self.backend.capabilities.cheap_copy and callable(getattr(self.backend, "copy", None)):
             self.lease.check()
             for entry in manifest.files:
                 self.backend.copy(f"{source.key}/{entry.name}", f"{folder}/{entry.name}")  # type: ignore[attr-defined]

@@ -18,7 +18,8 @@ from .errors import BackendError
 __all__ = ["FaultyBackend", "SimulatedCrash", "fail_nth", "FailOn", "OPS"]
 
 #: Every operation a backend has, as named to ``fail_on`` and counted in ``FaultyBackend.calls``.
-OPS = ("read", "open", "stat", "exists", "list", "write", "create", "replace", "delete", "sweep")
+OPS = ("read", "open", "stat", "exists", "list", "write", "create", "replace", "delete", "sweep",
+       "copy", "move", "overwrite")  # the last three: optional, where the wrapped backend has them
 
 #: ``fail_on(op, key, n)``: return an exception to raise instead of the call (or ``None`` to let
 #: it through). ``n`` is how many calls of ``op`` this wrapper has seen, this one included (1-based).
@@ -110,6 +111,16 @@ class FaultyBackend:
 
     def sweep(self, older_than: float, *, only: Callable[[str], bool] | None = None) -> list[str]:
         return self._call("sweep", "", lambda: self.inner.sweep(older_than, only=only))
+
+    # The optional operations, where the wrapped backend has them (see its capabilities).
+    def copy(self, src: str, dst: str) -> ObjectInfo:
+        return self._call("copy", dst, lambda: self.inner.copy(src, dst))
+
+    def move(self, src: str, dst: str) -> ObjectInfo:
+        return self._call("move", dst, lambda: self.inner.move(src, dst))
+
+    def overwrite(self, key: str, data: Data) -> ObjectInfo:
+        return self._call("overwrite", key, lambda: self.inner.overwrite(key, data))
 
     def _call(self, op: str, key: str, run: Callable[[], object]):  # type: ignore[no-untyped-def]
         with self._lock:
