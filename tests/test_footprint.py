@@ -209,3 +209,31 @@ def test_lease_says_whether_it_took_over_a_released_lease():
     third.acquire()
     assert not third.clean_handover
     third.release()
+
+
+def test_recycle_failing_mid_rewrite_keeps_the_newest_and_cleans_up(tmp_path, monkeypatch):
+    """Drive's ring: a rewrite in place that fails leaves the newest checkpoints intact (only the
+    one retention had already let go is gone); the next save removes the half-written folder."""
+    from ckptsdk.errors import BackendError
+    from ckptsdk.testing import FaultyBackend
+
+    monkeypatch.setenv("CKPTSDK_DRIVE_ROOT", str(tmp_path))
+    state = _state()
+    mgr = CheckpointManager("drive://r", keep_last=1, lease_ttl=60, lease_settle=0)
+    for step in (1, 2, 3):
+        mgr.save(state, step=step)
+    assert [c.step for c in mgr.list()] == [2, 3]
+    mgr.backend = FaultyBackend(mgr.backend, fail_on=lambda op, key, n: (
+        BackendError("No space left on device", key=key) if op == "overwrite" else None))
+    with pytest.raises(BackendError) as err:
+        mgr.save(state, step=4)
+    assert "No space left" in str(err.value)
+    cat = scan(open_backend("drive://r"))
+    assert [(c.step, c.valid) for c in cat.rows() if c.committed] == [(3, True)]
+    assert [c.step for c in cat.checkpoints if not c.committed] == [4]  # step 2's file, moved there
+    assert CheckpointManager("drive://r", read_only=True).load(step=3) is not None  # digests hold
+    mgr.backend = mgr.backend.inner
+    mgr.save(state, step=5)
+    cat = scan(open_backend("drive://r"))
+    assert [c.step for c in cat.checkpoints] == [3, 5]  # the failed save's folder went at once: ours
+    mgr.close()
