@@ -179,9 +179,18 @@ def render(u: Usage, url: str) -> str:
 
 
 def trash_note(gc_bytes: int, backend: Backend) -> str:
-    """What ``ckptsdk gc`` tells about Drive's trash: these deletes, and what is there already."""
-    already = usage(backend).trash_bytes or 0
-    return (f"Drive trash: these deletes send {_mib(gc_bytes)} there (kept 30 days, on your quota); "
-            f"ckptsdk's writers already sent {_mib(already)} in the last {TRASH_DAYS} days. A save in "
-            "'delete' retention mode sends one checkpoint there; in 'recycle' mode (the default on "
-            "Drive) only its manifest, see docs/DRIVE.md")
+    """What ``ckptsdk gc`` tells about Drive's trash: these deletes, what is there already, and
+    what each retention mode sends there per 100 saves of this root's newest checkpoint."""
+    cat = scan(backend)
+    already = usage(backend, catalog=cat).trash_bytes or 0
+    note = (f"Drive trash: these deletes send {_mib(gc_bytes)} there (kept {TRASH_DAYS} days, on your "
+            f"quota); ckptsdk's writers already sent {_mib(already)} in the last {TRASH_DAYS} days.")
+    newest = next(iter(cat.restorable()), None)
+    if newest is not None and newest.manifest is not None:
+        data = sum(f.size for f in newest.manifest.files)
+        meta = max(0, newest.size - data)
+        note += (f" Per 100 saves of this checkpoint in steady state: retention_mode='delete' sends "
+                 f"{_mib(100 * newest.size)}, 'recycle' (the default on Drive) {_mib(100 * meta)} "
+                 "(manifests only; its rewrites in place keep old revisions, whose quota cost Google "
+                 "does not document: see docs/DRIVE.md)")
+    return note

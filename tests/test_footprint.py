@@ -184,6 +184,7 @@ def test_gc_dry_run_lists_leftovers_with_age_bytes_and_the_drive_trash(tmp_path,
     line = next(x for x in out.splitlines() if x.startswith(dead))
     assert "4.9 KiB" in line and "silent for 72" in line and "grace 3600 s" in line
     assert "Drive trash: these deletes send 0.0 MiB" in out and "already sent" in out
+    assert "Per 100 saves" in out and "manifests only" in out
     assert sorted(o.key for o in b.list("")) == before  # a dry run deletes nothing
     assert main(["gc", url, "--dry-run", "--keep-last", "1", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
