@@ -467,14 +467,19 @@ class CheckpointManager:
             metrics: numbers to keep in the manifest.
             extra: more JSON position fields the job needs to resume.
             tags: string tags (e.g. ``{"data_hash": ...}``) checked by the job on resume.
-            blocking: False returns once the state is snapshotted into staging buffers and
-                writes in the background; None uses the manager's ``async_save``.
+            blocking: False does in-memory work only and returns: the snapshot (see the
+                manager's ``snapshot`` option) and everything that touches storage (listing,
+                lineage, step-log flush, tensor write, lease renewal, commit, rotation) run on
+                a background worker; a failure there surfaces on the next ``save``, ``wait`` or
+                ``close``. None uses the manager's ``async_save``. After a stop signal
+                (``save_on_signal``) the save is blocking, then the signal takes effect.
 
         Returns:
             The committed (or, when not blocking, the pending) checkpoint.
 
         Raises:
-            LeaseLostError: another writer took over; nothing was written or deleted.
+            LeaseLostError: another writer took over; this save (or the previous background
+                one) committed and deleted nothing.
             BackendError: storage failed; the previous checkpoints are intact.
         """
         if self.read_only or self._saving is None:
@@ -542,8 +547,16 @@ class CheckpointManager:
         self.runlog.log_step(step, **scalars)
 
     def close(self) -> None:
-        """Wait for a background save, flush the step log, release the lease. Idempotent."""
+        """Wait for a background save, flush the step log, release the lease. Idempotent.
+
+        A stop signal that arrived since (``save_on_signal``) and was not yet acted on by a
+        save takes effect here, once the lease is released.
+        """
+        if self._closed:
+            return
         self._shutdown(wait=True)
+        if self._preemption is not None and self._preemption.requested:
+            self._preemption.deliver()
 
     def _shutdown(self, *, wait: bool) -> None:
         if self._closed:
@@ -552,8 +565,10 @@ class CheckpointManager:
         if self._preemption is not None:
             self._preemption.uninstall()
         try:
-            if self._saving is not None and wait:
-                self._saving.wait()
+            if self._saving is not None:
+                self._saving.stop()
+                if wait:
+                    self._saving.wait()
         finally:
             try:
                 if self.runlog is not None:

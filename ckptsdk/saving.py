@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import socket
 import threading
 from collections.abc import Callable, Mapping
@@ -41,35 +42,55 @@ __all__ = ["SavePipeline"]
 
 
 class _BackgroundSave:
-    """One save in flight on a worker thread; its failure is kept until someone asks."""
+    """One save at a time on a long-lived worker thread; its failure is kept until someone asks.
+
+    The worker is started once and fed through a queue: ``Thread.start()`` would make every
+    save wait for the new thread to come up and hand the interpreter lock back, a few
+    milliseconds of stall on a busy machine.
+    """
 
     def __init__(self) -> None:
         self._thread: threading.Thread | None = None
+        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._idle = threading.Event()
+        self._idle.set()
         self._error: BaseException | None = None
         self._lock = threading.Lock()
 
-    def start(self, fn: Any, name: str) -> None:
-        def run() -> None:
+    def start(self, fn: Callable[[], None], name: str) -> None:
+        self._idle.clear()
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+            self._thread.start()
+        self._jobs.put(fn)
+
+    def _run(self) -> None:
+        while True:
+            fn = self._jobs.get()
+            if fn is None:
+                return
             try:
                 fn()
             except BaseException as exc:  # kept and re-raised on the caller's thread
                 with self._lock:
                     self._error = exc
+            finally:
+                self._idle.set()
 
-        self._thread = threading.Thread(target=run, name=name, daemon=True)
-        self._thread.start()
+    def stop(self) -> None:
+        """Let the worker thread end once the save in flight is done."""
+        if self._thread is not None:
+            self._jobs.put(None)
+            self._thread = None
 
     @property
     def busy(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return not self._idle.is_set()
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait for the save in flight; re-raise its failure here. False if still running."""
-        if self._thread is not None:
-            self._thread.join(timeout)
-            if self._thread.is_alive():
-                return False
-            self._thread = None
+        if not self._idle.wait(timeout):
+            return False
         with self._lock:
             error, self._error = self._error, None
         if error is not None:
@@ -130,6 +151,10 @@ class SavePipeline:
         """Wait for a background save; re-raise its failure. False if it is still running."""
         return self._bg.wait(timeout)
 
+    def stop(self) -> None:
+        """No more saves: let the worker thread end after the one in flight."""
+        self._bg.stop()
+
     def raise_background_failure(self) -> None:
         """Re-raise a finished background save's failure (no wait for one in flight)."""
         if not self._bg.busy:
@@ -187,8 +212,11 @@ class SavePipeline:
         self._abandoned.set()
 
     def _store(self, job: _Job, tensors: Mapping[str, torch.Tensor], skeleton: Any) -> CheckpointInfo:
-        """The storage half of a save: list and fence, lineage, step log, tensors, commit, rotate."""
-        self.lease.check()
+        """The storage half of a save: renew and list (fencing), lineage, step log, tensors,
+        renew again, commit, rotate."""
+        # Renewed before anything is written: a writer taken over (even by a newcomer that has
+        # not listed anything yet) stops here, not after writing a tensor file it cannot commit.
+        self.lease.renew()
         cat = self._scan()
         self.fence_if_newer(cat.max_rank)
         existing = next((c for c in cat.checkpoints if c.key == job.folder and c.committed), None)

@@ -296,6 +296,7 @@ def run_job(
     echo: Callable[[str], None] = logger.info,
     progress: bool = False,
     on_event: Callable[[str, int], None] | None = None,
+    save_on_signal: bool | None = None,
 ) -> JobResult:
     """Train (or resume) the CIFAR-10 job under ``ckpt_url`` until ``cfg.max_steps`` or the end.
 
@@ -311,6 +312,9 @@ def run_job(
         progress: show a tqdm bar over the steps.
         on_event: called as ``on_event(name, step)`` at "step" (after each step is logged),
             "saving" (just before a save) and "saved"; test harnesses kill the job on these.
+        save_on_signal: on SIGTERM (a spot VM's preemption) or SIGINT (a notebook's stop), save
+            at the next step and exit as the signal asked (see ``CheckpointManager``). None: on
+            when the job runs in the main thread.
 
     Returns:
         A :class:`JobResult`, with the audit of every attempt so far.
@@ -365,7 +369,7 @@ def run_job(
     t0 = time.perf_counter()
     with ckptsdk.CheckpointManager(
         ckpt_url, keep_last=cfg.keep_last, save_every=cfg.save_every, lease_ttl=lease_ttl,
-        force=force, storage_options=storage_options,
+        force=force, storage_options=storage_options, save_on_signal=save_on_signal,
     ) as mgr:
         # Opening takes the writer lease: after a crash that means waiting out the dead
         # writer's ttl, which is why it is timed apart from the restore itself.

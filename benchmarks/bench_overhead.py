@@ -1,0 +1,267 @@
+#!/usr/bin/env python
+"""What checkpointing costs a training job: overhead in %, stall per save, SIGTERM to commit. Not a test.
+
+The CIFAR ResNet-18 job's step (SGD momentum + OneCycleLR + GradScaler, BatchNorm, the job's
+augmentation) on synthetic data, K steps per configuration: never saving, then saving every
+1, 10 and 100 steps with ``save(blocking=False)``, on a local disk and on the same disk behind a
+wrapper that adds a fixed latency to every storage call (what a GCS request or a Drive FUSE
+metadata call costs). Then, per storage, a child process running the job gets SIGTERM at a random
+step; we time the signal to the committed checkpoint and to the process's exit.
+
+    python -m benchmarks.bench_overhead                    # ~5 min on a 2-core VM (width 16)
+    python -m benchmarks.bench_overhead --width 64 --batch-size 128 --steps 300   # ResNet-18 proper
+
+Overhead = (time of K steps with saves) / (time of K steps without) - 1, configurations
+interleaved per repetition so slow drift of a shared machine hits all alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from adapters.cifar10.model import build_model  # noqa: E402
+from ckptsdk import CheckpointManager, TrainState, open_backend  # noqa: E402
+from ckptsdk.testing import FaultyBackend  # noqa: E402
+
+EVERY = (1, 10, 100)
+OVERHEAD_TARGET = 0.01  # saving every 10 steps
+
+
+def slow_backend(root: Path, latency: float) -> Any:
+    """A local root whose every storage call first sleeps ``latency`` seconds."""
+    def sleep(_op: str, _key: str, _n: int) -> None:
+        time.sleep(latency)
+        return None
+
+    return FaultyBackend(open_backend(str(root)), fail_on=sleep)
+
+
+class Job:
+    """The CIFAR job's model, optimizer, schedule and step, on synthetic images."""
+
+    def __init__(self, width: int, batch_size: int, total_steps: int, seed: int = 0, *,
+                 device: str = "cpu", amp: bool = False) -> None:
+        torch.manual_seed(seed)
+        self.device = torch.device(device)
+        self.amp = amp and self.device.type == "cuda"  # fp16 autocast + GradScaler, as the job on CUDA
+        self.model = build_model(width=width).to(self.device)
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=0.1, momentum=0.9, nesterov=True,
+                                   weight_decay=5e-4)
+        self.sched = torch.optim.lr_scheduler.OneCycleLR(self.opt, max_lr=0.1, total_steps=total_steps + 10)
+        self.scaler = torch.amp.GradScaler(self.device.type)
+        self.state = TrainState(model=self.model, optimizer=self.opt, scheduler=self.sched, scaler=self.scaler)
+        gen = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(batch_size * 4, 3, 32, 32, generator=gen).to(self.device)
+        self.y = torch.randint(0, 10, (batch_size * 4,), generator=gen).to(self.device)
+        self.batch_size = batch_size
+
+    def step(self, i: int) -> torch.Tensor:
+        b = self.batch_size
+        lo = (i % 4) * b
+        x = self.x[lo:lo + b]
+        if i % 2:
+            x = x.flip(3)  # the job's random flip, made deterministic
+        with torch.autocast(self.device.type, dtype=torch.float16, enabled=self.amp):
+            loss = torch.nn.functional.cross_entropy(self.model(x), self.y[lo:lo + b])
+        self.opt.zero_grad(set_to_none=True)
+        self.scaler.scale(loss).backward()
+        self.scaler.step(self.opt)
+        self.scaler.update()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            self.sched.step()
+        return loss.detach()
+
+
+def run_config(job: Job, steps: int, every: int | None, mgr: CheckpointManager | None, start: int) -> dict[str, Any]:
+    """K steps (global steps ``start+1 .. start+K``), saving every ``every``; the step times include the saves."""
+    stalls: list[float] = []
+    t0 = time.perf_counter()
+    for i in range(start + 1, start + steps + 1):
+        loss = job.step(i)
+        if mgr is not None:
+            mgr.log_step(i, loss=loss)
+            # Saves at the first step of each period, so every save's background write overlaps
+            # the timed steps after it (none is left to run after the clock stops).
+            if every and (i - start - 1) % every == 0:
+                t = time.perf_counter()
+                mgr.save(job.state, step=i, blocking=False)
+                stalls.append(time.perf_counter() - t)
+    if job.device.type == "cuda":
+        torch.cuda.synchronize(job.device)
+    total = time.perf_counter() - t0
+    if mgr is not None:
+        mgr.wait()
+    return {"seconds": total, "stalls": stalls}
+
+
+def p99(xs: list[float]) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(0.99 * (len(xs) - 1))))]
+
+
+def sigterm_child(args: argparse.Namespace) -> None:
+    """The job in a child: train until SIGTERM; ``should_save`` then says yes, the save commits."""
+    root = Path(args.root)
+    backend: Any = slow_backend(root, args.latency) if args.latency else str(root)
+    job = Job(args.width, args.batch_size, 10_000, device=args.device, amp=args.amp)
+    mgr = CheckpointManager(backend, save_every=10**9, lease_ttl=60.0, keep_last=2)
+    mgr.restore(job.state)
+    for i in range(1, 10_000):
+        loss = job.step(i)
+        mgr.log_step(i, loss=loss)
+        print(f"step {i}", flush=True)
+        if mgr.should_save(i):
+            print(f"saving {i} {time.time():.6f}", flush=True)
+            mgr.save(job.state, step=i)
+    mgr.close()
+
+
+def measure_sigterm(args: argparse.Namespace, latency: float, tmp: Path) -> dict[str, Any]:
+    root = tmp / f"sigterm-{int(latency * 1000)}ms"
+    cmd = [sys.executable, "-m", "benchmarks.bench_overhead", "--_child", "--root", str(root),
+           "--latency", str(latency), "--width", str(args.width), "--batch-size", str(args.batch_size),
+           "--device", args.device] + (["--amp"] if args.amp else [])
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    at = random.Random(int(latency * 1000)).randint(3, 8)
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if line.strip() == f"step {at}":
+            break
+    sent = time.time()
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=300)
+    exited = time.time()
+    saving = [ln.split() for ln in out.splitlines() if ln.startswith("saving")]
+    with CheckpointManager(str(root), read_only=True) as ro:
+        info = ro.latest()
+    if info is None or not saving:
+        return {"error": f"no checkpoint after SIGTERM (exit {proc.returncode}): {err[-500:]}"}
+    manifest = root / info.key / "manifest.json"
+    return {
+        "signal_at_step": at, "saved_step": info.step, "exit_code": proc.returncode,
+        "signal_to_commit_s": manifest.stat().st_mtime - sent,
+        "signal_to_exit_s": exited - sent,
+        "save_started_after_s": float(saving[-1][2]) - sent,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=100, help="steps per configuration (default 100)")
+    ap.add_argument("--reps", type=int, default=1, help="repetitions of every configuration (default 1)")
+    ap.add_argument("--width", type=int, default=16, help="first-stage channels (64 = ResNet-18 proper; default 16)")
+    ap.add_argument("--batch-size", type=int, default=32, help="images per step (default 32)")
+    ap.add_argument("--latency-ms", type=float, default=50.0, help="added to every storage call (default 50)")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (examples/gpu_check.py runs this on CUDA)")
+    ap.add_argument("--amp", action="store_true", help="fp16 autocast + GradScaler (CUDA only)")
+    ap.add_argument("--dir", default=None, help="where to write (default: a temp dir on a real disk)")
+    ap.add_argument("--json-out", default=None)
+    ap.add_argument("--no-sigterm", action="store_true", help="skip the SIGTERM measurement")
+    ap.add_argument("--_child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--root", help=argparse.SUPPRESS)
+    ap.add_argument("--latency", type=float, default=0.0, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+    if args._child:
+        sigterm_child(args)
+        return 0
+
+    latency = args.latency_ms / 1000.0
+    report: dict[str, Any] = {"args": vars(args), "torch": torch.__version__, "cpus": os.cpu_count(),
+                              "loadavg_start": os.getloadavg(), "runs": {}}
+    t_start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="ckpt-overhead-", dir=args.dir) as tmp:
+        job = Job(args.width, args.batch_size, args.reps * 8 * args.steps + 10, device=args.device, amp=args.amp)
+        state_mb = sum(t.numel() * t.element_size() for t in _tensors(job.state)) / 1e6
+        storages = {"local": lambda name: str(Path(tmp) / name),
+                    f"local+{args.latency_ms:.0f}ms": lambda name: slow_backend(Path(tmp) / name, latency)}
+        saving: list[tuple[str, int | None]] = [(s, e) for s in storages for e in EVERY]
+        mgrs = {s: {e: CheckpointManager(storages[s](f"{s}-{e}"), keep_last=2, lease_ttl=600.0,
+                                         save_on_signal=False) for e in EVERY} for s in storages}
+        for m in (m for per in mgrs.values() for m in per.values()):
+            m.restore(job.state)
+        for i in range(3):  # warm-up: allocator, kernels
+            job.step(-1 - i)
+        step = 0
+        for r in range(args.reps):
+            # "never" first and last in each repetition: the baseline brackets the saving runs.
+            order = [("-", None)] + saving[r % len(saving):] + saving[:r % len(saving)] + [("-", None)]
+            for storage, every in order:
+                mgr = None if every is None else mgrs[storage][every]
+                res = run_config(job, args.steps, every, mgr, step)
+                step += args.steps
+                report["runs"].setdefault(f"{storage}/{every or 'never'}", []).append(res)
+        for per in mgrs.values():
+            for m in per.values():
+                m.close()
+        report["state_mb"] = state_mb
+        if not args.no_sigterm:
+            report["sigterm"] = {name: measure_sigterm(args, lat, Path(tmp))
+                                 for name, lat in (("local", 0.0), (f"local+{args.latency_ms:.0f}ms", latency))}
+    report["loadavg_end"] = os.getloadavg()
+    report["wall_s"] = time.perf_counter() - t_start
+    print_report(report, args)
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(report, indent=2, default=str))
+    return 0
+
+
+def _tensors(state: TrainState) -> list[torch.Tensor]:
+    from ckptsdk import codec
+
+    return list(codec.encode(state.state_dict())[0].values())
+
+
+def print_report(report: dict[str, Any], args: argparse.Namespace) -> None:
+    runs = report["runs"]
+    base = statistics.median(r["seconds"] for r in runs["-/never"])
+    print(f"\n== CIFAR ResNet-18 job on {args.device}{' (AMP fp16)' if args.amp else ''}, width "
+          f"{args.width}, batch {args.batch_size}: state "
+          f"{report['state_mb']:.1f} MB, {args.steps} steps per run, {args.reps} rep(s) ==")
+    print(f"never saving: {base:.2f} s for {args.steps} steps ({base / args.steps * 1000:.0f} ms/step)")
+    print(f"{'storage / save every':28s} {'overhead':>9s} {'stall median':>13s} {'stall p99':>10s}  target")
+    for key, rs in runs.items():
+        if key == "-/never":
+            continue
+        secs = statistics.median(r["seconds"] for r in rs)
+        stalls = [s for r in rs for s in r["stalls"]]
+        over = secs / base - 1
+        target = ""
+        if key.endswith("/10"):
+            target = f"≤{OVERHEAD_TARGET:.0%} {'ok' if over <= OVERHEAD_TARGET else 'MISSED'}"
+        med = f"{statistics.median(stalls) * 1000:.1f} ms" if stalls else "-"
+        top = f"{p99(stalls) * 1000:.1f} ms" if stalls else "-"
+        print(f"{key:28s} {over:+9.1%} {med:>13s} {top:>10s}  {target}")
+    for name, s in report.get("sigterm", {}).items():
+        if "error" in s:
+            print(f"SIGTERM ({name}): {s['error']}")
+            continue
+        print(f"SIGTERM ({name}) at step {s['signal_at_step']}: committed step {s['saved_step']} "
+              f"{s['signal_to_commit_s']:.2f} s after the signal (save began after "
+              f"{s['save_started_after_s']:.2f} s: the step in flight), exit {s['exit_code']} after "
+              f"{s['signal_to_exit_s']:.2f} s")
+    print(f"\nload average: start {tuple(round(x, 2) for x in report['loadavg_start'])}, end "
+          f"{tuple(round(x, 2) for x in report['loadavg_end'])}; wall {report['wall_s']:.0f} s")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
