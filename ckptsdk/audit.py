@@ -103,12 +103,30 @@ class AuditReport(BaseModel):
     scalars: dict[str, ScalarDiff]
     first_divergence: Divergence | None = None
     warnings: list[str] = Field(default_factory=list)
-    series: dict[int, list[tuple[int, dict[str, float]]]] = Field(default_factory=dict, exclude=True)
+    # repr=False: every scalar of every step would bury the verdict in a REPL.
+    series: dict[int, list[tuple[int, dict[str, float]]]] = Field(default_factory=dict, exclude=True,
+                                                                   repr=False)
 
     @property
     def ok(self) -> bool:
         """False only when the attempts diverged beyond the tolerance."""
         return self.diverged_at is None
+
+    def __str__(self) -> str:
+        """One line: the verdict, how many attempts and shared steps, each scalar's max |diff|.
+
+        Example:
+            ``audit of /tmp/run: bit-exact: 2 attempts, 5 steps run by more than one; max |loss
+            diff| 0``
+        """
+        text = (f"audit of {self.url}: {self.verdict}: {len(self.attempts)} attempt"
+                f"{'' if len(self.attempts) == 1 else 's'}, {self.overlap_steps} step"
+                f"{'' if self.overlap_steps == 1 else 's'} run by more than one")
+        if self.scalars:
+            text += "; " + ", ".join(f"max |{n} diff| {d.max_abs_diff:.6g}" for n, d in self.scalars.items())
+        if self.warnings:
+            text += f"; {len(self.warnings)} warning(s): see .warnings"
+        return text
 
 
 def _parse_header(line: str, key: str) -> AttemptRecord:

@@ -11,8 +11,10 @@ Exit codes:
     1  a check failed: ``verify`` found a torn or corrupt checkpoint; ``audit --strict`` DIVERGED
     2  usage: bad arguments or options, unknown URL scheme, missing optional dependency
     3  storage or lease: the store is unreachable or failed, the lease is unreadable or held
-    4  checkpoint: no such checkpoint, none valid, an unreadable manifest
+    4  checkpoint: no checkpoint root at the URL, no such checkpoint, none valid, an unreadable
+       manifest
   130  interrupted (Ctrl-C)
+  141  stdout was closed by its reader (``| head``): stopped quietly, like other Unix tools
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import argparse
 import json
 import logging
 import math
+import os
 import struct
 import sys
 import time
@@ -37,6 +40,7 @@ from .errors import (
     LeaseError,
     ManifestError,
     MissingDependencyError,
+    NoCheckpointRootError,
     ObjectNotFound,
 )
 
@@ -50,6 +54,7 @@ EXIT_USAGE = 2
 EXIT_STORAGE = 3
 EXIT_CHECKPOINT = 4
 EXIT_INTERRUPTED = 130
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: what a shell reports for a Unix tool whose reader left
 
 _MAX_SAFETENSORS_HEADER = 100_000_000
 
@@ -88,6 +93,17 @@ def _backend(args: argparse.Namespace) -> Any:
     from .backends import open_backend
 
     return open_backend(args.url, **_storage_options(args.storage_option))
+
+
+def _require_root(backend: Any, url: str) -> None:
+    """Exit 4 on a URL where nothing is stored: a typo must not read as "no checkpoints", exit 0."""
+    from .lease import LEASE_KEY
+
+    if backend.exists(LEASE_KEY) or backend.list(""):
+        return
+    raise NoCheckpointRootError(
+        f"no checkpoint root at {url}: nothing is stored there (no {LEASE_KEY}, no checkpoint); "
+        "check the URL", url=url)
 
 
 def _human_size(n: int | None) -> str:
@@ -169,11 +185,12 @@ def _info_dict(info: Any) -> dict[str, Any]:
 
 def _status(info: Any) -> str:
     if info.valid:
-        # An anchor is a takeover's re-commit of its resume point; copies: other folders of the step.
+        # What the listing checked (only `verify` re-hashes the bytes); an anchor is a takeover's
+        # re-commit of its resume point; copies: the other folders of the step.
         extra = [x for x in ("anchor" if getattr(info, "anchor", False) else "",
                              f"+{len(info.copies)} cop{'y' if len(info.copies) == 1 else 'ies'}"
                              if getattr(info, "copies", ()) else "") if x]
-        return "valid" + (f" ({', '.join(extra)})" if extra else "")
+        return "sizes ok" + (f" ({', '.join(extra)})" if extra else "")
     return info.reason or "invalid"
 
 
@@ -220,6 +237,7 @@ def _parse_wall(text: str | None) -> datetime | None:
 
 def cmd_ls(args: argparse.Namespace) -> int:
     mgr = _manager(args)
+    _require_root(mgr.backend, args.url)
     infos = mgr.list()
     rows = [_info_dict(i) for i in infos]
     if args.json:
@@ -235,8 +253,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
     ]
     print(_table(table, ["STEP", "EPOCH", "SIZE", "WRITER", "CREATED", "STATUS"]))
     valid = sum(1 for r in rows if r["valid"])
-    print(f"\n{len(rows)} steps under {args.url}, {valid} valid (one row per step, the highest "
-          "writer's; WRITER: lease epoch/attempt)")
+    print(f"\n{len(rows)} steps under {args.url} (one row per step, the highest writer's), {valid} "
+          "restorable by their manifest and file sizes (WRITER: lease epoch/attempt); "
+          "`ckptsdk verify URL --all` re-hashes the bytes")
     return EXIT_OK
 
 
@@ -315,6 +334,7 @@ def _verify_one(mgr: Any, info: Any) -> tuple[str, str | None]:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     mgr = _manager(args)
+    _require_root(mgr.backend, args.url)
     infos = mgr.list()
     if args.all:
         targets = list(infos)
@@ -367,7 +387,9 @@ def cmd_audit(args: argparse.Namespace) -> int:
 
     if args.tolerance < 0 or not math.isfinite(args.tolerance):
         raise _UsageError(f"--tolerance must be a finite number >= 0, got {args.tolerance}")
-    report = audit(_backend(args), tolerance=args.tolerance)
+    backend = _backend(args)
+    _require_root(backend, args.url)
+    report = audit(backend, tolerance=args.tolerance)
     plot_path = None
     if args.plot:
         from .plot import plot_audit
@@ -479,6 +501,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
     if args.keep_last is not None and args.keep_last < 1:
         raise _UsageError(f"--keep-last must be >= 1 (the newest checkpoint is always kept), got {args.keep_last}")
     mgr = _manager(args)
+    _require_root(mgr.backend, args.url)
     kwargs: dict[str, Any] = {"keep_last": args.keep_last, "dry_run": args.dry_run}
     if args.grace is not None:
         kwargs["grace"] = args.grace
@@ -522,7 +545,7 @@ def _parser() -> argparse.ArgumentParser:
         prog="ckptsdk",
         description="Inspect, verify, audit and tidy a ckptsdk checkpoint root (a path, drive://REL, gs://BUCKET/PREFIX).",
         epilog="exit codes: 0 ok, 1 a check failed (verify, audit --strict), 2 usage, 3 storage or lease, "
-               "4 no such/valid checkpoint, 130 interrupted. gs:// uses the ambient credentials or "
+               "4 no checkpoint root or no such/valid checkpoint, 130 interrupted, 141 reader closed the pipe. gs:// uses the ambient credentials or "
                "STORAGE_EMULATOR_HOST; add --storage-option KEY=VALUE for gcsfs.",
     )
     p.add_argument("-v", "--verbose", action="count", default=0, help="log more (-v info, -vv debug) to stderr")
@@ -629,6 +652,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.monotonic()
     try:
         code = args.fn(args)
+        sys.stdout.flush()  # here, so that a closed pipe is handled below and not at exit
+    except BrokenPipeError:
+        # `ckptsdk audit URL | head -1`: the reader has what it wanted. Stop quietly, as Unix
+        # tools do, and keep the interpreter's exit flush from failing on the closed pipe too.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
     except _Failed:
         code = EXIT_FAILED
     except _UsageError as exc:

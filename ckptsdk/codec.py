@@ -3,7 +3,8 @@
 A state tree is nested dicts/lists/tuples whose leaves are tensors, numpy arrays, numpy scalars or
 JSON-like scalars. ``encode`` splits it into the tensors (for safetensors) and a JSON skeleton that
 says where each one goes; ``decode`` puts it back together exactly. Storage, digests and the
-manifest do not belong here. The skeleton format is documented in docs/FORMAT.md.
+manifest do not belong here. The skeleton format is documented in docs/FORMAT.md; checking a
+skeleton without its tensors (and its JSON Schema) is skeleton.py's.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import logging
 import math
 import re
 import struct
-from collections import OrderedDict
+from collections import Counter, OrderedDict, defaultdict, deque
 from collections.abc import Mapping
 from typing import Any
 
@@ -24,7 +25,7 @@ from .errors import CorruptCheckpointError, ManifestError, UnsupportedStateError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["decode", "encode", "decode_float", "encode_float", "tensor_paths", "MAX_DEPTH"]
+__all__ = ["FLOAT_FORM", "check", "decode", "encode", "decode_float", "encode_float", "MAX_DEPTH"]
 
 #: Deepest nesting accepted; deeper trees are almost surely a mistake and would hit Python's
 #: recursion limit in json as well.
@@ -48,7 +49,19 @@ _INT_MIN, _INT_MAX = -(2**63), 2**63 - 1
 _CANONICAL_NAN_BITS = struct.unpack("<Q", struct.pack("<d", float("nan")))[0]
 _INTLIKE = re.compile(r"-?[0-9]+")
 
-_TAGS = ("$tensor", "$ndarray", "$tuple", "$dict", "$float", "$int", "$npscalar", "$state_dict")
+_TAGS = ("$tensor", "$ndarray", "$tuple", "$dict", "$float", "$int", "$npscalar", "$state_dict",
+         "$ordered_dict", "$counter", "$defaultdict", "$deque")
+# The standard-library containers torch's own objects hold (MultiStepLR's milestones is a
+# Counter), kept exactly. A defaultdict's factory is stored by name, so only these are known.
+_MAPPING_TAGS = {OrderedDict: "$ordered_dict", Counter: "$counter", defaultdict: "$defaultdict"}
+_FACTORIES: dict[str, Any] = {
+    "None": None, "int": int, "float": float, "str": str, "bool": bool, "list": list, "dict": dict,
+    "tuple": tuple, "set": set, "frozenset": frozenset, "collections.OrderedDict": OrderedDict,
+    "collections.Counter": Counter, "collections.deque": deque,
+}
+_FACTORY_NAMES = {id(v): k for k, v in _FACTORIES.items()}
+#: What ``{"$float": ...}`` holds (skeleton, metrics, extra): see encode_float.
+FLOAT_FORM = r"^(nan|inf|-inf|-0\.0|[0-9a-f]{16})$"
 _HINT = "convert it to a tensor or a JSON value (None, bool, int, float, str), or leave it out of state_dict()"
 
 
@@ -61,10 +74,11 @@ def encode(tree: Any) -> tuple[dict[str, torch.Tensor], Any]:
     non-native byte order or negative-stride arrays are copied). Sharing between leaves is not
     preserved: two leaves that view one storage come back as two independent tensors. An
     ``OrderedDict`` carrying ``_metadata`` (``nn.Module.state_dict()``) comes back as one, with
-    its metadata; any other ``OrderedDict`` comes back as a ``dict`` in the same order.
+    its metadata. ``OrderedDict``, ``Counter``, ``deque`` and ``defaultdict`` (with a factory
+    of a known type: int, list, dict...) come back as themselves.
 
     Args:
-        tree: nested dict/OrderedDict/list/tuple; leaves ``torch.Tensor``, ``np.ndarray``,
+        tree: nested dict/OrderedDict/Counter/defaultdict/list/tuple/deque; leaves ``torch.Tensor``, ``np.ndarray``,
             numpy scalars, ``None``, ``bool``, ``int``, ``float``, ``str``.
 
     Returns:
@@ -81,6 +95,17 @@ def encode(tree: Any) -> tuple[dict[str, torch.Tensor], Any]:
     tensors: dict[str, torch.Tensor] = {}
     skeleton = _Encoder(tensors).node(tree, (), set())
     return tensors, skeleton
+
+
+def check(tree: Any) -> None:
+    """Raise what ``encode`` would raise for ``tree``, storing and copying nothing.
+
+    A lazy module's parameter that is not materialised yet passes: it will be by the first save.
+
+    Raises:
+        UnsupportedStateError: a leaf or key the codec cannot store; names the path and type.
+    """
+    _Encoder({}, preflight=True).node(tree, (), set())
 
 
 def decode(skeleton: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
@@ -104,43 +129,6 @@ def decode(skeleton: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
         return _decode(skeleton, tensors, 0)
     except RecursionError as exc:
         raise ManifestError("state skeleton nests too deeply to decode") from exc
-
-
-def tensor_paths(skeleton: Any) -> list[str]:
-    """Every tensor path a skeleton references, in tree order (no tensors needed).
-
-    Raises:
-        ManifestError: the skeleton is malformed.
-    """
-    found: list[str] = []
-
-    def visit(node: Any, depth: int) -> None:
-        if depth > MAX_DEPTH:
-            raise ManifestError(f"state skeleton nests deeper than {MAX_DEPTH} levels")
-        if isinstance(node, list):
-            for item in node:
-                visit(item, depth + 1)
-        elif isinstance(node, dict):
-            tag = _tag_of(node)
-            value = node.get(tag) if tag else None
-            if tag in ("$tensor", "$ndarray"):
-                if not isinstance(value, str):
-                    raise ManifestError(f"state skeleton has a {tag} node whose path is not a str")
-                found.append(value)
-            elif tag in ("$tuple", "$state_dict"):
-                visit(value, depth + 1)
-            elif tag == "$dict":
-                if not (isinstance(value, list)
-                        and all(isinstance(p, list) and len(p) == 2 for p in value)):
-                    raise ManifestError("state skeleton has a $dict node without [key, value] pairs")
-                for pair in value:
-                    visit(pair[1], depth + 1)
-            elif tag is None:
-                for item in node.values():
-                    visit(item, depth + 1)
-
-    visit(skeleton, 0)
-    return found
 
 
 def encode_float(x: float) -> Any:
@@ -229,8 +217,9 @@ def _component(key: Any) -> str:
 
 
 class _Encoder:
-    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+    def __init__(self, tensors: dict[str, torch.Tensor], *, preflight: bool = False) -> None:
         self.tensors = tensors
+        self.preflight = preflight
 
     def node(self, obj: Any, path: tuple[str, ...], active: set[int]) -> Any:
         if len(path) > MAX_DEPTH:
@@ -248,7 +237,7 @@ class _Encoder:
             return self.ndarray(obj, path)
         if isinstance(obj, np.generic):
             return _npscalar(obj, path)
-        if kind in (dict, OrderedDict, list, tuple):
+        if kind in (dict, OrderedDict, list, tuple, Counter, defaultdict, deque):
             if id(obj) in active:
                 raise _refuse(path, obj, "the tree contains itself (a reference cycle)")
             active.add(id(obj))
@@ -262,6 +251,17 @@ class _Encoder:
                     # load_state_dict converts "old" layouts when they are missing.
                     meta = self.node(obj._metadata, path + ("#_metadata",), active)
                     return {"$state_dict": self.mapping(obj, path, active), "metadata": meta}
+                if kind is deque:
+                    items = [self.node(v, path + (str(i),), active) for i, v in enumerate(obj)]
+                    return {"$deque": items, "maxlen": obj.maxlen}
+                if kind is defaultdict:
+                    factory = _FACTORY_NAMES.get(id(obj.default_factory))
+                    if factory is None:
+                        raise _refuse(path, obj, f"its default_factory {obj.default_factory!r} is "
+                                      f"not one of {sorted(_FACTORIES)}; convert it with dict(x)")
+                    return {"$defaultdict": self.mapping(obj, path, active), "factory": factory}
+                if kind in _MAPPING_TAGS:
+                    return {_MAPPING_TAGS[kind]: self.mapping(obj, path, active)}
                 return self.mapping(obj, path, active)
             finally:
                 active.discard(id(obj))
@@ -294,6 +294,8 @@ class _Encoder:
             raise _refuse(path, t, "tensor subclasses are not stored; convert with torch.Tensor(t) "
                                    "or t.as_subclass(torch.Tensor)")
         if isinstance(t, torch.nn.parameter.UninitializedTensorMixin):
+            if self.preflight:
+                return None
             raise _refuse(path, t, "a lazy module's parameter is not materialised yet; run one "
                                    "forward pass before saving")
         if t.layout != torch.strided:
@@ -431,6 +433,24 @@ def _decode_tagged(tag: str, node: dict, tensors: Mapping[str, torch.Tensor], de
         result = OrderedDict(items)
         result._metadata = _decode(node["metadata"], tensors, depth + 1)  # type: ignore[attr-defined]
         return result
+    if tag in ("$ordered_dict", "$counter", "$defaultdict"):
+        _expect_keys(node, {tag, "factory"} if tag == "$defaultdict" else {tag})
+        items = _decode(value, tensors, depth + 1)
+        if not isinstance(items, dict):
+            raise ValueError(f"{tag} must hold a dict")
+        if tag == "$ordered_dict":
+            return OrderedDict(items)
+        if tag == "$counter":
+            return Counter(items)
+        if node["factory"] not in _FACTORIES:
+            raise ValueError(f"unknown defaultdict factory {node['factory']!r}")
+        return defaultdict(_FACTORIES[node["factory"]], items)
+    if tag == "$deque":
+        _expect_keys(node, {tag, "maxlen"})
+        maxlen = node["maxlen"]
+        if not isinstance(value, list) or not (maxlen is None or (type(maxlen) is int and maxlen >= 0)):
+            raise ValueError("$deque must hold a list and a maxlen (int >= 0 or null)")
+        return deque((_decode(v, tensors, depth + 1) for v in value), maxlen)
     if tag == "$float":
         return decode_float(node)
     if tag == "$int":

@@ -16,6 +16,7 @@
      │    ├── CorruptCheckpointError           size/digest mismatch, torn or missing files
      │    ├── ManifestError                    unreadable, unknown-format or invalid manifest
      │    ├── NoValidCheckpointError           checkpoints exist but none could be restored
+     │    ├── NoCheckpointRootError            nothing is stored at the URL (a typo?)
      │    └── StateMismatchError (ValueError)  the saved tree does not fit the live objects
      ├── UnsupportedStateError (TypeError)     a state leaf the codec refuses (names the path)
      └── DataError                             the data cache and datasets
@@ -155,6 +156,10 @@ class NoValidCheckpointError(CheckpointError):
     def __init__(self, message: str, *, url: str = "", tried: dict[str, str] | None = None) -> None:
         super().__init__(message, url=url)
         self.tried = dict(tried or {})
+
+
+class NoCheckpointRootError(CheckpointError):
+    """Nothing at all is stored at the URL: no lease, no checkpoint, no step log."""
 
 
 class StateMismatchError(CheckpointError, ValueError):

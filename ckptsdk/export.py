@@ -133,11 +133,39 @@ def cmd_export(args: argparse.Namespace) -> int:
         if not (sep and gone and kept):
             raise _UsageError(f"--tied expects REMOVED=KEPT, got {pair!r}")
         tied.append((gone, kept))
-    report = export_safetensors(url, args.out, step=step, object_path=args.object, tied=tied,
-                                storage_options=_storage_options(args.storage_option))
+    options = _storage_options(args.storage_option)
+    if _is_distributed(url, step, options):
+        # A DistributedCheckpointManager's checkpoint: its tensors are sharded over rank files,
+        # so the consolidating reader (ckptsdk.distributed) writes them at full size.
+        if args.object or tied:
+            raise _UsageError("--object and --tied do not apply to a distributed checkpoint: every "
+                              "entry is exported under its DCP name")
+        from .distributed.export import export_consolidated
+
+        got = export_consolidated(url, args.out, step, storage_options=options)
+        report = {"step": got, "object": "distributed (all ranks, consolidated)", "tensors": None,
+                  "removed": {}, "out": os.fspath(args.out)}
+    else:
+        report = export_safetensors(url, args.out, step=step, object_path=args.object, tied=tied,
+                                    storage_options=options)
     if args.json:
         _emit_json({"command": "export", "url": url, **report})
     else:
-        print(f"wrote {report['tensors']} tensors of step {report['step']} ({report['object']}) to {args.out}"
+        count = "all" if report["tensors"] is None else report["tensors"]
+        print(f"wrote {count} tensors of step {report['step']} ({report['object']}) to {args.out}"
               + (f"; tied, left out: {json.dumps(report['removed'])}" if report["removed"] else ""))
     return 0
+
+
+def _is_distributed(url: str, step: int | None, storage_options: Mapping[str, Any]) -> bool:
+    """Whether the checkpoint ``export`` would read was written by ckptsdk.distributed."""
+    from .manager import CheckpointManager
+
+    with CheckpointManager(url, read_only=True, storage_options=storage_options) as mgr:
+        tree = mgr.load_manifest(step).tree
+    # The payload's marker; kept in sync with ckptsdk.distributed.manager.PAYLOAD_FORMAT by a test.
+    return isinstance(tree, Mapping) and tree.get("format") == DISTRIBUTED_FORMAT
+
+
+#: The ``format`` at the top of a distributed checkpoint's manifest tree.
+DISTRIBUTED_FORMAT = "ckptsdk.distributed/1"

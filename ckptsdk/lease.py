@@ -32,6 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .backends.base import Backend
 from .catalog import writer_tag
+from .waiting import SHOW_FROM_S, WaitNotice
 from .errors import (
     BackendError,
     ConfigError,
@@ -364,6 +365,16 @@ class Lease:
             return self._acquire(min_epoch)
 
     def _acquire(self, min_epoch: int) -> LeaseRecord:
+        notice = WaitNotice(f"waiting for the lease on {self.url}")
+        try:
+            record = self._acquire_watching(min_epoch, notice)
+        except BaseException:
+            notice.close()
+            raise
+        notice.close(f"took the lease on {self.url}: epoch {record.epoch}, attempt {record.attempt}")
+        return record
+
+    def _acquire_watching(self, min_epoch: int, notice: WaitNotice) -> LeaseRecord:
         nonce = uuid.uuid4().hex
         start = self._clock()
         watch_data: bytes | None = None
@@ -446,6 +457,15 @@ class Lease:
                     "renewing (giving up in %.1f s)",
                     self.url, seen.describe(), until_takeover, wait_timeout - waited,
                 )
+            if wait_timeout - waited >= SHOW_FROM_S and until_takeover >= SHOW_FROM_S:
+                # Said on stderr, not only logged: a rerun after a crash otherwise looks hung.
+                notice.update(
+                    remaining=until_takeover, total=window, goal="take over if it stays silent",
+                    detail=(f"held by {seen.describe()}; it is taken over after {window:.0f} s "
+                            f"without a change (giving up after {wait_timeout:.0f} s of renewals). "
+                            "If that writer is surely dead, skip the wait: force=True (the "
+                            f"examples' --force) or `ckptsdk lease {self.url} --break "
+                            "--yes-i-am-sure`"))
             poll = min(max(window / 10.0, _POLL_MIN), _POLL_MAX)
             self._sleep(max(_POLL_MIN / 10, min(poll, until_takeover, wait_timeout - waited)))
         raise LeaseHeldError(f"gave up acquiring the lease on {self.url}: the clock did not move",
@@ -509,8 +529,15 @@ class Lease:
         again); raises ``LeaseHeldError`` when a rival newcomer's record won.
         """
         if not self._cas:
+            # Also after a clean release (which is otherwise taken at once, with no ttl): the
+            # settle is not about the old holder, it is the only chance to see a rival newcomer
+            # on another VM, whose write reaches us late.
             if self.settle > 0:
-                self._sleep(self.settle)
+                WaitNotice(f"confirming the lease on {self.url}").sleep(
+                    self.settle, self._sleep, goal="read it back",
+                    detail=(f"this store shows other machines' writes late, so the lease is read "
+                            f"back after a {self.settle:.0f} s settle to be sure no other runtime "
+                            "took it meanwhile (CheckpointManager(lease_settle=...) sets it)"))
             snap = self._snapshot()
             if snap is None:
                 logger.warning("lease on %s vanished during the %.1f s settle; retrying",

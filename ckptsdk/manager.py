@@ -14,7 +14,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,11 +34,12 @@ from .errors import (
     NoValidCheckpointError,
 )
 from .lease import Lease
-from .manifest import Manifest, Position
+from .manifest import FileEntry, Manifest, Position, user_fields
 from .preemption import DEFAULT_DEADLINE, Preemption
 from .rotation import LEFTOVER_GRACE_S, RETENTION_MODES, GcReport, Rotation
 from .runlog import RunLog
 from .saving import SavePipeline
+from .state import preflight
 from .tensorfile import read_tensorfile, verify_file
 
 logger = logging.getLogger(__name__)
@@ -316,7 +317,12 @@ class CheckpointManager:
         Raises:
             NoValidCheckpointError: checkpoints exist but none can be restored (lists each and why).
             StateMismatchError: the checkpoint does not fit ``state`` (lists the mismatches).
+            ConfigError: after ``close()``, or ``state`` is a bare module/optimizer.
+            UnsupportedStateError: an object's state cannot be saved (found now, not at a save).
         """
+        if self._closed:
+            raise ConfigError(f"restore() after close() on {self.url}; open a new CheckpointManager")
+        preflight(state, "restore")  # before any training: what cannot be saved fails here
         if self._saving is not None:
             self._saving.wait()  # a pipelined copy may still read the live tensors
         try:
@@ -455,6 +461,7 @@ class CheckpointManager:
         extra: Mapping[str, Any] | None = None,
         tags: Mapping[str, str] | None = None,
         blocking: bool | None = None,
+        extra_files: Sequence[FileEntry] = (),
     ) -> CheckpointInfo:
         """Commit a checkpoint of ``state`` at ``step``, then rotate old ones.
 
@@ -473,6 +480,9 @@ class CheckpointManager:
                 a background worker; a failure there surfaces on the next ``save``, ``wait`` or
                 ``close``. None uses the manager's ``async_save``. After a stop signal
                 (``save_on_signal``) the save is blocking, then the signal takes effect.
+            extra_files: files other processes already wrote into this save's folder (the
+                ranks of :mod:`ckptsdk.distributed`), listed in the manifest so that listing,
+                ``verify`` and ``restore`` check them and a takeover's anchor copies them.
 
         Returns:
             The committed (or, when not blocking, the pending) checkpoint.
@@ -488,16 +498,20 @@ class CheckpointManager:
             raise ConfigError(f"save() after close() on {self.url}")
         if step < 0:
             raise ConfigError(f"step must be >= 0, got {step}")
+        preflight(state, "save", encode=False)
+        metrics, extra = user_fields(metrics=metrics, extra=extra)
         blocking = (not self.async_save) if blocking is None else blocking
         position = Position(epoch=epoch, batch_idx=batch_idx, extra=dict(extra or {}))
         if self.preempted:
-            return self._save_and_stop(state, step=step, position=position, metrics=metrics, tags=tags)
+            return self._save_and_stop(state, step=step, position=position, metrics=metrics, tags=tags,
+                                       extra_files=extra_files)
         with self._lock:
             return self._saving.save(state, step=step, position=position, metrics=metrics, tags=tags,
-                                     blocking=blocking, snapshot=self.snapshot)
+                                     blocking=blocking, snapshot=self.snapshot, extra_files=extra_files)
 
     def _save_and_stop(self, state: Any, *, step: int, position: Position,
-                       metrics: Mapping[str, Any] | None, tags: Mapping[str, str] | None) -> CheckpointInfo:
+                       metrics: Mapping[str, Any] | None, tags: Mapping[str, str] | None,
+                       extra_files: Sequence[FileEntry] = ()) -> CheckpointInfo:
         """The last save after a stop signal: commit within the deadline, close, then let the
         signal act (this returns only if a chained handler returns)."""
         assert self._preemption is not None and self._saving is not None
@@ -509,7 +523,7 @@ class CheckpointManager:
                 # A save already in flight finishes first (its failure surfaces here).
                 if self._saving.wait(deadline):
                     self._saving.save(state, step=step, position=position, metrics=metrics, tags=tags,
-                                      blocking=False, snapshot="copy")
+                                      blocking=False, snapshot="copy", extra_files=extra_files)
                     finished = self._saving.wait(max(0.0, end - time.monotonic()))
             if finished:
                 logger.warning("stop signal: committed step %d under %s; stopping", step, self.url)

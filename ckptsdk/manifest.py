@@ -36,14 +36,16 @@ from pydantic import (
 )
 from pydantic.json_schema import models_json_schema
 
-from .codec import decode_float, encode_float, tensor_paths
-from .errors import ManifestError
+from .codec import FLOAT_FORM, decode_float, encode_float
+from .skeleton import skeleton_schema, tensor_paths
+from .errors import ConfigError, ManifestError
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
     "FORMAT", "LINEAGE_FORMAT", "Environment", "FileEntry", "LineageRecord", "Manifest",
-    "Position", "Writer", "json_schema", "parse_lineage", "parse_manifest", "schema_text", "utc_now",
+    "Position", "Writer", "json_schema", "parse_lineage", "parse_manifest", "schema_text", "user_fields",
+    "utc_now",
 ]
 
 #: What this code writes; it reads any ``/1.x`` (fields of a newer minor version are ignored).
@@ -51,6 +53,14 @@ FORMAT = "ckptsdk.checkpoint/1"
 LINEAGE_FORMAT = "ckptsdk.lineage/1"
 _MAJOR, _MINOR = 1, 0
 _FORMAT_RE = re.compile(r"(?P<kind>[a-z0-9_.]+)/(?P<major>[0-9]+)(?:\.(?P<minor>[0-9]+))?")
+# Rules the JSON Schema states too, one home each (tests/test_manifest.py checks that the schema
+# and the parser agree): a relative file name without '.'/'..' components; a UTC time.
+_FILE_NAME = r"^(?!\.\.?(/|$))[A-Za-z0-9_.-]+(/(?!\.\.?(/|$))[A-Za-z0-9_.-]+)*$"
+_UTC_TIME = (r"^[0-9]{4}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])T([01][0-9]|2[0-3]):[0-5][0-9]:"
+             r"[0-5][0-9](\.[0-9]{1,6})?(Z|\+00:00)$")
+_NODE_REF = "#/$defs/SkeletonNode"
+_UTC_FIELD: dict[str, Any] = {"description": "UTC, ISO-8601: 2026-11-30T06:10:00.123456Z",
+                              "json_schema_extra": {"pattern": _UTC_TIME}}
 
 
 def utc_now() -> str:
@@ -91,12 +101,13 @@ class _Model(BaseModel):
 
 
 def _utc_iso(value: str) -> str:
+    if not re.fullmatch(_UTC_TIME, value):
+        raise ValueError(f"{value!r} is not in UTC ISO-8601 form like 2026-11-30T06:10:00.123456Z "
+                         "(it must end with 'Z' or '+00:00')")
     try:
-        parsed = datetime.fromisoformat(value)
-    except ValueError as exc:
-        raise ValueError(f"{value!r} is not an ISO-8601 time") from exc
-    if parsed.utcoffset() is None or parsed.utcoffset().total_seconds() != 0:
-        raise ValueError(f"{value!r} is not in UTC (end it with 'Z' or '+00:00')")
+        datetime.fromisoformat(value)
+    except ValueError as exc:  # Feb 30 and the like: the pattern alone cannot tell
+        raise ValueError(f"{value!r} is not a valid date and time") from exc
     return value
 
 
@@ -109,6 +120,78 @@ def _check_finite_json(value: Any, where: str = "extra") -> Any:
     elif isinstance(value, list):
         for i, v in enumerate(value):
             _check_finite_json(v, f"{where}[{i}]")
+    return value
+
+
+_USER_RULE = ("metrics and extra hold None, bool, int, float (nan and inf included), str, and numpy "
+              "scalars or 0-d tensors (kept as their Python value); extra also holds lists and "
+              "str-keyed dicts of these")
+
+
+def user_fields(
+    *, metrics: Any = None, extra: Any = None
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Check a save's ``metrics`` and ``extra`` against the one rule both follow; plain copies.
+
+    The rule (also the manifest's): None, bool, int, float (nan and inf included: stored tagged,
+    restored exactly), str; numpy scalars and 0-d tensors become their Python value; ``extra``
+    may also nest lists and dicts with str keys (not starting with '$', which tags floats).
+
+    Raises:
+        ConfigError: a value outside the rule; names the field, the key and the type.
+    """
+    out = []
+    for field, values, nested in (("metrics", metrics, False), ("extra", extra, True)):
+        if values is None:
+            out.append({})
+            continue
+        if not isinstance(values, dict):
+            raise ConfigError(f"{field} must be a dict, got a {type(values).__name__}")
+        out.append({_user_key(k, field): _user_value(v, f"{field}[{k!r}]", nested)
+                    for k, v in values.items()})
+    return out[0], out[1]
+
+
+def _user_key(key: Any, where: str) -> str:
+    if type(key) is not str or key.startswith("$"):
+        raise ConfigError(f"{where} has the key {key!r}: keys are str not starting with '$'; {_USER_RULE}")
+    return key
+
+
+def _user_value(value: Any, where: str, nested: bool) -> Any:
+    if value is None or type(value) in (bool, int, float, str):
+        return value
+    shape = getattr(value, "shape", None)
+    if shape is not None and tuple(shape) == () and callable(getattr(value, "item", None)):
+        return _user_value(value.item(), where, False)  # np.int64(3), torch.tensor(0.5)
+    if nested and type(value) is dict:
+        return {_user_key(k, where): _user_value(v, f"{where}[{k!r}]", True) for k, v in value.items()}
+    if nested and type(value) is list:
+        return [_user_value(v, f"{where}[{i}]", True) for i, v in enumerate(value)]
+    kind = f"{type(value).__module__}.{type(value).__qualname__}".removeprefix("builtins.")
+    size = f" of shape {tuple(shape)}" if shape is not None else ""
+    raise ConfigError(f"{where} is a {kind}{size}: {_USER_RULE}. Convert it (x.item() for a "
+                      "scalar, x.tolist() for an array, list(x) for a tuple)")
+
+
+def _extra_in(value: Any) -> Any:
+    # The manifest's nan/inf tags ({"$float": ...}) back to floats; '$' keys are otherwise refused.
+    if isinstance(value, dict):
+        if set(value) == {"$float"}:
+            return decode_float(value)
+        return {k: _extra_in(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_extra_in(v) for v in value]
+    return value
+
+
+def _extra_out(value: Any) -> Any:
+    if type(value) is float:
+        return encode_float(value)
+    if isinstance(value, dict):
+        return {k: _extra_out(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_extra_out(v) for v in value]
     return value
 
 
@@ -127,7 +210,7 @@ Metric = Annotated[
     WithJsonSchema({
         "anyOf": [
             {"type": ["boolean", "integer", "number", "string", "null"]},
-            {"type": "object", "properties": {"$float": {"type": "string"}},
+            {"type": "object", "properties": {"$float": {"type": "string", "pattern": FLOAT_FORM}},
              "required": ["$float"], "additionalProperties": False,
              "description": "nan, inf, -inf, -0.0 or a nan's 16 hex digit bit pattern"},
         ]
@@ -138,7 +221,8 @@ Metric = Annotated[
 class FileEntry(_Model):
     """One file of a checkpoint, with what a reader verifies before using it."""
 
-    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)*$")
+    name: str = Field(json_schema_extra={"pattern": _FILE_NAME},
+                      description="relative to the checkpoint folder; no '.' or '..' component")
     size: int = Field(ge=0)
     digest: str = Field(pattern=r"^[0-9a-f]+$", description="lowercase hex")
     algorithm: str = Field(min_length=1, description='e.g. "xxh3-128"')
@@ -146,8 +230,9 @@ class FileEntry(_Model):
     @field_validator("name")
     @classmethod
     def _no_dot_dirs(cls, value: str) -> str:
-        if any(part in (".", "..") for part in value.split("/")):
-            raise ValueError(f"file name {value!r} has a '.' or '..' component")
+        if not re.fullmatch(_FILE_NAME, value):
+            raise ValueError(f"file name {value!r} is not a relative name of [A-Za-z0-9_.-] parts "
+                             "without '.' or '..' components")
         return value
 
 
@@ -156,12 +241,18 @@ class Position(_Model):
 
     epoch: int | None = Field(default=None, ge=0)
     batch_idx: int | None = Field(default=None, ge=0)
-    extra: dict[str, JsonValue] = Field(default_factory=dict)
+    extra: dict[str, JsonValue] = Field(
+        default_factory=dict,
+        description="JSON; a non-finite or negative-zero float is {\"$float\": ...} as in metrics")
 
-    @field_validator("extra")
+    @field_validator("extra", mode="before")
     @classmethod
-    def _finite(cls, value: dict[str, Any]) -> dict[str, Any]:
-        return _check_finite_json(value)
+    def _tagged_floats(cls, value: Any) -> Any:
+        return _extra_in(value)
+
+    @field_serializer("extra", when_used="json")
+    def _extra_json(self, value: dict[str, Any]) -> dict[str, Any]:
+        return _extra_out(value)
 
 
 class Writer(_Model):
@@ -223,9 +314,15 @@ class Manifest(_Model):
     format: str = Field(default=FORMAT, pattern=r"^ckptsdk\.checkpoint/1(\.[0-9]+)?$")
     step: int = Field(ge=0)
     position: Position = Field(default_factory=Position)
-    created_at: str = Field(default_factory=utc_now, description="UTC, ISO-8601")
+    created_at: str = Field(default_factory=utc_now, **_UTC_FIELD)
     writer: Writer
-    files: list[FileEntry]
+    files: list[FileEntry] = Field(json_schema_extra={
+        "description": "unique names (JSON Schema cannot say so in general: readers check); at "
+                       "most one tensors.safetensors",
+        "uniqueItems": True,
+        "contains": {"properties": {"name": {"const": "tensors.safetensors"}}, "required": ["name"]},
+        "minContains": 0, "maxContains": 1,
+    })
     tree: JsonValue = Field(description="the codec skeleton of the state tree (docs/FORMAT.md)")
     metrics: dict[str, Metric] = Field(default_factory=dict)
     environment: Environment
@@ -288,7 +385,7 @@ class LineageRecord(_Model):
     resumed_from_epoch: int | None = Field(default=None, ge=0)
     host: str = Field(default_factory=socket.gethostname)
     pid: int = Field(default_factory=os.getpid, ge=0)
-    created_at: str = Field(default_factory=utc_now, description="UTC, ISO-8601")
+    created_at: str = Field(default_factory=utc_now, **_UTC_FIELD)
 
     @field_validator("format", mode="before")
     @classmethod
@@ -373,6 +470,12 @@ def json_schema() -> dict[str, Any]:
     """The JSON Schema of manifest.json and lineage records (docs/manifest.schema.json)."""
     _, top = models_json_schema([(Manifest, "validation"), (LineageRecord, "validation")],
                                 title="ckptsdk manifest and lineage record")
+    top["$defs"]["SkeletonNode"] = skeleton_schema(_NODE_REF)
+    tree = top["$defs"]["Manifest"]["properties"]["tree"]
+    top["$defs"]["Manifest"]["properties"]["tree"] = {"$ref": _NODE_REF, "description": tree["description"]}
+    for name in ("Manifest", "LineageRecord"):  # the parser refuses a document without one
+        model = top["$defs"][name]
+        model["required"] = ["format", *[f for f in model.get("required", []) if f != "format"]]
     return {
         "$schema": "https://json-schema.org/draft/2020-12/schema",
         "title": top.pop("title"),

@@ -17,7 +17,7 @@ import os
 import queue
 import socket
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
@@ -108,6 +108,7 @@ class _Job:
     metrics: dict[str, Any]
     tags: dict[str, str]
     device: str
+    extra_files: tuple[FileEntry, ...] = ()
 
 
 class SavePipeline:
@@ -161,11 +162,13 @@ class SavePipeline:
             self._bg.wait()
 
     def save(self, state: Any, *, step: int, position: Position, metrics: Mapping[str, Any] | None,
-             tags: Mapping[str, str] | None, blocking: bool, snapshot: str = "pipelined") -> CheckpointInfo:
+             tags: Mapping[str, str] | None, blocking: bool, snapshot: str = "pipelined",
+             extra_files: Sequence[FileEntry] = ()) -> CheckpointInfo:
         """See :meth:`ckptsdk.CheckpointManager.save`.
 
         Non-blocking saves touch no storage here: the fencing check reads the flag the lease
         heartbeat keeps fresh, and everything else runs on the worker (:meth:`_store`).
+        ``extra_files`` were written into the folder by others (distributed ranks) beforehand.
         """
         self._bg.wait()  # one save in flight (the staging buffers are its); its failure surfaces here
         self.lease.check()
@@ -177,7 +180,7 @@ class SavePipeline:
         tree = state.state_dict() if hasattr(state, "state_dict") else state
         tensors, skeleton = codec.encode(tree)
         job = _Job(folder=folder, step=step, position=position, metrics=dict(metrics or {}),
-                   tags=dict(tags or {}), device=_device_of(tensors))
+                   tags=dict(tags or {}), device=_device_of(tensors), extra_files=tuple(extra_files))
         if blocking:
             return self._store(job, tensors, skeleton)
         defer: set[str] = set()
@@ -227,14 +230,17 @@ class SavePipeline:
         if self.runlog is not None:
             self.runlog.flush()
         return self.commit(job.folder, job.step, dict(tensors), skeleton, job.position, job.metrics,
-                           job.tags, job.device)
+                           job.tags, job.device, job.extra_files)
 
     def commit(
         self, folder: str, step: int, tensors: dict[str, torch.Tensor], skeleton: Any,
         position: Position, metrics: Mapping[str, Any] | None, tags: Mapping[str, str] | None,
-        device: str,
+        device: str, extra_files: Sequence[FileEntry] = (),
     ) -> CheckpointInfo:
-        """Write the tensor file, renew the lease, publish the manifest (the commit), rotate."""
+        """Write the tensor file, renew the lease, publish the manifest (the commit), rotate.
+
+        ``extra_files`` were written into ``folder`` by others (distributed ranks) beforehand.
+        """
         self.lease.check()
         key = f"{folder}/{TENSORS}"
         source = (self.rotation.recycle_source(self.lease, self.rank, self._scan(), step, self.resumed_from)
@@ -246,7 +252,7 @@ class SavePipeline:
             self.rotation.recycled(source, folder, size)
         else:
             size, digest = write_tensorfile(self.backend, key, tensors)
-        files = [FileEntry(name=TENSORS, size=size, digest=digest, algorithm=DIGEST_ALGORITHM)]
+        files = [FileEntry(name=TENSORS, size=size, digest=digest, algorithm=DIGEST_ALGORITHM), *extra_files]
         return self._publish(folder, step, files, skeleton, position, metrics, tags, device)
 
     def _take_file(self, src: str, dst: str) -> bool:
@@ -311,15 +317,20 @@ class SavePipeline:
         device = manifest.environment.device or "cpu"
         if self.backend.capabilities.cheap_copy and callable(getattr(self.backend, "copy", None)):
             self.lease.check()
-            for entry in manifest.files:
+            for entry in manifest.files:  # the tensor file and any distributed ranks' files
                 self.backend.copy(f"{source.key}/{entry.name}", f"{folder}/{entry.name}")  # type: ignore[attr-defined]
             self._publish(folder, manifest.step, list(manifest.files), manifest.tree, manifest.position,
                           manifest.metrics, manifest.tags, device)
             self.rotation.drop_copies(self.lease, self.rank, self._scan(), manifest.step)
             return
+        # Files beyond the tensor file (distributed ranks') are copied as they are, then listed.
+        extra = [f for f in manifest.files if f.name != TENSORS]
+        for entry in extra:
+            self.lease.check()
+            self.backend.write(f"{folder}/{entry.name}", self.backend.read(f"{source.key}/{entry.name}"))
         tensors, skeleton = codec.encode(tree)
         self.commit(folder, manifest.step, tensors, skeleton, manifest.position, manifest.metrics,
-                    manifest.tags, device)
+                    manifest.tags, device, extra)
 
     def write_lineage(self, step: int | None, epoch: int | None) -> None:
         """Record, once per epoch, where this writer's lineage starts (before its first commit)."""

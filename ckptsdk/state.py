@@ -16,11 +16,16 @@ from typing import Any
 import numpy as np
 import torch
 
+from . import codec
 from .errors import ConfigError, StateMismatchError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TrainState", "capture_rng", "restore_rng"]
+__all__ = ["TrainState", "capture_rng", "preflight", "restore_rng", "torch_class"]
+
+# What TrainState wraps: passed bare to save()/restore(), they are refused with a hint.
+_BARE = (torch.nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler,
+         *((torch.amp.GradScaler,) if hasattr(torch.amp, "GradScaler") else ()))
 
 #: How many mismatches a StateMismatchError message lists (``.mismatches`` holds them all).
 MAX_LISTED = 8
@@ -106,12 +111,49 @@ def _check_rng(tree: Any) -> list[str]:
     return problems
 
 
+def torch_class(obj: Any) -> str | None:
+    """The torch.optim class an optimizer or LR scheduler is (None for anything else).
+
+    A user's subclass maps to the torch class it derives from, so renaming it stays compatible
+    while AdamW state restored into SGD is caught (torch itself would only fail at ``step()``).
+    """
+    if isinstance(obj, (torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler)):
+        for cls in type(obj).__mro__:
+            if cls.__module__.startswith("torch.optim"):
+                return f"{cls.__module__}.{cls.__qualname__}"
+    return None
+
+
+def preflight(state: Any, call: str, *, encode: bool = True) -> None:
+    """Refuse what ``save``/``restore`` cannot use, before anything is read, written or trained.
+
+    Args:
+        state: what the caller passed.
+        call: "save" or "restore", for the message.
+        encode: also encode a ``TrainState``'s live objects once (storing nothing), so that an
+            object the codec refuses fails here rather than at the first save, hours later.
+
+    Raises:
+        ConfigError: ``state`` is a bare module, optimizer, scheduler or GradScaler.
+        UnsupportedStateError: an object's state holds something the codec cannot store.
+    """
+    if isinstance(state, _BARE):
+        kind = type(state).__name__
+        raise ConfigError(
+            f"{call}() got a bare {kind}; it takes a TrainState, which names each object and "
+            f"carries the RNG states: {call}(TrainState(model=model, optimizer=opt, ...)), with the "
+            "same names at save() and restore()")
+    if encode and isinstance(state, TrainState):
+        codec.check(state.state_dict())
+
+
 class TrainState:
     """The objects of a training job, checkpointed together with the RNG states.
 
     Args:
         **objects: name -> anything with ``state_dict()`` and ``load_state_dict()`` (a model,
-            an optimizer, an LR scheduler, a GradScaler, a user object).
+            an optimizer, an LR scheduler, a GradScaler, a user object). The tree also records
+            which torch class each optimizer and scheduler is, checked before loading.
 
     Raises:
         ConfigError: an object lacks ``state_dict``/``load_state_dict``.
@@ -179,6 +221,8 @@ class TrainState:
         return {
             "objects": {name: obj.state_dict() for name, obj in self.objects.items()},
             "rng": capture_rng(),
+            # Which torch class each optimizer/scheduler is: its state_dict does not say.
+            "types": {n: t for n, o in self.objects.items() if (t := torch_class(o)) is not None},
         }
 
     def mismatches(self, tree: Any, *, strict: bool = True) -> list[str]:
@@ -192,6 +236,13 @@ class TrainState:
             return ["the tree has no 'objects' dict; it is not a TrainState.state_dict()"]
         saved = tree["objects"]
         problems: list[str] = []
+        types = tree.get("types")
+        for name, obj in self.objects.items():
+            was = types.get(name) if isinstance(types, Mapping) else None  # None: older checkpoint
+            now = torch_class(obj)
+            if was is not None and now is not None and was != now:
+                problems.append(f"{name}: the checkpoint holds the state of a {was}, the live object "
+                                f"is a {now}; build the same class as when it was saved")
         if strict:
             problems += [f"objects: {n!r} is in this TrainState but not in the checkpoint"
                          for n in self.objects if n not in saved]

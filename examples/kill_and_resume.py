@@ -241,7 +241,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--epochs", type=int, default=None, help="epochs of the quick preset (default 5)")
     p.add_argument("--lease-ttl", type=float, default=3.0,
                    help="lease ttl of the children: a resume waits this long for the dead writer's "
-                        "lease to go silent (60 s in real runs; short here so the demo is quick)")
+                        "lease to go silent (in real runs 60 s locally and on GCS, 300 s on Drive; short "
+                        "here so the demo is quick)")
     p.add_argument("--workdir", default=None, help="where the two checkpoint roots go (default: a temp dir, removed)")
     p.add_argument("--plot", default=None, help="also write the audit's loss plot to this PNG")
     p.add_argument("--quiet", action="store_true", help="do not echo the children's lines")

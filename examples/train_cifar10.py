@@ -25,31 +25,61 @@ from adapters.cifar10.train import PRESETS, describe_audit, run_job  # noqa: E40
 from ckptsdk.errors import CkptError  # noqa: E402
 
 
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each option's real default; None means "see the help text" and is not shown."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.required:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _preset(field: str, what: str) -> str:
+    """Help text for an option whose default comes from --preset, with each preset's value."""
+    values = {name: getattr(cfg, field) for name, cfg in sorted(PRESETS.items())}
+    if len(set(values.values())) == 1:
+        return f"{what} (default: {next(iter(values.values()))})"
+    return f"{what} (default: " + ", ".join(f"{v} with --preset {n}" for n, v in values.items()) + ")"
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=_Help)
+    # Defaults shown by the formatter are the real ones; preset-derived ones say each preset's.
     p.add_argument("--ckpt", required=True, help="checkpoint root URL: /path, drive://REL, gs://bucket/prefix")
-    p.add_argument("--data", choices=["cifar10", "synthetic"], default="cifar10")
-    p.add_argument("--data-cache", default=None, help="URL of the verified data cache (cifar10 only)")
+    p.add_argument("--data", choices=["cifar10", "synthetic"], default="cifar10",
+                   help="CIFAR-10 itself (downloaded once, verified) or synthetic images of the same format")
+    p.add_argument("--data-cache",
+                   help="URL of the verified data cache, e.g. drive://datacache (cifar10 only; default: none)")
     p.add_argument("--data-dir", default=os.path.expanduser("~/.cache/ckptsdk/cifar10"),
                    help="local folder for the decoded data set (cifar10 only)")
     p.add_argument("--data-seed", type=int, default=0, help="seed of the synthetic data set")
-    p.add_argument("--preset", choices=sorted(PRESETS), default="full")
-    p.add_argument("--epochs", type=int)
-    p.add_argument("--max-steps", type=int, help="stop (with a checkpoint) after this global step")
-    p.add_argument("--batch-size", type=int)
-    p.add_argument("--width", type=int, help="channels of the first ResNet stage (64 = ResNet-18)")
-    p.add_argument("--n-train", type=int, help="synthetic training images (multiple of 5)")
-    p.add_argument("--n-test", type=int, help="synthetic test images")
-    p.add_argument("--save-every", type=int)
-    p.add_argument("--seed", type=int)
-    p.add_argument("--amp", choices=["auto", "off", "fp16", "bf16"])
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's choice)")
-    p.add_argument("--lease-ttl", type=float, default=60.0,
-                   help="seconds a dead writer's lease must stay silent before this run takes over")
+    p.add_argument("--preset", choices=sorted(PRESETS), default="full",
+                   help="full: the story's ResNet-18 job; quick: a small one for CPUs")
+    p.add_argument("--epochs", type=int, help=_preset("epochs", "epochs"))
+    p.add_argument("--max-steps", type=int,
+                   help="stop (with a checkpoint) after this global step (default: all epochs)")
+    p.add_argument("--batch-size", type=int, help=_preset("batch_size", "images per step"))
+    p.add_argument("--width", type=int,
+                   help=_preset("width", "channels of the first ResNet stage (64 = ResNet-18)"))
+    p.add_argument("--n-train", type=int,
+                   help=_preset("n_train", "synthetic training images (multiple of 5)"))
+    p.add_argument("--n-test", type=int, help=_preset("n_test", "synthetic test images"))
+    p.add_argument("--save-every", type=int,
+                   help=_preset("save_every", "checkpoint every this many steps, and at each epoch end"))
+    p.add_argument("--seed", type=int,
+                   help=_preset("seed", "seed of the model, the shuffle and the augmentation"))
+    p.add_argument("--amp", choices=["auto", "off", "fp16", "bf16"],
+                   help=_preset("amp", "mixed precision; auto = fp16 + GradScaler on CUDA, off on CPU"))
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="where to train")
+    p.add_argument("--threads", type=int,
+                   help="CPU threads for torch (default: torch's choice)")
+    p.add_argument("--lease-ttl", type=float,
+                   help="seconds a dead writer's lease must stay silent before this run takes over "
+                        "(default: 60 on local disk and GCS, 300 on Drive)")
     p.add_argument("--force", action="store_true", help="break the lease now (the old writer is surely gone)")
     p.add_argument("--no-progress", action="store_true", help="no tqdm bar")
-    p.add_argument("--result-json", default=None,
+    p.add_argument("--result-json",
                    help="write this attempt's figures (steps, save/restore times, audit) to this file")
     p.add_argument("--events", action="store_true",
                    help="print '@@ NAME STEP' marker lines (step/saving/saved) for test harnesses")

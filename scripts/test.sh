@@ -2,7 +2,9 @@
 # The project's test command (README and .ci/run call exactly this). Sets up the venv on first
 # use, then runs the whole suite, slow end-to-end tests included. Extra arguments go to pytest,
 # e.g. `bash scripts/test.sh -m "not slow"` for a quick loop.
-source "$(dirname "${BASH_SOURCE[0]}")/venv.sh"
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+source scripts/venv.sh
 set +e
 python -m pytest -q -p no:cacheprovider "$@"
 rc=$?

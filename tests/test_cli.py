@@ -244,7 +244,8 @@ def test_human_tables(make_backend_target, capsys):
     assert cli.main(["ls", target.url]) == 0
     out = capsys.readouterr().out
     assert out.splitlines()[0].split() == ["STEP", "EPOCH", "SIZE", "WRITER", "CREATED", "STATUS"]
-    assert "e2/a2" in out and "3 valid" in out
+    assert "e2/a2" in out and "3 restorable by their manifest and file sizes" in out  # a clean handover: no anchor
+    assert "sizes ok" in out and "valid" not in out.split("\n\n")[0]
     assert cli.main(["show", target.url]) == 0
     out = capsys.readouterr().out
     assert "step        60" in out and "NAME" in out and "DTYPE" in out and "F32" in out
@@ -263,7 +264,11 @@ def test_errors_are_one_line_with_documented_exit_codes(tmp_path, capsys):
         (["ls", "ftp://host/x"], cli.EXIT_USAGE, "unknown scheme"),
         (["show", empty], cli.EXIT_CHECKPOINT, "no valid checkpoint"),
         (["show", empty, "--json"], cli.EXIT_CHECKPOINT, "no valid checkpoint"),
-        (["verify", empty, "--step", "7"], cli.EXIT_CHECKPOINT, "ckptsdk ls"),
+        (["verify", empty, "--step", "7"], cli.EXIT_CHECKPOINT, "no checkpoint root at"),
+        (["ls", empty], cli.EXIT_CHECKPOINT, "no checkpoint root at"),
+        (["audit", empty], cli.EXIT_CHECKPOINT, "no checkpoint root at"),
+        (["verify", empty], cli.EXIT_CHECKPOINT, "no checkpoint root at"),
+        (["gc", empty], cli.EXIT_CHECKPOINT, "no checkpoint root at"),
         (["ls", empty, "--storage-option", "novalue"], cli.EXIT_USAGE, "KEY=VALUE"),
         (["audit", empty, "--tolerance", "-1"], cli.EXIT_USAGE, "--tolerance"),
         (["gc", empty, "--keep-last", "0"], cli.EXIT_USAGE, "--keep-last"),
@@ -276,11 +281,11 @@ def test_errors_are_one_line_with_documented_exit_codes(tmp_path, capsys):
         assert len(lines) == 1 and lines[0].startswith("ckptsdk: error: ") and words in lines[0], (argv, lines)
         if "--json" in argv:
             assert json.loads(captured.out)["error"]["exit_code"] == code
-    # An empty root is not an error for listings.
+    # A root a writer opened but never saved to is not an error for listings.
+    assert cli.main(["lease", empty]) == 0 and "no lease" in capsys.readouterr().out
+    CheckpointManager(empty).close()
     assert cli.main(["ls", empty]) == 0 and "no checkpoints" in capsys.readouterr().out
     assert cli.main(["verify", empty]) == 0 and "nothing to verify" in capsys.readouterr().out
-    assert cli.main(["lease", empty]) == 0 and "no lease" in capsys.readouterr().out
-    assert not os.path.exists(empty) or os.listdir(empty) == []
     with pytest.raises(SystemExit) as info:
         cli.main(["frobnicate", empty])
     assert info.value.code == cli.EXIT_USAGE

@@ -16,7 +16,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ckptsdk.codec import decode, encode, tensor_paths
+from ckptsdk.codec import decode, encode
+from ckptsdk.skeleton import tensor_paths
 from ckptsdk.errors import CorruptCheckpointError, ManifestError, UnsupportedStateError
 from ckptsdk.state import TrainState
 
@@ -225,7 +226,9 @@ def test_conjugate_and_negative_views_store_their_values():
         ({"c": torch.zeros(2, dtype=torch.complex128)}, "c", "torch.Tensor", "view_as_real"),
         ({"s": torch.zeros(3).to_sparse()}, "s", "torch.Tensor", "to_dense"),
         ({"x": {"y": np.str_("s")}}, "x/y", "numpy.str_", "numpy scalars of dtype"),
-        ({"od": __import__("collections").defaultdict(int)}, "od", "collections.defaultdict", "plain one"),
+        ({"od": __import__("collections").defaultdict(lambda: 0)}, "od", "collections.defaultdict",
+         "default_factory"),
+        ({"od": __import__("collections").UserDict()}, "od", "collections.UserDict", "leave it out"),
         (torch.nn.Linear(2, 2), "<root>", "torch.nn.modules.linear.Linear", "state_dict()"),
     ],
 )
@@ -299,7 +302,8 @@ def _step(model, opt, sched, scaler):
 def test_module_state_dict_keeps_its_version_metadata():
     sd = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2)).state_dict()
     tensors, skeleton = encode({"m": sd})
-    assert skeleton["m"]["metadata"]["1"] == {"version": 2}  # BatchNorm's version
+    # _metadata is an OrderedDict itself: kept as one, like every OrderedDict
+    assert skeleton["m"]["metadata"]["$ordered_dict"]["1"] == {"version": 2}  # BatchNorm's version
     assert list(skeleton["m"]["$state_dict"]) == list(sd) and list(tensors)[0] == "m/0.weight"
     back = through_files({"m": sd})["m"]
     assert type(back) is OrderedDict and back._metadata == sd._metadata

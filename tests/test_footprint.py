@@ -161,7 +161,7 @@ def test_du_command(tmp_path, capsys, argv_json, monkeypatch):
         assert "anchor" in out and "duplicate" in out and "total" in out
     assert main(["ls", url]) == 0
     listing = capsys.readouterr().out
-    assert "valid (anchor, +1 copy)" in listing and [x.split()[0] for x in listing.splitlines()[1:3]] == ["1", "2"]
+    assert "sizes ok (anchor, +1 copy)" in listing and [x.split()[0] for x in listing.splitlines()[1:3]] == ["1", "2"]
     assert "2 steps under" in listing  # step 2 shown once, though two folders hold it
 
 

@@ -4,12 +4,15 @@ reads a real checkpoint."""
 
 from __future__ import annotations
 
+import builtins
 import json
 import math
 import random
 import re
+import struct
 import subprocess
 import sys
+from collections import Counter, OrderedDict, defaultdict, deque
 from pathlib import Path
 
 import numpy as np
@@ -34,7 +37,6 @@ from ckptsdk.manifest import (
     parse_manifest,
     schema_text,
 )
-from tests.test_codec import assert_same
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 
@@ -76,8 +78,11 @@ def test_models_are_frozen_and_forbid_extra_fields():
         manifest.step = 1  # type: ignore[misc]
     with pytest.raises(ValidationError, match="extra"):
         Position(epoch=1, bogus=2)
-    with pytest.raises(ValidationError, match="nan"):
-        Position(extra={"x": float("nan")})
+    # extra follows the metrics' rule (issue 13): nan is kept, tagged as in the skeleton.
+    nan_extra = Position(extra={"x": float("nan"), "y": [-0.0]})
+    assert nan_extra.model_dump(mode="json")["extra"] == {"x": {"$float": "nan"}, "y": [{"$float": "-0.0"}]}
+    back = Position.model_validate(nan_extra.model_dump(mode="json"), strict=True).extra
+    assert math.isnan(back["x"]) and math.copysign(1, back["y"][0]) == -1
     with pytest.raises(ValidationError, match="tree.a holds nan"):
         make_manifest(tree={"a": float("nan")})  # the codec tags nan; pydantic would write null
 
@@ -189,17 +194,71 @@ def _reader_snippet() -> str:
     return block.split("```python\n")[1].split("```")[0]
 
 
-def test_format_md_reader_reads_a_checkpoint_without_ckptsdk(tmp_path):
+def _no_torch_import(name, *args, **kwargs):
+    if name.split(".")[0] in ("torch", "safetensors", "ckptsdk"):
+        raise ImportError(f"{name} is blocked: the FORMAT.md reader must not need it")
+    return builtins.__import__(name, *args, **kwargs)
+
+
+def _as_numpy(node):
+    """What the torch-free reader returns for a tree: tensors as numpy, bfloat16 widened."""
+    if isinstance(node, torch.Tensor):
+        return (node.float() if node.dtype == torch.bfloat16 else node).numpy()
+    if isinstance(node, OrderedDict) and hasattr(node, "_metadata"):
+        out = OrderedDict((k, _as_numpy(v)) for k, v in node.items())
+        out._metadata = node._metadata
+        return out
+    if isinstance(node, dict):
+        return _same_mapping(node, {k: _as_numpy(v) for k, v in node.items()})
+    if isinstance(node, (list, tuple, deque)):
+        items = [_as_numpy(v) for v in node]
+        return deque(items, node.maxlen) if isinstance(node, deque) else type(node)(items)
+    return node
+
+
+def _same_mapping(like, items):
+    if isinstance(like, defaultdict):
+        return defaultdict(like.default_factory, items)
+    return type(like)(items)
+
+
+def _assert_identical(a, b, path="<root>"):
+    assert type(a) is type(b), f"{path}: {type(a)} != {type(b)}"
+    if isinstance(a, np.ndarray):
+        assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes(), path
+    elif isinstance(a, dict):
+        assert list(a) == list(b), path
+        if isinstance(a, defaultdict):
+            assert a.default_factory is b.default_factory, path
+        for k in a:
+            _assert_identical(a[k], b[k], f"{path}/{k}")
+    elif isinstance(a, (list, tuple, deque)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            _assert_identical(x, y, f"{path}/{i}")
+    elif isinstance(a, float) and math.isnan(a):
+        assert struct.pack("<d", a) == struct.pack("<d", b), path
+    else:
+        assert a == b and (not isinstance(a, float) or math.copysign(1, a) == math.copysign(1, b)), path
+
+
+def test_format_md_reader_reads_a_checkpoint_without_torch(tmp_path):
     random.seed(3)
     np.random.seed(3)
+    model = torch.nn.Linear(2, 2)
+    sched = torch.optim.lr_scheduler.MultiStepLR(torch.optim.SGD(model.parameters(), lr=0.1), [3, 3, 5])
     tree = {
         "objects": {"net": torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.BatchNorm1d(3)).state_dict(),
                     "model": {"layer1.0.conv1.weight": torch.randn(4, 3, 3, 3), "bn.num_batches_tracked": torch.tensor(7),
-                              "half": torch.ones(3, dtype=torch.bfloat16)},
+                              "half": torch.randn(3).to(torch.bfloat16), "f16": torch.ones(2, dtype=torch.float16),
+                              "mask": torch.tensor([True, False]), "empty": torch.zeros(0, 3)},
                     "optimizer": {"state": {0: {"momentum_buffer": torch.zeros(4)}},
                                   "param_groups": [{"lr": 0.1, "nesterov": True, "params": [0], "foreach": None}]},
+                    "scheduler": sched.state_dict(),
                     "user": {"a/b": -0.0, "big": 2**80, "odd nan": struct_nan(), "np": np.float32(1.5),
-                             "c": np.complex64(1j), "$k": 1, "nested": [(1, 2), {None: "x"}]}},
+                             "c": np.complex64(1j), "$k": 1, "nested": [(1, 2), {None: "x"}],
+                             "od": OrderedDict(b=1, a=2), "dd": defaultdict(list, {"x": [1]}),
+                             "dq": deque([1, 2], maxlen=5)}},
         "rng": {"numpy": np.random.get_state(legacy=False), "python": random.getstate(), "be": np.arange(3, dtype=">i4")},
     }
     tensors, skeleton = encode(tree)
@@ -210,12 +269,18 @@ def test_format_md_reader_reads_a_checkpoint_without_ckptsdk(tmp_path):
     manifest = make_manifest(tree=skeleton, files=[FileEntry(
         name="tensors.safetensors", size=len(data), digest=xxhash.xxh3_128_hexdigest(data), algorithm="xxh3-128")])
     (folder / "manifest.json").write_bytes(manifest.to_json())
-    namespace: dict = {}
+    # The snippet runs with torch, safetensors and ckptsdk blocked (and ml_dtypes absent here:
+    # bfloat16 comes back widened to float32, exactly).
+    namespace: dict = {"__builtins__": {**vars(builtins), "__import__": _no_torch_import}}
     exec(compile(_reader_snippet(), "FORMAT.md", "exec"), namespace)  # noqa: S102 - our own doc
+    assert namespace["ml_dtypes"] is None or namespace["ml_dtypes"].__name__ == "ml_dtypes"
     raw_manifest, back = namespace["read_checkpoint"](str(folder))
     assert raw_manifest["step"] == 5700
-    assert_same(tree, back)
+    expected = _as_numpy(tree)
+    _assert_identical(expected, back)
     assert back["objects"]["net"]._metadata == tree["objects"]["net"]._metadata
+    assert type(back["objects"]["scheduler"]["milestones"]) is Counter
+    assert back["objects"]["model"]["half"].dtype == np.float32
     random.setstate(back["rng"]["python"])  # the tuple structure survived
     (folder / "tensors.safetensors").write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
     with pytest.raises(AssertionError, match="corrupt"):

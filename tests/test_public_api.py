@@ -8,6 +8,10 @@ EXPECTED = {
     "LeaseLostError", "ManifestError", "NoValidCheckpointError", "ObjectNotFound",
     "PreconditionFailed", "ResumePoint", "StateMismatchError", "TrainState",
     "UnsupportedStateError", "open_backend",
+    # the rest of the error tree: every error a public call raises is catchable as ckptsdk.X
+    "AllSourcesFailedError", "CheckpointError", "ConfigError", "DatasetMismatchError",
+    "DigestMismatchError", "DownloadError", "InvalidKey", "LeaseError", "MissingDependencyError",
+    "NoCheckpointRootError", "StorageUnavailable", "UnknownSchemeError", "UnsafeArchiveError",
 }
 
 
@@ -27,3 +31,20 @@ def test_errors_refine_builtins():
     assert issubclass(ckptsdk.ObjectNotFound, FileNotFoundError)
     assert issubclass(ckptsdk.UnsupportedStateError, TypeError)
     assert issubclass(ckptsdk.LeaseLostError, ckptsdk.CkptError)
+
+
+def test_every_error_of_the_tree_is_public():
+    import ckptsdk.errors
+
+    tree = {n for n, v in vars(ckptsdk.errors).items()
+            if isinstance(v, type) and issubclass(v, ckptsdk.errors.CkptError)}
+    assert tree <= set(ckptsdk.__all__), sorted(tree - set(ckptsdk.__all__))
+    for name in tree:
+        assert getattr(ckptsdk, name) is getattr(ckptsdk.errors, name)
+
+
+def test_the_errors_the_readme_names_are_catchable():
+    with __import__("pytest").raises(ckptsdk.UnknownSchemeError):
+        ckptsdk.open_backend("nope://x")
+    with __import__("pytest").raises(ckptsdk.ConfigError):
+        ckptsdk.CheckpointManager("memory://api-cfg", keep_last=0)

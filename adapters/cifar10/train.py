@@ -290,7 +290,7 @@ def run_job(
     ckpt_url: str,
     *,
     device: str | torch.device = "cpu",
-    lease_ttl: float = 60.0,
+    lease_ttl: float | None = None,
     force: bool = False,
     storage_options: Mapping[str, Any] | None = None,
     echo: Callable[[str], None] = logger.info,
@@ -305,7 +305,8 @@ def run_job(
         data: a ``CifarData`` (uint8 N x 32 x 32 x 3 images, int64 labels, ``tensor_hash``).
         ckpt_url: checkpoint root, any backend URL (``/path``, ``drive://...``, ``gs://...``).
         device: where to train; the data is copied there once, as uint8.
-        lease_ttl: seconds before a silent previous writer's lease may be taken over.
+        lease_ttl: seconds before a silent previous writer's lease may be taken over (None: the
+            library's default, 60 s on local disk and GCS, 300 s on Drive).
         force: break a live lease at once (only when the previous writer is known dead).
         storage_options: fsspec options for ``gs://`` roots.
         echo: where the human-readable lines go (the examples pass ``tqdm.write``).

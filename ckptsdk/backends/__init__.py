@@ -11,7 +11,7 @@ import importlib
 import os
 from typing import Any
 
-from ..errors import MissingDependencyError, UnknownSchemeError
+from ..errors import ConfigError, MissingDependencyError, UnknownSchemeError
 from .base import Backend, Capabilities, ObjectInfo, check_key
 
 __all__ = ["Backend", "Capabilities", "ObjectInfo", "open_backend", "check_key", "DRIVE_MOUNT"]
@@ -64,6 +64,7 @@ def open_backend(url: str, **storage_options: Any) -> Backend:
 
     Raises:
         UnknownSchemeError: the URL has a scheme with no backend.
+        ConfigError: the URL is empty (it would mean the current directory).
         MissingDependencyError: the scheme needs an extra that is not installed.
 
     Example:
@@ -78,6 +79,11 @@ def open_backend(url: str, **storage_options: Any) -> Backend:
     if not sep:
         scheme, rest = "file", url
     scheme = scheme.lower()
+    if scheme == "file" and not rest.strip():
+        # "" would silently mean the current directory (LEASE.json written where the job runs).
+        raise ConfigError(
+            f"empty storage URL {url!r}: give the checkpoint root explicitly, e.g. './runs/r18', "
+            "'/content/drive/MyDrive/runs/r18', 'drive://runs/r18' or 'gs://bucket/runs/r18'")
     if scheme not in _REGISTRY:
         known = ", ".join(f"{s}://" for s in sorted(_REGISTRY))
         raise UnknownSchemeError(

@@ -133,6 +133,13 @@ class GCSBackend:
             options["token"] = "anon"  # an emulator takes no credentials; never probe for them
         self._fs = GCSFileSystem(**options)
         self._bucket_seen = False
+        if "token" not in options and getattr(self._fs.credentials, "method", None) == "anon":
+            # gcsfs falls back to anonymous access silently; a checkpoint root needs writes.
+            logger.warning("no Google credentials found for %s: anonymous access reads public "
+                           "buckets only and cannot write checkpoints; run `gcloud auth "
+                           "application-default login`, set GOOGLE_APPLICATION_CREDENTIALS, or pass "
+                           "storage_options token=... (STORAGE_EMULATOR_HOST for a local emulator)",
+                           self.url)
 
     def __repr__(self) -> str:
         return f"GCSBackend({self.url!r}, endpoint={self._fs._location!r})"
@@ -210,11 +217,29 @@ class GCSBackend:
                 "GCS %s %s: attempt %d/%d failed: %r", method, url.split("?")[0], attempt + 1,
                 attempts, last,
             )
+        if isinstance(last, aiohttp.ClientConnectorError):
+            # Never reached a server (DNS, refused): say what a first-time user is missing.
+            raise BackendError(
+                f"cannot reach GCS at {self._fs._location} for {self.url} (key {key!r}): "
+                f"{getattr(last, 'os_error', None) or last} ({attempts} tries). {self._setup_hint()}",
+                url=self.url, key=key,
+            ) from last
         raise BackendError(
             f"GCS request {method} for {self.url} (key {key!r}) failed {attempts} times, last: "
             f"{last!r}. Check the network and {self._fs._location}, then retry",
             url=self.url, key=key,
         ) from last
+
+    def _setup_hint(self) -> str:
+        method = getattr(getattr(self._fs, "credentials", None), "method", None)
+        creds = ("no Google credentials were found (anonymous access: public buckets only)"
+                 if method == "anon" else f"credentials: {method or 'unknown'}")
+        return (
+            f"Check, in order: the network reaches {self._fs._location}; {creds}: run `gcloud auth "
+            "application-default login`, set GOOGLE_APPLICATION_CREDENTIALS=key.json, or pass "
+            "storage_options token=...; for a local emulator set STORAGE_EMULATOR_HOST="
+            "http://127.0.0.1:PORT (or storage_options endpoint_url=...)"
+        )
 
     def _fail(self, reply: _Reply, method: str, url: str, key: str | None, what: str) -> BackendError:
         """The error for an answer we cannot use (not 404/412, which callers map themselves)."""

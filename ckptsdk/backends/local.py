@@ -549,6 +549,19 @@ class LocalBackend:
             return exc
         if exc.errno in _UNAVAILABLE_ERRNOS:
             return self._unavailable(exc, op, key)
+        if op in ("write", "create", "replace") and not os.path.isdir(self.root):
+            # The root itself cannot be made (/proc/x, a read-only mount): say so, rather than
+            # "No such file or directory" for whatever object we were writing.
+            try:
+                os.makedirs(self.root, exist_ok=True)
+            except OSError as root_exc:
+                return StorageUnavailable(
+                    f"{op} under {self.url} failed: the storage root {self.root} does not exist and "
+                    f"cannot be created ({root_exc.strerror or root_exc}); choose a path in a "
+                    "folder this user can write to",
+                    url=self.url,
+                    key=key,
+                )
         if isinstance(exc, (*_NOT_THERE, FileExistsError)):
             try:
                 self._check_root()

@@ -1,0 +1,482 @@
+"""CheckpointManager under a torch.distributed process group: one committer, every rank writes.
+
+Rank 0 owns an ordinary :class:`ckptsdk.CheckpointManager` (lease, lineage, rotation, step log)
+and commits; other ranks never touch the lease. Every decision (fenced or not, which folder, which
+checkpoint, did it commit) is made on rank 0 and broadcast as JSON, so no rank writes after rank 0
+was fenced. Tensors go through DCP with :mod:`.storage`; each rank's RNG states go to its own file.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import warnings
+from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.stateful import Stateful
+
+from .. import codec, errors
+from .. import catalog as _catalog
+from ..backends import open_backend
+from ..backends.base import Backend
+from ..catalog import checkpoint_dir, writer_tag
+from ..errors import CkptError, ConfigError, CorruptCheckpointError, StateMismatchError
+from ..manager import CheckpointManager, ResumePoint
+from ..export import DISTRIBUTED_FORMAT
+from ..manifest import FileEntry, Manifest
+from ..state import capture_rng, restore_rng
+from ..tensorfile import DIGEST_ALGORITHM, read_tensorfile, write_tensorfile
+from .collective import all_min, broadcast_json, gather_json
+from .metadata import metadata_from_json
+from .storage import CkptStorageReader, CkptStorageWriter, JsonLoadPlanner, JsonSavePlanner, unwrap
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["DistributedCheckpointManager", "PAYLOAD_FORMAT", "file_table", "load_quietly", "read_payload"]
+
+#: The ``format`` of the JSON tree a distributed checkpoint's manifest holds.
+PAYLOAD_FORMAT = DISTRIBUTED_FORMAT  # one home: ckptsdk/export.py (the CLI detects it there)
+
+
+def local_file(rank: int) -> str:
+    """The file of one rank's own state (RNG states, ``local`` extras) in a checkpoint folder."""
+    return f"local-{rank:05d}.safetensors"
+
+
+def read_payload(tree: Any, *, where: str = "") -> dict[str, Any]:
+    """The distributed payload of a manifest tree, checked; CorruptCheckpointError if it is none."""
+    payload = codec.decode(tree, {}) if not _is_payload(tree) else tree
+    if not _is_payload(payload):
+        raise CorruptCheckpointError(
+            f"{where}: not a distributed checkpoint (no {PAYLOAD_FORMAT} payload); open it with "
+            "ckptsdk.CheckpointManager instead", key=where or None)
+    return payload
+
+
+def _is_payload(tree: Any) -> bool:
+    return isinstance(tree, dict) and tree.get("format") == PAYLOAD_FORMAT
+
+
+def file_table(manifest: Manifest) -> dict[str, dict[str, Any]]:
+    """``{name: {"size", "digest", "algorithm"}}`` of a manifest's files (what the reader checks)."""
+    return {f.name: {"size": f.size, "digest": f.digest, "algorithm": f.algorithm} for f in manifest.files}
+
+
+class _Capture:
+    """What the core manager's ``restore`` loads into on rank 0: the payload, nothing else.
+
+    The core manager picks the checkpoint (skipping torn, corrupt and orphaned ones: the rank
+    files are in its manifest), records the lineage, and re-commits it under the new lease epoch
+    (its "anchor", copying the rank files) so a zombie cannot rotate the resume point away.
+    """
+
+    def __init__(self) -> None:
+        self.payload: dict[str, Any] | None = None
+
+    def load_state_dict(self, tree: Any) -> None:
+        self.payload = read_payload(tree)
+
+
+def _snapshot(obj: Any) -> Any:
+    """A copy of a state tree whose tensors (DTensors too) no longer change with training."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, dict):
+        return {k: _snapshot(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_snapshot(v) for v in obj)
+    return copy.deepcopy(obj)
+
+
+class DistributedCheckpointManager:
+    """Checkpoints of a torch.distributed job under one root URL (call on every rank).
+
+    Rank 0 acquires the writer lease (waiting or taking over as :class:`ckptsdk.CheckpointManager`
+    does) and is the single committer; every rank writes its own share of each save.
+
+    Args:
+        url: the root (any ckptsdk URL), or an opened backend.
+        group: the process group (default: the world). Its rank 0 is the committer.
+        keep_last, keep_every, save_every, lease_ttl, lease_wait, force, run_id, heartbeat:
+            as for :class:`ckptsdk.CheckpointManager` (used on rank 0).
+        storage_options: fsspec options for ``gs://``.
+        async_save: make ``save`` non-blocking by default; sets up the gloo process group
+            background saves use (``dist.new_group``: every rank of the world takes part, even
+            with a ``group`` that holds only some of them).
+
+    Raises:
+        ConfigError: torch.distributed is not initialised.
+        LeaseHeldError: on every rank, when rank 0 could not get the lease.
+
+    Example:
+        >>> # dm = DistributedCheckpointManager("gs://bucket/run", save_every=100)
+        >>> # state = {"app": AppState(model, optimizer)}
+        >>> # pos = dm.restore(state)            # every rank; the same step everywhere
+        >>> # if dm.should_save(step): dm.save(state, step=step, local={"batch": b})
+        >>> # dm.close()
+    """
+
+    def __init__(
+        self, url: str | Backend, *, group: Any = None, keep_last: int = 3, keep_every: int | None = None,
+        save_every: int | None = None, lease_ttl: float | None = None, lease_wait: float | None = None,
+        force: bool = False, storage_options: Mapping[str, Any] | None = None, run_id: str | None = None,
+        heartbeat: bool = True, async_save: bool = False,
+    ) -> None:
+        if not dist.is_initialized():
+            raise ConfigError("DistributedCheckpointManager needs torch.distributed initialised "
+                              "(dist.init_process_group); use ckptsdk.CheckpointManager in one process")
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self._src = dist.get_global_rank(group, 0) if group is not None else 0
+        self.save_every = save_every
+        self.backend = open_backend(url, **dict(storage_options or {})) if isinstance(url, str) else url
+        self.url = self.backend.url
+        #: this rank's ``local`` extras from the restored checkpoint (None: fresh, or resharded).
+        self.local: dict[str, Any] | None = None
+        self._core: CheckpointManager | None = None
+        self._closed = False
+        self.async_save = async_save
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckptsdk-dist-save") if async_save else None
+        self._pending: Future[str] | None = None
+        # Background saves talk over a group of their own (gloo: CPU, any thread), so their
+        # collectives never interleave with the training loop's on the main group.
+        self._bg_group: Any = None
+        if async_save:
+            ranks = None if group is None else dist.get_process_group_ranks(group)
+            self._bg_group = dist.new_group(ranks=ranks, backend="gloo")
+        outcome: dict[str, Any] = {"ok": True}
+        error: CkptError | None = None
+        if self.rank == 0:
+            try:
+                self._core = CheckpointManager(
+                    self.backend, keep_last=keep_last, keep_every=keep_every, save_every=save_every,
+                    lease_ttl=lease_ttl, lease_wait=lease_wait, force=force, run_id=run_id,
+                    heartbeat=heartbeat)
+            except CkptError as exc:
+                outcome, error = _describe(exc), exc
+        self._agree(outcome, error)
+
+    # ------------------------------------------------------------------ helpers
+
+    def _bcast(self, obj: Any, group: Any = None) -> Any:
+        return broadcast_json(obj, src=self._src, group=group or self.group)
+
+    def _agree(self, outcome: dict[str, Any], error: BaseException | None, group: Any = None) -> dict[str, Any]:
+        """Broadcast rank 0's outcome; every rank raises the same error type when it failed."""
+        outcome = self._bcast(outcome, group)
+        if error is not None:  # rank 0 raises its own exception, with its fields and cause
+            raise error if isinstance(error, Exception) else _rebuild(outcome)
+        if not outcome.get("ok"):
+            raise _rebuild(outcome)
+        return outcome
+
+    def _writer(self) -> tuple[int, str]:
+        """Rank 0's writer rank (lease epoch, tag), as the core manager names its folders."""
+        core = self._core
+        assert core is not None and core.lease is not None and core.lease.record is not None
+        tag = writer_tag(core.lease.record.holder.nonce, compare_and_swap=self.backend.capabilities.compare_and_swap)
+        return core.lease.epoch, tag
+
+    def _folder(self, step: int) -> str:
+        """This writer's folder for ``step`` (``save`` checks the core manager committed that one)."""
+        return checkpoint_dir(step, *self._writer())
+
+    def should_save(self, step: int) -> bool:
+        """True every ``save_every`` steps (the core manager's rule, on every rank)."""
+        return CheckpointManager.should_save(self, step)  # type: ignore[arg-type]
+
+    # ------------------------------------------------------------------ saving
+
+    def save(
+        self, state: dict[str, Any], *, step: int, epoch: int | None = None, batch_idx: int | None = None,
+        metrics: Mapping[str, Any] | None = None, extra: Mapping[str, Any] | None = None,
+        tags: Mapping[str, str] | None = None, local: Mapping[str, Any] | None = None,
+        blocking: bool | None = None,
+    ) -> str:
+        """Save ``state`` (a DCP state dict; Stateful values allowed) at ``step`` on every rank.
+
+        Rank 0 renews the lease and looks for a newer writer first; if it was fenced, every rank
+        raises ``LeaseLostError`` before writing anything. Each rank then writes its share and its
+        own RNG states and ``local`` extras; rank 0 publishes the manifest only after all of them.
+
+        Args:
+            state: what ``dcp.save`` takes (e.g. ``{"app": AppState(model, optimizer)}``).
+            step, epoch, batch_idx, metrics, extra, tags: as for ``CheckpointManager.save``.
+            local: this rank's own JSON/tensor extras (its sampler position), restored to the
+                same rank.
+            blocking: False snapshots the state in memory (a copy of every tensor on its device)
+                and writes it from a background thread over a process group of its own; the
+                save's failure, on every rank, surfaces at the next ``save``/``wait``/``close``.
+                None: the manager's ``async_save``.
+
+        Returns:
+            Blocking: the committed folder (the same on every rank). Not blocking:
+            ``"step-0000000100 (saving)"``; the save is committed once ``wait()`` returns.
+
+        Raises:
+            LeaseLostError: on every rank, when rank 0 lost the lease; nothing was written.
+            BackendError, CkptError: on every rank, as rank 0 saw it; nothing was committed.
+        """
+        if self._closed:
+            raise ConfigError(f"save() after close() on {self.url}")
+        self.wait()  # one save in flight; its failure surfaces here, on every rank
+        rng = capture_rng()  # first: nothing below may draw before the state is captured
+        blocking = (not self.async_save) if blocking is None else blocking
+        if blocking:
+            return self._save(state, rng, step, epoch, batch_idx, metrics, extra, tags, local, self.group)
+        if self._bg_group is None:
+            raise ConfigError("save(blocking=False) needs DistributedCheckpointManager(async_save=True), "
+                              "which sets up the process group background saves talk over")
+        snapshot = _snapshot({k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state.items()})
+        args = (snapshot, rng, step, epoch, batch_idx, _snapshot(dict(metrics or {})), dict(extra or {}),
+                dict(tags or {}), _snapshot(dict(local or {})), self._bg_group)
+        assert self._pool is not None
+        self._pending = self._pool.submit(self._save, *args)
+        # Every rank's folder is rank 0's decision, made in the background: name what it will be.
+        return f"step-{step:010d} (saving)"
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait for a background save; re-raise its failure (every rank gets it). False: still running."""
+        pending = self._pending
+        if pending is None:
+            return True
+        done, _ = futures_wait([pending], timeout)
+        if not done:
+            return False
+        self._pending = None
+        pending.result()  # re-raises the background failure here
+        return True
+
+    def _save(
+        self, state: dict[str, Any], rng: Any, step: int, epoch: int | None, batch_idx: int | None,
+        metrics: Mapping[str, Any] | None, extra: Mapping[str, Any] | None, tags: Mapping[str, str] | None,
+        local: Mapping[str, Any] | None, group: Any,
+    ) -> str:
+        decision: dict[str, Any] = {"ok": True}
+        error: BaseException | None = None
+        if self.rank == 0:
+            try:
+                decision = self._preflight(step)
+            except CkptError as exc:
+                decision, error = _describe(exc), exc
+        decision = self._agree(decision, error, group)
+        folder = decision["folder"]
+        if decision.get("existing"):
+            return folder
+        mine: dict[str, Any]
+        failed: Exception | None = None
+        try:
+            tensors, skeleton = codec.encode({"rng": rng, "local": dict(local or {})})
+            size, digest = write_tensorfile(self.backend, f"{folder}/{local_file(self.rank)}", tensors)
+            mine = {"file": local_file(self.rank), "size": size, "digest": digest,
+                    "algorithm": DIGEST_ALGORITHM, "tree": skeleton}
+        except CkptError as exc:  # reported to every rank below, so that none waits for this one
+            mine, failed = {"error": _describe(exc)}, exc
+        locals_ = gather_json(mine, group=group)
+        if failed is not None:
+            raise failed
+        bad = next((rec["error"] for rec in locals_ if "error" in rec), None)
+        if bad is not None:
+            raise _rebuild(bad)
+
+        def commit(md: dict[str, Any], files: dict[str, dict[str, Any]]) -> None:
+            core = self._core
+            assert core is not None
+            for rec in locals_:
+                files[rec["file"]] = {k: rec[k] for k in ("size", "digest", "algorithm")}
+            payload = {"format": PAYLOAD_FORMAT, "world_size": self.world_size, "dcp": md,
+                       "local": [rec["tree"] for rec in locals_]}
+            # The rank files go into the manifest's file list: listing, verify and restore check them.
+            info = core.save(payload, step=step, epoch=epoch, batch_idx=batch_idx, metrics=metrics,
+                             extra=extra, tags=tags, blocking=True,
+                             extra_files=[FileEntry(name=name, **entry) for name, entry in sorted(files.items())])
+            if info.key != folder:  # the core manager named the folder differently: never commit that
+                raise CorruptCheckpointError(
+                    f"{self.url}: the manifest went to {info.key} but the ranks wrote {folder}; this is "
+                    "a ckptsdk bug (folder naming drifted), report it", url=self.url, key=info.key)
+
+        writer = CkptStorageWriter(self.backend, folder, commit=commit)
+        failure: BaseException | None = None
+        try:
+            dcp.save(state, storage_writer=writer, planner=JsonSavePlanner(), process_group=group)
+        except CheckpointException as exc:
+            failure = writer.commit_error or unwrap(exc)
+        outcome = {"ok": True, "key": folder} if failure is None else _describe(failure)
+        self._agree(outcome, failure if self.rank == 0 else None, group)
+        return folder
+
+    def _preflight(self, step: int) -> dict[str, Any]:
+        """On rank 0: renew the lease, fence on a newer writer, name the folder."""
+        core = self._core
+        assert core is not None and core.lease is not None
+        core.lease.check()
+        core.lease.renew()
+        if core.runlog is not None:
+            core.runlog.flush()  # the steps before a save are on storage even if a rank dies in it
+        cat = _catalog.scan(self.backend)
+        own = self._writer()
+        if cat.max_rank > own:  # the core manager's fencing rule: any newer writer fences this one
+            core.lease.fence(f"saw a newer writer (epoch {cat.max_rank[0]}) under {self.url}", cat.max_rank[0])
+            core.lease.check()  # raises LeaseLostError
+        folder = self._folder(step)
+        existing = any(c.key == folder and c.committed for c in cat.checkpoints)
+        return {"ok": True, "folder": folder, "existing": existing}
+
+    # ------------------------------------------------------------------ restoring
+
+    def restore(self, state: dict[str, Any]) -> ResumePoint | None:
+        """Load the newest valid checkpoint into ``state`` on every rank (the same step on all).
+
+        Rank 0 picks it through its core manager (skipping torn and orphaned ones: the rank files
+        are in the manifest) and broadcasts the choice; each rank loads what its shards need,
+        verified, through DCP (a checkpoint written by N ranks restores on M). When the world
+        size is unchanged each rank gets back its own RNG states and ``local`` extras
+        (``self.local``); otherwise they are left alone and a warning says so.
+
+        Returns:
+            The :class:`ckptsdk.ResumePoint` (same on every rank), or ``None`` on a fresh root.
+
+        Raises:
+            CorruptCheckpointError: on every rank, when a rank file of the chosen checkpoint
+                fails its digest (not skipped: delete that folder to fall back to the previous one).
+            StateMismatchError: on every rank, when ``state`` does not fit the checkpoint.
+            NoValidCheckpointError, LeaseLostError: on every rank, as rank 0 saw them.
+        """
+        decision: dict[str, Any] = {"ok": True, "found": False}
+        error: BaseException | None = None
+        if self.rank == 0:
+            core = self._core
+            assert core is not None
+            capture = _Capture()
+            try:
+                pos = core.restore(capture)
+                if pos is not None:
+                    assert core.resumed_from is not None and core.resumed_from.manifest is not None
+                    _t, point = codec.encode({k: getattr(pos, k) for k in ResumePoint.__dataclass_fields__})
+                    decision = {"ok": True, "found": True, "source": core.resumed_from.key,
+                                "payload": capture.payload, "point": point,
+                                "files": file_table(core.resumed_from.manifest)}
+            except CkptError as exc:
+                decision, error = _describe(exc), exc
+        decision = self._agree(decision, error)
+        if not decision["found"]:
+            return None
+        payload, source = decision["payload"], decision["source"]
+        original: Exception | None = None
+        try:
+            self._load(state, payload, source, decision["files"])
+        except Exception as exc:  # any failure, on any rank, must reach every rank (none may hang)
+            original = exc
+        if not all_min(0 if original is not None else 1, group=self.group):
+            described = gather_json(None if original is None else _describe(original), group=self.group)
+            if original is not None:
+                raise original
+            raise _rebuild(next(d for d in described if d))
+        point = codec.decode(decision["point"], {})
+        return ResumePoint(**point)
+
+    def _load(self, state: dict[str, Any], payload: dict[str, Any], source: str,
+              files: dict[str, dict[str, Any]]) -> None:
+        md = metadata_from_json(payload["dcp"], where=f"{self.url}/{source}")
+        reader = CkptStorageReader(self.backend, source, metadata=md, files=files)
+        load_quietly(state, reader)
+        if payload["world_size"] != self.world_size:
+            logger.warning("%s/%s was written by %d ranks, this job has %d: RNG states and local extras "
+                           "are not restored (the run continues, but not bit-for-bit)", self.url, source,
+                           payload["world_size"], self.world_size)
+            self.local = None
+            return
+        name = local_file(self.rank)
+        entry = files[name]
+        tensors = read_tensorfile(self.backend, f"{source}/{name}", size=entry["size"],
+                                  digest=entry["digest"], algorithm=entry["algorithm"])
+        mine = codec.decode(payload["local"][self.rank], tensors)
+        restore_rng(mine["rng"])
+        self.local = mine["local"]
+
+    # ------------------------------------------------------------------ step log, lifecycle
+
+    def log_step(self, step: int, **scalars: Any) -> None:
+        """Append ``scalars`` for ``step`` to the step log (rank 0's; other ranks: no-op)."""
+        if self._core is not None:
+            self._core.log_step(step, **scalars)
+
+    def audit(self, tolerance: float = 0.0) -> Any:
+        """The resume audit (see :meth:`ckptsdk.CheckpointManager.audit`); rank 0 only, else None."""
+        return self._core.audit(tolerance) if self._core is not None else None
+
+    def list(self) -> list[Any]:
+        """Every checkpoint folder under the root, oldest first (any rank; read-only)."""
+        return _catalog.scan(self.backend).checkpoints
+
+    def close(self) -> None:
+        """Flush the step log and release the lease (rank 0). Idempotent; no collective."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.wait()
+        finally:
+            if self._pool is not None:
+                self._pool.shutdown()
+            if self._core is not None:
+                self._core.close()
+
+    def __enter__(self) -> DistributedCheckpointManager:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+# Errors travel between ranks as (type name, message): a rank rebuilds the same ckptsdk error.
+def load_quietly(state: dict[str, Any], reader: CkptStorageReader, *, flatten: bool = True) -> None:
+    """``dcp.load`` on this rank alone, re-raising the error a read hit (not DCP's wrapper).
+
+    Each rank plans its own reads: no collective, so nothing is pickled between ranks either.
+    """
+    with warnings.catch_warnings():
+        # DCP warns that no_dist "assumes a single process"; here it is the intent.
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        try:
+            dcp.load(state, storage_reader=reader, planner=JsonLoadPlanner(flatten_state_dict=flatten),
+                     no_dist=True)
+        except CheckpointException as exc:
+            cause: BaseException = unwrap(exc)
+            if isinstance(cause, CkptError):
+                raise cause from None
+        except (RuntimeError, ValueError) as exc:  # DCP's planning: missing keys, other shapes
+            if isinstance(exc, CkptError):
+                raise
+            cause = exc
+        else:
+            return
+    # Corrupt data is a ckptsdk error from the verified read; anything else is a state that
+    # does not fit the checkpoint (DCP names the key).
+    raise StateMismatchError(
+        f"{reader.backend.url}/{reader.folder} does not fit the state given to restore: {cause}. "
+        "Build the same model/optimizer (any parallelism) as the job that saved it",
+        url=reader.backend.url, mismatches=[str(cause)]) from cause
+
+
+def _describe(exc: BaseException) -> dict[str, Any]:
+    return {"ok": False, "type": type(exc).__name__, "message": str(exc), "rank": dist.get_rank()}
+
+
+def _rebuild(outcome: Mapping[str, Any]) -> CkptError:
+    cls = getattr(errors, str(outcome.get("type")), None)
+    message = f"(from rank {outcome.get('rank')}) {outcome.get('message')}"
+    if isinstance(cls, type) and issubclass(cls, CkptError):
+        try:
+            return cls(message)
+        except TypeError:  # an error whose fields are required: keep the message
+            pass
+    return errors.CheckpointError(message)
