@@ -112,9 +112,12 @@ class Rotation:
         # newest checkpoint has a whole save interval to upload before its predecessor goes.
         protected = self._protected(mine, rank, resumed_from)
         self._ledger_rank = rank
-        for c in self.beyond_retention(mine, self.keep_last + self.late, protected):
+        doomed = self.beyond_retention(mine, self.keep_last + self.late, protected)
+        for c in doomed:
             lease.check()
             self.delete(c)
+        gone = {c.key for c in doomed}
+        self.drop_copies(lease, rank, [c for c in mine if c.key not in gone])
         # Leftovers of saves that can never commit. Under compare-and-swap the renewal that
         # preceded this rotation proves no lower writer can still commit (its own renewal would
         # fail): they go at once. Elsewhere only after the grace, by the store's own clock.
@@ -134,22 +137,35 @@ class Rotation:
             logger.info("removed %s/%s: temp file of a killed save", self.url, key)
         self._flush_ledger()
 
-    def drop_copies(self, lease: Lease, rank: Rank, cat: Catalog, step: int) -> None:
-        """After an anchor of ``step`` committed: delete the lower writers' folders of that step.
+    def drop_copies(self, lease: Lease, rank: Rank, kept: list[CheckpointInfo]) -> None:
+        """Keep one folder per step: a takeover's anchor replaces the folders it re-committed.
 
-        Only where the store is immediately consistent (local disk, GCS): there the anchor is
-        durable and visible the moment it is published, so the copies it replaces protect
-        nothing, and restarts that die before their first save no longer stack one copy per
-        restart on the resume step. On Drive the anchor may still be uploading when a delete of
-        the original arrives, so the copies wait for rotation to let the step go.
+        Only where the store is immediately consistent (local disk, GCS): there an anchor is
+        durable and visible the moment it is published, so the lower writers' copies of its step
+        protect nothing, and restarts that die before their first save no longer stack one copy
+        per restart on the resume step. Only steps older than this writer's newest: the folder an
+        anchor was made from may still be being read by the restore that made it (other ranks of
+        a distributed job) until this writer has saved again. On Drive the anchor may still be
+        uploading when a delete of the original arrives, so copies wait for rotation to let the
+        step go.
         """
-        if not self.backend.capabilities.immediately_consistent or cat.max_rank > rank:
+        if not self.backend.capabilities.immediately_consistent:
             return
-        for c in cat.checkpoints:
-            if c.step == step and c.rank < rank and c.committed:
-                lease.check()
-                logger.info("the anchor of step %d under %s replaces %s", step, self.url, c.key)
-                self.delete(c)
+        own = [c.step for c in kept if c.rank == rank]
+        if not own:
+            return
+        newest = max(own)
+        by_step: dict[int, list[CheckpointInfo]] = {}
+        for c in kept:
+            if c.step < newest:
+                by_step.setdefault(c.step, []).append(c)
+        for step, folders in by_step.items():
+            best = max(folders, key=lambda c: c.rank)
+            for c in folders:
+                if c is not best:
+                    lease.check()
+                    logger.info("step %d under %s: %s replaces %s", step, self.url, best.key, c.key)
+                    self.delete(c)
 
     def _protected(self, mine: list[CheckpointInfo], rank: Rank,
                    resumed_from: CheckpointInfo | None) -> list[int]:

@@ -321,7 +321,6 @@ class SavePipeline:
                 self.backend.copy(f"{source.key}/{entry.name}", f"{folder}/{entry.name}")  # type: ignore[attr-defined]
             self._publish(folder, manifest.step, list(manifest.files), manifest.tree, manifest.position,
                           manifest.metrics, manifest.tags, device)
-            self.rotation.drop_copies(self.lease, self.rank, self._scan(), manifest.step)
             return
         # Files beyond the tensor file (distributed ranks') are copied as they are, then listed.
         extra = [f for f in manifest.files if f.name != TENSORS]

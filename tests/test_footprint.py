@@ -34,8 +34,8 @@ def _age(root, folder: str, seconds: float) -> None:
 def _unclean_takeover(url: str) -> None:
     """e1 saves 1 and 2 and dies without releasing; e2 breaks the lease, restores (anchoring 2).
 
-    On local disk the anchor (a hard link) then replaces e1's folder of step 2; on Drive (no
-    cheap copy, late consistency) both folders stay until rotation lets step 2 go."""
+    On local disk the anchor is a hard link, and replaces e1's folder of step 2 at e2's next save;
+    on Drive (no cheap copy, late consistency) both stay until rotation lets step 2 go."""
     state = _state()
     first = CheckpointManager(url, keep_last=3, lease_ttl=5, heartbeat=False)
     first.save(state, step=1)
@@ -56,10 +56,15 @@ def test_rows_show_each_step_once_with_the_anchor_marked(tmp_path, monkeypatch):
     e1_of_2 = next(c.key for c in cat.checkpoints if (c.step, c.epoch) == (2, 1))
     assert [(r.step, r.epoch, r.anchor, r.copies) for r in rows] == [(1, 1, False, ()), (2, 2, True, (e1_of_2,))]
     assert [(r.step, r.epoch) for r in CheckpointManager(url, read_only=True).list()] == [(1, 1), (2, 2)]
-    # On local disk the anchor replaced e1's folder of step 2 at once.
+    # On local disk the anchor replaces e1's folder of step 2 at e2's next save.
     local = str(tmp_path / "local")
     _unclean_takeover(local)
-    assert [(c.step, c.epoch, c.anchor) for c in scan(open_backend(local)).checkpoints] == [(1, 1, False), (2, 2, True)]
+    assert [(c.step, c.epoch, c.anchor) for c in scan(open_backend(local)).checkpoints] == [
+        (1, 1, False), (2, 1, False), (2, 2, True)]
+    with CheckpointManager(local, keep_last=3, lease_ttl=5) as mgr:
+        mgr.restore(_state())
+        mgr.save(_state(), step=3)
+    assert [(c.step, c.epoch) for c in scan(open_backend(local)).checkpoints] == [(1, 1), (2, 2), (3, 3)]
 
 
 def test_leftovers_rules(tmp_path):
@@ -105,11 +110,8 @@ def test_leftovers_without_store_times_wait_for_an_exclusive_lease(tmp_path):
 
 
 def test_du_counts_each_kind_and_hard_links_once(tmp_path, monkeypatch):
-    """A crash between the anchor's commit and the removal of the copy it replaces leaves a
+    """Until the anchoring writer saves again, the anchor and the folder it copies are a
     hard-linked duplicate on local disk: counted by kind, held once."""
-    from ckptsdk.rotation import Rotation
-
-    monkeypatch.setattr(Rotation, "drop_copies", lambda *a, **k: None)
     url = str(tmp_path / "r")
     _unclean_takeover(url)
     b = open_backend(url)

@@ -176,10 +176,14 @@ def test_unclean_takeover_anchors_by_cheap_copy(kind, make_backend_target):
     with CheckpointManager(counting, keep_last=3, lease_ttl=5, force=True) as mgr:
         assert mgr.restore(_state()).step == 10
         rows = mgr.list()
-    assert counting.calls["copy"] == 1 and tensor_bytes(counting) == 0
-    # The anchor replaces the dead writer's folder of that step (durable at once on these stores).
-    assert len(rows) == 1 and rows[0].anchor and rows[0].epoch == 2 and rows[0].copies == ()
-    assert rows[0].valid
+        assert counting.calls["copy"] == 1 and tensor_bytes(counting) == 0
+        assert len(rows) == 1 and rows[0].anchor and rows[0].epoch == 2 and len(rows[0].copies) == 1
+        assert rows[0].valid
+        # Once this writer saved again, its anchor replaces the dead writer's folder of that step
+        # (not before: the restore that made it, other ranks included, may still read the original).
+        mgr.save(state, step=20)
+        after = mgr.list()
+    assert [(r.step, r.epoch, r.copies) for r in after] == [(10, 2, ()), (20, 2, ())]
     mgr2 = CheckpointManager(target.url, read_only=True, storage_options=target.options)
     mgr2.verify(key=rows[0].key)  # the anchor's digests hold
 
