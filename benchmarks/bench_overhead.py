@@ -8,11 +8,14 @@ wrapper that adds a fixed latency to every storage call (what a GCS request or a
 metadata call costs). Then, per storage, a child process running the job gets SIGTERM at a random
 step; we time the signal to the committed checkpoint and to the process's exit.
 
-    python -m benchmarks.bench_overhead                    # ~5 min on a 2-core VM (width 16)
+    python -m benchmarks.bench_overhead                    # 2-5 min on a 2-core VM (width 16, batch 32)
     python -m benchmarks.bench_overhead --width 64 --batch-size 128 --steps 300   # ResNet-18 proper
 
-Overhead = (time of K steps with saves) / (time of K steps without) - 1, configurations
-interleaved per repetition so slow drift of a shared machine hits all alike.
+Overhead = (time of K steps with saves) / (time of K steps without) - 1, the configurations
+taking turns in blocks of 10 steps so that the drifting load of a shared machine hits all alike;
+a block's time includes waiting for a background write still running at its end. "median block"
+compares the median block times instead of the totals (robust to another process's load spike);
+"thread CPU" is the ratio of the training thread's CPU time.
 """
 
 from __future__ import annotations
@@ -91,26 +94,28 @@ class Job:
         return loss.detach()
 
 
-def run_config(job: Job, steps: int, every: int | None, mgr: CheckpointManager | None, start: int) -> dict[str, Any]:
-    """K steps (global steps ``start+1 .. start+K``), saving every ``every``; the step times include the saves."""
-    stalls: list[float] = []
-    t0 = time.perf_counter()
+def run_block(job: Job, steps: int, every: int | None, mgr: CheckpointManager | None, start: int,
+              res: dict[str, Any]) -> None:
+    """``steps`` steps (global ``start+1 ..``), saving every ``every``. Timed: the steps, the
+    saves, and waiting for a background write still running at the end of the block (so what a
+    save costs is counted even when it outlasts the block; conservative)."""
+    t0, c0 = time.perf_counter(), time.thread_time()
     for i in range(start + 1, start + steps + 1):
         loss = job.step(i)
         if mgr is not None:
             mgr.log_step(i, loss=loss)
-            # Saves at the first step of each period, so every save's background write overlaps
-            # the timed steps after it (none is left to run after the clock stops).
-            if every and (i - start - 1) % every == 0:
+            # The first step of each period: the background write overlaps the steps after it.
+            if every and (i - 1) % every == 0:
                 t = time.perf_counter()
                 mgr.save(job.state, step=i, blocking=False)
-                stalls.append(time.perf_counter() - t)
-    if job.device.type == "cuda":
-        torch.cuda.synchronize(job.device)
-    total = time.perf_counter() - t0
+                res["stalls"].append(time.perf_counter() - t)
     if mgr is not None:
         mgr.wait()
-    return {"seconds": total, "stalls": stalls}
+    if job.device.type == "cuda":
+        torch.cuda.synchronize(job.device)
+    res["blocks"].append(time.perf_counter() - t0)
+    res["seconds"] += res["blocks"][-1]
+    res["thread_cpu"] += time.thread_time() - c0
 
 
 def p99(xs: list[float]) -> float:
@@ -167,7 +172,8 @@ def measure_sigterm(args: argparse.Namespace, latency: float, tmp: Path) -> dict
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=100, help="steps per configuration (default 100)")
-    ap.add_argument("--reps", type=int, default=1, help="repetitions of every configuration (default 1)")
+    ap.add_argument("--reps", type=int, default=1, help="repetitions of the whole schedule (default 1)")
+    ap.add_argument("--block", type=int, default=10, help="steps a configuration runs before the next takes over (default 10)")
     ap.add_argument("--width", type=int, default=16, help="first-stage channels (64 = ResNet-18 proper; default 16)")
     ap.add_argument("--batch-size", type=int, default=32, help="images per step (default 32)")
     ap.add_argument("--latency-ms", type=float, default=50.0, help="added to every storage call (default 50)")
@@ -190,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
                               "loadavg_start": os.getloadavg(), "runs": {}}
     t_start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="ckpt-overhead-", dir=args.dir) as tmp:
-        job = Job(args.width, args.batch_size, args.reps * 8 * args.steps + 10, device=args.device, amp=args.amp)
+        job = Job(args.width, args.batch_size, args.reps * 7 * args.steps + 20, device=args.device, amp=args.amp)
         state_mb = sum(t.numel() * t.element_size() for t in _tensors(job.state)) / 1e6
         storages = {"local": lambda name: str(Path(tmp) / name),
                     f"local+{args.latency_ms:.0f}ms": lambda name: slow_backend(Path(tmp) / name, latency)}
@@ -201,15 +207,20 @@ def main(argv: list[str] | None = None) -> int:
             m.restore(job.state)
         for i in range(3):  # warm-up: allocator, kernels
             job.step(-1 - i)
-        step = 0
-        for r in range(args.reps):
-            # "never" first and last in each repetition: the baseline brackets the saving runs.
-            order = [("-", None)] + saving[r % len(saving):] + saving[:r % len(saving)] + [("-", None)]
+        # Round-robin in blocks: each configuration runs --block steps in turn, so the load of a
+        # shared machine drifts over all of them alike (order rotated every round).
+        configs: list[tuple[str, int | None]] = [("-", None)] + saving
+        runs = {f"{s}/{e or 'never'}": {"seconds": 0.0, "thread_cpu": 0.0, "stalls": [], "blocks": []} for s, e in configs}
+        counters = {key: 0 for key in runs}
+        rounds = max(1, args.steps // args.block) * args.reps
+        for r in range(rounds):
+            order = configs[r % len(configs):] + configs[:r % len(configs)]
             for storage, every in order:
+                key = f"{storage}/{every or 'never'}"
                 mgr = None if every is None else mgrs[storage][every]
-                res = run_config(job, args.steps, every, mgr, step)
-                step += args.steps
-                report["runs"].setdefault(f"{storage}/{every or 'never'}", []).append(res)
+                run_block(job, args.block, every, mgr, counters[key], runs[key])
+                counters[key] += args.block
+        report["runs"] = runs
         for per in mgrs.values():
             for m in per.values():
                 m.close()
@@ -233,24 +244,30 @@ def _tensors(state: TrainState) -> list[torch.Tensor]:
 
 def print_report(report: dict[str, Any], args: argparse.Namespace) -> None:
     runs = report["runs"]
-    base = statistics.median(r["seconds"] for r in runs["-/never"])
+    base, base_cpu = runs["-/never"]["seconds"], runs["-/never"]["thread_cpu"]
+    steps = args.steps * args.reps
     print(f"\n== CIFAR ResNet-18 job on {args.device}{' (AMP fp16)' if args.amp else ''}, width "
-          f"{args.width}, batch {args.batch_size}: state "
-          f"{report['state_mb']:.1f} MB, {args.steps} steps per run, {args.reps} rep(s) ==")
-    print(f"never saving: {base:.2f} s for {args.steps} steps ({base / args.steps * 1000:.0f} ms/step)")
-    print(f"{'storage / save every':28s} {'overhead':>9s} {'stall median':>13s} {'stall p99':>10s}  target")
-    for key, rs in runs.items():
+          f"{args.width}, batch {args.batch_size}: state {report['state_mb']:.1f} MB, {steps} steps "
+          f"per configuration in blocks of {args.block} ==")
+    print(f"never saving: {base:.2f} s for {steps} steps ({base / steps * 1000:.0f} ms/step)")
+    base_block = statistics.median(runs["-/never"]["blocks"])
+    print(f"{'storage / save every':24s} {'overhead':>9s} {'(median block)':>15s} {'(thread CPU)':>12s} "
+          f"{'saves':>6s} {'stall median':>13s} {'stall p99':>10s}  target (median block)")
+    for key, r in runs.items():
         if key == "-/never":
             continue
-        secs = statistics.median(r["seconds"] for r in rs)
-        stalls = [s for r in rs for s in r["stalls"]]
-        over = secs / base - 1
+        over = r["seconds"] / base - 1
+        block = statistics.median(r["blocks"]) / base_block - 1
+        cpu = r["thread_cpu"] / base_cpu - 1
+        stalls = r["stalls"]
         target = ""
         if key.endswith("/10"):
-            target = f"≤{OVERHEAD_TARGET:.0%} {'ok' if over <= OVERHEAD_TARGET else 'MISSED'}"
+            # Every block of "every 10" holds one save, so the median block is a fair, spike-proof
+            # figure on a shared machine; the total (first column) counts every spike.
+            target = f"≤{OVERHEAD_TARGET:.0%} {'ok' if block <= OVERHEAD_TARGET else 'MISSED'}"
         med = f"{statistics.median(stalls) * 1000:.1f} ms" if stalls else "-"
         top = f"{p99(stalls) * 1000:.1f} ms" if stalls else "-"
-        print(f"{key:28s} {over:+9.1%} {med:>13s} {top:>10s}  {target}")
+        print(f"{key:24s} {over:+9.1%} {block:+15.1%} {cpu:+12.1%} {len(stalls):6d} {med:>13s} {top:>10s}  {target}")
     for name, s in report.get("sigterm", {}).items():
         if "error" in s:
             print(f"SIGTERM ({name}): {s['error']}")

@@ -196,7 +196,9 @@ def read_runlog(
             except ObjectNotFound:
                 warnings.append(f"attempt {attempt}: chunk {key} was listed but is gone")
                 continue
-            except (ValueError, UnicodeDecodeError) as exc:  # pydantic's ValidationError is a ValueError
+            # pydantic's ValidationError is a ValueError; a line nested thousands deep is a
+            # RecursionError in json; a scalar of the wrong type a TypeError: all one bad chunk.
+            except (ValueError, UnicodeDecodeError, RecursionError, TypeError, OverflowError) as exc:
                 warnings.append(f"attempt {attempt}: unreadable chunk {key} skipped ({_short(exc)})")
                 continue
             read_chunks += 1
@@ -207,7 +209,8 @@ def read_runlog(
         if newest is None and entry["start"] is not None:
             try:
                 record = _parse_header(backend.read(entry["start"]).decode("utf-8"), entry["start"])
-            except (ObjectNotFound, ValueError, UnicodeDecodeError) as exc:
+            except (ObjectNotFound, ValueError, UnicodeDecodeError, RecursionError, TypeError,
+                    OverflowError) as exc:
                 warnings.append(f"attempt {attempt}: unreadable {entry['start']} ({_short(exc)})")
         rec = newest or record
         seqs = sorted(entry["chunks"])

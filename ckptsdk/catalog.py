@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Iterable, MutableMapping
+from collections.abc import Callable, Iterable, MutableMapping
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 from .backends.base import Backend, ObjectInfo
-from .errors import ManifestError, ObjectNotFound
+from .errors import BackendError, LeaseError, ManifestError, ObjectNotFound
 from .manifest import LineageRecord, Manifest, parse_lineage, parse_manifest
+
+if TYPE_CHECKING:
+    from .lease import LeaseRecord
 
 logger = logging.getLogger(__name__)
 
@@ -22,7 +26,6 @@ CKPT_PREFIX = "step-"
 MANIFEST = "manifest.json"
 TENSORS = "tensors.safetensors"
 LINEAGE_PREFIX = "lineage/"
-LEASE_KEY = "LEASE.json"
 
 _DIR_RE = re.compile(r"^step-(\d{10,})\.e(\d+)(?:\.([0-9a-f]{8}))?$")
 _LINEAGE_RE = re.compile(r"^lineage/epoch-(\d+)(?:\.([0-9a-f]{8}))?\.json$")
@@ -112,6 +115,10 @@ class Catalog:
     lineage: dict[Rank, LineageRecord]
     resume_points: dict[Rank, int | None]
     max_rank: Rank
+    #: lineage records not believed, and why (see ``_resume_points``)
+    ignored_lineage: dict[Rank, str] = field(default_factory=dict)
+    #: the highest epoch any name uses, believed or not: a new writer takes one above it
+    epoch_floor: int = 0
     lineage_mtimes: list[float] = field(default_factory=list, repr=False)
 
     @property
@@ -213,14 +220,14 @@ def scan(backend: Backend, *, cache: MutableMapping[tuple[str, str], object] | N
     lineage: dict[Rank, LineageRecord] = {}
     lineage_mtimes: list[float] = []
     max_rank: Rank = (0, "")
-    for obj in backend.list(LINEAGE_PREFIX):
+    lineage_objs = backend.list(LINEAGE_PREFIX)
+    for obj in lineage_objs:
         m = _LINEAGE_RE.match(obj.key)
         if not m:
             continue
         if obj.mtime is not None:
             lineage_mtimes.append(obj.mtime)
         rank = (int(m.group(1)), m.group(2) or "")
-        max_rank = max(max_rank, rank)
         record = memo.get((obj.key, obj.version))
         if record is None:
             raw = _read_json_object(backend, obj.key)
@@ -269,12 +276,20 @@ def scan(backend: Backend, *, cache: MutableMapping[tuple[str, str], object] | N
                 reason = _check_files(manifest, files, step, epoch)
         parsed.append((step, rank, folder, files, manifest, reason))
 
-    # Where each writer resumed from: its lineage record, else what its manifests say (on Drive
-    # the record may not have arrived yet while the manifests have).
-    resume_points: dict[Rank, int | None] = {r: rec.resumed_from_step for r, rec in lineage.items()}
-    for _step, rank, _folder, _files, manifest, _reason in parsed:
-        if manifest is not None and rank not in resume_points:
-            resume_points[rank] = manifest.writer.resumed_from_step
+    # The memo holds what a root holds now, not everything it ever held: a manager that saves
+    # every few seconds for days must not keep each deleted checkpoint's manifest alive.
+    if cache is not None:
+        listed = {(f"{folder}/{name}", obj.version) for folder, files in folders.items()
+                  for name, obj in files.items()}
+        listed |= {(obj.key, obj.version) for obj in lineage_objs}
+        for stale in [k for k in memo if k not in listed]:
+            del memo[stale]
+    resume_points, ignored = _resume_points(lineage, parsed, lambda: _read_lease(backend),
+                                            exclusive=backend.capabilities.compare_and_swap)
+    # Only believed records count as a newer writer: a stray record must not fence the live
+    # writer. Every record's epoch is used up, though: a new writer never takes it.
+    epoch_floor = max([max_rank[0], *(r[0] for r in lineage)])
+    max_rank = max([max_rank, *(r for r in lineage if r not in ignored)])
 
     checkpoints = []
     for step, rank, folder, files, manifest, reason in parsed:
@@ -303,8 +318,8 @@ def scan(backend: Backend, *, cache: MutableMapping[tuple[str, str], object] | N
                 anchor=manifest is not None and resume_points.get(rank) == step,
             )
         )
-    return Catalog(checkpoints=checkpoints, lineage=lineage, resume_points=resume_points,
-                   max_rank=max_rank, lineage_mtimes=lineage_mtimes)
+    return Catalog(checkpoints=checkpoints, lineage=lineage, resume_points=resume_points, max_rank=max_rank,
+                   ignored_lineage=ignored, epoch_floor=epoch_floor, lineage_mtimes=lineage_mtimes)
 
 
 def _name(rank: Rank) -> str:
@@ -317,7 +332,12 @@ def _check_files(manifest: Manifest, files: dict[str, ObjectInfo], step: int, ep
             f"manifest says step {manifest.step} epoch {manifest.writer.lease_epoch} but lives in "
             f"the folder of step {step} epoch {epoch}"
         )
+    from .tensorfile import ALGORITHMS  # late: the catalog itself needs no torch
+
     for entry in manifest.files:
+        if entry.algorithm not in ALGORITHMS:
+            return (f"{entry.name}: unknown digest algorithm {entry.algorithm!r} (this ckptsdk knows "
+                    f"{', '.join(ALGORITHMS)}); written by a newer ckptsdk? upgrade to read it")
         obj = files.get(entry.name)
         if obj is None:
             return f"torn: {entry.name} is missing"

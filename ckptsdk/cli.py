@@ -24,7 +24,6 @@ import json
 import logging
 import math
 import os
-import struct
 import sys
 import time
 from collections.abc import Sequence
@@ -55,8 +54,6 @@ EXIT_STORAGE = 3
 EXIT_CHECKPOINT = 4
 EXIT_INTERRUPTED = 130
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: what a shell reports for a Unix tool whose reader left
-
-_MAX_SAFETENSORS_HEADER = 100_000_000
 
 
 class _Failed(Exception):
@@ -195,25 +192,11 @@ def _status(info: Any) -> str:
 
 
 def _read_safetensors_header(backend: Any, key: str) -> list[dict[str, Any]]:
-    """Tensor name, dtype, shape and byte size from a safetensors file's header (one small read)."""
-    with backend.open(key) as f:
-        head = f.read(8)
-        if len(head) != 8:
-            raise CorruptCheckpointError(f"{backend.url}/{key}: too short to be a safetensors file", url=backend.url, key=key)
-        (n,) = struct.unpack("<Q", head)
-        if n > _MAX_SAFETENSORS_HEADER:
-            raise CorruptCheckpointError(f"{backend.url}/{key}: header length {n} is absurd", url=backend.url, key=key)
-        raw = f.read(n)
-    try:
-        header = json.loads(raw)
-    except ValueError as exc:
-        raise CorruptCheckpointError(f"{backend.url}/{key}: unreadable safetensors header ({exc})", url=backend.url, key=key) from exc
-    rows = []
-    for name, meta in header.items():
-        if name == "__metadata__":
-            continue
-        start, end = meta.get("data_offsets", [0, 0])
-        rows.append({"name": name, "dtype": meta.get("dtype"), "shape": list(meta.get("shape", [])), "bytes": end - start})
+    """Tensor name, dtype, shape and byte size from a tensor file's header (bounded, checked)."""
+    from .tensorfile import read_header  # the one header parser (torch: only when showing tensors)
+
+    rows = [{"name": e.name, "dtype": e.code, "shape": e.shape, "bytes": e.nbytes}
+            for e in read_header(backend, key)]
     return sorted(rows, key=lambda r: r["name"])
 
 
@@ -458,22 +441,31 @@ def cmd_lease(args: argparse.Namespace) -> int:
             "LeaseLostError at its next save); add --yes-i-am-sure to do it"
         )
     backend = _backend(args)
-    record = read_lease(backend)
+    unreadable = None
+    try:
+        record = read_lease(backend)
+    except LeaseError as exc:  # garbage, empty, a newer format: only --break can get past it
+        if not args.break_lease:
+            raise
+        record, unreadable = None, str(exc)
     broken = None
-    if args.break_lease and record is not None and not record.released:
+    if args.break_lease and (unreadable or (record is not None and not record.released)):
         if not backend.capabilities.immediately_consistent:
             sys.stderr.write("ckptsdk: breaking the lease; on this store the takeover waits a settle "
                              "time (about a minute) before it is confirmed\n")
-        lease = Lease(backend, force=True, run_id=record.run_id)
+        lease = Lease(backend, force=True, run_id=record.run_id if record is not None else None)
         lease.acquire()  # a new epoch: the old holder is fenced from its next renewal on
         lease.release()  # ...and the lease is left free for the next writer
-        broken = {"epoch": record.epoch, "holder": record.holder.model_dump(mode="json")}
+        broken = ({"epoch": record.epoch, "holder": record.holder.model_dump(mode="json")} if record
+                  else {"epoch": None, "holder": {"host": "?", "pid": None}, "unreadable": unreadable})
         record = read_lease(backend)
     doc = {"command": "lease", "url": args.url, "lease": _lease_doc(record) if record else None, "broken": broken}
     if args.json:
         _emit_json(doc)
         return EXIT_OK
-    if broken is not None:
+    if broken is not None and unreadable:
+        print(f"broke an unreadable lease ({unreadable}); the lease is free")
+    elif broken is not None:
         print(f"broke the lease of host {broken['holder']['host']!r} pid {broken['holder']['pid']} (epoch "
               f"{broken['epoch']}); it is fenced and the lease is free")
     elif args.break_lease:

@@ -48,6 +48,7 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "LEASE_KEY",
     "LEASE_FORMAT",
+    "MAX_TTL",
     "LeaseHolder",
     "LeaseRecord",
     "Lease",
@@ -60,6 +61,10 @@ LEASE_FORMAT = "ckptsdk.lease/1"
 
 DEFAULT_TTL = 60.0  # local disk, GCS: see the module docstring
 DRIVE_TTL = 300.0  # backends whose changes reach other hosts late (Drive)
+#: The longest ttl (and settle) a lease may have, ours or one read from LEASE.json: a newcomer
+#: waits up to five ttl windows, so this bounds every wait (an infinite ttl would be forever).
+MAX_TTL = 3600.0
+_PHANTOM_TRIES = 3  # rounds where LEASE.json cannot be read nor created before we give up
 _DRIVE_SETTLE_FRACTION = 0.2  # settle = ttl/5 on such backends
 _WAIT_TTLS = 5.0  # wait_timeout=None: give up after 5 ttl windows of a holder that keeps renewing
 _POLL_MIN, _POLL_MAX = 0.05, 5.0  # observation poll: ttl/10, clamped
@@ -95,8 +100,8 @@ class LeaseRecord(BaseModel):
     epoch: int = Field(ge=1)
     holder: LeaseHolder
     renewals: int = Field(ge=0)
-    ttl: float = Field(gt=0)
-    settle: float = Field(ge=0)
+    ttl: float = Field(gt=0, le=MAX_TTL)
+    settle: float = Field(ge=0, le=MAX_TTL)
     acquired_at: str
     renewed_at: str
     released: bool = False
@@ -130,16 +135,16 @@ def parse_lease(data: bytes, *, url: str = "") -> LeaseRecord:
     where = f"{url.rstrip('/')}/{LEASE_KEY}" if url else LEASE_KEY
     try:
         raw = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError too
         raise LeaseError(
-            f"{where} is not JSON ({exc}); if no writer is running, break it with force=True",
+            f"{where} is not JSON ({exc}); if no writer is running, break it with force=True or `ckptsdk lease URL --break --yes-i-am-sure`",
             url=url,
         ) from exc
     fmt = raw.get("format") if isinstance(raw, dict) else None
     if fmt != LEASE_FORMAT:
         raise LeaseError(
             f"{where} has format {fmt!r}, this ckptsdk reads {LEASE_FORMAT!r}: it was written by "
-            "another (newer?) version; upgrade ckptsdk, or break it with force=True",
+            "another (newer?) version; upgrade ckptsdk, or break it with force=True or `ckptsdk lease URL --break --yes-i-am-sure`",
             url=url,
         )
     try:
@@ -147,7 +152,7 @@ def parse_lease(data: bytes, *, url: str = "") -> LeaseRecord:
     except ValidationError as exc:
         raise LeaseError(
             f"{where} is not a valid lease record: {exc.errors()[0].get('msg')}; "
-            "if no writer is running, break it with force=True",
+            "if no writer is running, break it with force=True or `ckptsdk lease URL --break --yes-i-am-sure`",
             url=url,
         ) from exc
 
@@ -178,7 +183,7 @@ def _best_effort_epoch(data: bytes) -> int:
     """The ``epoch`` of an unreadable record if one can be found, else 0 (for force=True)."""
     try:
         value = json.loads(data).get("epoch")
-    except (ValueError, AttributeError):
+    except (ValueError, AttributeError, RecursionError):
         return 0
     return value if isinstance(value, int) and value > 0 else 0
 
@@ -222,12 +227,13 @@ class Lease:
         caps = backend.capabilities
         if ttl is None:
             ttl = DEFAULT_TTL if caps.immediately_consistent else DRIVE_TTL
-        if not ttl > 0:
-            raise ConfigError(f"lease ttl must be > 0 seconds, got {ttl!r}")
+        if not 0 < ttl <= MAX_TTL:  # also refuses nan and inf
+            raise ConfigError(f"lease ttl must be > 0 and <= {MAX_TTL:g} seconds, got {ttl!r}: "
+                              "a newcomer waits up to five ttl for a silent holder")
         if settle is None:
             settle = 0.0 if caps.immediately_consistent else ttl * _DRIVE_SETTLE_FRACTION
-        if settle < 0:
-            raise ConfigError(f"lease settle must be >= 0 seconds, got {settle!r}")
+        if not 0 <= settle <= MAX_TTL:
+            raise ConfigError(f"lease settle must be >= 0 and <= {MAX_TTL:g} seconds, got {settle!r}")
         if wait_timeout is not None and wait_timeout < 0:
             raise ConfigError(f"lease wait_timeout must be >= 0 seconds, got {wait_timeout!r}")
         self.backend = backend
@@ -382,6 +388,7 @@ class Lease:
         logged_at: float | None = None
         force_tries = 0
         last: LeaseRecord | None = None  # the latest record seen: a vanished one still counts
+        phantom = 0  # rounds in a row where LEASE.json was neither readable nor creatable
         # Each round sleeps on the injected clock, or returns, or raises, so the deadline bounds
         # the loop; the counter only guards a clock that does not move.
         for _ in range(1_000_000):
@@ -399,6 +406,14 @@ class Lease:
                     info = self.backend.create(LEASE_KEY, record.to_json())
                 except PreconditionFailed:
                     # Someone created it first, or our reply was lost: the next read tells.
+                    # Unless it never does: something that is no object (a folder, a FIFO)
+                    # holds the name, and no lease can ever be written there.
+                    phantom += 1
+                    if phantom >= _PHANTOM_TRIES:
+                        raise LeaseError(
+                            f"{self.url.rstrip('/')}/{LEASE_KEY} exists but is not a readable file "
+                            "(a folder, a FIFO or a broken link?): no lease can be written there. "
+                            "Remove it by hand, then retry", url=self.url) from None
                     self._sleep(_POLL_MIN)
                     continue
                 confirmed = self._confirm(record, info.version, previous=None)
@@ -406,6 +421,7 @@ class Lease:
                     return confirmed
                 continue
             data, version = snap
+            phantom = 0
             try:
                 seen = self._parse(data)
             except LeaseError:

@@ -196,7 +196,7 @@ class CheckpointManager:
         self.lease = Lease(self.backend, ttl=lease_ttl, force=force, run_id=run_id, wait_timeout=lease_wait,
                            settle=lease_settle, clock=clock, sleep=sleep)
         # Epochs never go back, even on a root whose LEASE.json was lost: names stay unique.
-        self.lease.acquire(min_epoch=self._scan().max_epoch + 1)
+        self.lease.acquire(min_epoch=self._scan().epoch_floor + 1)
         if heartbeat:
             self.lease.start_heartbeat()
         self.runlog = RunLog(
@@ -285,7 +285,9 @@ class CheckpointManager:
 
     def should_save(self, step: int) -> bool:
         """True every ``save_every`` steps (never at step 0), and at once after a stop signal."""
-        if getattr(self, "preempted", False):  # DistributedCheckpointManager borrows this rule, without signals
+        # getattr: ckptsdk.distributed's manager borrows this method without the signal machinery.
+        preemption = getattr(self, "_preemption", None)
+        if preemption is not None and preemption.requested:
             return True
         return bool(self.save_every) and step > 0 and step % self.save_every == 0  # type: ignore[operator]
 
@@ -413,13 +415,22 @@ class CheckpointManager:
             self.backend, f"{info.key}/{TENSORS}", size=entry.size, digest=entry.digest,
             algorithm=entry.algorithm,
         )
+        from .skeleton import tensor_paths
+
         try:
             tree = codec.decode(manifest.tree, tensors)
+            unused = set(tensors) - set(tensor_paths(manifest.tree))
+            if unused:  # the tree lost a leaf (a momentum buffer): never restore part of a state
+                raise ValueError(f"the tensor file holds {sorted(unused)[:3]} that the tree never uses")
         except (KeyError, ValueError, TypeError) as exc:
             raise CorruptCheckpointError(
                 f"checkpoint {self.url}/{info.key}: its manifest tree does not match its tensors "
                 f"({exc}); it cannot be restored", url=self.url, step=info.step, key=info.key,
             ) from exc
+        if isinstance(tree, Mapping) and isinstance(tree.get("rng"), Mapping):
+            from .state import _check_rng
+
+            _check_rng(tree["rng"])  # an impossible RNG state is damage: fall back, not fail later
         return tree, info
 
     def _pick(self, step: int | None, *, key: str | None = None) -> CheckpointInfo:

@@ -2,7 +2,8 @@
 
 A checkpoint's manifest.json (its commit marker) and the lineage records under lineage/. The
 ``format`` field is checked before anything else so that a newer major version gives a clear
-error. Storage and the state codec's internals do not belong here. Regenerate
+error, then the document's ``checksum`` (sha256 of its canonical JSON), so that no flipped byte
+is ever trusted. Storage and the state codec's internals do not belong here. Regenerate
 docs/manifest.schema.json with ``python -m ckptsdk.manifest --schema > docs/manifest.schema.json``.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import hashlib
 import json
 import logging
 import math
@@ -43,15 +45,19 @@ from .errors import ConfigError, ManifestError
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "FORMAT", "LINEAGE_FORMAT", "Environment", "FileEntry", "LineageRecord", "Manifest",
-    "Position", "Writer", "json_schema", "parse_lineage", "parse_manifest", "schema_text", "user_fields",
-    "utc_now",
+    "CHECKSUM_FIELD", "FORMAT", "LINEAGE_FORMAT", "Environment", "FileEntry", "LineageRecord", "Manifest",
+    "Position", "Writer", "json_schema", "parse_lineage", "parse_manifest", "schema_text", "seal",
+    "user_fields", "utc_now",
 ]
 
 #: What this code writes; it reads any ``/1.x`` (fields of a newer minor version are ignored).
-FORMAT = "ckptsdk.checkpoint/1"
-LINEAGE_FORMAT = "ckptsdk.lineage/1"
-_MAJOR, _MINOR = 1, 0
+#: 1.1 added the ``checksum`` field; a 1.0 document (written before it) is read with a warning.
+FORMAT = "ckptsdk.checkpoint/1.1"
+LINEAGE_FORMAT = "ckptsdk.lineage/1.1"
+_MAJOR, _MINOR = 1, 1
+#: The field holding ``"sha256:<hex>"`` of the document's canonical JSON without that field.
+CHECKSUM_FIELD = "checksum"
+_CHECKSUM_MINOR = 1  # the first minor version that always carries one
 _FORMAT_RE = re.compile(r"(?P<kind>[a-z0-9_.]+)/(?P<major>[0-9]+)(?:\.(?P<minor>[0-9]+))?")
 # Rules the JSON Schema states too, one home each (tests/test_manifest.py checks that the schema
 # and the parser agree): a relative file name without '.'/'..' components; a UTC time.
@@ -370,8 +376,12 @@ class Manifest(_Model):
                             f"(it has {[f.name for f in self.files]})", step=self.step)
 
     def to_json(self) -> bytes:
-        """The manifest as strict JSON (no NaN/Infinity tokens), UTF-8, ending in a newline."""
-        return _dumps(self.model_dump(mode="json"))
+        """The manifest as strict JSON (no NaN/Infinity tokens), UTF-8, ending in a newline.
+
+        Always written as the current format, with its checksum (a parsed older or newer
+        minor version is re-written as this one).
+        """
+        return seal({**self.model_dump(mode="json"), "format": FORMAT})
 
 
 class LineageRecord(_Model):
@@ -399,12 +409,58 @@ class LineageRecord(_Model):
         return _utc_iso(value)
 
     def to_json(self) -> bytes:
-        """The record as strict JSON, UTF-8, ending in a newline."""
-        return _dumps(self.model_dump(mode="json"))
+        """The record as strict JSON, UTF-8, ending in a newline, with its checksum."""
+        return seal({**self.model_dump(mode="json"), "format": LINEAGE_FORMAT})
 
 
 def _dumps(obj: Any) -> bytes:
     return (json.dumps(obj, allow_nan=False, separators=(",", ":")) + "\n").encode("utf-8")
+
+
+def _checksum(body: dict[str, Any]) -> str:
+    # Canonical form: sorted keys, no spaces, ASCII escapes, Python's shortest float repr. It is
+    # computed from the parsed value, so it does not depend on how the bytes were laid out, and
+    # json.loads/dumps round-trips every value a model dumps (ints of any size, floats exactly).
+    canonical = json.dumps(body, allow_nan=False, sort_keys=True, separators=(",", ":"),
+                           ensure_ascii=True)
+    return "sha256:" + hashlib.sha256(canonical.encode("ascii")).hexdigest()
+
+
+def seal(doc: dict[str, Any]) -> bytes:
+    """``doc`` as strict JSON with its ``checksum`` field (re)computed (for writers and tests).
+
+    Example:
+        >>> b'"checksum":"sha256:' in seal({"format": LINEAGE_FORMAT, "epoch": 1})
+        True
+    """
+    body = {k: v for k, v in doc.items() if k != CHECKSUM_FIELD}
+    return _dumps({**body, CHECKSUM_FIELD: _checksum(body)})
+
+
+def _check_checksum(obj: dict[str, Any], minor: int, expected: str, where: str) -> str | None:
+    """Pop and verify ``obj``'s checksum; return why it fails, or None."""
+    given = obj.pop(CHECKSUM_FIELD, None)
+    if minor < _CHECKSUM_MINOR:
+        if given is not None:
+            # A 1.0 writer never wrote one: the format field itself was altered (one bit turns
+            # "1.1" into "1.0"), so nothing in this document can be trusted.
+            return (f"it says format {obj.get('format')!r}, which has no checksum, but carries "
+                    "one: the document was altered")
+        logger.warning("%s is a %s document from before checksums (format %r): its content "
+                       "cannot be verified; re-save it with this ckptsdk", where.rstrip(": ") or
+                       "a document", expected, obj.get("format"))
+        return None
+    if given is None:
+        return f"no {CHECKSUM_FIELD!r} field, which every {expected}.{_CHECKSUM_MINOR}+ document has"
+    if not isinstance(given, str) or not given.startswith("sha256:"):
+        return f"{CHECKSUM_FIELD!r} is {given!r}, not 'sha256:<hex>'"
+    try:
+        actual = _checksum(obj)
+    except (ValueError, RecursionError) as exc:
+        return f"its content cannot be put in canonical form ({exc})"
+    if actual != given:
+        return f"its checksum is {given} but its content hashes to {actual}"
+    return None
 
 
 def _reject_constant(name: str) -> Any:
@@ -432,6 +488,12 @@ def _parse(data: Any, model: type[_Model], expected: str, key: str) -> Any:
         minor = _check_format(obj["format"], expected)  # first: newer majors may differ in all
     except ValueError as exc:
         raise ManifestError(f"{where}{exc}", key=key or None, step=step) from exc
+    # Second: nothing else in the document is looked at before its checksum holds.
+    problem = _check_checksum(obj, minor, expected, where)
+    if problem is not None:
+        raise ManifestError(f"{where}integrity check failed: {problem}. The file was damaged or "
+                            "edited; it is not used (restore falls back to an earlier checkpoint)",
+                            key=key or None, step=step)
     try:
         return model.model_validate(obj, strict=True, context={"lenient": minor > _MINOR})
     except ValidationError as exc:
@@ -476,11 +538,16 @@ def json_schema() -> dict[str, Any]:
     for name in ("Manifest", "LineageRecord"):  # the parser refuses a document without one
         model = top["$defs"][name]
         model["required"] = ["format", *[f for f in model.get("required", []) if f != "format"]]
+        # The checksum is not a model field (it is checked and removed before validation).
+        model["properties"][CHECKSUM_FIELD] = {
+            "type": "string", "pattern": "^sha256:[0-9a-f]{64}$",
+            "description": "sha256 of the document without this field, as JSON with sorted keys, "
+                           "no spaces, ASCII escapes (required from minor version 1 on)"}
     return {
         "$schema": "https://json-schema.org/draft/2020-12/schema",
         "title": top.pop("title"),
-        "description": "A checkpoint's manifest.json (format ckptsdk.checkpoint/1) or a lineage "
-                       "record (format ckptsdk.lineage/1). Generated by python -m ckptsdk.manifest "
+        "description": "A checkpoint's manifest.json (format ckptsdk.checkpoint/1.1) or a lineage "
+                       "record (format ckptsdk.lineage/1.1). Generated by python -m ckptsdk.manifest "
                        "--schema; see docs/FORMAT.md.",
         "oneOf": [{"$ref": "#/$defs/Manifest"}, {"$ref": "#/$defs/LineageRecord"}],
         **top,

@@ -156,11 +156,6 @@ class SavePipeline:
         """No more saves: let the worker thread end after the one in flight."""
         self._bg.stop()
 
-    def raise_background_failure(self) -> None:
-        """Re-raise a finished background save's failure (no wait for one in flight)."""
-        if not self._bg.busy:
-            self._bg.wait()
-
     def save(self, state: Any, *, step: int, position: Position, metrics: Mapping[str, Any] | None,
              tags: Mapping[str, str] | None, blocking: bool, snapshot: str = "pipelined",
              extra_files: Sequence[FileEntry] = ()) -> CheckpointInfo:

@@ -8,6 +8,7 @@ Nothing here knows about manifests, state trees or leases; pinned staging lives 
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import logging
 import math
@@ -26,7 +27,8 @@ from .errors import ConfigError, CorruptCheckpointError, ObjectNotFound
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DIGEST_ALGORITHM", "ALGORITHMS", "write_tensorfile", "read_tensorfile", "verify_file"]
+__all__ = ["DIGEST_ALGORITHM", "ALGORITHMS", "HeaderEntry", "write_tensorfile", "read_header", "read_tensorfile",
+           "verify_file"]
 
 #: The digest every new tensor file gets: a few percent of a disk write, where sha256 costs ~0.9x.
 DIGEST_ALGORITHM = "xxh3-128"
@@ -45,6 +47,10 @@ _MAX_CHUNK = 16 << 20
 # safetensors refuses headers larger than this; so do we (a torn length prefix must not make us
 # try to parse gigabytes as JSON).
 _MAX_HEADER = 100_000_000
+# Bounds on what a header may describe, whatever the file: torch's own limits on dimensions, and
+# sizes whose int64 arithmetic cannot overflow.
+_MAX_DIMS = 64
+_MAX_NBYTES = 1 << 62
 
 # safetensors dtype names, in the order safetensors' own writer sorts tensors (its Rust Dtype
 # enum, descending; then by name). Matching it makes our files byte-identical to theirs.
@@ -389,11 +395,15 @@ class _Entry:
 
 
 def _parse_header(backend: Backend, key: str, raw: bytes, data_len: int) -> list[_Entry]:
-    """The header's tensors in file order, checked to tile the data section exactly."""
+    """The header's tensors in file order, checked to tile the data section exactly.
+
+    ``data_len`` must be what the file really holds after the header: every check below is
+    against it, so nothing a header says can make a reader allocate more than the file's size.
+    """
     try:
         header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise _corrupt(backend, key, f"the header is not valid JSON ({exc})") from exc
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise _corrupt(backend, key, f"the header is not valid JSON ({str(exc)[:200]})") from exc
     if not isinstance(header, dict):
         raise _corrupt(backend, key, "the header is not a JSON object")
     header.pop("__metadata__", None)
@@ -403,10 +413,16 @@ def _parse_header(backend: Backend, key: str, raw: bytes, data_len: int) -> list
             dtype = _FROM_NAME[entry["dtype"]]
             shape = entry["shape"]
             begin, end = entry["data_offsets"]
+            if not isinstance(shape, list) or len(shape) > _MAX_DIMS:
+                raise ValueError(f"shape must be a list of at most {_MAX_DIMS} dimensions")
             if not all(type(v) is int and v >= 0 for v in [*shape, begin, end]):
                 raise ValueError("negative or non-integer shape/offset")
+            # Zero-element tensors allocate nothing but their sizes must not overflow torch's
+            # int64 size arithmetic either.
+            if math.prod(d for d in shape if d) * dtype.itemsize > _MAX_NBYTES:
+                raise ValueError("dimensions too large")
         except (KeyError, TypeError, ValueError) as exc:
-            raise _corrupt(backend, key, f"malformed header entry for {name!r}: {entry!r}") from exc
+            raise _corrupt(backend, key, f"malformed header entry for {name!r}: {str(entry)[:200]}") from exc
         nbytes = math.prod(shape) * dtype.itemsize
         if end - begin != nbytes or end > data_len:
             raise _corrupt(backend, key, f"tensor {name!r} spans bytes [{begin}, {end}) of {data_len}, "
@@ -464,6 +480,54 @@ def _read_entries(reader: _Reader, entries: list[_Entry]) -> dict[str, torch.Ten
     return out
 
 
+def _size_of(backend: Backend, key: str, f: Any) -> int:
+    """The size of the open object ``f`` as the storage has it (not as a manifest says)."""
+    try:
+        return os.fstat(f.fileno()).st_size
+    except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
+        pass
+    try:
+        end = f.seek(0, os.SEEK_END)
+        f.seek(0)
+        return int(end)
+    except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
+        return backend.stat(key).size
+
+
+class HeaderEntry:
+    """One tensor as a tensor file's header describes it (checked against the file's size)."""
+
+    __slots__ = ("name", "dtype", "code", "shape", "nbytes")
+
+    def __init__(self, name: str, dtype: torch.dtype, code: str, shape: list[int], nbytes: int) -> None:
+        self.name, self.dtype, self.code, self.shape, self.nbytes = name, dtype, code, shape, nbytes
+
+
+def read_header(backend: Backend, key: str) -> list[HeaderEntry]:
+    """The tensors a tensor file holds (name, dtype, shape, bytes), reading only its header.
+
+    The same checks as :func:`read_tensorfile` (header length and every entry bounded by the
+    file's real size, entries tiling the data exactly); the data is not read or hashed.
+
+    Raises:
+        CorruptCheckpointError: missing, too short, or a malformed or inconsistent header.
+        BackendError: the storage failed while reading.
+    """
+    with _open(backend, key) as f:
+        size = _size_of(backend, key, f)
+        head = f.read(8) if size >= 8 else b""
+        if len(head) != 8:
+            raise _corrupt(backend, key, f"only {size} bytes, shorter than the 8-byte header length")
+        (hlen,) = struct.unpack("<Q", head)
+        if hlen > min(_MAX_HEADER, size - 8):
+            raise _corrupt(backend, key, f"header length {hlen} exceeds the file ({size} bytes)")
+        raw = f.read(hlen)
+        if len(raw) != hlen:
+            raise _corrupt(backend, key, f"truncated header: {len(raw)} of {hlen} bytes")
+    entries = _parse_header(backend, key, raw, size - 8 - hlen)
+    return [HeaderEntry(e.name, e.dtype, _TO_NAME[e.dtype], list(e.shape), e.end - e.begin) for e in entries]
+
+
 def read_tensorfile(
     backend: Backend, key: str, *, size: int, digest: str, algorithm: str = DIGEST_ALGORITHM
 ) -> dict[str, torch.Tensor]:
@@ -493,6 +557,12 @@ def read_tensorfile(
     if type(size) is not int or size < 0:
         raise ConfigError(f"size for {key!r} must be a non-negative int, got {size!r}")
     with _open(backend, key) as f:
+        actual = _size_of(backend, key, f)
+        if actual != size:
+            # Before anything is read or allocated: the header is then bounded by a real size.
+            raise _corrupt(backend, key, f"truncated: {actual} bytes where the manifest says {size}"
+                           if actual < size else f"longer than the {size} bytes the manifest records "
+                           f"(it has {actual})")
         reader = _Reader(backend, key, f, size, digest, algorithm)
         try:
             if size < 8:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import random
@@ -23,6 +24,7 @@ from ckptsdk.errors import (
     NoValidCheckpointError,
     StateMismatchError,
 )
+from ckptsdk.manifest import seal
 from ckptsdk.testing import FaultyBackend
 
 
@@ -272,7 +274,7 @@ def test_orphan_written_after_takeover_is_never_restored(tmp_path):
     src, dst = tmp_path / "r" / checkpoint_dir(1, 1), tmp_path / "r" / checkpoint_dir(5, 1)
     dst.mkdir()
     (dst / TENSORS).write_bytes((src / TENSORS).read_bytes())
-    (dst / MANIFEST).write_text((src / MANIFEST).read_text().replace('"step":1', '"step":5', 1))
+    (dst / MANIFEST).write_bytes(seal({**json.loads((src / MANIFEST).read_text()), "step": 5}))
     with CheckpointManager(url, lease_ttl=5) as third:
         orphan = next(c for c in third.list() if c.key == checkpoint_dir(5, 1))
         assert orphan.orphan and not orphan.valid and "orphan" in orphan.reason

@@ -36,6 +36,7 @@ from ckptsdk.manifest import (
     parse_lineage,
     parse_manifest,
     schema_text,
+    seal,
 )
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
@@ -105,7 +106,7 @@ def _tweak(**changes):
             del node[last]
         else:
             node[last] = value
-    return json.dumps(doc).encode()
+    return seal(doc)  # a valid checksum, so each case reaches the check it is about
 
 
 BAD = {
@@ -155,7 +156,32 @@ def test_newer_minor_version_is_read_and_its_new_fields_ignored():
     data = _tweak(format="ckptsdk.checkpoint/1.3", shiny_new_field={"a": 1}, writer__gpu_count=8)
     manifest = parse_manifest(data)
     assert manifest.format == "ckptsdk.checkpoint/1.3" and manifest.writer.pid == 42
-    assert parse_manifest(_tweak(format="ckptsdk.checkpoint/1.0")).step == 5700
+    old = json.loads(_tweak(format="ckptsdk.checkpoint/1.0"))
+    del old["checksum"]  # 1.0 predates checksums: read, with a warning that it is unverified
+    assert parse_manifest(json.dumps(old).encode()).step == 5700
+
+
+def test_every_single_bit_flip_of_a_manifest_is_refused():
+    data = make_manifest().to_json()
+    for i in range(0, len(data) * 8, 3):  # every third bit: ~6k flips, each one refused
+        flipped = bytearray(data)
+        flipped[i // 8] ^= 1 << (i % 8)
+        with pytest.raises(ManifestError):
+            parse_manifest(bytes(flipped), key="k")
+
+
+def test_checksum_cases_are_explained():
+    doc = json.loads(make_manifest().to_json())
+    doc["writer"]["pid"] = 43  # an edit that keeps the old checksum
+    with pytest.raises(ManifestError, match="integrity check failed: its checksum is sha256:"):
+        parse_manifest(json.dumps(doc).encode(), key="k")
+    del doc["checksum"]
+    with pytest.raises(ManifestError, match="no 'checksum' field"):
+        parse_manifest(json.dumps(doc).encode(), key="k")
+    downgraded = json.loads(make_manifest().to_json())
+    downgraded["format"] = "ckptsdk.checkpoint/1.0"  # one bit: '1' -> '0'
+    with pytest.raises(ManifestError, match="has no checksum, but carries one"):
+        parse_manifest(json.dumps(downgraded).encode(), key="k")
 
 
 def test_lineage_record_round_trip_and_errors():
@@ -167,7 +193,8 @@ def test_lineage_record_round_trip_and_errors():
     assert fresh.resumed_from_step is None and fresh.pid > 0
     for bad, reason in [(b"{", "not valid JSON"), (make_manifest().to_json(), "not a ckptsdk.lineage document"),
                         (data.replace(b"lineage/1", b"lineage/2"), "newer ckptsdk"),
-                        (data.replace(b'"epoch":3', b'"epoch":"3"'), "epoch: Input should be a valid integer")]:
+                        (seal({**json.loads(data), "epoch": "3"}), "epoch: Input should be a valid integer"),
+                        (data.replace(b'"epoch":3', b'"epoch":4'), "integrity check failed")]:
         with pytest.raises(ManifestError, match=re.escape(reason)) as info:
             parse_lineage(bad, key="lineage/epoch-000003.json")
         assert info.value.key == "lineage/epoch-000003.json"

@@ -8,10 +8,12 @@ back into torchvision order). Fetching, caching and hashing belong to ``data.py`
 from __future__ import annotations
 
 import io
+import math
 import logging
 import os
 import pickle
 from collections.abc import Sequence
+from typing import Any
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -69,13 +71,36 @@ _ALLOWED = {
 }
 
 
-class _RestrictedUnpickler(pickle.Unpickler):
-    def __init__(self, file: io.BytesIO, *, where: str) -> None:
+def _bounded_nbytes(shape: Any, dtype: Any, limit: int, where: str) -> None:
+    """Refuse an array whose memory exceeds ``limit`` (the pickle's own size) before it exists."""
+    try:
+        dims = (shape,) if isinstance(shape, int) else tuple(shape)
+        itemsize = np.dtype(dtype).itemsize if not isinstance(dtype, bytes) else 1
+        nbytes = math.prod(int(d) for d in dims) * max(itemsize, 1)
+    except (TypeError, ValueError) as exc:
+        raise DataError(f"{where}: an array with shape {str(shape)[:60]} and dtype {str(dtype)[:60]} "
+                        f"is not something a batch file holds ({exc})") from exc
+    if any(int(d) < 0 for d in dims) or nbytes > limit:
+        raise DataError(f"{where}: the pickle declares an array of {nbytes} bytes in a file of "
+                        f"{limit}; a batch file holds its data, so it is corrupt or malicious "
+                        "(nothing was allocated)")
+
+
+class _RestrictedUnpickler(pickle._Unpickler):  # type: ignore[name-defined,misc]
+    # The pure-Python unpickler: the C one sizes its memo table from a pickle's index (a
+    # LONG_BINPUT of 2**32 - 1 makes it allocate tens of GB); this one keeps a dict. Every other
+    # structure a pickle can build costs bytes of the file, except the arrays, bounded below.
+    def __init__(self, file: io.BytesIO, *, where: str, limit: int) -> None:
         super().__init__(file, encoding="bytes")  # the real files are Python 2 pickles
         self.where = where
+        self.limit = limit
 
     def find_class(self, module: str, name: str) -> object:
         # Every callable a pickle can invoke (REDUCE, BUILD on a class, INST/OBJ) comes through here.
+        if (module, name) == ("numpy", "ndarray"):
+            return _ndarray_guard(self.limit, self.where)
+        if name == "_reconstruct" and (module, name) in _ALLOWED:
+            return _reconstruct_guard(self.limit, self.where)
         factory = _ALLOWED.get((module, name))
         if factory is None:
             raise UnsafePickleError(
@@ -90,16 +115,46 @@ class _RestrictedUnpickler(pickle.Unpickler):
         raise UnsafePickleError(f"{self.where}: persistent ids are not allowed in a batch file", where=self.where)
 
 
+class _NdarrayClass:
+    """Stands for ``numpy.ndarray`` in a pickle: as ``_reconstruct``'s argument, or called."""
+
+    def __init__(self, limit: int, where: str) -> None:
+        self.limit, self.where = limit, where
+
+    def __call__(self, shape: Any, dtype: Any = float, *args: Any, **kwargs: Any) -> np.ndarray:
+        _bounded_nbytes(shape, dtype, self.limit, self.where)
+        return np.ndarray(shape, dtype, *args, **kwargs)
+
+
+def _ndarray_guard(limit: int, where: str) -> _NdarrayClass:
+    return _NdarrayClass(limit, where)
+
+
+def _reconstruct_guard(limit: int, where: str) -> Any:
+    real = _numpy_reconstruct()
+
+    def reconstruct(subtype: Any, shape: Any, dtype: Any) -> np.ndarray:
+        if not isinstance(subtype, _NdarrayClass):
+            raise UnsafePickleError(f"{where}: _reconstruct of {str(subtype)[:60]}, not numpy.ndarray",
+                                    where=where, global_name="numpy.core.multiarray._reconstruct")
+        _bounded_nbytes(shape, dtype, limit, where)
+        return real(np.ndarray, shape, dtype)
+
+    return reconstruct
+
+
 def restricted_loads(data: bytes, *, where: str = "<bytes>") -> object:
     """Unpickle ``data`` admitting only numpy array reconstruction (ndarray, dtype, _reconstruct).
 
+    No array may need more memory than ``len(data)``: a batch file carries its rows.
+
     Raises:
         UnsafePickleError: the pickle references any other global; nothing is executed.
-        DataError: the bytes are not a valid pickle.
+        DataError: the bytes are not a valid pickle, or declare an array larger than the file.
     """
     try:
-        return _RestrictedUnpickler(io.BytesIO(data), where=where).load()
-    except UnsafePickleError:
+        return _RestrictedUnpickler(io.BytesIO(data), where=where, limit=len(data)).load()
+    except (UnsafePickleError, DataError):
         raise
     except Exception as exc:  # a malformed pickle can raise almost anything; none of it is our fault
         raise DataError(f"{where}: not a readable CIFAR batch pickle ({type(exc).__name__}: {exc})") from exc

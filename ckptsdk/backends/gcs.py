@@ -52,6 +52,11 @@ _MiB = 1 << 20
 # one of them is checked against what we wrote (see _upload).
 _RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
 _STREAM_OVER = 1 * _MiB  # request bodies bigger than this are streamed in slices of this size
+# Retry jitter from a generator of our own: a draw from the global ``random`` would move the
+# training job's Python RNG stream (a save must not draw from it: what restore brings back is
+# the state at save(), and a retry during training would change the run). Found by
+# tests/test_faults_gcs.py: restores after retried requests were not exact.
+_JITTER = random.Random()
 
 
 class _HTTPStatusError(OSError):
@@ -116,7 +121,12 @@ class GCSBackend:
     max_attempts = 4  # per request; backoff 0.5, 1, 2 s: a dead server is reported in ~4 s
     backoff_s = 0.5
     connect_timeout_s = 15.0
-    read_timeout_s = 120.0
+    read_timeout_s = 60.0  # no byte of a reply for this long: the server is stalled
+    # Every request, all its attempts together, ends within request_deadline_s plus the time
+    # its body takes at min_rate_bps: a frozen server (process stopped, socket open: the kernel
+    # still accepts connections and buffers a body) fails a call clearly instead of hanging it.
+    request_deadline_s = 120.0
+    min_rate_bps = 1 * _MiB
 
     def __init__(self, path: str, *, url: str | None = None, **storage_options: Any) -> None:
         path = str(path).strip("/")
@@ -162,7 +172,7 @@ class GCSBackend:
 
     async def _send_async(
         self, method: str, url: str, params: dict[str, str] | None, headers: dict[str, str] | None,
-        data: Any,
+        data: Any, total: float,
     ) -> tuple[int, dict[str, str], bytes]:
         session = await self._fs._set_session()
         if getattr(session, "_retry_connection", False):
@@ -176,8 +186,10 @@ class GCSBackend:
             view = memoryview(data).cast("B")
             headers = {**(headers or {}), "Content-Length": str(view.nbytes)}
             data = _aslices(view, _STREAM_OVER)
+        # sock_read alone never fires while *we* are sending (a frozen server stops reading, the
+        # socket buffer fills, the write waits forever): total bounds the whole exchange.
         timeout = aiohttp.ClientTimeout(
-            total=None, sock_connect=self.connect_timeout_s, sock_read=self.read_timeout_s
+            total=total, sock_connect=self.connect_timeout_s, sock_read=self.read_timeout_s
         )
         async with session.request(
             method, url, params=params, headers=self._fs._get_headers(headers), data=data,
@@ -197,12 +209,21 @@ class GCSBackend:
         attempts = attempts or self.max_attempts
         ambiguous = False
         last: BaseException | None = None
+        nbytes = len(memoryview(data).cast("B")) if isinstance(data, (bytes, bytearray, memoryview)) else 0
+        allowance = self.request_deadline_s + nbytes / self.min_rate_bps
+        deadline = time.monotonic() + allowance
+        tried = 0
         for attempt in range(attempts):
             if attempt:
-                time.sleep(self.backoff_s * 2 ** (attempt - 1) * (1 + 0.2 * random.random()))
+                pause = self.backoff_s * 2 ** (attempt - 1) * (1 + 0.2 * _JITTER.random())
+                time.sleep(max(0.0, min(pause, deadline - time.monotonic())))
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            tried += 1
             try:
                 status, rheaders, body = sync(
-                    self._fs.loop, self._send_async, method, url, params, headers, data
+                    self._fs.loop, self._send_async, method, url, params, headers, data, remaining
                 )
             except aiohttp.ClientConnectorError as exc:  # never reached the server: not applied
                 last = exc
@@ -221,11 +242,12 @@ class GCSBackend:
             # Never reached a server (DNS, refused): say what a first-time user is missing.
             raise BackendError(
                 f"cannot reach GCS at {self._fs._location} for {self.url} (key {key!r}): "
-                f"{getattr(last, 'os_error', None) or last} ({attempts} tries). {self._setup_hint()}",
+                f"{getattr(last, 'os_error', None) or last} ({tried} tries). {self._setup_hint()}",
                 url=self.url, key=key,
             ) from last
+        within = f" within its {allowance:.0f} s deadline" if tried < attempts else ""
         raise BackendError(
-            f"GCS request {method} for {self.url} (key {key!r}) failed {attempts} times, last: "
+            f"GCS request {method} for {self.url} (key {key!r}) failed {tried} times{within}, last: "
             f"{last!r}. Check the network and {self._fs._location}, then retry",
             url=self.url, key=key,
         ) from last

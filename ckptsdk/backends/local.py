@@ -44,6 +44,8 @@ _UNAVAILABLE_ERRNOS = frozenset({errno.ENOTCONN, errno.EIO, errno.ESTALE, errno.
 # durable as that filesystem makes it, which is all we can ask.
 _NO_DIR_FSYNC_ERRNOS = frozenset({errno.EINVAL, errno.ENOTSUP, errno.ENOSYS, errno.EBADF})
 _NOT_THERE = (FileNotFoundError, NotADirectoryError, IsADirectoryError)
+# A key that is a symlink loop (or a too-long chain of links) is no object either.
+_NOT_AN_OBJECT_ERRNOS = frozenset({errno.ENOENT, errno.ELOOP, errno.ENOTDIR})
 # A filesystem without flock (possible behind FUSE) answers with one of these.
 _NO_FLOCK_ERRNOS = frozenset({errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EINVAL, errno.ENOLCK})
 LOCK_TIMEOUT_S = 120.0
@@ -127,7 +129,7 @@ class LocalBackend:
         """Return the whole object at ``key`` (see :meth:`Backend.read`)."""
         path = self._path(key)
         with self._errors("read", key, missing=True):
-            with open(path, "rb") as f:
+            with self._open_regular(path) as f:
                 return f.read()
 
     def open(self, key: str) -> BinaryIO:
@@ -137,11 +139,24 @@ class LocalBackend:
         """
         path = self._path(key)
         with self._errors("open", key, missing=True):
-            f = open(path, "rb")
-            if not stat_mod.S_ISREG(os.fstat(f.fileno()).st_mode):
-                f.close()
-                raise IsADirectoryError(errno.EISDIR, "not a regular file", path)
-            return f
+            return self._open_regular(path)
+
+    @staticmethod
+    def _open_regular(path: str) -> BinaryIO:
+        """Open ``path`` for reading if it is a regular file; else "not there" (never blocks).
+
+        O_NONBLOCK: opening a FIFO for reading blocks until a writer appears (forever); with
+        it the open returns at once, and fstat tells what it is. Regular files ignore the flag.
+        """
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        try:
+            if not stat_mod.S_ISREG(os.fstat(fd).st_mode):
+                raise IsADirectoryError(errno.EISDIR, "not a regular file (a folder, FIFO, socket or device)", path)
+            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+            return open(fd, "rb")
+        except BaseException:
+            os.close(fd)
+            raise
 
     def stat(self, key: str) -> ObjectInfo:
         """Return the size and version of ``key``, or raise ``ObjectNotFound``."""
@@ -180,7 +195,13 @@ class LocalBackend:
                     continue
                 try:
                     st = entry.stat()
-                except FileNotFoundError:  # deleted while we listed: it is simply not there
+                except OSError as exc:
+                    # Deleted while we listed, or a link that leads nowhere (dangling, a loop):
+                    # not an object, like a FIFO or a folder. One bad entry must not fail the
+                    # listing of a whole root.
+                    if exc.errno not in _NOT_AN_OBJECT_ERRNOS:
+                        raise
+                    logger.debug("not listing %s under %s: %s", key, self.url, exc)
                     continue
                 if stat_mod.S_ISREG(st.st_mode):
                     out.append(ObjectInfo(key, st.st_size, version_of(st), st.st_mtime_ns / 1e9))
@@ -335,21 +356,28 @@ class LocalBackend:
                     raise self._translate(exc, op, key, missing=False) from exc
             except OSError as exc:
                 raise self._translate(exc, op, key, missing=False) from exc
+        f = open(fd, "wb")
         try:
-            with open(fd, "wb") as f:
-                # The caller's iterable may raise: that propagates unchanged (nothing published).
-                for chunk in iter_chunks(data):
-                    try:
-                        f.write(chunk)
-                    except OSError as exc:
-                        raise self._translate(exc, op, key, missing=False) from exc
+            # The caller's iterable may raise: that propagates unchanged (nothing published).
+            for chunk in iter_chunks(data):
                 try:
-                    f.flush()
-                    os.fsync(f.fileno())
-                    self._stamp(f.fileno())
+                    f.write(chunk)
                 except OSError as exc:
                     raise self._translate(exc, op, key, missing=False) from exc
+            try:
+                f.flush()
+                os.fsync(f.fileno())
+                self._stamp(f.fileno())
+                f.close()
+            except OSError as exc:
+                raise self._translate(exc, op, key, missing=False) from exc
         except BaseException:
+            # After a failed write (a full disk) the buffer still holds bytes: close() retries
+            # the flush and raises ENOSPC again, raw. The descriptor is closed either way.
+            try:
+                f.close()
+            except OSError:
+                pass
             self._discard(tmp)
             raise
         return tmp
@@ -567,7 +595,7 @@ class LocalBackend:
                 self._check_root()
             except StorageUnavailable as root_exc:
                 return root_exc
-        if missing and isinstance(exc, _NOT_THERE):
+        if missing and (isinstance(exc, _NOT_THERE) or exc.errno == errno.ELOOP):
             return ObjectNotFound(f"no object {key!r} under {self.url}", url=self.url, key=key)
         if isinstance(exc, PermissionError) and not os.access(
             self.root if os.path.exists(self.root) else os.path.dirname(self.root),

@@ -159,7 +159,10 @@ class DistributedCheckpointManager:
                 self._core = CheckpointManager(
                     self.backend, keep_last=keep_last, keep_every=keep_every, save_every=save_every,
                     lease_ttl=lease_ttl, lease_wait=lease_wait, force=force, run_id=run_id,
-                    heartbeat=heartbeat)
+                    heartbeat=heartbeat,
+                    # Rank 0 alone would catch the signal and the other ranks would never join
+                    # its last save: signals keep their default behaviour in distributed jobs.
+                    save_on_signal=False)
             except CkptError as exc:
                 outcome, error = _describe(exc), exc
         self._agree(outcome, error)
