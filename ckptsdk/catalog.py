@@ -322,6 +322,97 @@ def scan(backend: Backend, *, cache: MutableMapping[tuple[str, str], object] | N
                    ignored_lineage=ignored, epoch_floor=epoch_floor, lineage_mtimes=lineage_mtimes)
 
 
+_TOLD: set[tuple[Rank, str]] = set()
+
+
+def _read_lease(backend: Backend) -> LeaseRecord | None:
+    from .lease import LEASE_KEY, parse_lease  # late: lease.py imports this module
+
+    try:
+        return parse_lease(backend.read(LEASE_KEY), url=backend.url)
+    except (ObjectNotFound, LeaseError, BackendError):
+        return None  # no lease, or one nobody can vouch for: it corroborates nothing
+
+
+def _resume_points(
+    lineage: dict[Rank, LineageRecord], parsed: list[tuple[int, Rank, str, dict[str, ObjectInfo], Manifest | None, str | None]],
+    lease: Callable[[], LeaseRecord | None], *, exclusive: bool,
+) -> tuple[dict[Rank, int | None], dict[Rank, str]]:
+    """Where each writer resumed from, and the lineage records that are not believed (and why).
+
+    A writer's manifests say where it resumed from; its lineage record says it first (on Drive
+    the record may arrive before or after the manifests). When both exist and differ, the
+    manifests win: each one is what the writer used for a commit. A record is what turns a
+    lower-ranked writer's checkpoints into orphans, so one record alone must not be able to erase
+    a run's progress. A record that would orphan committed checkpoints is believed only when its
+    writer left a checkpoint folder (a takeover re-commits its resume point at once), or when
+    LEASE.json names its writer (same epoch, attempt, run, host and pid: the writer holds the
+    lease or released it last). Where the lease is only advisory (Drive: a zombie's late write
+    can put an older record back), an epoch one above everything seen is believed too. Anything
+    else (``epoch-000999`` next to a lease at epoch 2) is ignored, loudly. The price: a takeover
+    that crashed before its first save, taken over in turn, no longer hides the checkpoints its
+    zombie predecessor committed meanwhile; those are real states of the run, and restorable.
+    """
+    lease_seen: list[LeaseRecord | None] = []
+
+    def vouched(rank: Rank, record: LineageRecord) -> bool:
+        """Whether the lease vouches for ``record`` (read LEASE.json only when asked: rarely)."""
+        if not lease_seen:
+            lease_seen.append(lease())
+        held = lease_seen[0]
+        if held is not None and (held.epoch, held.attempt, held.run_id, held.holder.host, held.holder.pid) == (
+                record.epoch, record.attempt, record.run_id, record.host, record.pid) and rank[1] in (
+                "", held.holder.nonce[:8]):
+            return True  # its writer holds (or last held) the lease
+        # Where a zombie's late write can put an older lease back (Drive), the lease cannot
+        # vouch; an epoch one above everything seen is then plausible, and believed.
+        known = max([held.epoch if held is not None else 0, *(r[0] for r in used)])
+        return not exclusive and rank[0] <= known + 1
+
+    from_manifests: dict[Rank, set[int | None]] = {}
+    for _step, rank, _folder, _files, manifest, _reason in parsed:
+        if manifest is not None:
+            from_manifests.setdefault(rank, set()).add(manifest.writer.resumed_from_step)
+    used = {rank for _step, rank, _folder, _files, _manifest, _reason in parsed}
+    committed = [(step, rank) for step, rank, _folder, files, _manifest, _reason in parsed if MANIFEST in files]
+    points: dict[Rank, int | None] = {}
+    ignored: dict[Rank, str] = {}
+    for rank, record in sorted(lineage.items()):
+        point = record.resumed_from_step
+        said = from_manifests.get(rank)
+        if said is not None and said != {point}:
+            logger.warning(
+                "lineage record of %s says it resumed from %s but its checkpoints say %s; "
+                "believing the checkpoints", _name(rank), _where(point), " / ".join(map(_where, said)))
+            continue  # taken from the manifests below
+        if rank in used:
+            points[rank] = point
+            continue
+        erased = sorted({s for s, r in committed if r < rank and (point is None or s > point)})
+        if not erased or vouched(rank, record):
+            points[rank] = point  # harmless (it orphans nothing committed), or its writer is known
+            continue
+        why = (f"it says {_name(rank)} took over from {_where(point)}, which would discard committed "
+               f"step(s) {erased[:5]}{' ...' if len(erased) > 5 else ''}, but no writer of {_name(rank)} "
+               "wrote any checkpoint and LEASE.json does not name it; a stray or forged record cannot "
+               "erase a run's progress")
+        ignored[rank] = why
+        if (rank, why) in _TOLD:
+            continue  # every scan would say it again (a save scans): once per process is loud enough
+        _TOLD.add((rank, why))
+        logger.warning("ignoring lineage record %s: %s. Remove it if no such writer exists", lineage_key(*rank), why)
+    for rank, said in from_manifests.items():
+        if rank not in points and len(said) == 1:
+            points[rank] = next(iter(said))
+        elif rank not in points:  # its own manifests disagree: take the most conservative point
+            points[rank] = max((p for p in said if p is not None), default=None)
+    return points, ignored
+
+
+def _where(point: int | None) -> str:
+    return "a fresh start" if point is None else f"step {point}"
+
+
 def _name(rank: Rank) -> str:
     return f"epoch {rank[0]}" + (f" (writer {rank[1]})" if rank[1] else "")
 

@@ -363,18 +363,15 @@ class CheckpointManager:
         )
 
     def _anchor_needed(self) -> bool:
-        """Whether the resume point needs a re-commit under this writer's rank.
-
-        Not after a clean handover on a store with compare-and-swap: the released lease we
-        replaced was the latest state of the root, so no zombie can delete the resume point and
-        no unseen writer's lineage can orphan it. Elsewhere it is needed: after an unclean end
-        the previous writer may still be rotating; and on Drive, even after a clean one, another
-        VM's writer that took over in between may not be visible yet, and its lineage record,
-        arriving late, would turn the resume point into an orphan (the lineage property test
-        finds that schedule).
-        """
-        assert self.lease is not None
-        return not (self.lease.clean_handover and self.backend.capabilities.compare_and_swap)
+        """Whether the resume point needs a re-commit under this writer's rank: after every
+        takeover. After an unclean end the previous writer may still be rotating; on Drive
+        another VM's takeover may not be visible yet (its late lineage record would orphan the
+        resume point: the lineage property test finds that schedule); and the catalog believes
+        a lineage record that would orphan checkpoints only when its writer left a checkpoint
+        folder (or holds the lease), which the anchor is. It is cheap where the store allows (a
+        hard link, a server-side copy) and replaces the copies it re-committed at this writer's
+        next save (see ``Rotation.drop_copies``)."""
+        return True
 
     def _read_newest(self) -> tuple[Any, CheckpointInfo]:
         cat = self._scan()

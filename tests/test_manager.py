@@ -177,8 +177,8 @@ def test_resumed_from_survives_until_a_newer_one_is_committed(tmp_path):
     with CheckpointManager(url, keep_last=1, lease_ttl=5) as mgr:
         assert mgr.restore(state).step == 3
         mgr.wait()
-        # e1 released cleanly: no anchor (no copy) is written; e1's step 3 is protected instead
-        assert {(c.step, c.epoch) for c in mgr.list()} == {(3, 1)}
+        # the takeover re-committed step 3 under epoch 2 (the anchor, a hard link); one row per step
+        assert {(c.step, c.epoch) for c in mgr.list()} == {(3, 2)}
         mgr.save(state, step=4)
         assert [(c.step, c.epoch) for c in mgr.list()] == [(4, 2)]
 
