@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from ckptsdk import CheckpointManager
-from ckptsdk.catalog import LEASE_KEY
+from ckptsdk.lease import LEASE_KEY
 from ckptsdk.preemption import Preemption
 
 REPO = Path(__file__).resolve().parents[1]
