@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Callable, MutableMapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, MutableMapping
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from .backends.base import Backend, ObjectInfo
@@ -51,6 +51,12 @@ def checkpoint_dir(step: int, epoch: int, tag: str = "") -> str:
     return f"step-{step:010d}.e{epoch}" + (f".{tag}" if tag else "")
 
 
+def folder_rank(key: str) -> tuple[int, Rank] | None:
+    """(step, writer rank) of the checkpoint folder ``key`` lies in, or None if it is not in one."""
+    m = _DIR_RE.match(key.partition("/")[0])
+    return None if m is None else (int(m.group(1)), (int(m.group(2)), m.group(3) or ""))
+
+
 def lineage_key(epoch: int, tag: str = "") -> str:
     """Where the takeover record of the writer (``epoch``, ``tag``) lives."""
     return f"lineage/epoch-{epoch:06d}" + (f".{tag}" if tag else "") + ".json"
@@ -71,6 +77,10 @@ class CheckpointInfo:
         reason: why it is not valid, or ``None``.
         orphan: written by a superseded writer past the point a newer epoch resumed from.
         manifest: the parsed manifest, when it could be read.
+        tag: the writer's tag (the nonce prefix in the folder name on Drive; "" elsewhere).
+        mtime: the store's time of the folder's newest object (see ``ObjectInfo.mtime``).
+        anchor: the writer re-committed the checkpoint it resumed from under its own name.
+        copies: the other folders of the same step (set only on :meth:`Catalog.rows`' rows).
     """
 
     step: int
@@ -83,6 +93,9 @@ class CheckpointInfo:
     orphan: bool = False
     manifest: Manifest | None = field(default=None, repr=False, compare=False)
     tag: str = ""
+    mtime: float | None = field(default=None, compare=False)
+    anchor: bool = False
+    copies: tuple[str, ...] = ()
 
     @property
     def attempt(self) -> int | None:
@@ -106,6 +119,7 @@ class Catalog:
     ignored_lineage: dict[Rank, str] = field(default_factory=dict)
     #: the highest epoch any name uses, believed or not: a new writer takes one above it
     epoch_floor: int = 0
+    lineage_mtimes: list[float] = field(default_factory=list, repr=False)
 
     @property
     def max_epoch(self) -> int:
@@ -115,6 +129,66 @@ class Catalog:
         """Valid checkpoints, newest first (higher step, then higher writer rank)."""
         good = [c for c in self.checkpoints if c.valid]
         return sorted(good, key=lambda c: (c.step, c.rank), reverse=True)
+
+    def rows(self) -> list[CheckpointInfo]:
+        """One row per step, oldest first: the highest writer's valid folder of that step (else
+        the highest writer's folder), with the other folders of the step in ``copies``.
+
+        A takeover's anchor and the checkpoint it copies are one step, and ``keep_last`` counts
+        steps, so a listing shows each step once."""
+        by_step: dict[int, list[CheckpointInfo]] = {}
+        for c in self.checkpoints:
+            by_step.setdefault(c.step, []).append(c)
+        out = []
+        for step in sorted(by_step):
+            folders = sorted(by_step[step], key=lambda c: (c.valid, c.rank), reverse=True)
+            best = folders[0]
+            out.append(replace(best, copies=tuple(c.key for c in folders[1:])))
+        return out
+
+    def store_now(self) -> float | None:
+        """The newest object time listed: the store's own "now", as near as a listing tells.
+
+        Ages of leftovers are measured against this, never against this machine's clock, so a
+        drifting VM clock cannot make a fresh upload look old. It lags the true time when
+        nothing was written lately, which only makes leftovers look younger (kept longer)."""
+        times = [c.mtime for c in self.checkpoints if c.mtime is not None] + self.lineage_mtimes
+        return max(times, default=None)
+
+    def leftovers(
+        self, *, rank: Rank | None, grace: float, exclusive: bool, now: float | None = None,
+        busy: Iterable[str] = (),
+    ) -> list[tuple[CheckpointInfo, str]]:
+        """Uncommitted folders that can never commit and may go now, each with why.
+
+        A folder without a manifest can never commit when its writer is superseded (a lower
+        rank than the live writer ``rank``) or is the live writer itself with no save of that
+        folder in flight (``busy``): an earlier save of this writer that failed. The live
+        writer's own may go at once (only it writes its names, from this machine). A lower
+        writer's may go at once when ``exclusive`` (the caller holds a compare-and-swap lease:
+        that writer's commit would fail its own renewal); otherwise only once the folder's
+        newest object is ``grace`` seconds older than ``now`` (store time; default
+        :meth:`store_now`), because on Drive another VM's upload of it may still be in flight.
+        ``rank=None`` (gc without the lease): every uncommitted folder, after the grace only.
+        A higher writer's folder is never returned.
+        """
+        now = self.store_now() if now is None else now
+        busy = set(busy)
+        out = []
+        for c in self.checkpoints:
+            if c.committed or c.key in busy:
+                continue
+            if rank is not None and c.rank > rank:
+                continue
+            age = None if now is None or c.mtime is None else max(0.0, now - c.mtime)
+            if rank is not None and c.rank == rank:
+                out.append((c, "uncommitted: this writer's own failed save"))
+            elif exclusive and rank is not None:
+                out.append((c, "uncommitted: a superseded writer's save that can never commit"))
+            elif age is not None and age >= grace:
+                who = "a superseded writer's" if rank is not None else "a save"
+                out.append((c, f"uncommitted: {who} folder, silent for {age:.0f} s (grace {grace:.0f} s)"))
+        return out
 
     def find(self, step: int) -> list[CheckpointInfo]:
         """Every checkpoint folder of ``step`` (several writers may have written it), newest writer first."""
@@ -144,12 +218,15 @@ def scan(backend: Backend, *, cache: MutableMapping[tuple[str, str], object] | N
             folders.setdefault(folder, {})[name] = obj
 
     lineage: dict[Rank, LineageRecord] = {}
+    lineage_mtimes: list[float] = []
     max_rank: Rank = (0, "")
     lineage_objs = backend.list(LINEAGE_PREFIX)
     for obj in lineage_objs:
         m = _LINEAGE_RE.match(obj.key)
         if not m:
             continue
+        if obj.mtime is not None:
+            lineage_mtimes.append(obj.mtime)
         rank = (int(m.group(1)), m.group(2) or "")
         cached = memo.get((obj.key, obj.version))
         record = cached if isinstance(cached, LineageRecord) else None
@@ -238,10 +315,12 @@ def scan(backend: Backend, *, cache: MutableMapping[tuple[str, str], object] | N
                 reason=reason,
                 orphan=orphan,
                 manifest=manifest,
+                mtime=max((o.mtime for o in files.values() if o.mtime is not None), default=None),
+                anchor=manifest is not None and resume_points.get(rank) == step,
             )
         )
     return Catalog(checkpoints=checkpoints, lineage=lineage, resume_points=resume_points, max_rank=max_rank,
-                   ignored_lineage=ignored, epoch_floor=epoch_floor)
+                   ignored_lineage=ignored, epoch_floor=epoch_floor, lineage_mtimes=lineage_mtimes)
 
 
 _TOLD: set[tuple[Rank, str]] = set()

@@ -1,9 +1,10 @@
 """The ``ckptsdk`` command: inspect, verify, audit and tidy a checkpoint root from a shell.
 
-``ckptsdk {ls,show,verify,audit,lease,gc} URL``, ``ckptsdk import FILE.pt URL`` and
-``ckptsdk export URL[@STEP] OUT.safetensors`` (their logic is in legacy_import.py and export.py); each prints a
-human table, or one JSON document on stdout with ``--json``. Read-only commands never take the writer lease. This
-module only parses arguments, calls the library and formats what it returns; checkpoint logic belongs elsewhere.
+``ckptsdk {ls,show,verify,audit,lease,gc,du} URL``, ``ckptsdk import FILE.pt URL`` and
+``ckptsdk export URL[@STEP] OUT.safetensors`` (their logic is in legacy_import.py and export.py; du's
+in usage.py); each prints a human table, or one JSON document on stdout with ``--json``. Read-only
+commands never take the writer lease. This module only parses arguments, calls the library and
+formats what it returns; checkpoint logic belongs elsewhere.
 
 Exit codes:
     0  success (for ``audit`` without ``--strict``: whatever the verdict)
@@ -171,6 +172,8 @@ def _info_dict(info: Any) -> dict[str, Any]:
         "committed": getattr(info, "committed", m is not None),
         "valid": info.valid,
         "orphan": getattr(info, "orphan", False),
+        "anchor": getattr(info, "anchor", False),
+        "copies": list(getattr(info, "copies", ())),
         "reason": info.reason,
         "created_at": getattr(m, "created_at", None) and str(m.created_at),
         "metrics": dict(getattr(m, "metrics", {}) or {}),
@@ -179,7 +182,12 @@ def _info_dict(info: Any) -> dict[str, Any]:
 
 def _status(info: Any) -> str:
     if info.valid:
-        return "sizes ok"  # what the listing checked; only `verify` re-hashes the bytes
+        # What the listing checked (only `verify` re-hashes the bytes); an anchor is a takeover's
+        # re-commit of its resume point; copies: the other folders of the step.
+        extra = [x for x in ("anchor" if getattr(info, "anchor", False) else "",
+                             f"+{len(info.copies)} cop{'y' if len(info.copies) == 1 else 'ies'}"
+                             if getattr(info, "copies", ()) else "") if x]
+        return "sizes ok" + (f" ({', '.join(extra)})" if extra else "")
     return info.reason or "invalid"
 
 
@@ -229,8 +237,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
     ]
     print(_table(table, ["STEP", "EPOCH", "SIZE", "WRITER", "CREATED", "STATUS"]))
     valid = sum(1 for r in rows if r["valid"])
-    print(f"\n{len(rows)} checkpoint folders under {args.url}, {valid} restorable by their manifest "
-          "and file sizes (WRITER: lease epoch/attempt); `ckptsdk verify URL --all` re-hashes the bytes")
+    print(f"\n{len(rows)} steps under {args.url} (one row per step, the highest writer's), {valid} "
+          "restorable by their manifest and file sizes (WRITER: lease epoch/attempt); "
+          "`ckptsdk verify URL --all` re-hashes the bytes")
     return EXIT_OK
 
 
@@ -493,15 +502,32 @@ def cmd_gc(args: argparse.Namespace) -> int:
     report = mgr.gc(**kwargs)
     deleted = list(report.deleted)
     reasons = dict(getattr(report, "reasons", {}) or {})
+    sizes, trash = dict(getattr(report, "sizes", {}) or {}), getattr(report, "trash_bytes", None)
     if args.json:
-        _emit_json({"command": "gc", "url": args.url, "dry_run": args.dry_run, "deleted": deleted, "reasons": reasons})
+        _emit_json({"command": "gc", "url": args.url, "dry_run": args.dry_run, "deleted": deleted, "reasons": reasons,
+                    "sizes": sizes, "trash_bytes": trash})
         return EXIT_OK
     verb = "would delete" if args.dry_run else "deleted"
     if not deleted:
         print(f"nothing to delete under {args.url}")
         return EXIT_OK
-    print(_table([[k, reasons.get(k, "")] for k in deleted], ["KEY", "WHY"]))
+    print(_table([[k, _human_size(sizes.get(k)), reasons.get(k, "")] for k in deleted], ["KEY", "SIZE", "WHY"]))
     print(f"\n{verb} {len(deleted)} item(s) under {args.url}" + (" (dry run: nothing deleted)" if args.dry_run else ""))
+    if trash is not None:
+        from . import usage
+
+        print(usage.trash_note(trash, _backend(args)))
+    return EXIT_OK
+
+
+def cmd_du(args: argparse.Namespace) -> int:
+    from . import usage
+
+    u = usage.usage(_backend(args))
+    if args.json:
+        _emit_json({"command": "du", "url": args.url, **usage.as_dict(u)})
+    else:
+        print(usage.render(u, args.url))
     return EXIT_OK
 
 
@@ -553,6 +579,8 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("--dry-run", action="store_true", help="only print what would be deleted")
     sp.add_argument("--grace", type=float, help="seconds a crashed write's leftovers must be old to go")
     sp.set_defaults(fn=cmd_gc)
+    add("du", "bytes held: committed, anchor, duplicate, uncommitted, orphaned; Drive trash estimate").set_defaults(
+        fn=cmd_du)
     _add_porting_commands(sub)
     return p
 

@@ -257,6 +257,7 @@ class Lease:
         self._newer_epoch: int | None = None
         self._newer_holder: dict[str, Any] | None = None
         self._released = False
+        self._previous: LeaseRecord | None = None
         self._hb_stop = threading.Event()
         self._hb_thread: threading.Thread | None = None
 
@@ -265,6 +266,16 @@ class Lease:
     def record(self) -> LeaseRecord | None:
         """Our last written record (None before ``acquire``)."""
         return self._record
+
+    @property
+    def clean_handover(self) -> bool:
+        """Whether ``acquire`` took over a lease its holder had released (``close()``d).
+
+        False after a takeover of a silent or broken lease, and where no record was found (a fresh
+        root, or a lost ``LEASE.json``): then a previous writer may still be alive somewhere (a
+        zombie VM), and whatever this writer resumes from needs protecting from its deletes.
+        """
+        return self._previous is not None and self._previous.released
 
     @property
     def epoch(self) -> int:
@@ -566,6 +577,7 @@ class Lease:
                 return None
             record, version = back, snap[1]
         self._adopt(record, version)
+        self._previous = previous
         logger.info("acquired the lease on %s: epoch %d, attempt %d, run %s%s",
                     self.url, record.epoch, record.attempt, record.run_id,
                     f" (previous: {previous.describe()})" if previous is not None else "")

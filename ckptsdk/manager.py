@@ -36,7 +36,7 @@ from .errors import (
 from .lease import Lease
 from .manifest import FileEntry, Manifest, Position, user_fields
 from .preemption import DEFAULT_DEADLINE, Preemption
-from .rotation import GcReport, Rotation
+from .rotation import LEFTOVER_GRACE_S, RETENTION_MODES, GcReport, Rotation
 from .runlog import RunLog
 from .saving import SavePipeline
 from .state import preflight
@@ -110,6 +110,14 @@ class CheckpointManager:
         heartbeat: renew the lease from a background thread every ttl/3 (off only in
             simulations that drive time themselves; then every save still renews).
         clock, sleep: the lease's monotonic clock and sleep, injectable for simulations.
+        retention_mode: ``"delete"`` rotated-out checkpoints, or ``"recycle"`` the oldest one's
+            file for the next save (renamed and rewritten in place, so nothing full-size goes to
+            Drive's trash; see docs/DRIVE.md). None: ``"recycle"`` where the store has a trash
+            and can rewrite in place (Drive), else ``"delete"``.
+        leftover_grace: seconds an uncommitted folder of an earlier writer must have been
+            silent, by the store's own times, before it is removed where the store has no
+            compare-and-swap (Drive: another VM may still be uploading it). Elsewhere such
+            folders go at once.
 
     Example:
         >>> mgr = CheckpointManager("memory://doc", keep_last=2, save_every=10, lease_ttl=5)
@@ -142,6 +150,8 @@ class CheckpointManager:
         heartbeat: bool = True,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
+        retention_mode: str | None = None,
+        leftover_grace: float = LEFTOVER_GRACE_S,
     ) -> None:
         if keep_last < 1:
             raise ConfigError(f"keep_last must be >= 1, got {keep_last}: the newest checkpoint is always kept")
@@ -169,7 +179,13 @@ class CheckpointManager:
         self._memo: dict[tuple[str, str], object] = {}
         self._lock = threading.RLock()
         self._closed = False
-        self._rotation = Rotation(self.backend, keep_last=keep_last, keep_every=keep_every)
+        if retention_mode is None:
+            caps = self._backend.capabilities
+            retention_mode = "recycle" if caps.trash_on_delete and caps.rewrite_in_place else "delete"
+        if retention_mode not in RETENTION_MODES:
+            raise ConfigError(f"retention_mode must be one of {RETENTION_MODES}, got {retention_mode!r}")
+        self._rotation = Rotation(self.backend, keep_last=keep_last, keep_every=keep_every,
+                                  mode=retention_mode, leftover_grace=leftover_grace)
         self._saving: SavePipeline | None = None
         self.resumed_from: CheckpointInfo | None = None
         self.restored_manifest: Manifest | None = None
@@ -218,8 +234,9 @@ class CheckpointManager:
     # ------------------------------------------------------------------ reading
 
     def list(self) -> list[CheckpointInfo]:
-        """Every checkpoint folder under the root (valid or not, with why), oldest first."""
-        return self._scan().checkpoints
+        """One row per step, oldest first (valid or not, with why): the highest writer's folder
+        of the step, its other folders in ``copies``, a takeover's re-commit marked ``anchor``."""
+        return self._scan().rows()
 
     def latest(self) -> CheckpointInfo | None:
         """The newest restorable checkpoint (sizes checked, digests not yet), or None."""
@@ -286,8 +303,12 @@ class CheckpointManager:
         """Load the newest valid checkpoint into ``state`` (objects and RNGs).
 
         Torn, corrupt, unknown-format or orphaned checkpoints are skipped with a warning naming
-        them and why. After a takeover, the restored state is re-committed under this writer's
-        epoch at once, so this run's resume point can no longer be rotated away by a zombie.
+        them and why. After a takeover of a writer that did not release its lease (it may be a
+        zombie, still rotating), the restored checkpoint is re-committed under this writer's
+        epoch at once (the anchor: a hard link or server-side copy where the store has one), so
+        this run's resume point can no longer be rotated away by it. A clean handover (the
+        previous writer ``close()``d) on a store with compare-and-swap writes no copy; on Drive
+        every takeover anchors (see ``_anchor_needed``).
 
         Args:
             state: a :class:`~ckptsdk.TrainState` (or anything with ``load_state_dict``).
@@ -331,8 +352,8 @@ class CheckpointManager:
             assert self.runlog is not None
             self.runlog.resumed_from_step = info.step
             self.runlog.start()
-            if info.rank < self._saving.rank:
-                self._saving.anchor(tree, manifest)
+            if info.rank < self._saving.rank and self._anchor_needed():
+                self._saving.anchor(tree, info)
         logger.info("restored %s (step %d) from %s", info.key, info.step, self.url)
         pos = manifest.position
         return ResumePoint(
@@ -340,6 +361,17 @@ class CheckpointManager:
             metrics=dict(manifest.metrics), tags=dict(manifest.tags), key=info.key,
             lease_epoch=info.epoch,
         )
+
+    def _anchor_needed(self) -> bool:
+        """Whether the resume point needs a re-commit under this writer's rank: after every
+        takeover. After an unclean end the previous writer may still be rotating; on Drive
+        another VM's takeover may not be visible yet (its late lineage record would orphan the
+        resume point: the lineage property test finds that schedule); and the catalog believes
+        a lineage record that would orphan checkpoints only when its writer left a checkpoint
+        folder (or holds the lease), which the anchor is. It is cheap where the store allows (a
+        hard link, a server-side copy) and replaces the copies it re-committed at this writer's
+        next save (see ``Rotation.drop_copies``)."""
+        return True
 
     def _read_newest(self) -> tuple[Any, CheckpointInfo]:
         cat = self._scan()

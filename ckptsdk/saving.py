@@ -27,7 +27,7 @@ import torch
 from . import codec
 from .backends.base import Backend
 from .catalog import MANIFEST, TENSORS, Catalog, CheckpointInfo, Rank, checkpoint_dir, lineage_key, writer_tag
-from .errors import CheckpointError, LeaseLostError, PreconditionFailed
+from .errors import CheckpointError, LeaseLostError, ObjectNotFound, PreconditionFailed
 from .lease import Lease
 from .manifest import Environment, FileEntry, LineageRecord, Manifest, Position, Writer
 from .rotation import Rotation
@@ -163,6 +163,7 @@ class SavePipeline:
 
         Non-blocking saves touch no storage here: the fencing check reads the flag the lease
         heartbeat keeps fresh, and everything else runs on the worker (:meth:`_store`).
+        ``extra_files`` were written into the folder by others (distributed ranks) beforehand.
         """
         self._bg.wait()  # one save in flight (the staging buffers are its); its failure surfaces here
         self.lease.check()
@@ -236,7 +237,35 @@ class SavePipeline:
         ``extra_files`` were written into ``folder`` by others (distributed ranks) beforehand.
         """
         self.lease.check()
-        size, digest = write_tensorfile(self.backend, f"{folder}/{TENSORS}", tensors)
+        key = f"{folder}/{TENSORS}"
+        source = (self.rotation.recycle_source(self.lease, self.rank, self._scan(), step, self.resumed_from)
+                  if self.rotation.recycles else None)
+        if source is not None and self._take_file(f"{source.key}/{TENSORS}", key):
+            # The file this checkpoint reuses is rewritten in place (not atomic: no manifest
+            # refers to it now, and a reader holding a stale one fails its digest check).
+            size, digest = write_tensorfile(_InPlace(self.backend), key, tensors)  # type: ignore[arg-type]
+            self.rotation.recycled(source, folder, size)
+        else:
+            size, digest = write_tensorfile(self.backend, key, tensors)
+        files = [FileEntry(name=TENSORS, size=size, digest=digest, algorithm=DIGEST_ALGORITHM), *extra_files]
+        return self._publish(folder, step, files, skeleton, position, metrics, tags, device)
+
+    def _take_file(self, src: str, dst: str) -> bool:
+        """Move ``src`` to ``dst`` for a rewrite in place; False (write a new file) if it cannot."""
+        try:
+            self.backend.move(src, dst)  # type: ignore[attr-defined]
+        except (ObjectNotFound, PreconditionFailed) as exc:
+            # ``dst`` left by an earlier failed save of this step, or ``src`` gone: a new file it
+            # is; the recycled folder, now uncommitted, is removed by rotation as a leftover.
+            logger.info("cannot recycle %s into %s under %s (%s): writing a new file", src, dst, self.url, exc)
+            return False
+        return True
+
+    def _publish(
+        self, folder: str, step: int, files: list[FileEntry], skeleton: Any, position: Position,
+        metrics: Mapping[str, Any] | None, tags: Mapping[str, str] | None, device: str,
+    ) -> CheckpointInfo:
+        """Publish the manifest of ``folder`` (the commit; its files are in place), then rotate."""
         manifest = Manifest(
             step=step,
             position=position,
@@ -246,7 +275,7 @@ class SavePipeline:
                 host=socket.gethostname(), pid=os.getpid(),
                 resumed_from_step=self.resumed_from.step if self.resumed_from else None,
             ),
-            files=[FileEntry(name=TENSORS, size=size, digest=digest, algorithm=DIGEST_ALGORITHM), *extra_files],
+            files=files,
             tree=skeleton,
             metrics=_plain_metrics(metrics),
             environment=Environment.current(device=device),
@@ -262,6 +291,7 @@ class SavePipeline:
                 url=self.url, step=step, key=folder)
         published = self.backend.write(f"{folder}/{MANIFEST}", manifest.to_json())
         self._memo[(published.key, published.version)] = manifest  # the next scan need not re-read it
+        size = sum(f.size for f in files)
         logger.info("committed %s/%s (%d bytes)", self.url, folder, size)
         info = CheckpointInfo(step=step, epoch=self.lease.epoch, key=folder, size=size, committed=True,
                               valid=True, manifest=manifest)
@@ -269,20 +299,32 @@ class SavePipeline:
         self.rotation.rotate(self.lease, self.rank, self._scan, self.resumed_from)
         return info
 
-    def anchor(self, tree: Any, manifest: Manifest) -> None:
-        """Re-commit a restored checkpoint under this writer's rank (see ``restore``)."""
-        tensors, skeleton = codec.encode(tree)
+    def anchor(self, tree: Any, source: CheckpointInfo) -> None:
+        """Re-commit a restored checkpoint under this writer's rank (see ``restore``).
+
+        Where the store copies cheaply (a hard link on local disk, a server-side rewrite on GCS)
+        the tensor file is copied there and only a new manifest is written; elsewhere (the Drive
+        mount has neither) the restored tensors are written again in full.
+        """
+        manifest = source.manifest
+        assert manifest is not None
         folder = checkpoint_dir(manifest.step, self.lease.epoch, self.tag)
+        device = manifest.environment.device or "cpu"
+        if self.backend.capabilities.cheap_copy and callable(getattr(self.backend, "copy", None)):
+            self.lease.check()
+            for entry in manifest.files:  # the tensor file and any distributed ranks' files
+                self.backend.copy(f"{source.key}/{entry.name}", f"{folder}/{entry.name}")  # type: ignore[attr-defined]
+            self._publish(folder, manifest.step, list(manifest.files), manifest.tree, manifest.position,
+                          manifest.metrics, manifest.tags, device)
+            return
         # Files beyond the tensor file (distributed ranks') are copied as they are, then listed.
         extra = [f for f in manifest.files if f.name != TENSORS]
-        if extra:
-            assert self.resumed_from is not None
-            for entry in extra:
-                self.lease.check()
-                self.backend.write(f"{folder}/{entry.name}",
-                                   self.backend.read(f"{self.resumed_from.key}/{entry.name}"))
+        for entry in extra:
+            self.lease.check()
+            self.backend.write(f"{folder}/{entry.name}", self.backend.read(f"{source.key}/{entry.name}"))
+        tensors, skeleton = codec.encode(tree)
         self.commit(folder, manifest.step, tensors, skeleton, manifest.position, manifest.metrics,
-                    manifest.tags, manifest.environment.device or "cpu", extra)
+                    manifest.tags, device, extra)
 
     def write_lineage(self, step: int | None, epoch: int | None) -> None:
         """Record, once per epoch, where this writer's lineage starts (before its first commit)."""
@@ -316,6 +358,17 @@ class SavePipeline:
         """Renew the lease and look for newer writers; LeaseLostError if this one is stale."""
         self.lease.renew()
         self.fence_if_newer(self._scan().max_rank)
+
+
+class _InPlace:
+    """The backend as ``write_tensorfile`` sees it when the file is rewritten in place."""
+
+    def __init__(self, backend: Backend) -> None:
+        self._backend = backend
+        self.url = backend.url
+
+    def write(self, key: str, data: Any) -> Any:
+        return self._backend.overwrite(key, data)  # type: ignore[attr-defined]
 
 
 def _device_of(tensors: Mapping[str, torch.Tensor]) -> str:

@@ -245,7 +245,7 @@ class TrainState:
 
     def optimizers(self) -> list[torch.optim.Optimizer]:
         """The optimizers among the objects (their ``step()`` waits for a pipelined snapshot)."""
-        return [obj for obj in self.objects.values() if isinstance(obj, torch.optim.Optimizer)]
+        return [_stepped(obj) for obj in self.objects.values() if isinstance(obj, torch.optim.Optimizer)]
 
     def step_only_tensors(self) -> set[tuple[int, torch.dtype, tuple[int, ...]]]:
         """Keys (data pointer, dtype, shape) of the tensors only ``optimizer.step()`` changes.
@@ -459,3 +459,13 @@ def _optimizer_mismatches(name: str, opt: torch.optim.Optimizer, saved: Any) -> 
                 problems.append(f"{name}: state[{pid!r}][{key!r}] has shape {_shape(value)} in "
                                 f"the checkpoint, the live param has {want}")
     return problems
+
+
+def _stepped(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer whose ``step()`` really runs: a wrapper that subclasses ``Optimizer``
+    without its ``__init__`` (accelerate's ``AcceleratedOptimizer``) has no hook registry and
+    steps the optimizer it holds."""
+    inner = getattr(opt, "optimizer", None)
+    if not hasattr(opt, "_optimizer_step_pre_hooks") and isinstance(inner, torch.optim.Optimizer):
+        return inner
+    return opt

@@ -21,7 +21,8 @@ _T = TypeVar("_T")
 __all__ = ["FaultyBackend", "SimulatedCrash", "fail_nth", "FailOn", "OPS"]
 
 #: Every operation a backend has, as named to ``fail_on`` and counted in ``FaultyBackend.calls``.
-OPS = ("read", "open", "stat", "exists", "list", "write", "create", "replace", "delete", "sweep")
+OPS = ("read", "open", "stat", "exists", "list", "write", "create", "replace", "delete", "sweep",
+       "copy", "move", "overwrite")  # the last three: optional, where the wrapped backend has them
 
 #: ``fail_on(op, key, n)``: return an exception to raise instead of the call (or ``None`` to let
 #: it through). ``n`` is how many calls of ``op`` this wrapper has seen, this one included (1-based).
@@ -111,8 +112,19 @@ class FaultyBackend:
     def delete(self, key: str, *, version: str | None = None) -> None:
         return self._call("delete", key, lambda: self.inner.delete(key, version=version))
 
-    def sweep(self, older_than: float) -> builtins.list[str]:  # `list` here is the method above
-        return self._call("sweep", "", lambda: self.inner.sweep(older_than))
+    def sweep(self, older_than: float, *,
+              only: Callable[[str], bool] | None = None) -> builtins.list[str]:  # `list`: the method above
+        return self._call("sweep", "", lambda: self.inner.sweep(older_than, only=only))
+
+    # The optional operations, where the wrapped backend has them (see its capabilities).
+    def copy(self, src: str, dst: str) -> ObjectInfo:
+        return self._call("copy", dst, lambda: self.inner.copy(src, dst))  # type: ignore[attr-defined]  # optional op, not in the Backend protocol
+
+    def move(self, src: str, dst: str) -> ObjectInfo:
+        return self._call("move", dst, lambda: self.inner.move(src, dst))  # type: ignore[attr-defined]  # optional op, not in the Backend protocol
+
+    def overwrite(self, key: str, data: Data) -> ObjectInfo:
+        return self._call("overwrite", key, lambda: self.inner.overwrite(key, data))  # type: ignore[attr-defined]  # optional op, not in the Backend protocol
 
     def _call(self, op: str, key: str, run: Callable[[], _T]) -> _T:
         with self._lock:

@@ -73,6 +73,13 @@ class DriveSim:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self.applied = 0  # changes written onto other VMs (for tests and reports)
+        # What the VMs' own changes would cost on Drive (DRIVE_FACTS; docs/DRIVE.md):
+        self.trashed_bytes = 0  # files deleted: Drive's trash keeps them 30 days, on the quota
+        self.trashed_files = 0
+        self.replaced_bytes = 0  # files renamed over (os.replace): trash or revision, undocumented
+        self.revision_bytes = 0  # files rewritten in place: old content kept as a revision
+        self.moved_files = 0  # renames of one file (same inode): metadata only
+        self.trashed_by_name: dict[str, int] = {}  # trashed bytes by file name (tensor files vs the rest)
 
     # ------------------------------------------------------------------ public
     def root(self, vm: str) -> Path:
@@ -193,11 +200,17 @@ class DriveSim:
         for vm in self.vms:
             self._scan(vm, initial=initial)
 
+    def account(self) -> None:
+        """Scan every VM now (without the syncer thread): count what their changes cost."""
+        self._scan_all()
+
     def _scan(self, vm: str, *, initial: bool = False) -> None:
         """Turn what changed on ``vm`` since we last looked into pending changes."""
         now = time.monotonic()
         current = self._files(vm)
         known = self._known[vm]
+        if not initial:
+            self._count_costs(known, current)
         for rel, sig in current.items():
             if known.get(rel) == sig:
                 continue
@@ -210,6 +223,30 @@ class DriveSim:
         for rel in [r for r in known if r not in current]:
             del known[rel]
             self._change(vm, rel, now, _DELETED, initial=initial)
+
+    def _count_costs(self, known: dict[str, _Sig], current: dict[str, _Sig]) -> None:
+        """Classify one VM's changes since the last scan by what Drive would keep of them."""
+        # A rename keeps the inode and (for the ring's tensor files) the file name. Requiring both
+        # keeps a freed inode that a new file of another name reuses from passing as a rename.
+        new_inodes = {(sig[2], rel.rpartition("/")[2]): sig for rel, sig in current.items() if known.get(rel) != sig}
+        for rel, old in known.items():
+            sig = current.get(rel)
+            ident = (old[2], rel.rpartition("/")[2])
+            if sig is None:
+                if ident in new_inodes:
+                    self.moved_files += 1  # the same file under another name: no trash
+                    if new_inodes[ident][:2] != old[:2]:  # and rewritten since: a revision
+                        self.revision_bytes += old[0]
+                else:
+                    self.trashed_bytes += old[0]
+                    self.trashed_files += 1
+                    name = rel.rpartition("/")[2]
+                    self.trashed_by_name[name] = self.trashed_by_name.get(name, 0) + old[0]
+            elif sig != old:
+                if sig[2] == old[2]:
+                    self.revision_bytes += old[0]
+                else:
+                    self.replaced_bytes += old[0]
 
     def _read(self, vm: str, rel: str) -> tuple[bytes, _Sig] | None:
         try:

@@ -16,7 +16,7 @@ import io
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 from ckptsdk.backends.base import Data, ObjectInfo, check_key, check_prefix, iter_chunks
 from ckptsdk.backends.drive import DriveBackend
@@ -176,7 +176,7 @@ class SimDriveBackend:
     def stat(self, key: str) -> ObjectInfo:
         obj = self._get(key)
         assert obj.data is not None
-        return ObjectInfo(key, len(obj.data), obj.version)
+        return ObjectInfo(key, len(obj.data), obj.version, obj.stamp[0])
 
     def exists(self, key: str) -> bool:
         check_key(key, url=self.url)
@@ -185,14 +185,14 @@ class SimDriveBackend:
 
     def list(self, prefix: str = "") -> list[ObjectInfo]:
         check_prefix(prefix, url=self.url)
-        return [ObjectInfo(k, len(o.data), o.version) for k, o in sorted(self._view().items())
+        return [ObjectInfo(k, len(o.data), o.version, o.stamp[0]) for k, o in sorted(self._view().items())
                 if o.data is not None and k.startswith(prefix)]
 
     def write(self, key: str, data: Data) -> ObjectInfo:
         check_key(key, url=self.url)
         blob = b"".join(bytes(c) for c in iter_chunks(data))
         obj = self.sim.change(self.vm, key, blob)
-        return ObjectInfo(key, len(blob), obj.version)
+        return ObjectInfo(key, len(blob), obj.version, obj.stamp[0])
 
     def create(self, key: str, data: Data) -> ObjectInfo:
         # Checks this VM's view only: another VM's object of the same name may be in flight.
@@ -219,7 +219,22 @@ class SimDriveBackend:
                                      expected=version, actual=obj.version)
         self.sim.change(self.vm, key, None)
 
-    def sweep(self, older_than: float) -> list[str]:
+    def move(self, src: str, dst: str) -> ObjectInfo:
+        """The recycle ring's rename: gone from ``src``, there at ``dst`` (checked in this view)."""
+        data = self.read(src)
+        if self.exists(dst):
+            raise PreconditionFailed(f"move to {dst!r} under {self.url}: it exists on this VM",
+                                     url=self.url, key=dst, expected=None, actual=self._view()[dst].version)
+        info = self.write(dst, data)
+        self.sim.change(self.vm, src, None)
+        return info
+
+    def overwrite(self, key: str, data: Data) -> ObjectInfo:
+        """A rewrite in place of an existing file (atomic here; readers verify digests anyway)."""
+        self._get(key)
+        return self.write(key, data)
+
+    def sweep(self, older_than: float, *, only: Any = None) -> list[str]:
         return []
 
 

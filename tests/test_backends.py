@@ -33,11 +33,13 @@ BIG = random.Random(7).randbytes(3 * MIB + 12345)
 
 # What each kind honestly promises (DRIVE_FACTS: no cross-VM exclusion, write-back cache, trash).
 EXPECTED_CAPABILITIES = {
-    "memory": Capabilities(exclusive_create=True, compare_and_swap=True, durable_on_return=False),
-    "local": Capabilities(exclusive_create=True, compare_and_swap=True),
+    "memory": Capabilities(exclusive_create=True, compare_and_swap=True, durable_on_return=False,
+                           cheap_copy=True),
+    "local": Capabilities(exclusive_create=True, compare_and_swap=True, cheap_copy=True),
     "drive": Capabilities(exclusive_create=False, compare_and_swap=False, durable_on_return=False,
-                          immediately_consistent=False, trash_on_delete=True),
-    "gcs": Capabilities(exclusive_create=True, compare_and_swap=True),
+                          immediately_consistent=False, trash_on_delete=True,
+                          rewrite_in_place=True),
+    "gcs": Capabilities(exclusive_create=True, compare_and_swap=True, cheap_copy=True),
 }
 
 
@@ -118,6 +120,71 @@ def test_stat_and_exists(backend):
     assert not backend.exists("k")  # a folder-like prefix is not an object
     with pytest.raises(ObjectNotFound):
         backend.stat("k")
+
+
+def test_cheap_copy_where_the_store_has_one(backend):
+    """Where ``cheap_copy`` is claimed, ``copy`` duplicates inside the store, refuses an existing
+    target and a missing source, and the copies part ways cleanly; Drive says it has none."""
+    backend.write("c/src", BIG)
+    if not backend.capabilities.cheap_copy:
+        with pytest.raises(BackendError):
+            backend.copy("c/src", "c/dst")
+        assert not backend.exists("c/dst")
+        return
+    info = backend.copy("c/src", "c/dst")
+    assert (info.key, info.size) == ("c/dst", len(BIG)) and backend.stat("c/dst").size == len(BIG)
+    assert backend.read("c/dst") == BIG
+    with pytest.raises(PreconditionFailed):
+        backend.copy("c/src", "c/dst")
+    with pytest.raises(ObjectNotFound):
+        backend.copy("c/absent", "c/other")
+    backend.write("c/src", b"new")  # a write publishes a new object: the copy keeps the old bytes
+    assert backend.read("c/dst") == BIG
+    backend.delete("c/src")
+    assert backend.read("c/dst") == BIG
+
+
+def test_drive_moves_and_overwrites_a_file_in_place(make_backend_target):
+    """The ring retention's primitives: a move keeps the file (same inode: no new upload, no
+    trash), an overwrite rewrites that same file to any length; both refuse what they must."""
+    b = make_backend_target("drive").open()
+    b.write("step-1/tensors", BIG)
+    ino = os.stat(os.path.join(b.root, "step-1", "tensors")).st_ino
+    moved = b.move("step-1/tensors", "step-2/tensors")
+    assert moved.size == len(BIG) and not b.exists("step-1/tensors")
+    assert not os.path.exists(os.path.join(b.root, "step-1"))  # the emptied folder is pruned
+    for data in (b"short", BIG + b"longer"):
+        info = b.overwrite("step-2/tensors", [data[:3], data[3:]])
+        assert b.read("step-2/tensors") == data and info == b.stat("step-2/tensors")
+        assert os.stat(os.path.join(b.root, "step-2", "tensors")).st_ino == ino
+    b.write("step-3/tensors", b"x")
+    with pytest.raises(PreconditionFailed):
+        b.move("step-2/tensors", "step-3/tensors")
+    with pytest.raises(ObjectNotFound):
+        b.move("step-9/tensors", "step-8/tensors")
+    with pytest.raises(ObjectNotFound):
+        b.overwrite("step-9/tensors", b"x")
+    assert b.read("step-3/tensors") == b"x"
+
+
+def test_objects_carry_the_time_the_store_reports(backend):
+    """``mtime`` is the store's own time of the last write: the same through write, stat and
+    list, moving forward with a later write, and this store's clock (here: 127.0.0.1's)."""
+    first = backend.write("t/a", b"1")
+    time.sleep(0.02)
+    second = backend.write("t/b", b"22")
+    for info in (first, second):
+        assert isinstance(info.mtime, float)
+        assert abs(info.mtime - time.time()) < 120
+    listed = {o.key: o for o in backend.list("t/")}
+    assert listed["t/a"].mtime == backend.stat("t/a").mtime == first.mtime
+    assert listed["t/b"].mtime == second.mtime
+    assert second.mtime >= first.mtime
+    time.sleep(0.02)
+    rewritten = backend.write("t/a", b"333")
+    assert rewritten.mtime >= second.mtime and backend.stat("t/a").mtime == rewritten.mtime
+    # Equality stays the version's business: a record without a time equals one with it.
+    assert ObjectInfo("t/b", 2, second.version) == second
 
 
 @pytest.mark.parametrize("op", ["read", "open", "stat", "delete"])

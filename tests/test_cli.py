@@ -99,11 +99,12 @@ def test_every_subcommand_as_a_subprocess(kind, make_backend_target, tmp_path):
     ls = run_cli("ls", url, "--json", target=target, cwd=tmp_path)
     assert ls.returncode == 0, ls.stderr
     rows = as_json(ls)["checkpoints"]
-    # Attempt 2 re-commits the checkpoint it resumed from under its own epoch (40.e2).
+    # Attempt 2 re-committed step 40 under its epoch (40.e2, a hard link), which replaced 40.e1
+    # at its next save: one row per step.
     assert [(r["step"], r["lease_epoch"], r["attempt"], r["valid"]) for r in rows] == [
-        (40, 1, 1, True), (40, 2, 2, True), (50, 2, 2, True), (60, 2, 2, True)]
+        (40, 2, 2, True), (50, 2, 2, True), (60, 2, 2, True)]
     assert all(r["size"] > 1000 and r["reason"] is None for r in rows)
-    assert rows[2]["train_epoch"] == 2 and rows[2]["batch_idx"] == 10
+    assert rows[1]["train_epoch"] == 2 and rows[1]["batch_idx"] == 10
 
     show = run_cli("show", url, "--step", "50", "--json", target=target, cwd=tmp_path)
     assert show.returncode == 0, show.stderr
@@ -118,8 +119,7 @@ def test_every_subcommand_as_a_subprocess(kind, make_backend_target, tmp_path):
     assert verify.returncode == 0, verify.stderr
     vdoc = as_json(verify)
     assert vdoc["ok"] and [(c["key"], c["status"], c["rehashed"]) for c in vdoc["checked"]] == [
-        (k, "ok", True)
-        for k in ("step-0000000040.e1", "step-0000000040.e2", "step-0000000050.e2", "step-0000000060.e2")]
+        (k, "ok", True) for k in ("step-0000000040.e2", "step-0000000050.e2", "step-0000000060.e2")]
 
     audit = run_cli("audit", url, "--json", "--strict", target=target, cwd=tmp_path)
     assert audit.returncode == 0, audit.stderr
@@ -138,7 +138,7 @@ def test_every_subcommand_as_a_subprocess(kind, make_backend_target, tmp_path):
     gc = run_cli("gc", url, "--keep-last", "1", "--dry-run", "--json", target=target, cwd=tmp_path)
     assert gc.returncode == 0, gc.stderr
     gdoc = as_json(gc)
-    assert gdoc["dry_run"] and gdoc["deleted"] == ["step-0000000040.e1", "step-0000000040.e2", "step-0000000050.e2"]
+    assert gdoc["dry_run"] and gdoc["deleted"] == ["step-0000000040.e2", "step-0000000050.e2"]
     assert all("keep_last=1" in why for why in gdoc["reasons"].values())
 
     # Read-only commands and a dry run wrote nothing, deleted nothing, and never took the lease.
@@ -205,7 +205,8 @@ def test_lease_break_needs_confirmation_and_fences_the_writer(make_backend_targe
         ldoc = as_json(shown)["lease"]
         assert (ldoc["state"], ldoc["record"]["epoch"], ldoc["record"]["holder"]["pid"]) == ("held", 2, os.getpid())
         ls = run_cli("ls", target.url, "--json", cwd=tmp_path)  # read-only: no wait for the holder
-        assert ls.returncode == 0 and [r["step"] for r in as_json(ls)["checkpoints"]] == [10, 20, 20, 30]
+        # one row per step
+        assert ls.returncode == 0 and [r["step"] for r in as_json(ls)["checkpoints"]] == [10, 20, 30]
 
         unconfirmed = run_cli("lease", target.url, "--break", cwd=tmp_path)
         assert unconfirmed.returncode == cli.EXIT_USAGE
@@ -225,14 +226,14 @@ def test_lease_break_needs_confirmation_and_fences_the_writer(make_backend_targe
     finally:
         live.close()
     assert [i.key for i in CheckpointManager(target.url, read_only=True).list() if i.valid] == [
-        "step-0000000010.e1", "step-0000000020.e1", "step-0000000020.e2", "step-0000000030.e2"]
+        "step-0000000010.e1", "step-0000000020.e2", "step-0000000030.e2"]  # 20.e2: the anchor, which replaced 20.e1
 
 
 def test_gc_deletes_for_real_and_keeps_the_rest(make_backend_target, capsys):
     target = make_run(make_backend_target("local"))
     assert cli.main(["gc", target.url, "--keep-last", "1"]) == 0
     out = capsys.readouterr().out
-    assert "deleted 3 item(s)" in out and "step-0000000040.e1" in out
+    assert "deleted 2 item(s)" in out and "step-0000000040.e2" in out
     assert cli.main(["ls", target.url, "--json"]) == 0
     assert [r["step"] for r in json.loads(capsys.readouterr().out)["checkpoints"]] == [60]
     keys = snapshot(target)
@@ -246,7 +247,7 @@ def test_human_tables(make_backend_target, capsys):
     assert cli.main(["ls", target.url]) == 0
     out = capsys.readouterr().out
     assert out.splitlines()[0].split() == ["STEP", "EPOCH", "SIZE", "WRITER", "CREATED", "STATUS"]
-    assert "e2/a2" in out and "4 restorable by their manifest and file sizes" in out
+    assert "e2/a2" in out and "3 restorable by their manifest and file sizes" in out  # one row per step
     assert "sizes ok" in out and "valid" not in out.split("\n\n")[0]
     assert cli.main(["show", target.url]) == 0
     out = capsys.readouterr().out

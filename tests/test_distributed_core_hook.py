@@ -46,9 +46,10 @@ def test_extra_files_are_checked_like_the_tensor_file(tmp_path: pytest.TempPathF
 
 def test_a_takeover_anchor_copies_the_extra_files(tmp_path: pytest.TempPathFactory) -> None:
     url = str(tmp_path / "root")
-    with CheckpointManager(url, lease_ttl=5) as mgr:
-        first = _save_with_extra(mgr, 3)
-    with CheckpointManager(url, lease_ttl=5) as mgr:
+    dead = CheckpointManager(url, lease_ttl=5, heartbeat=False)
+    first = _save_with_extra(dead, 3)
+    dead._closed = True  # dies without releasing its lease: the next writer anchors (a clean close needs no anchor)
+    with CheckpointManager(url, lease_ttl=5, force=True) as mgr:
         assert mgr.restore(type("S", (), {"load_state_dict": lambda self, tree: None})()).step == 3  # type: ignore[union-attr]
         anchored = mgr.latest()
         assert anchored is not None and anchored.key != first and anchored.key.startswith("step-0000000003.e2")

@@ -79,7 +79,8 @@ def test_a_torn_rank_file_is_skipped_and_a_corrupt_one_refused(tmp_path: Path, w
         assert dm.restore(state).step == 2  # type: ignore[union-attr]
     assert torch.equal(state["w"], torch.full((4,), 2.0))
 
-    newest = max((c for c in CheckpointManager(url, read_only=True).list() if c.valid), key=lambda c: c.rank)
+    # The newest restorable step (a clean handover on local disk writes no anchor: step 2 of e1).
+    newest = max((c for c in CheckpointManager(url, read_only=True).list() if c.valid), key=lambda c: (c.step, c.rank))
     key = f"{newest.key}/rank-00000.safetensors"
     data = bytearray(backend.read(key))
     data[-1] ^= 0xFF  # same size, other bytes: only the digest sees it

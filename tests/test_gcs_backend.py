@@ -58,7 +58,8 @@ def backend(emulator: Emulator) -> GCSBackend:
 def test_is_a_backend_with_honest_capabilities(backend: GCSBackend) -> None:
     assert isinstance(backend, Backend)
     assert backend.capabilities == Capabilities(
-        exclusive_create=True, compare_and_swap=True, durable_on_return=True, immediately_consistent=True
+        exclusive_create=True, compare_and_swap=True, durable_on_return=True, immediately_consistent=True,
+        cheap_copy=True,
     )
     assert backend.url.startswith("gs://b-") and backend.url.endswith("/run")
     assert backend.sweep(0) == []

@@ -303,6 +303,17 @@ class _Tap:
         self._hook(self._actor, "delete", key, None)
         self._inner.delete(key, version=version)
 
+    def move(self, src: str, dst: str) -> Any:  # Drive's recycle ring: a delete and a write
+        blob = self._inner.read(src)
+        self._hook(self._actor, "delete", src, None)
+        self._hook(self._actor, "write", dst, blob)
+        return self._inner.move(src, dst)
+
+    def overwrite(self, key: str, data: Any) -> Any:
+        blob = self._data(data)
+        self._hook(self._actor, "write", key, blob)
+        return self._inner.overwrite(key, blob)
+
 
 # ---------------------------------------------------------------------- the machine
 class StoryFailure(AssertionError):

@@ -177,8 +177,8 @@ def test_resumed_from_survives_until_a_newer_one_is_committed(tmp_path):
     with CheckpointManager(url, keep_last=1, lease_ttl=5) as mgr:
         assert mgr.restore(state).step == 3
         mgr.wait()
-        # the takeover re-committed step 3 under epoch 2 (the anchor); e1's copy is still there
-        assert {(c.step, c.epoch) for c in mgr.list()} == {(3, 1), (3, 2)}
+        # the takeover re-committed step 3 under epoch 2 (the anchor, a hard link); one row per step
+        assert {(c.step, c.epoch) for c in mgr.list()} == {(3, 2)}
         mgr.save(state, step=4)
         assert [(c.step, c.epoch) for c in mgr.list()] == [(4, 2)]
 
@@ -351,16 +351,26 @@ def test_interrupted_first_save_is_a_fresh_start(tmp_path):
         assert not info.committed and "uncommitted" in info.reason
 
 
-def test_drive_rotation_reports_the_trash_cost(tmp_path, monkeypatch, caplog):
+@pytest.mark.parametrize("mode", ["delete", "recycle"])
+def test_drive_rotation_reports_the_trash_cost(tmp_path, monkeypatch, caplog, mode):
     monkeypatch.setenv("CKPTSDK_DRIVE_ROOT", str(tmp_path / "drive"))
     (tmp_path / "drive").mkdir()
     caplog.set_level(logging.INFO, logger="ckptsdk")
-    with CheckpointManager("drive://run", keep_last=1, lease_ttl=5, lease_settle=0) as mgr:
+    with CheckpointManager("drive://run", keep_last=1, lease_ttl=5, lease_settle=0, retention_mode=mode) as mgr:
         for step in (1, 2, 3, 4):
             mgr.save(make_state(), step=step)
         # Drive rotates one save late: the newest may still be uploading when it is committed.
         assert [c.step for c in mgr.list()] == [3, 4]
         assert all(c.tag and c.key.endswith("." + c.tag) for c in mgr.list())  # no CAS: tagged names
-    trash = [r for r in caplog.records if "trash" in r.getMessage()]
-    assert trash[0].levelno == logging.WARNING and len(trash) == 2
-    assert "MB sent there by this run" in trash[-1].getMessage()
+        size = mgr.list()[-1].size
+        tensors = mgr.list()[-1].manifest.files[0].size
+    trash = [r for r in caplog.records if "trash" in r.getMessage() and "MB sent there by this run" in r.getMessage()]
+    recycled = [r for r in caplog.records if r.getMessage().startswith("recycled")]
+    if mode == "delete":
+        assert trash[0].levelno == logging.WARNING and len(trash) == 2 and not recycled
+        assert "retention_mode='recycle'" in trash[0].getMessage()
+        assert mgr._rotation.trashed_bytes >= 2 * size
+    else:  # steps 1 and 2 gave their tensor files to 3 and 4: only their manifests went to the trash
+        assert not trash and len(recycled) == 2
+        assert mgr._rotation.trashed_bytes == 0 and mgr._rotation.trashed_files == 2
+        assert mgr._rotation.recycled_bytes == 2 * tensors

@@ -8,8 +8,8 @@ checkpoints, leases or manifests; implementations live in sibling modules.
 from __future__ import annotations
 
 import builtins
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from typing import BinaryIO, Protocol, TypeAlias, runtime_checkable
 
 from ..errors import InvalidKey
@@ -31,6 +31,12 @@ class Capabilities:
         immediately_consistent: another host sees a write (and a delete) as soon as it returns.
             False on the Drive mount, where other VMs see changes minutes late and out of order.
         trash_on_delete: deletes keep costing quota for a while (Drive's 30-day trash).
+        rewrite_in_place: the backend has ``move(src, dst)`` and ``overwrite(key, data)``, which
+            keep a stored file (and its identity in the store) instead of making a new one: how
+            a retention ring reuses space without sending anything to a trash (Drive only).
+        cheap_copy: the backend has ``copy(src, dst)``, which duplicates an object inside the
+            store without sending its bytes through this machine (a hard link on local disk, a
+            server-side rewrite on GCS). False on the Drive mount: neither exists there.
     """
 
     exclusive_create: bool
@@ -39,6 +45,8 @@ class Capabilities:
     durable_on_return: bool = True
     immediately_consistent: bool = True
     trash_on_delete: bool = False
+    cheap_copy: bool = False
+    rewrite_in_place: bool = False
 
 
 @dataclass(frozen=True)
@@ -47,11 +55,19 @@ class ObjectInfo:
 
     ``version`` is opaque: equal tokens mean the same write. GCS: the generation. Local disk: the
     inode, size and mtime of the published file (a new file is published at every write).
+
+    ``mtime`` is the time the *store* reports for the object's last write, in POSIX seconds
+    (local disk and the Drive mount: the file's mtime; GCS: the object's ``updated``; memory: the
+    process clock at the write), or None where the store reports none. It is what the age of a
+    crashed writer's leftovers is judged by: compare it with another object's ``mtime`` from the
+    same store, not with this machine's clock (another VM's clock may drift). Not part of
+    equality: the version alone identifies a write.
     """
 
     key: str
     size: int
     version: str
+    mtime: float | None = field(default=None, compare=False)
 
 
 @runtime_checkable
@@ -117,7 +133,10 @@ class Backend(Protocol):
         ...
 
     def stat(self, key: str) -> ObjectInfo:
-        """Return the object's size and version, or raise ``ObjectNotFound``."""
+        """Return the object's size, version and store time, or raise ``ObjectNotFound``.
+
+        Hint: local ``os.stat`` (``st_mtime``); GCS the object resource's ``updated``.
+        """
         ...
 
     def exists(self, key: str) -> bool:
@@ -139,10 +158,19 @@ class Backend(Protocol):
         """
         ...
 
-    def sweep(self, older_than: float) -> builtins.list[str]:  # `list` here is the method above
+    # Optional, present where ``capabilities.cheap_copy`` (not part of the protocol):
+    #   copy(src, dst) -> ObjectInfo: publish at ``dst`` (which must not exist: PreconditionFailed)
+    #   the object at ``src`` (ObjectNotFound if absent), inside the store.
+    #   Hint: local ``os.link`` (files are never rewritten in place, so sharing an inode is safe);
+    #   GCS ``rewriteTo`` with ``ifGenerationMatch=0``.
+
+    def sweep(self, older_than: float, *,
+              only: Callable[[str], bool] | None = None) -> builtins.list[str]:  # `list`: the method above
         """Remove leftovers of crashed writes (temp files) older than ``older_than`` seconds.
 
-        Returns what was removed. Stores without temp files (GCS, memory) return ``[]``.
+        ``only(key)``, given, limits the sweep to temp files of the objects it accepts (``key`` is
+        the object the temp file was going to publish). Returns what was removed. Stores
+        without temp files (GCS, memory) return ``[]``.
         """
         ...
 

@@ -24,9 +24,9 @@ from __future__ import annotations
 import logging
 import os
 
-from ..errors import StorageUnavailable
-from .base import Capabilities
-from .local import LocalBackend
+from ..errors import BackendError, StorageUnavailable
+from .base import Capabilities, Data, ObjectInfo, iter_chunks
+from .local import LocalBackend, version_of
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +59,8 @@ class DriveBackend(LocalBackend):
         durable_on_return=False,
         immediately_consistent=False,
         trash_on_delete=True,
+        cheap_copy=False,  # os.link fails on the mount (Errno 38); Drive's server copy is not reachable
+        rewrite_in_place=True,  # move() and overwrite(): reuse a file instead of trashing it
     )
     # DriveFS documents nothing about flock; if the mount refuses it, writes must still work
     # (capabilities promise no exclusion anyway), so fall back to excluding this process's threads.
@@ -80,6 +82,70 @@ class DriveBackend(LocalBackend):
                 "set CKPTSDK_DRIVE_ROOT to the mounted folder",
                 url=self.url,
             )
+
+    def copy(self, src: str, dst: str) -> ObjectInfo:
+        """Not on the mount: no hard links (Errno 38), and Drive's server-side copy is an API call
+        the mount does not offer. Callers check ``capabilities.cheap_copy`` first."""
+        raise BackendError(
+            f"copy of {src!r} to {dst!r} under {self.url}: the Drive mount has no cheap copy "
+            "(capabilities.cheap_copy is False); read and write the bytes instead",
+            url=self.url, key=dst,
+        )
+
+    def move(self, src: str, dst: str) -> ObjectInfo:
+        """Rename the file at ``src`` to ``dst`` (which must not exist), keeping the file itself.
+
+        On the mount a rename changes the file's name and folder; no content is uploaded and
+        nothing goes to the trash (what DriveFS sends upstream for it is not documented).
+
+        Raises:
+            ObjectNotFound: ``src`` does not exist.
+            PreconditionFailed: ``dst`` exists already (as this VM sees it).
+        """
+        src_path, path = self._path(src), self._path(dst)
+        self.stat(src)
+        with self._locked("move", dst):
+            with self._errors("move", dst, missing=True):
+                try:
+                    os.lstat(path)
+                except FileNotFoundError:
+                    pass
+                else:
+                    raise self._exists_error(dst, path)
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                os.rename(src_path, path)
+                self._fsync_dir(os.path.dirname(path))
+                self._fsync_dir(os.path.dirname(src_path))
+                self._prune(os.path.dirname(src_path))
+                st = os.stat(path)
+        return ObjectInfo(dst, st.st_size, version_of(st), st.st_mtime_ns / 1e9)
+
+    def overwrite(self, key: str, data: Data) -> ObjectInfo:
+        """Rewrite the existing file at ``key`` in place (truncated to the new length), fsynced.
+
+        **Not atomic**: a reader can see a mix of old and new bytes. Only for a file no committed
+        manifest refers to (its checkpoint's manifest was deleted first): a reader that still
+        holds the old manifest fails its digest check instead of loading a mix. On Drive this
+        should become a new revision of the same file instead of a new file plus a trashed one.
+
+        Raises:
+            ObjectNotFound: ``key`` does not exist.
+        """
+        path = self._path(key)
+        self.stat(key)
+        with self._errors("overwrite", key, missing=True):
+            with open(path, "r+b") as f:
+                for chunk in iter_chunks(data):
+                    try:
+                        f.write(chunk)
+                    except OSError as exc:
+                        raise self._translate(exc, "overwrite", key) from exc
+                f.truncate()
+                f.flush()
+                os.fsync(f.fileno())
+                self._stamp(f.fileno())
+                st = os.fstat(f.fileno())
+        return ObjectInfo(key, st.st_size, version_of(st), st.st_mtime_ns / 1e9)
 
     def _commit_create(self, path: str, tmp: str) -> None:
         # The mount refuses link() (Errno 38). Under the root flock, which every publish of this

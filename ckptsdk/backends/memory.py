@@ -10,6 +10,7 @@ from __future__ import annotations
 import builtins
 import io
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import BinaryIO
@@ -21,7 +22,7 @@ from .base import Capabilities, Data, ObjectInfo, check_key, check_prefix, iter_
 @dataclass
 class _Store:
     lock: threading.Lock = field(default_factory=threading.Lock)
-    objects: dict[str, tuple[bytes, str]] = field(default_factory=dict)
+    objects: dict[str, tuple[bytes, str, float]] = field(default_factory=dict)  # data, version, mtime
     counter: int = 0
 
     def next_version(self) -> str:
@@ -48,7 +49,8 @@ class MemoryBackend:
     """
 
     # Atomic and conditional within the process; gone when the process dies.
-    capabilities = Capabilities(exclusive_create=True, compare_and_swap=True, durable_on_return=False)
+    capabilities = Capabilities(exclusive_create=True, compare_and_swap=True, durable_on_return=False,
+                                cheap_copy=True)
 
     def __init__(self, name: str, *, url: str | None = None) -> None:
         self.name = name
@@ -75,8 +77,8 @@ class MemoryBackend:
 
     def stat(self, key: str) -> ObjectInfo:
         """Size and version of ``key``, or ``ObjectNotFound``."""
-        data, version = self._get(key)
-        return ObjectInfo(key, len(data), version)
+        data, version, mtime = self._get(key)
+        return ObjectInfo(key, len(data), version, mtime)
 
     def exists(self, key: str) -> bool:
         """Whether ``key`` exists now."""
@@ -89,7 +91,7 @@ class MemoryBackend:
         check_prefix(prefix, url=self.url)
         with self._store.lock:
             items = [(k, v) for k, v in self._store.objects.items() if k.startswith(prefix)]
-        return [ObjectInfo(k, len(data), version) for k, (data, version) in sorted(items)]
+        return [ObjectInfo(k, len(data), version, mtime) for k, (data, version, mtime) in sorted(items)]
 
     def write(self, key: str, data: Data) -> ObjectInfo:
         """Publish ``data`` at ``key``; the joined bytes appear at once, never in part."""
@@ -98,7 +100,7 @@ class MemoryBackend:
     def create(self, key: str, data: Data) -> ObjectInfo:
         """Publish only if ``key`` is absent, else ``PreconditionFailed``."""
 
-        def check(current: tuple[bytes, str] | None) -> None:
+        def check(current: tuple[bytes, str, float] | None) -> None:
             if current is not None:
                 raise PreconditionFailed(
                     f"create of {key!r} under {self.url} failed: it already exists (version "
@@ -112,6 +114,11 @@ class MemoryBackend:
         """Publish only if ``key``'s version is ``version``, else ``PreconditionFailed``."""
         return self._put(key, data, lambda current: self._check_version("replace", key, current, version))
 
+    def copy(self, src: str, dst: str) -> ObjectInfo:
+        """Publish ``src``'s bytes at ``dst`` (shared, not copied); ``dst`` must not exist."""
+        data = self._get(src)[0]
+        return self.create(dst, data)
+
     def delete(self, key: str, *, version: str | None = None) -> None:
         """Delete ``key`` (with ``version``: only if unchanged)."""
         check_key(key, url=self.url)
@@ -123,11 +130,12 @@ class MemoryBackend:
                 self._check_version("delete", key, current, version)
             del self._store.objects[key]
 
-    def sweep(self, older_than: float) -> builtins.list[str]:  # `list` here is the method above
+    def sweep(self, older_than: float, *,
+              only: Callable[[str], bool] | None = None) -> builtins.list[str]:  # `list`: the method above
         """Nothing to sweep: a memory write has no temp objects."""
         return []
 
-    def _get(self, key: str) -> tuple[bytes, str]:
+    def _get(self, key: str) -> tuple[bytes, str, float]:
         check_key(key, url=self.url)
         with self._store.lock:
             current = self._store.objects.get(key)
@@ -136,7 +144,7 @@ class MemoryBackend:
         return current
 
     def _put(
-        self, key: str, data: Data, check: Callable[[tuple[bytes, str] | None], None]
+        self, key: str, data: Data, check: Callable[[tuple[bytes, str, float] | None], None]
     ) -> ObjectInfo:
         check_key(key, url=self.url)
         # Join outside the lock: the caller's iterable may be slow or raise (then nothing changes).
@@ -144,10 +152,11 @@ class MemoryBackend:
         with self._store.lock:
             check(self._store.objects.get(key))
             version = self._store.next_version()
-            self._store.objects[key] = (blob, version)
-        return ObjectInfo(key, len(blob), version)
+            mtime = time.time()
+            self._store.objects[key] = (blob, version, mtime)
+        return ObjectInfo(key, len(blob), version, mtime)
 
-    def _check_version(self, op: str, key: str, current: tuple[bytes, str] | None, version: str) -> None:
+    def _check_version(self, op: str, key: str, current: tuple[bytes, str, float] | None, version: str) -> None:
         actual = None if current is None else current[1]
         if actual != version:
             state = "is gone" if actual is None else f"is now at version {actual}"
