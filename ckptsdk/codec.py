@@ -13,7 +13,6 @@ import functools
 import logging
 import math
 import re
-import struct
 from collections import Counter, OrderedDict, defaultdict, deque
 from collections.abc import Mapping
 from typing import Any
@@ -21,11 +20,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from .document import decode_float, encode_float
 from .errors import CorruptCheckpointError, ManifestError, UnsupportedStateError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["FLOAT_FORM", "check", "decode", "encode", "decode_float", "encode_float", "MAX_DEPTH"]
+__all__ = ["check", "decode", "encode", "MAX_DEPTH"]
 
 #: Deepest nesting accepted; deeper trees are almost surely a mistake and would hit Python's
 #: recursion limit in json as well.
@@ -46,7 +46,6 @@ _DTYPE_TO_NAME = {v: k for k, v in _DTYPES.items()}
 # Python ints outside int64 are written as hex strings: other JSON readers lose precision on big
 # numbers, and CPython refuses to print ints over 4300 decimal digits.
 _INT_MIN, _INT_MAX = -(2**63), 2**63 - 1
-_CANONICAL_NAN_BITS = struct.unpack("<Q", struct.pack("<d", float("nan")))[0]
 _INTLIKE = re.compile(r"-?[0-9]+")
 
 _TAGS = ("$tensor", "$ndarray", "$tuple", "$dict", "$float", "$int", "$npscalar", "$state_dict",
@@ -60,8 +59,6 @@ _FACTORIES: dict[str, Any] = {
     "collections.Counter": Counter, "collections.deque": deque,
 }
 _FACTORY_NAMES = {id(v): k for k, v in _FACTORIES.items()}
-#: What ``{"$float": ...}`` holds (skeleton, metrics, extra): see encode_float.
-FLOAT_FORM = r"^(nan|inf|-inf|-0\.0|[0-9a-f]{16})$"
 _HINT = "convert it to a tensor or a JSON value (None, bool, int, float, str), or leave it out of state_dict()"
 
 
@@ -129,46 +126,6 @@ def decode(skeleton: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
         return _decode(skeleton, tensors, 0)
     except RecursionError as exc:
         raise ManifestError("state skeleton nests too deeply to decode") from exc
-
-
-def encode_float(x: float) -> Any:
-    """A float as a JSON value that strict JSON can hold: itself, or ``{"$float": ...}``.
-
-    nan, inf, -inf and -0.0 are tagged (``"nan"``, ``"inf"``, ``"-inf"``, ``"-0.0"``); a nan with
-    another sign or payload is tagged with its 64-bit pattern as 16 hex digits.
-    """
-    if math.isfinite(x):
-        if x == 0.0 and math.copysign(1.0, x) < 0:
-            return {"$float": "-0.0"}
-        return x
-    if math.isinf(x):
-        return {"$float": "inf" if x > 0 else "-inf"}
-    bits = struct.unpack("<Q", struct.pack("<d", x))[0]
-    return {"$float": "nan" if bits == _CANONICAL_NAN_BITS else f"{bits:016x}"}
-
-
-def decode_float(value: Any) -> float:
-    """The inverse of ``encode_float`` (accepts a JSON number or a ``{"$float": ...}`` object).
-
-    Raises:
-        ValueError: not a float encoding.
-    """
-    if isinstance(value, dict):
-        if set(value) != {"$float"} or not isinstance(value["$float"], str):
-            raise ValueError(f"not a float encoding: {value!r}")
-        text = value["$float"]
-        named = {"nan": float("nan"), "inf": math.inf, "-inf": -math.inf, "-0.0": -0.0}
-        if text in named:
-            return named[text]
-        if re.fullmatch(r"[0-9a-f]{16}", text):
-            result = struct.unpack("<d", struct.pack("<Q", int(text, 16)))[0]
-            if not math.isnan(result):
-                raise ValueError(f"bit pattern {text} is not a nan; write the number itself")
-            return result
-        raise ValueError(f"unknown float encoding {text!r}")
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    raise ValueError(f"not a float: {value!r}")
 
 
 # --- encoding ---------------------------------------------------------------------------------

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import hashlib
 import json
 import logging
 import math
@@ -20,25 +19,33 @@ import platform
 import re
 import socket
 import sys
-from datetime import datetime, timezone
-from typing import Annotated, Any
+from typing import Annotated, Any, ClassVar
 
 from pydantic import (
-    BaseModel,
     BeforeValidator,
-    ConfigDict,
     Field,
     JsonValue,
-    ValidationError,
-    ValidationInfo,
     WithJsonSchema,
     field_serializer,
     field_validator,
-    model_validator,
 )
 from pydantic.json_schema import models_json_schema
 
-from .codec import FLOAT_FORM, decode_float, encode_float
+from .document import (
+    CHECKSUM_FIELD,
+    FLOAT_FORM,
+    D,
+    Document,
+    Strict,
+    UtcTime,
+    check_format,
+    check_utc,
+    decode_float,
+    encode_float,
+    parse_document,
+    seal,
+    utc_now,
+)
 from .errors import ConfigError, ManifestError
 from .skeleton import skeleton_schema, tensor_paths
 
@@ -54,67 +61,15 @@ __all__ = [
 #: 1.1 added the ``checksum`` field; a 1.0 document (written before it) is read with a warning.
 FORMAT = "ckptsdk.checkpoint/1.1"
 LINEAGE_FORMAT = "ckptsdk.lineage/1.1"
-_MAJOR, _MINOR = 1, 1
-#: The field holding ``"sha256:<hex>"`` of the document's canonical JSON without that field.
-CHECKSUM_FIELD = "checksum"
-_CHECKSUM_MINOR = 1  # the first minor version that always carries one
-_FORMAT_RE = re.compile(r"(?P<kind>[a-z0-9_.]+)/(?P<major>[0-9]+)(?:\.(?P<minor>[0-9]+))?")
+#: The first minor version of both that always carries a checksum.
+_CHECKSUM_MINOR = 1
 # Rules the JSON Schema states too, one home each (tests/test_manifest.py checks that the schema
-# and the parser agree): a relative file name without '.'/'..' components; a UTC time.
+# and the parser agree): a relative file name without '.'/'..' components.
 _FILE_NAME = r"^(?!\.\.?(/|$))[A-Za-z0-9_.-]+(/(?!\.\.?(/|$))[A-Za-z0-9_.-]+)*$"
-_UTC_TIME = (r"^[0-9]{4}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])T([01][0-9]|2[0-3]):[0-5][0-9]:"
-             r"[0-5][0-9](\.[0-9]{1,6})?(Z|\+00:00)$")
 _NODE_REF = "#/$defs/SkeletonNode"
-_UtcTime = Annotated[str, Field(description="UTC, ISO-8601: 2026-11-30T06:10:00.123456Z",
-                                 json_schema_extra={"pattern": _UTC_TIME})]
 
 
-def utc_now() -> str:
-    """The current time as an ISO-8601 UTC string with microseconds, e.g. ``...T06:10:00.123456Z``."""
-    return datetime.now(timezone.utc).isoformat(timespec="microseconds").replace("+00:00", "Z")
-
-
-def _check_format(value: Any, expected: str) -> int:
-    """Return the minor version of a format string of the expected kind; raise ValueError else."""
-    kind = expected.split("/")[0]
-    if not isinstance(value, str):
-        raise ValueError(f"'format' must be a string like {expected!r}, got {value!r}")
-    match = _FORMAT_RE.fullmatch(value)
-    if match is None or match["kind"] != kind:
-        raise ValueError(f"format {value!r} is not a {kind} document (expected {expected!r})")
-    major = int(match["major"])
-    if major > _MAJOR:
-        raise ValueError(f"format {value!r} was written by a newer ckptsdk (this one reads "
-                         f"{kind}/{_MAJOR}.x); upgrade ckptsdk to read it")
-    if major < _MAJOR:
-        raise ValueError(f"format {value!r} is an older major version this ckptsdk cannot read")
-    return int(match["minor"] or 0)
-
-
-class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _drop_newer_fields(cls, data: Any, info: ValidationInfo) -> Any:
-        # A newer minor version may add fields; only then are unknown ones ignored.
-        if isinstance(data, dict) and (info.context or {}).get("lenient"):
-            unknown = [k for k in data if k not in cls.model_fields]
-            if unknown:
-                logger.debug("ignoring fields of a newer format minor version: %s", unknown)
-                data = {k: v for k, v in data.items() if k in cls.model_fields}
-        return data
-
-
-def _utc_iso(value: str) -> str:
-    if not re.fullmatch(_UTC_TIME, value):
-        raise ValueError(f"{value!r} is not in UTC ISO-8601 form like 2026-11-30T06:10:00.123456Z "
-                         "(it must end with 'Z' or '+00:00')")
-    try:
-        datetime.fromisoformat(value)
-    except ValueError as exc:  # Feb 30 and the like: the pattern alone cannot tell
-        raise ValueError(f"{value!r} is not a valid date and time") from exc
-    return value
+_Part = Strict
 
 
 def _check_finite_json(value: Any, where: str = "extra") -> Any:
@@ -224,7 +179,7 @@ Metric = Annotated[
 ]
 
 
-class FileEntry(_Model):
+class FileEntry(_Part):
     """One file of a checkpoint, with what a reader verifies before using it."""
 
     name: str = Field(json_schema_extra={"pattern": _FILE_NAME},
@@ -242,7 +197,7 @@ class FileEntry(_Model):
         return value
 
 
-class Position(_Model):
+class Position(_Part):
     """Where in the data the job was: epoch, batch index, and anything the job adds."""
 
     epoch: int | None = Field(default=None, ge=0)
@@ -261,7 +216,7 @@ class Position(_Model):
         return _extra_out(value)
 
 
-class Writer(_Model):
+class Writer(_Part):
     """Who wrote a checkpoint: run, attempt, lease epoch (the fencing token), host, pid."""
 
     run_id: str = Field(min_length=1)
@@ -272,7 +227,7 @@ class Writer(_Model):
     resumed_from_step: int | None = Field(default=None, ge=0)
 
 
-class Environment(_Model):
+class Environment(_Part):
     """Versions and device of the process that wrote a checkpoint (informational)."""
 
     python: str
@@ -314,13 +269,16 @@ def _platform() -> str:
     return platform.platform()  # reads the interpreter binary to find libc: once is enough
 
 
-class Manifest(_Model):
+class Manifest(Document):
     """A checkpoint's manifest.json: published last, it is what makes a checkpoint exist."""
+
+    FORMAT: ClassVar[str] = FORMAT
+    CHECKSUM_SINCE: ClassVar[int | None] = _CHECKSUM_MINOR
 
     format: str = Field(default=FORMAT, pattern=r"^ckptsdk\.checkpoint/1(\.[0-9]+)?$")
     step: int = Field(ge=0)
     position: Position = Field(default_factory=Position)
-    created_at: _UtcTime = Field(default_factory=utc_now)
+    created_at: UtcTime = Field(default_factory=utc_now)
     writer: Writer
     files: list[FileEntry] = Field(json_schema_extra={
         "description": "unique names (JSON Schema cannot say so in general: readers check); at "
@@ -337,13 +295,13 @@ class Manifest(_Model):
     @field_validator("format", mode="before")
     @classmethod
     def _format_first(cls, value: Any) -> Any:
-        _check_format(value, FORMAT)
+        check_format(value, FORMAT)
         return value
 
     @field_validator("created_at")
     @classmethod
     def _utc(cls, value: str) -> str:
-        return _utc_iso(value)
+        return check_utc(value)
 
     @field_validator("tree")
     @classmethod
@@ -375,17 +333,13 @@ class Manifest(_Model):
         raise ManifestError(f"checkpoint step {self.step}: the manifest lists no file {name!r} "
                             f"(it has {[f.name for f in self.files]})", step=self.step)
 
-    def to_json(self) -> bytes:
-        """The manifest as strict JSON (no NaN/Infinity tokens), UTF-8, ending in a newline.
-
-        Always written as the current format, with its checksum (a parsed older or newer
-        minor version is re-written as this one).
-        """
-        return seal({**self.model_dump(mode="json"), "format": FORMAT})
 
 
-class LineageRecord(_Model):
+class LineageRecord(Document):
     """lineage/epoch-NNNNNN.json: written once per lease takeover, says where it resumed from."""
+
+    FORMAT: ClassVar[str] = LINEAGE_FORMAT
+    CHECKSUM_SINCE: ClassVar[int | None] = _CHECKSUM_MINOR
 
     format: str = Field(default=LINEAGE_FORMAT, pattern=r"^ckptsdk\.lineage/1(\.[0-9]+)?$")
     epoch: int = Field(ge=0)
@@ -395,112 +349,24 @@ class LineageRecord(_Model):
     resumed_from_epoch: int | None = Field(default=None, ge=0)
     host: str = Field(default_factory=socket.gethostname)
     pid: int = Field(default_factory=os.getpid, ge=0)
-    created_at: _UtcTime = Field(default_factory=utc_now)
+    created_at: UtcTime = Field(default_factory=utc_now)
 
     @field_validator("format", mode="before")
     @classmethod
     def _format_first(cls, value: Any) -> Any:
-        _check_format(value, LINEAGE_FORMAT)
+        check_format(value, LINEAGE_FORMAT)
         return value
 
     @field_validator("created_at")
     @classmethod
     def _utc(cls, value: str) -> str:
-        return _utc_iso(value)
-
-    def to_json(self) -> bytes:
-        """The record as strict JSON, UTF-8, ending in a newline, with its checksum."""
-        return seal({**self.model_dump(mode="json"), "format": LINEAGE_FORMAT})
+        return check_utc(value)
 
 
-def _dumps(obj: Any) -> bytes:
-    return (json.dumps(obj, allow_nan=False, separators=(",", ":")) + "\n").encode("utf-8")
 
-
-def _checksum(body: dict[str, Any]) -> str:
-    # Canonical form: sorted keys, no spaces, ASCII escapes, Python's shortest float repr. It is
-    # computed from the parsed value, so it does not depend on how the bytes were laid out, and
-    # json.loads/dumps round-trips every value a model dumps (ints of any size, floats exactly).
-    canonical = json.dumps(body, allow_nan=False, sort_keys=True, separators=(",", ":"),
-                           ensure_ascii=True)
-    return "sha256:" + hashlib.sha256(canonical.encode("ascii")).hexdigest()
-
-
-def seal(doc: dict[str, Any]) -> bytes:
-    """``doc`` as strict JSON with its ``checksum`` field (re)computed (for writers and tests).
-
-    Example:
-        >>> b'"checksum":"sha256:' in seal({"format": LINEAGE_FORMAT, "epoch": 1})
-        True
-    """
-    body = {k: v for k, v in doc.items() if k != CHECKSUM_FIELD}
-    return _dumps({**body, CHECKSUM_FIELD: _checksum(body)})
-
-
-def _check_checksum(obj: dict[str, Any], minor: int, expected: str, where: str) -> str | None:
-    """Pop and verify ``obj``'s checksum; return why it fails, or None."""
-    given = obj.pop(CHECKSUM_FIELD, None)
-    if minor < _CHECKSUM_MINOR:
-        if given is not None:
-            # A 1.0 writer never wrote one: the format field itself was altered (one bit turns
-            # "1.1" into "1.0"), so nothing in this document can be trusted.
-            return (f"it says format {obj.get('format')!r}, which has no checksum, but carries "
-                    "one: the document was altered")
-        logger.warning("%s is a %s document from before checksums (format %r): its content "
-                       "cannot be verified; re-save it with this ckptsdk", where.rstrip(": ") or
-                       "a document", expected, obj.get("format"))
-        return None
-    if given is None:
-        return f"no {CHECKSUM_FIELD!r} field, which every {expected}.{_CHECKSUM_MINOR}+ document has"
-    if not isinstance(given, str) or not given.startswith("sha256:"):
-        return f"{CHECKSUM_FIELD!r} is {given!r}, not 'sha256:<hex>'"
-    try:
-        actual = _checksum(obj)
-    except (ValueError, RecursionError) as exc:
-        return f"its content cannot be put in canonical form ({exc})"
-    if actual != given:
-        return f"its checksum is {given} but its content hashes to {actual}"
-    return None
-
-
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"non-standard JSON token {name}")
-
-
-def _parse(data: Any, model: type[_Model], expected: str, key: str) -> Any:
-    where = f"{key}: " if key else ""
-    if not isinstance(data, (bytes, bytearray, memoryview, str)):
-        raise ManifestError(f"{where}expected bytes, got {type(data).__name__}", key=key or None)
-    try:
-        obj = json.loads(bytes(data) if not isinstance(data, str) else data,
-                         parse_constant=_reject_constant)
-    except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError included
-        raise ManifestError(f"{where}not valid JSON ({exc}); the file is torn or is not a "
-                            f"{expected} document", key=key or None) from exc
-    if not isinstance(obj, dict):
-        raise ManifestError(f"{where}expected a JSON object, got {type(obj).__name__}",
-                            key=key or None)
-    step = obj.get("step") if type(obj.get("step")) is int else None
-    if "format" not in obj:
-        raise ManifestError(f"{where}no 'format' field; not a {expected} document",
-                            key=key or None, step=step)
-    try:
-        minor = _check_format(obj["format"], expected)  # first: newer majors may differ in all
-    except ValueError as exc:
-        raise ManifestError(f"{where}{exc}", key=key or None, step=step) from exc
-    # Second: nothing else in the document is looked at before its checksum holds.
-    problem = _check_checksum(obj, minor, expected, where)
-    if problem is not None:
-        raise ManifestError(f"{where}integrity check failed: {problem}. The file was damaged or "
-                            "edited; it is not used (restore falls back to an earlier checkpoint)",
-                            key=key or None, step=step)
-    try:
-        return model.model_validate(obj, strict=True, context={"lenient": minor > _MINOR})
-    except ValidationError as exc:
-        problems = [f"{'.'.join(map(str, e['loc'])) or '<root>'}: {e['msg']}" for e in exc.errors()]
-        listed = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
-        raise ManifestError(f"{where}invalid {expected} document: {listed}",
-                            key=key or None, step=step) from exc
+def _parse(data: Any, model: type[D], key: str) -> D:
+    return parse_document(data, model, key=key,
+                          damaged="it is not used (restore falls back to an earlier checkpoint)")
 
 
 def parse_manifest(data: bytes, *, key: str = "") -> Manifest:
@@ -514,7 +380,7 @@ def parse_manifest(data: bytes, *, key: str = "") -> Manifest:
         ManifestError: not JSON, wrong or missing fields, an unknown format (a newer major
             version says "upgrade"), or a state skeleton that is malformed. ``.key`` is ``key``.
     """
-    manifest = _parse(data, Manifest, FORMAT, key)
+    manifest = _parse(data, Manifest, key)
     try:
         tensor_paths(manifest.tree)
     except ManifestError as exc:
@@ -525,7 +391,7 @@ def parse_manifest(data: bytes, *, key: str = "") -> Manifest:
 
 def parse_lineage(data: bytes, *, key: str = "") -> LineageRecord:
     """Parse and validate a lineage record (same rules and errors as ``parse_manifest``)."""
-    return _parse(data, LineageRecord, LINEAGE_FORMAT, key)
+    return _parse(data, LineageRecord, key)
 
 
 def json_schema() -> dict[str, Any]:

@@ -12,7 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from .codec import _DTYPE_NAMES, _FACTORIES, FLOAT_FORM, MAX_DEPTH, _tag_of
+from .codec import _DTYPE_NAMES, _FACTORIES, MAX_DEPTH, _tag_of
+from .document import FLOAT_FORM
 from .errors import ManifestError
 
 __all__ = ["skeleton_schema", "tensor_paths"]
