@@ -26,7 +26,7 @@ import sys
 import tempfile
 import time
 
-from examples.kill_and_resume import audit, child_env, compare_states, final_state, run_attempt
+from adapters.cifar10.kill_resume import audit, child_env, compare_states, final_state, run_attempt
 
 
 def _command(root: str, result_json: str, args: argparse.Namespace) -> list[str]:

@@ -21,11 +21,19 @@ import pytest
 import torch
 
 import ckptsdk
+from adapters.cifar10.kill_resume import (
+    REPO,
+    audit,
+    child_command,
+    child_env,
+    final_state,
+    plan_kills,
+    run_attempt,
+)
 from adapters.cifar10.synthetic import synthetic_cifar10
 from adapters.cifar10.train import PRESETS, _augment, run_job
 from ckptsdk import codec
 from ckptsdk.errors import ConfigError, DatasetMismatchError
-from examples.kill_and_resume import REPO, child_command, child_env, plan_kills, run_attempt
 
 # The quick preset made smaller still: 8-wide ResNet-18, 3 epochs of 10 steps of 32 images.
 EPOCHS, STEPS_PER_EPOCH, SAVE_EVERY = 3, 10, 4
@@ -41,24 +49,6 @@ def _flat(tree: Any) -> tuple[dict[str, bytes], Any]:
     raw = {k: (str(t.dtype), tuple(t.shape), t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
            for k, t in tensors.items()}
     return raw, skeleton
-
-
-def _final(url: str, options: dict[str, Any] | None = None) -> tuple[int, Any]:
-    mgr = ckptsdk.CheckpointManager(url, read_only=True, storage_options=options)
-    try:
-        info = mgr.latest()
-        assert info is not None, f"no committed checkpoint under {url}"
-        return info.step, mgr.load(info.step)
-    finally:
-        mgr.close()
-
-
-def _audit(url: str, options: dict[str, Any] | None = None) -> Any:
-    mgr = ckptsdk.CheckpointManager(url, read_only=True, storage_options=options)
-    try:
-        return mgr.audit()
-    finally:
-        mgr.close()
 
 
 def _assert_same_state(ref: tuple[int, Any], got: tuple[int, Any]) -> None:
@@ -87,7 +77,7 @@ class _Reference:
             rc = self.proc.wait(timeout=400)
             self.log.seek(0)
             assert rc == 0, f"the uninterrupted run failed ({rc}):\n{self.log.read()[-3000:]}"
-            self._state = _final(self.url)
+            self._state = final_state(self.url)
         return self._state
 
     def stop(self) -> None:
@@ -130,7 +120,7 @@ def test_killed_three_times_incl_mid_save_resumes_bit_exact(reference: _Referenc
             resumed = [ln for ln in att.lines if ln.startswith("resumed from step")]
             assert resumed and int(resumed[0].split()[3]) <= plan[-1][1], context
 
-    report = _audit(root)
+    report = audit(root)
     assert len(report.attempts) == 4, report.attempts
     # The kill inside a save comes after that save flushed the step log: the steps since the
     # previous checkpoint were run again by the next attempt, and the audit compared them.
@@ -139,7 +129,7 @@ def test_killed_three_times_incl_mid_save_resumes_bit_exact(reference: _Referenc
     assert report.scalars["loss"].max_abs_diff == 0.0
     assert report.scalars["loss"].compared_steps >= 1
 
-    _assert_same_state(reference.state(), _final(root))
+    _assert_same_state(reference.state(), final_state(root))
 
 
 @pytest.mark.slow
@@ -172,8 +162,8 @@ def test_resume_moves_from_local_disk_to_gcs(reference: _Reference, gcs_emulator
     assert second.returncode == 0, second.lines[-10:]
     assert any(ln.startswith("resumed from step 16") for ln in second.lines), second.lines[:6]
 
-    _assert_same_state(reference.state(), _final(url, gcs_emulator.storage_options))
-    report = _audit(url, gcs_emulator.storage_options)
+    _assert_same_state(reference.state(), final_state(url, gcs_emulator.storage_options))
+    report = audit(url, gcs_emulator.storage_options)
     assert len(report.attempts) == 2 and report.ok, report
 
 
@@ -200,7 +190,7 @@ def test_resume_on_other_data_is_refused(tmp_path: Any, in_process_job: None) ->
     data = synthetic_cifar10(n_train=cfg.n_train, n_test=cfg.n_test, seed=0)
     first = run_job(cfg, data, url, lease_ttl=TTL)
     assert first.final_step == 4
-    before = _final(url)
+    before = final_state(url)
 
     other = synthetic_cifar10(n_train=cfg.n_train, n_test=cfg.n_test, seed=1)
     assert other.tensor_hash != data.tensor_hash
@@ -212,7 +202,7 @@ def test_resume_on_other_data_is_refused(tmp_path: Any, in_process_job: None) ->
     assert url in str(err.value)
 
     # Nothing was lost or added: the checkpoint it refused is still the newest, byte for byte.
-    after = _final(url)
+    after = final_state(url)
     assert after[0] == before[0] == 4
     assert _flat(after[1]) == _flat(before[1])
 
@@ -248,11 +238,11 @@ def test_resume_with_other_settings_is_refused(tmp_path: Any, in_process_job: No
     url = str(tmp_path / "run")
     data = synthetic_cifar10(n_train=cfg.n_train, n_test=cfg.n_test, seed=0)
     run_job(cfg, data, url, lease_ttl=TTL)
-    before = _final(url)
+    before = final_state(url)
     with pytest.raises(ConfigError) as err:
         run_job(cfg.replace(lr=0.2, max_steps=8), data, url, lease_ttl=TTL)
     assert "lr: saved 0.05, now 0.2" in str(err.value) and url in str(err.value)
-    after = _final(url)
+    after = final_state(url)
     assert after[0] == 4 and _flat(after[1]) == _flat(before[1])
 
 
@@ -267,7 +257,7 @@ def test_bf16_autocast_on_cpu_resumes_bit_exact_in_process(tmp_path: Any, in_pro
     assert first.final_step == 5
     second = run_job(cfg, data, split, lease_ttl=TTL)
     assert (second.start_step, second.final_step) == (5, 10)
-    a, b = _final(whole), _final(split)
+    a, b = final_state(whole), final_state(split)
     assert a[0] == b[0] == 10 and _flat(a[1]) == _flat(b[1])
     assert any(t.dtype == torch.float32 for t in a[1]["objects"]["model"].values())  # master weights stay fp32
 
