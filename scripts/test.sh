@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # The project's test command (README and .ci/run call exactly this). Sets up the venv on first
-# use, then runs the whole suite, slow end-to-end tests included. Extra arguments go to pytest,
-# e.g. `bash scripts/test.sh -m "not slow"` for a quick loop.
+# use, then runs the whole suite (tests/ and the doctests of ckptsdk/: pyproject's addopts), slow
+# end-to-end tests included, on one pytest-xdist worker per core (PYTEST_XDIST_AUTO_NUM_WORKERS=N
+# for N; `-n 0` for none). Tests marked xdist_group run on one worker together (--dist loadgroup).
+# Extra arguments go to pytest, e.g. `bash scripts/test.sh -m "not slow"` for a quick loop.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source scripts/venv.sh
 set +e
-python -m pytest -q -p no:cacheprovider "$@"
+python -m pytest -q -p no:cacheprovider -n auto --dist loadgroup "$@"
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then

@@ -29,6 +29,7 @@ def reference(tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
+@pytest.mark.xdist_group("lightning-reference")  # one worker trains ``reference`` once for both kinds
 @pytest.mark.parametrize("kind", ["local", pytest.param("gcs", marks=pytest.mark.gcs)])
 def test_sigkilled_lightning_run_resumes_bit_exact(kind, reference, make_backend_target, tmp_path):
     target = make_backend_target(kind)
