@@ -290,9 +290,17 @@ def audit(backend: Backend, *, tolerance: float = 0.0) -> AuditReport:
         BackendError: the root cannot be listed.
 
     Example:
-        >>> report = audit(open_backend("gs://bucket/run1"))  # doctest: +SKIP
-        >>> report.verdict
-        'bit-exact'
+        >>> from ckptsdk.backends import open_backend
+        >>> from ckptsdk.runlog import RunLog
+        >>> root = open_backend("memory://audit-doc")
+        >>> for attempt, steps in ((1, range(0, 5)), (2, range(3, 8))):  # 2 resumed from step 3
+        ...     log = RunLog(root, run_id="r", attempt=attempt, lease_epoch=attempt, resumed_from_step=None)
+        ...     for s in steps:
+        ...         log.log_step(s, loss=1.0 / (s + 1))
+        ...     log.close()
+        >>> report = audit(root)
+        >>> report.verdict, report.overlap_steps
+        ('bit-exact', 2)
     """
     if not isinstance(tolerance, (int, float)) or not math.isfinite(tolerance) or tolerance < 0:
         raise ConfigError(f"audit tolerance must be a finite number >= 0, got {tolerance!r}")
@@ -344,7 +352,7 @@ def audit(backend: Backend, *, tolerance: float = 0.0) -> AuditReport:
         a: [(s, dict(rows[s])) for s in sorted(rows)] for a, rows in steps.items()
     }
     report = AuditReport(
-        url=getattr(backend, "url", ""),
+        url=backend.url,
         tolerance=float(tolerance),
         verdict=verdict,
         diverged_at=first_div.step if first_div else None,

@@ -70,9 +70,18 @@ class DataCache:
         **storage_options: passed to ``open_backend`` (fsspec/gcsfs options for ``gs://``).
 
     Example:
-        >>> cache = DataCache("memory://demo")
-        >>> cache.fetch("x.bin", local_dir="/tmp/d", sources=["https://example.org/x.bin"],
-        ...             digest="sha256:ab12...")  # doctest: +SKIP
+        >>> import os, tempfile
+        >>> made, fresh = tempfile.mkdtemp(), tempfile.mkdtemp()
+        >>> with open(os.path.join(made, "x.bin"), "wb") as f:
+        ...     _ = f.write(b"some bytes")
+        >>> cache = DataCache("memory://datacache-doc", progress=False)
+        >>> cache.adopt("x.bin", local_dir=made).algorithm  # recorded, and published
+        'xxh3-128'
+        >>> got = cache.fetch("x.bin", local_dir=fresh)  # another runtime: from the cache, verified
+        >>> got.source, open(got.path, "rb").read()
+        ('cache', b'some bytes')
+        >>> got = cache.fetch("y.bin", local_dir=fresh, sources=["https://example.org/y.bin"],
+        ...                   digest="sha256:ab12...")  # doctest: +SKIP
     """
 
     def __init__(
