@@ -86,7 +86,7 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def dtype_of(name: Any) -> torch.dtype:
+def dtype_of(name: object) -> torch.dtype:
     """``"float32"`` -> ``torch.float32``; ManifestError for anything that is not a torch dtype."""
     value = getattr(torch, name, None) if isinstance(name, str) else None
     if not isinstance(value, torch.dtype):
@@ -127,7 +127,7 @@ def metadata_to_json(md: Metadata) -> dict[str, Any]:
     return doc.model_dump(mode="json")
 
 
-def metadata_from_json(doc: Any, *, where: str = "") -> Metadata:
+def metadata_from_json(doc: object, *, where: str = "") -> Metadata:
     """Rebuild the DCP ``Metadata`` that :func:`metadata_to_json` described.
 
     ``storage_data`` maps each ``MetadataIndex`` to ``{"file": ..., "name": ...}``. The
