@@ -188,8 +188,7 @@ def read_runlog(
             except ObjectNotFound:
                 warnings.append(f"attempt {attempt}: chunk {key} was listed but is gone")
                 continue
-            # parse_chunk says ManifestError; bytes that are not UTF-8 are a ValueError: one bad chunk.
-            except (ManifestError, ValueError, RecursionError, TypeError, OverflowError) as exc:
+            except ManifestError as exc:  # parse_chunk says what is wrong with it: one bad chunk
                 warnings.append(f"attempt {attempt}: unreadable chunk {key} skipped ({_short(exc)})")
                 continue
             read_chunks += 1

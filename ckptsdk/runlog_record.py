@@ -165,7 +165,11 @@ def parse_chunk(data: bytes, *, key: str = "") -> tuple[AttemptRecord, list[Step
         >>> parse_chunk(line.encode())[1][0].step
         5
     """
-    lines = [ln for ln in data.decode("utf-8").splitlines() if ln.strip()]
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ManifestError(f"{key}: not UTF-8 text ({exc})", key=key or None) from exc
+    lines = [ln for ln in text.splitlines() if ln.strip()]
     if not lines:
         raise ManifestError(f"{key}: empty chunk", key=key or None)
     header = parse_attempt_record(lines[0], key=key)
@@ -173,7 +177,8 @@ def parse_chunk(data: bytes, *, key: str = "") -> tuple[AttemptRecord, list[Step
     for n, line in enumerate(lines[1:], start=2):
         try:
             rows.append(StepRow.model_validate_json(line, strict=True))
-        except ValueError as exc:  # pydantic's ValidationError included
+        # pydantic's ValidationError is a ValueError; a 400-digit number cannot be a float.
+        except (ValueError, OverflowError, RecursionError, TypeError) as exc:
             raise ManifestError(f"{key}: line {n} is not a step record ({str(exc).splitlines()[0]})",
                                 key=key or None) from exc
     return header, rows
