@@ -26,7 +26,8 @@ import os
 
 from ..errors import BackendError, StorageUnavailable
 from .base import Capabilities, Data, ObjectInfo, iter_chunks
-from .local import LocalBackend, version_of
+from .local import LocalBackend
+from .posix import fsync_dir, prune, stamp, version_of
 
 logger = logging.getLogger(__name__)
 
@@ -48,8 +49,9 @@ class DriveBackend(LocalBackend):
             or ``root`` is a file.
 
     Example:
-        >>> b = open_backend("drive://runs/cifar")  # doctest: +SKIP (needs the mount)
-        >>> b.capabilities.trash_on_delete, b.capabilities.exclusive_create
+        >>> from ckptsdk.backends import open_backend
+        >>> b = open_backend("drive://runs/cifar")  # doctest: +SKIP
+        >>> DriveBackend.capabilities.trash_on_delete, DriveBackend.capabilities.exclusive_create
         (True, False)
     """
 
@@ -114,9 +116,9 @@ class DriveBackend(LocalBackend):
                     raise self._exists_error(dst, path)
                 os.makedirs(os.path.dirname(path), exist_ok=True)
                 os.rename(src_path, path)
-                self._fsync_dir(os.path.dirname(path))
-                self._fsync_dir(os.path.dirname(src_path))
-                self._prune(os.path.dirname(src_path))
+                fsync_dir(os.path.dirname(path))
+                fsync_dir(os.path.dirname(src_path))
+                prune(self.root, os.path.dirname(src_path))
                 st = os.stat(path)
         return ObjectInfo(dst, st.st_size, version_of(st), st.st_mtime_ns / 1e9)
 
@@ -143,7 +145,7 @@ class DriveBackend(LocalBackend):
                 f.truncate()
                 f.flush()
                 os.fsync(f.fileno())
-                self._stamp(f.fileno())
+                stamp(f.fileno())
                 st = os.fstat(f.fileno())
         return ObjectInfo(key, st.st_size, version_of(st), st.st_mtime_ns / 1e9)
 

@@ -28,7 +28,7 @@ import aiohttp  # noqa: E402  (gcsfs dependency)
 import fsspec.asyn  # noqa: E402
 from gcsfs.core import GCSFileSystem  # noqa: E402
 
-from ..errors import BackendError  # noqa: E402
+from ..errors import BackendError, MissingDependencyError  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +38,8 @@ _MiB = 1 << 20
 RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
 _STREAM_OVER = 1 * _MiB  # request bodies bigger than this are streamed in slices of this size
 _USER_AGENT = "ckptsdk (gcs JSON API)"
+# The first aiohttp with client middlewares (ClientSession(middlewares=...)); pyproject's gcs extra.
+MIN_AIOHTTP = (3, 12)
 # Retry jitter from a generator of our own: a draw from the global ``random`` would move the
 # training job's Python RNG stream (a save must not draw from it: what restore brings back is
 # the state at save(), and a retry during training would change the run). Found by
@@ -62,6 +64,27 @@ def endpoint_of(endpoint_url: str | None) -> str:
     if emulator not in ("", "default"):
         return (emulator if emulator.startswith(("http://", "https://")) else f"http://{emulator}").rstrip("/")
     return f"https://storage.{os.environ.get('GOOGLE_CLOUD_UNIVERSE_DOMAIN') or 'googleapis.com'}"
+
+
+def check_aiohttp(version: str) -> None:
+    """Raise ``MissingDependencyError`` unless ``version`` is an aiohttp with client middlewares.
+
+    Example:
+        >>> check_aiohttp("3.12.0")
+        >>> check_aiohttp("3.9.5")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ckptsdk.errors.MissingDependencyError: gs:// needs aiohttp >= 3.12 ..., found 3.9.5; ...
+    """
+    parts = []
+    for part in version.split(".")[:2]:
+        digits = "".join(c for c in part if c.isdigit())
+        parts.append(int(digits or 0))
+    if tuple(parts) < MIN_AIOHTTP:
+        raise MissingDependencyError(
+            f"gs:// needs aiohttp >= {'.'.join(map(str, MIN_AIOHTTP))} (client middlewares), found "
+            f"{version}; install it with: pip install 'ckptsdk[gcs]'",
+            extra="gcs",
+        )
 
 
 class HTTPStatusError(OSError):
@@ -137,6 +160,7 @@ class JsonApiTransport:
 
     def _init_transport(self, options: Mapping[str, Any]) -> None:
         """Resolve the endpoint and credentials from gcsfs-style ``storage_options``."""
+        check_aiohttp(aiohttp.__version__)
         self.endpoint = endpoint_of(options.get("endpoint_url"))
         # gcsfs turns token=/project=/access=... into credentials; we only ask it to sign headers.
         self._credentials = GCSFileSystem(**options).credentials
