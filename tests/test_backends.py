@@ -31,7 +31,7 @@ from ckptsdk.testing import FaultyBackend, SimulatedCrash, fail_nth
 MIB = 1 << 20
 BIG = random.Random(7).randbytes(3 * MIB + 12345)
 
-# What each kind honestly promises (DRIVE_FACTS: no cross-VM exclusion, write-back cache, trash).
+# What each kind honestly promises (docs/DRIVE.md: no cross-VM exclusion, write-back cache, trash).
 EXPECTED_CAPABILITIES = {
     "memory": Capabilities(exclusive_create=True, compare_and_swap=True, durable_on_return=False,
                            cheap_copy=True),
@@ -442,7 +442,7 @@ def test_dropped_mount_is_storage_unavailable_with_what_to_do(make_backend_targe
     def dropped(*args, **kwargs):
         raise OSError(code, os.strerror(code))
 
-    # The mount answers every call with this errno once it drops (DRIVE_FACTS: Errno 107).
+    # The mount answers every call with this errno once it drops (docs/DRIVE.md: Errno 107).
     with monkeypatch.context() as m:
         for name in ("scandir", "stat", "open", "mkdir"):
             m.setattr(os, name, dropped)

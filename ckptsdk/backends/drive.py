@@ -1,11 +1,14 @@
 """Google Drive backend: the Colab Drive mount (``drive://REL``), through the local-disk code.
 
-What the mount does (see the project's DRIVE_FACTS notes; nothing here is documented by Google):
+What the mount does, with sources, is in ``docs/DRIVE.md`` ("The mount: facts the code relies
+on"); nothing of it is documented by Google. In short:
 
 - Writes land in a local write-back cache and upload later, in any order; a file closed (even
   fsynced) without error can still be lost with the VM, and over quota nothing uploads at all.
-  So ``durable_on_return`` is False: the SDK treats a checkpoint as durable only once it is seen
-  from outside the writing VM or after ``drive.flush_and_unmount()``.
+  ``durable_on_return`` is False to say so; no code reads it: ckptsdk does not wait for uploads.
+  A checkpoint is committed once its manifest is published as this VM sees it; what protects a
+  run is rotation running one save late (``immediately_consistent`` is False) and the digest
+  checks on load. ``drive.flush_and_unmount()`` is how a user makes sure the newest has arrived.
 - Another VM sees changes minutes late and out of order, so ``immediately_consistent`` is False:
   readers verify every file's size and digest instead of trusting a manifest's order.
 - ``os.replace`` works on the writing VM, ``os.link`` fails (Errno 38), and ``flock``/``O_EXCL``
