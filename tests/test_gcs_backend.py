@@ -27,6 +27,7 @@ from ckptsdk.backends.base import Backend, Capabilities
 from ckptsdk.backends.gcs import GCSBackend
 from ckptsdk.errors import BackendError, ObjectNotFound, PreconditionFailed, StorageUnavailable
 from tests.gcs_emulator import Emulator, start_emulator
+from tests.gcs_proxy import LoopbackProxy
 
 pytestmark = pytest.mark.gcs
 
@@ -211,83 +212,11 @@ def test_open_is_pinned_to_one_generation(backend: GCSBackend) -> None:
 # -- lost replies ------------------------------------------------------------------------------
 
 
-class _DropReplyProxy:
-    """A TCP proxy on 127.0.0.1 that can swallow the server's reply to chosen requests.
-
-    The request reaches the server and is applied; the client then sees its connection close
-    without an answer, exactly like a reply lost in the network. ``then`` runs after the server
-    answered and before the client's connection is cut.
-    """
-
-    def __init__(self, upstream_port: int) -> None:
-        self.upstream = upstream_port
-        self.rules: list[tuple[bytes, Callable[[], None] | None]] = []
-        self.dropped: list[bytes] = []
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
-        self.endpoint = f"http://127.0.0.1:{self.port}"
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def drop_next(self, marker: bytes, then: Callable[[], None] | None = None) -> None:
-        """Swallow the reply to the next request whose head contains ``marker``."""
-        self.rules.append((marker, then))
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self.sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(client,), daemon=True).start()
-
-    def _serve(self, client: socket.socket) -> None:
-        client.settimeout(30)
-        with client, socket.create_connection(("127.0.0.1", self.upstream), timeout=30) as up:
-            head = b""
-            while b"\r\n\r\n" not in head:
-                data = client.recv(65536)
-                if not data:
-                    return
-                head += data
-            rule = next((r for r in self.rules if r[0] in head.split(b"\r\n\r\n")[0]), None)
-            if rule is not None:
-                self.rules.remove(rule)
-            up.sendall(head)
-
-            def pump() -> None:
-                try:
-                    while data := client.recv(1 << 20):
-                        up.sendall(data)
-                except OSError:
-                    pass
-
-            threading.Thread(target=pump, daemon=True).start()
-            reply = b""
-            while data := up.recv(1 << 20):  # the emulator speaks HTTP/1.0: it closes when done
-                if rule is None:
-                    client.sendall(data)
-                else:
-                    reply += data
-            if rule is not None:
-                self.dropped.append(head.split(b"\r\n")[0] + b" -> " + reply.split(b"\r\n")[0])
-                if rule[1] is not None:
-                    rule[1]()
-            # shutdown, not just close: close() would wait for the pump thread's recv() to end.
-            for s in (client, up):
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-
-    def close(self) -> None:
-        self.sock.close()
-
-
 @pytest.fixture
-def lossy(emulator: Emulator) -> Iterator[tuple[GCSBackend, _DropReplyProxy, GCSBackend]]:
+def lossy(emulator: Emulator) -> Iterator[tuple[GCSBackend, LoopbackProxy, GCSBackend]]:
     """(backend through the proxy, the proxy, a direct backend on the same root)."""
     bucket = _bucket(emulator)
-    proxy = _DropReplyProxy(emulator.port)
+    proxy = LoopbackProxy(emulator.port)
     through = GCSBackend(f"{bucket}/run", endpoint_url=proxy.endpoint, token="anon", project="test",
                          skip_instance_cache=True)
     through.backoff_s = 0.05

@@ -48,8 +48,8 @@ from ckptsdk.errors import (
     PreconditionFailed,
 )
 from ckptsdk.manager import CheckpointManager
-from tests.hypothesis_profiles import lineage_settings
 from tests.drive_deterministic_sim import FakeClock, FrozenBackend, SimDrive
+from tests.hypothesis_profiles import lineage_settings
 
 # A writer's rank is (lease epoch, tag): the tag is "" where the store has compare-and-swap, else
 # the first 8 hex digits of the writer's lease nonce, and it is part of every name the writer makes.
