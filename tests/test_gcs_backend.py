@@ -8,6 +8,9 @@ missing bucket, and what 100 MB costs.
 
 from __future__ import annotations
 
+import ast
+import importlib.metadata
+import inspect
 import os
 import random
 import select
@@ -18,14 +21,26 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from itertools import pairwise
+from pathlib import Path
 
+import aiohttp
+import fsspec.asyn
 import pytest
+import tomllib
 import xxhash
+from gcsfs.core import GCSFileSystem
 
-from ckptsdk.backends import open_backend
+import ckptsdk.backends
+from ckptsdk.backends import gcs_transport, open_backend
 from ckptsdk.backends.base import Backend, Capabilities
 from ckptsdk.backends.gcs import GCSBackend
-from ckptsdk.errors import BackendError, ObjectNotFound, PreconditionFailed, StorageUnavailable
+from ckptsdk.errors import (
+    BackendError,
+    MissingDependencyError,
+    ObjectNotFound,
+    PreconditionFailed,
+    StorageUnavailable,
+)
 from tests.gcs_emulator import Emulator, start_emulator
 from tests.gcs_proxy import LoopbackProxy
 
@@ -54,6 +69,50 @@ def _backend(emulator: Emulator, bucket: str, **extra: object) -> GCSBackend:
 @pytest.fixture
 def backend(emulator: Emulator) -> GCSBackend:
     return _backend(emulator, _bucket(emulator))
+
+
+# -- the third-party API this backend stands on ----------------------------------------------------
+
+_GCS_MODULES = ("gcs.py", "gcs_transport.py", "gcs_payload.py")
+
+
+def test_no_private_attribute_of_another_library_is_touched() -> None:
+    """gcsfs/aiohttp internals change without notice (the `gcs` extra admits gcsfs >= 2024.2): the
+    GCS modules may reach ``._name`` only on ``self``."""
+    backends = Path(ckptsdk.backends.__file__).parent
+    offenders = []
+    for name in _GCS_MODULES:
+        tree = ast.parse((backends / name).read_text())
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and node.attr.startswith("_")
+                    and not node.attr.startswith("__")
+                    and not (isinstance(node.value, ast.Name) and node.value.id == "self")):
+                offenders.append(f"{name}:{node.lineno}: {ast.unparse(node)}")
+    assert offenders == []
+
+
+def test_the_gcs_extra_bounds_what_the_backend_uses() -> None:
+    """pyproject's `gcs` extra names the lowest aiohttp with client middlewares; the installed
+    versions meet it; the public names gcs_transport.py uses exist; an older aiohttp is refused
+    at construction with the extra to install, not with a TypeError inside a save."""
+    with open(Path(ckptsdk.backends.__file__).parents[2] / "pyproject.toml", "rb") as f:
+        extra = tomllib.load(f)["project"]["optional-dependencies"]["gcs"]
+    bounds = dict(req.split(">=") for req in extra)
+    assert set(bounds) == {"gcsfs", "aiohttp", "google-crc32c"}
+    assert tuple(int(p) for p in bounds["aiohttp"].split(".")) == gcs_transport.MIN_AIOHTTP
+    for package, low in bounds.items():
+        have = tuple(int(p) for p in importlib.metadata.version(package).split(".")[:2])
+        assert have >= tuple(int(p) for p in low.split(".")[:2]), (package, have, low)
+    assert "middlewares" in inspect.signature(aiohttp.ClientSession).parameters
+    assert callable(fsspec.asyn.sync) and callable(fsspec.asyn.get_loop)
+    creds = GCSFileSystem(token="anon", skip_instance_cache=True).credentials
+    headers: dict[str, str] = {}
+    creds.apply(headers)  # anonymous: signs nothing, but the public method is there
+    assert headers == {} and creds.method == "anon"
+    gcs_transport.check_aiohttp(aiohttp.__version__)
+    with pytest.raises(MissingDependencyError, match=r"aiohttp >= 3\.12.*pip install 'ckptsdk\[gcs\]'") as exc_info:
+        gcs_transport.check_aiohttp("3.11.18")
+    assert exc_info.value.extra == "gcs"
 
 
 def test_is_a_backend_with_honest_capabilities(backend: GCSBackend) -> None:
