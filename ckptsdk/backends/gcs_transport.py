@@ -3,8 +3,9 @@
 One request in, one answer out, retried a bounded number of times within a deadline, with "was it
 maybe applied?" reported to the caller. Only public APIs: gcsfs for credentials
 (``GCSFileSystem(**options).credentials.apply``), fsspec's IO loop (``fsspec.asyn``), aiohttp's
-session and client middlewares (aiohttp >= 3.12). What a request means (objects, uploads,
-preconditions) belongs in ``gcs.py``.
+session and client middlewares (aiohttp >= 3.12); see docs/BACKENDS.md. Tested with gcsfs
+2026.10.1, fsspec 2026.9.0, aiohttp 3.14.5. What a request means (objects, uploads, preconditions)
+belongs in ``gcs.py``.
 """
 
 from __future__ import annotations
