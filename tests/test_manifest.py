@@ -23,6 +23,7 @@ import xxhash
 from pydantic import ValidationError
 
 from ckptsdk.codec import encode
+from ckptsdk.document import seal
 from ckptsdk.errors import ManifestError
 from ckptsdk.manifest import (
     FORMAT,
@@ -36,7 +37,6 @@ from ckptsdk.manifest import (
     parse_lineage,
     parse_manifest,
     schema_text,
-    seal,
 )
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
@@ -69,7 +69,7 @@ def test_manifest_round_trips_through_strict_json():
     assert math.isnan(back.metrics["nan"]) and back.metrics["inf"] == -math.inf
     assert math.copysign(1.0, back.metrics["zero"]) < 0
     assert type(back.metrics["n"]) is int and type(back.metrics["best"]) is bool
-    assert back.metrics["np"] == 0.5 and back.file("tensors.safetensors").size == 1234
+    assert back.metrics["np"] == 0.5 and {f.name: f for f in back.files}["tensors.safetensors"].size == 1234
     assert back.created_at.endswith("Z")
 
 
