@@ -250,7 +250,7 @@ def _read_entries(reader: _Reader, entries: list[HeaderEntry]) -> dict[str, torc
         # one tensor frees it without keeping a whole-file buffer alive.
         t = torch.empty(e.shape, dtype=e.dtype)
         out[e.name] = t
-        n = e.end - e.begin
+        n = e.nbytes
         if n == 0:
             continue
         view = byte_view(t)

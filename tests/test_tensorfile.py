@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import struct
+from pathlib import Path
 
 import pytest
 import safetensors
@@ -51,6 +53,13 @@ def _sample(dtype: torch.dtype, shape: tuple[int, ...], seed: int = 0) -> torch.
         return torch.randn(shape, generator=g, dtype=torch.float64).to(dtype)
     raw = torch.randint(0, 256, (n * dtype.itemsize,), generator=g, dtype=torch.uint8)
     return raw.view(dtype).reshape(shape)
+
+
+def test_format_md_lists_every_dtype_of_the_table():
+    text = (Path(__file__).resolve().parent.parent / "docs" / "FORMAT.md").read_text()
+    table = text.split("<!-- dtypes:begin -->")[1].split("<!-- dtypes:end -->")[0]
+    documented = set(re.findall(r"`([A-Z0-9_]+)` \| `([a-z0-9_]+)`", table))
+    assert documented == {(d.code, d.name) for d in TABLE}
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
