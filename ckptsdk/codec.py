@@ -317,9 +317,7 @@ def _hint_for(obj: Any) -> str:
 def _decode(node: Any, tensors: Mapping[str, torch.Tensor], depth: int) -> Any:
     if depth > MAX_DEPTH:
         raise ManifestError(f"state skeleton nests deeper than {MAX_DEPTH} levels")
-    if node is None or isinstance(node, (bool, str)):
-        return node
-    if isinstance(node, int):
+    if node is None or isinstance(node, (bool, str, int)):
         return node
     if isinstance(node, float):
         if not math.isfinite(node):

@@ -15,7 +15,7 @@ from pydantic import BeforeValidator, JsonValue, PlainSerializer, WithJsonSchema
 from .document import FLOAT_FORM, decode_float, encode_float
 from .errors import ConfigError
 
-__all__ = ["Metric", "decode_extra", "encode_extra", "user_fields"]
+__all__ = ["Metric", "Scalar", "decode_extra", "encode_extra", "user_fields"]
 
 #: A scalar that metrics and extra hold, as the manifest stores it.
 Scalar = bool | int | float | str | None

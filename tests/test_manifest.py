@@ -253,6 +253,15 @@ def test_committed_schema_matches_the_models():
     assert schema["$defs"]["Manifest"]["additionalProperties"] is False
 
 
+def test_reading_manifests_needs_no_torch():
+    # The catalog (ckptsdk ls, lease, gc) parses manifests; the dtype names and skeleton rules
+    # they check come from torch-free modules, so listing a root never pays for importing torch.
+    code = ("import sys, ckptsdk.manifest, ckptsdk.catalog, ckptsdk.skeleton, ckptsdk.dtype, ckptsdk.digest; "
+            "print(sorted(m for m in ('torch', 'safetensors') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]"
+
+
 def test_schema_entry_point_prints_the_schema():
     out = subprocess.run([sys.executable, "-m", "ckptsdk.manifest", "--schema"], capture_output=True,
                          text=True, timeout=120, check=True).stdout
