@@ -2,7 +2,7 @@
 
 Unit tests drive time with a fake clock (no sleeping); the race and dead-holder tests (marked
 slow) use real processes (tests/_story_writer.py) on local disk, the Drive folder and the GCS
-emulator. The Drive simulation (tests/drive_sim.py) is checked here too.
+emulator. The Drive simulation (tests/drive_mount_sim.py) is checked here too.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from ckptsdk.errors import (
     PreconditionFailed,
 )
 from ckptsdk.lease import LEASE_KEY, Lease, LeaseRecord, parse_lease, read_lease
-from tests.drive_sim import DriveSim
+from tests.drive_mount_sim import DriveSim
 
 REPO = Path(__file__).resolve().parents[1]
 

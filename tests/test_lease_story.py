@@ -28,7 +28,7 @@ import pytest
 
 from ckptsdk.backends import open_backend
 from ckptsdk.manager import CheckpointManager
-from tests.drive_sim import DriveSim
+from tests.drive_mount_sim import DriveSim
 
 REPO = Path(__file__).resolve().parents[1]
 SIM_DELAY = 3.0

@@ -1,7 +1,7 @@
 """Stateful property test of the lease and lineage rules over many writer schedules (issue 9).
 
 Two to five writers and a reader share one checkpoint root: a simulated Drive folder
-(tests/sim_drive.py: per-VM views, propagation delays and reorderings drawn by hypothesis), a real
+(tests/drive_deterministic_sim.py: per-VM views, propagation delays and reorderings drawn by hypothesis), a real
 local-disk root, and the memory backend. Writers open (takeover, also with ``force``), restore,
 save (which rotates), pause, die, close; a reader restores. Everything runs on one fake clock:
 lease acquisitions are cooperative tasks that sleep on it, so nothing really sleeps.
@@ -48,8 +48,8 @@ from ckptsdk.errors import (
     PreconditionFailed,
 )
 from ckptsdk.manager import CheckpointManager
+from tests.drive_deterministic_sim import FakeClock, FrozenBackend, SimDrive
 from tests.hypothesis_profiles import lineage_settings
-from tests.sim_drive import FakeClock, FrozenBackend, SimDrive
 
 # A writer's rank is (lease epoch, tag): the tag is "" where the store has compare-and-swap, else
 # the first 8 hex digits of the writer's lease nonce, and it is part of every name the writer makes.
@@ -1101,7 +1101,7 @@ def test_the_machine_catches_writers_sharing_a_rank(monkeypatch: pytest.MonkeyPa
     here), so a genuine lineage record may be ignored as stray first: [4] (see catalog.py)."""
     import dataclasses
 
-    from tests import sim_drive
+    from tests import drive_deterministic_sim as sim_drive
 
     monkeypatch.setattr(sim_drive.SimDriveBackend, "capabilities",
                         dataclasses.replace(sim_drive.DRIVE_CAPABILITIES, compare_and_swap=True))
