@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from .backends.base import Backend
 from .document import Document, check_format
 from .errors import ConfigError, ManifestError, ObjectNotFound
-from .runlog_record import RUNLOG_PREFIX, AttemptRecord, Scalar, parse_attempt_record, parse_chunk, parse_runlog_key
+from .runlog_record import RUNLOG_PREFIX, AttemptRecord, LogFloat, parse_attempt_record, parse_chunk, parse_runlog_key
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ class ScalarDiff(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    max_abs_diff: Scalar
+    max_abs_diff: LogFloat
     at_step: int | None
     compared_steps: int
 
@@ -79,8 +79,8 @@ class Divergence(BaseModel):
 
     step: int
     scalar: str
-    values: dict[int, Scalar]
-    abs_diff: Scalar
+    values: dict[int, LogFloat]
+    abs_diff: LogFloat
 
     @field_validator("values", mode="before")
     @classmethod
@@ -104,7 +104,7 @@ class AuditReport(Document):
 
     format: str = Field(default=AUDIT_FORMAT, pattern=r"^ckptsdk\.audit/1(\.[0-9]+)?$")
     url: str
-    tolerance: Scalar
+    tolerance: LogFloat
     verdict: str
     diverged_at: int | None = None
     attempts: list[AttemptSummary]

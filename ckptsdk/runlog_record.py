@@ -31,7 +31,7 @@ __all__ = [
     "RUNLOG_FORMAT",
     "RUNLOG_PREFIX",
     "AttemptRecord",
-    "Scalar",
+    "LogFloat",
     "StepRow",
     "attempt_prefix",
     "chunk_key",
@@ -82,7 +82,8 @@ def _scalar_in(value: Any) -> float:
 
 #: A float as the run log and the audit store it: strict JSON, non-finite values tagged by
 #: ``document.encode_float``; reading also accepts format 1.0's "NaN"/"Infinity" strings.
-Scalar = Annotated[float, BeforeValidator(_scalar_in), PlainSerializer(encode_float, when_used="json")]
+LogFloat = Annotated[float, BeforeValidator(_scalar_in), PlainSerializer(encode_float, when_used="json")]
+
 
 class AttemptRecord(Document):
     """Who ran one attempt, on what, from where, and how far it got.
@@ -128,7 +129,7 @@ class StepRow(Strict):
 
     step: int = Field(ge=0)
     time: float = Field(description="the logging host's wall clock, seconds since the epoch")
-    scalars: dict[str, Scalar]
+    scalars: dict[str, LogFloat]
 
     def to_line(self) -> str:
         """The row as one line of strict JSON (no newline)."""
