@@ -15,8 +15,8 @@ import pytest
 from ckptsdk.backends.memory import MemoryBackend
 from ckptsdk.errors import LeaseLostError
 from ckptsdk.manager import CheckpointManager
-from tests.lineage_machine import Rank, Weights, folder_name
 from tests.drive_deterministic_sim import FakeClock, FrozenBackend, SimDrive
+from tests.lineage_machine import Rank, Weights, folder_name
 
 
 def _sim_manager(sim: SimDrive, vm: str, *, beating: tuple[CheckpointManager, ...] = (),
