@@ -11,17 +11,17 @@ import logging
 import random
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import torch
 
 from . import codec
-from .errors import ConfigError, StateMismatchError
+from .errors import ConfigError, CorruptCheckpointError, StateMismatchError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TrainState", "capture_rng", "preflight", "restore_rng", "torch_class"]
+__all__ = ["Stateful", "TrainState", "capture_rng", "check_rng", "preflight", "restore_rng", "torch_class"]
 
 # What TrainState wraps: passed bare to save()/restore(), they are refused with a hint.
 _BARE = (torch.nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler,
@@ -35,6 +35,16 @@ _PARAM_SHAPED = frozenset({
     "momentum_buffer", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "square_avg", "acc_delta",
     "sum", "grad_avg", "exp_inf", "prev", "ax", "mu_product_buf",
 })
+
+
+@runtime_checkable
+class Stateful(Protocol):
+    """What ``restore()`` loads into and ``save()`` reads from besides a plain tree: an object
+    with ``state_dict()`` and ``load_state_dict()`` (a :class:`TrainState`, or a job's own)."""
+
+    def state_dict(self) -> Mapping[str, Any]: ...
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], /) -> None: ...
 
 
 def capture_rng() -> dict[str, Any]:
@@ -68,7 +78,7 @@ def restore_rng(tree: Mapping[str, Any]) -> None:
     Raises:
         StateMismatchError: the tree is not an RNG state (missing parts, wrong types).
     """
-    problems = _check_rng(tree)
+    problems = check_rng(tree)
     if problems:
         raise StateMismatchError(_message("the saved RNG state cannot be restored", problems),
                                  mismatches=problems)
@@ -87,15 +97,13 @@ def restore_rng(tree: Mapping[str, Any]) -> None:
             try:
                 torch.cuda.set_rng_state(state.cpu().clone(), i)
             except RuntimeError as exc:  # checked only here: no CUDA generator to ask before
-                from .errors import CorruptCheckpointError
-
                 raise CorruptCheckpointError(f"the saved CUDA RNG state of device {i} is "
                                              f"impossible: {exc}") from exc
     np.random.set_state(tree["numpy"])
     random.setstate(tree["python"])
 
 
-def _check_rng(tree: Any) -> list[str]:
+def check_rng(tree: Any) -> list[str]:
     """What makes ``tree`` not an RNG state (wrong parts or types), as a list of problems.
 
     Raises:
@@ -125,8 +133,6 @@ def _check_rng(tree: Any) -> list[str]:
         return problems
     impossible = _rng_values(t, cuda, tree["numpy"], py)
     if impossible:
-        from .errors import CorruptCheckpointError  # local: keeps this edit to these functions
-
         raise CorruptCheckpointError(_message("the saved RNG state is impossible (the checkpoint "
                                               "is damaged; restore falls back to an earlier one)",
                                               impossible))
@@ -225,8 +231,12 @@ class TrainState:
         ConfigError: an object lacks ``state_dict``/``load_state_dict``.
 
     Example:
-        >>> state = TrainState(model=model, optimizer=opt, scheduler=sched)
-        >>> tree = state.state_dict()        # {"objects": {...}, "rng": {...}}
+        >>> model = torch.nn.Linear(2, 2)
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> state = TrainState(model=model, optimizer=opt)
+        >>> tree = state.state_dict()        # {"objects": {...}, "rng": {...}, "types": {...}}
+        >>> sorted(tree["objects"])
+        ['model', 'optimizer']
         >>> state.load_state_dict(tree)      # checks first, then loads, then restores the RNGs
     """
 
@@ -320,7 +330,7 @@ class TrainState:
         if "rng" not in tree:
             problems.append("rng: missing from the checkpoint")
         else:
-            problems += _check_rng(tree["rng"])
+            problems += check_rng(tree["rng"])
         return problems
 
     def load_state_dict(self, tree: Mapping[str, Any], *, strict: bool = True) -> None:

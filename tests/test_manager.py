@@ -340,6 +340,34 @@ def test_read_only_never_takes_the_lease_and_refuses_save(tmp_path):
         ro.close()
 
 
+def test_a_restore_after_a_save_loads_and_leaves_the_lineage_alone(tmp_path, caplog):
+    """Where a writer's lineage starts is fixed by its first save: a later restore() (the
+    benchmarks time restores on a writer) loads the newest checkpoint and rewrites nothing, so
+    its manifests keep agreeing with its lineage record (no "believing the checkpoints")."""
+    url = str(tmp_path / "r")
+    with CheckpointManager(url, lease_ttl=5) as mgr:
+        mgr.save(make_state(), step=1)
+    state = make_state()
+    with CheckpointManager(url, lease_ttl=5) as mgr, caplog.at_level(logging.INFO, logger="ckptsdk"):
+        assert mgr.restore(state).step == 1  # the lineage of epoch 2 starts at step 1
+        first = mgr.resumed_from
+        for step in (2, 3, 4):
+            train(state, 1)
+            mgr.save(state, step=step)
+            other = make_state(step)
+            pos = mgr.restore(other)
+            assert (pos.step, pos.lease_epoch) == (step, 2)
+            assert_same(other, state)
+            assert mgr.resumed_from is first  # unchanged
+    resumed = {m["writer"]["resumed_from_step"] for m in (
+        json.loads((tmp_path / "r" / checkpoint_dir(s, 2) / MANIFEST).read_text()) for s in (3, 4))}
+    assert resumed == {1}
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    with CheckpointManager(url, read_only=True) as reader:
+        assert [c.step for c in reader.list()] == [2, 3, 4] and reader.latest().step == 4
+    assert not [r for r in caplog.records if "believing" in r.getMessage()]
+
+
 def test_interrupted_first_save_is_a_fresh_start(tmp_path):
     root = tmp_path / "r"
     folder = root / checkpoint_dir(100, 1)

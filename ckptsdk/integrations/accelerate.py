@@ -69,12 +69,13 @@ class AcceleratorCheckpoints:
         ConfigError: more than one process: each rank's RNG states would need a committer
             that gathers them (ckptsdk's distributed layer), which this wrapper is not.
 
-    Example:
-        >>> model, opt, loader, sched = accelerator.prepare(model, opt, loader, sched)
-        >>> ckpt = AcceleratorCheckpoints(accelerator, "gs://bucket/run", save_every=500)
-        >>> pos = ckpt.restore()    # None on a fresh run; else skip pos.batch_idx batches of pos.epoch
-        >>> ...; ckpt.save(step, epoch=epoch, batch_idx=i + 1) if ckpt.should_save(step) else None
-        >>> ckpt.close()
+    Example (a training loop, not a doctest: tests/_integration_jobs.py runs one)::
+
+        model, opt, loader, sched = accelerator.prepare(model, opt, loader, sched)
+        ckpt = AcceleratorCheckpoints(accelerator, "gs://bucket/run", save_every=500)
+        pos = ckpt.restore()    # None on a fresh run; else skip pos.batch_idx batches of pos.epoch
+        ...; ckpt.save(step, epoch=epoch, batch_idx=i + 1) if ckpt.should_save(step) else None
+        ckpt.close()
     """
 
     def __init__(

@@ -74,11 +74,12 @@ class CkptsdkCheckpointIO(CheckpointIO):
         restore_rng: put back torch/CUDA/numpy/Python RNG states when a checkpoint is loaded
             (Lightning's own checkpoints do not hold them; ckptsdk's resume is bit-exact with them).
 
-    Example:
-        >>> io = CkptsdkCheckpointIO("drive://runs/r18")
-        >>> trainer = L.Trainer(plugins=[io], default_root_dir="/content/drive/MyDrive/runs/r18",
-        ...                     callbacks=[ModelCheckpoint(save_last=True)])
-        >>> trainer.fit(model, loader, ckpt_path="last")
+    Example (a training run, not a doctest: tests/test_integration_lightning.py runs one)::
+
+        io = CkptsdkCheckpointIO("drive://runs/r18")
+        trainer = L.Trainer(plugins=[io], default_root_dir="/content/drive/MyDrive/runs/r18",
+                            callbacks=[ModelCheckpoint(save_last=True)])
+        trainer.fit(model, loader, ckpt_path="last")
     """
 
     def __init__(

@@ -83,10 +83,11 @@ class CkptsdkTrainer(Trainer):
         ConfigError: more than one process, or ``load_best_model_at_end`` (both need folders
             or gathering this subclass does not do).
 
-    Example:
-        >>> trainer = CkptsdkTrainer(model=model, args=TrainingArguments("out", save_steps=500),
-        ...                          train_dataset=ds, ckpt_url="drive://runs/gpt")
-        >>> trainer.train(resume_from_checkpoint=True)
+    Example (a training run, not a doctest: tests/test_integration_hf.py runs one)::
+
+        trainer = CkptsdkTrainer(model=model, args=TrainingArguments("out", save_steps=500),
+                                 train_dataset=ds, ckpt_url="drive://runs/gpt")
+        trainer.train(resume_from_checkpoint=True)
     """
 
     def __init__(
