@@ -34,7 +34,7 @@ from .reader import CheckpointReader, ResumePoint, resume_point
 from .rotation import LEFTOVER_GRACE_S, RETENTION_MODES, GcReport, Rotation
 from .runlog import RunLog
 from .saving import SavePipeline
-from .state import Stateful, TrainState, preflight
+from .state import Restorable, Stateful, TrainState, preflight
 
 if TYPE_CHECKING:
     from .audit import AuditReport
@@ -245,7 +245,7 @@ class CheckpointManager(CheckpointReader):
 
     # ------------------------------------------------------------------ restoring
 
-    def restore(self, state: TrainState | Stateful) -> ResumePoint | None:
+    def restore(self, state: TrainState | Restorable) -> ResumePoint | None:
         """Load the newest valid checkpoint into ``state`` (objects and RNGs).
 
         Torn, corrupt, unknown-format or orphaned checkpoints are skipped with a warning naming

@@ -21,7 +21,8 @@ from .errors import ConfigError, CorruptCheckpointError, StateMismatchError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Stateful", "TrainState", "capture_rng", "check_rng", "preflight", "restore_rng", "torch_class"]
+__all__ = ["Restorable", "Stateful", "TrainState", "capture_rng", "check_rng", "preflight", "restore_rng",
+           "torch_class"]
 
 # What TrainState wraps: passed bare to save()/restore(), they are refused with a hint.
 _BARE = (torch.nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler,
@@ -38,13 +39,18 @@ _PARAM_SHAPED = frozenset({
 
 
 @runtime_checkable
-class Stateful(Protocol):
-    """What ``restore()`` loads into and ``save()`` reads from besides a plain tree: an object
-    with ``state_dict()`` and ``load_state_dict()`` (a :class:`TrainState`, or a job's own)."""
+class Restorable(Protocol):
+    """What ``restore()`` loads a checkpoint's tree into: a :class:`TrainState`, or an object of
+    the job's (or an integration's) with ``load_state_dict``."""
+
+    def load_state_dict(self, state_dict: dict[str, Any], /) -> object: ...
+
+
+@runtime_checkable
+class Stateful(Restorable, Protocol):
+    """What ``save()`` reads besides a plain tree: ``state_dict()`` (and ``load_state_dict()``)."""
 
     def state_dict(self) -> Mapping[str, Any]: ...
-
-    def load_state_dict(self, state_dict: Mapping[str, Any], /) -> None: ...
 
 
 def capture_rng() -> dict[str, Any]:
@@ -240,14 +246,14 @@ class TrainState:
         >>> state.load_state_dict(tree)      # checks first, then loads, then restores the RNGs
     """
 
-    def __init__(self, **objects: Any) -> None:
+    def __init__(self, **objects: Stateful) -> None:
         for name, obj in objects.items():
             if not (callable(getattr(obj, "state_dict", None))
                     and callable(getattr(obj, "load_state_dict", None))):
                 raise ConfigError(
                     f"TrainState({name}=...) got a {type(obj).__name__}, which has no "
                     "state_dict()/load_state_dict(); wrap it in an object that has both")
-        self.objects: dict[str, Any] = dict(objects)
+        self.objects: dict[str, Any] = dict(objects)  # Any: each is used as its own class
         # A pipelined save copies parameters and optimizer state while the next forward and
         # backward run; each optimizer's next step() first waits for that copy (see hold_steps).
         self._hold: Callable[[], None] | None = None

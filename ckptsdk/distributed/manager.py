@@ -16,6 +16,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -204,7 +205,7 @@ class DistributedCheckpointManager:
 
     def save(
         self, state: dict[str, Any], *, step: int, epoch: int | None = None, batch_idx: int | None = None,
-        metrics: Mapping[str, Any] | None = None, extra: Mapping[str, Any] | None = None,
+        metrics: Mapping[str, object] | None = None, extra: Mapping[str, object] | None = None,
         tags: Mapping[str, str] | None = None, local: Mapping[str, Any] | None = None,
         blocking: bool | None = None,
     ) -> str:
@@ -411,7 +412,7 @@ class DistributedCheckpointManager:
 
     # ------------------------------------------------------------------ step log, lifecycle
 
-    def log_step(self, step: int, **scalars: Any) -> None:
+    def log_step(self, step: int, **scalars: float | torch.Tensor | np.generic) -> None:
         """Append ``scalars`` for ``step`` to the step log (rank 0's; other ranks: no-op)."""
         if self._core is not None:
             self._core.log_step(step, **scalars)
