@@ -35,21 +35,23 @@ from ..errors import (
     MissingDependencyError,
 )
 from . import admin, attempts, checkpoints, porting
-from .common import Failed, UsageError, emit_json
+from .common import (
+    EXIT_BROKEN_PIPE,
+    EXIT_CHECKPOINT,
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_STORAGE,
+    EXIT_USAGE,
+    Failed,
+    UsageError,
+    emit_json,
+)
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["main", "EXIT_OK", "EXIT_FAILED", "EXIT_USAGE", "EXIT_STORAGE", "EXIT_CHECKPOINT",
            "EXIT_INTERRUPTED", "EXIT_BROKEN_PIPE"]
-
-EXIT_OK = 0
-EXIT_FAILED = 1
-EXIT_USAGE = 2
-EXIT_STORAGE = 3
-EXIT_CHECKPOINT = 4
-EXIT_INTERRUPTED = 130
-EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: what a shell reports for a Unix tool whose reader left
-
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(

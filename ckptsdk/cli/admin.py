@@ -15,14 +15,12 @@ from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
 from ..errors import LeaseError
-from .common import UsageError, backend, emit_json, human_size, manager, parse_wall, require_root, table
+from .common import EXIT_OK, UsageError, backend, emit_json, human_size, manager, parse_wall, require_root, table
 
 if TYPE_CHECKING:
     from ..lease import LeaseRecord
 
 __all__ = ["cmd_gc", "cmd_lease", "register"]
-
-EXIT_OK = 0
 
 
 def _lease_doc(record: LeaseRecord) -> dict[str, Any]:

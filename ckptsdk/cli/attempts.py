@@ -12,13 +12,11 @@ import logging
 import math
 from collections.abc import Callable
 
-from .common import Failed, UsageError, backend, emit_json, fmt_float, require_root, table
+from .common import EXIT_OK, Failed, UsageError, backend, emit_json, fmt_float, require_root, table
 
 logger = logging.getLogger("ckptsdk.cli")
 
 __all__ = ["cmd_audit", "register"]
-
-EXIT_OK = 0
 
 
 def cmd_audit(args: argparse.Namespace) -> int:

@@ -13,14 +13,12 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ..errors import CorruptCheckpointError, NoValidCheckpointError, ObjectNotFound
-from .common import Failed, emit_json, human_size, manager, require_root, short_time, table
+from .common import EXIT_OK, Failed, emit_json, human_size, manager, require_root, short_time, table
 
 if TYPE_CHECKING:
     from ..catalog import CheckpointInfo
 
 __all__ = ["cmd_du", "cmd_ls", "cmd_show", "cmd_verify", "register"]
-
-EXIT_OK = 0
 
 
 def _info_dict(info: CheckpointInfo) -> dict[str, Any]:

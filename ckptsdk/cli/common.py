@@ -21,8 +21,19 @@ if TYPE_CHECKING:  # both import torch or fsspec: commands import them when they
     from ..backends.base import Backend
     from ..manager import CheckpointManager
 
-__all__ = ["Failed", "UsageError", "backend", "emit_json", "fmt_float", "human_size", "manager",
+__all__ = ["EXIT_BROKEN_PIPE", "EXIT_CHECKPOINT", "EXIT_FAILED", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_STORAGE",
+           "EXIT_USAGE", "Failed", "UsageError", "backend", "emit_json", "fmt_float", "human_size", "manager",
            "parse_wall", "require_root", "short_time", "storage_options", "table"]
+
+
+# The exit codes (the package docstring says when each happens; README.md lists them).
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+EXIT_STORAGE = 3
+EXIT_CHECKPOINT = 4
+EXIT_INTERRUPTED = 130
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: what a shell reports for a Unix tool whose reader left
 
 
 class Failed(Exception):

@@ -10,11 +10,9 @@ import argparse
 import json
 from typing import Any
 
-from .common import UsageError, emit_json, storage_options
+from .common import EXIT_OK, UsageError, emit_json, storage_options
 
 __all__ = ["cmd_export", "cmd_import", "register"]
-
-EXIT_OK = 0
 
 
 def cmd_import(args: argparse.Namespace) -> int:
