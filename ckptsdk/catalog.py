@@ -425,7 +425,7 @@ def _check_files(manifest: Manifest, files: dict[str, ObjectInfo], step: int, ep
             f"manifest says step {manifest.step} epoch {manifest.writer.lease_epoch} but lives in "
             f"the folder of step {step} epoch {epoch}"
         )
-    from .tensorfile import ALGORITHMS  # late: the catalog itself needs no torch
+    from .digest import CHECKPOINT_ALGORITHMS as ALGORITHMS  # what a checkpoint's files may name
 
     for entry in manifest.files:
         if entry.algorithm not in ALGORITHMS:

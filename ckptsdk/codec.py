@@ -4,13 +4,13 @@ A state tree is nested dicts/lists/tuples whose leaves are tensors, numpy arrays
 JSON-like scalars. ``encode`` splits it into the tensors (for safetensors) and a JSON skeleton that
 says where each one goes; ``decode`` puts it back together exactly. Storage, digests and the
 manifest do not belong here. The skeleton format is documented in docs/FORMAT.md; checking a
-skeleton without its tensors (and its JSON Schema) is skeleton.py's.
+skeleton without its tensors (and its JSON Schema) is skeleton.py's, and so are the tags and
+defaultdict factories it uses; the dtypes it stores are dtype.py's table.
 """
 
 from __future__ import annotations
 
 import functools
-import logging
 import math
 import re
 from collections import Counter, OrderedDict, defaultdict, deque
@@ -19,50 +19,28 @@ from typing import Any
 
 import numpy as np
 import torch
+from pydantic import JsonValue
 
 from .document import decode_float, encode_float
+from .dtype import BY_NAME, of_torch, to_torch
 from .errors import CorruptCheckpointError, ManifestError, UnsupportedStateError
+from .skeleton import FACTORIES, MAX_DEPTH, tag_of
 
-logger = logging.getLogger(__name__)
-
-__all__ = ["check", "decode", "encode", "MAX_DEPTH"]
-
-#: Deepest nesting accepted; deeper trees are almost surely a mistake and would hit Python's
-#: recursion limit in json as well.
-MAX_DEPTH = 200
-
-# Only dtypes the safetensors format can hold (safetensors.torch's table); some are missing on
-# older torch builds, hence getattr.
-_DTYPE_NAMES = (
-    "float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8",
-    "bool", "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "complex64",
-    "uint64", "uint32", "uint16",
-)
-_DTYPES: dict[str, torch.dtype] = {
-    n: getattr(torch, n) for n in _DTYPE_NAMES if isinstance(getattr(torch, n, None), torch.dtype)
-}
-_DTYPE_TO_NAME = {v: k for k, v in _DTYPES.items()}
+__all__ = ["check", "decode", "encode"]
 
 # Python ints outside int64 are written as hex strings: other JSON readers lose precision on big
 # numbers, and CPython refuses to print ints over 4300 decimal digits.
 _INT_MIN, _INT_MAX = -(2**63), 2**63 - 1
 _INTLIKE = re.compile(r"-?[0-9]+")
 
-_TAGS = ("$tensor", "$ndarray", "$tuple", "$dict", "$float", "$int", "$npscalar", "$state_dict",
-         "$ordered_dict", "$counter", "$defaultdict", "$deque")
 # The standard-library containers torch's own objects hold (MultiStepLR's milestones is a
-# Counter), kept exactly. A defaultdict's factory is stored by name, so only these are known.
+# Counter), kept exactly.
 _MAPPING_TAGS: dict[type, str] = {OrderedDict: "$ordered_dict", Counter: "$counter", defaultdict: "$defaultdict"}
-_FACTORIES: dict[str, Any] = {
-    "None": None, "int": int, "float": float, "str": str, "bool": bool, "list": list, "dict": dict,
-    "tuple": tuple, "set": set, "frozenset": frozenset, "collections.OrderedDict": OrderedDict,
-    "collections.Counter": Counter, "collections.deque": deque,
-}
-_FACTORY_NAMES = {id(v): k for k, v in _FACTORIES.items()}
+_FACTORY_NAMES = {id(v): k for k, v in FACTORIES.items()}
 _HINT = "convert it to a tensor or a JSON value (None, bool, int, float, str), or leave it out of state_dict()"
 
 
-def encode(tree: Any) -> tuple[dict[str, torch.Tensor], Any]:
+def encode(tree: object) -> tuple[dict[str, torch.Tensor], JsonValue]:
     """Split a state tree into its tensors, keyed by readable paths, and a JSON skeleton.
 
     Tensors are detached, never copied: device tensors stay on their device, non-contiguous and
@@ -94,7 +72,7 @@ def encode(tree: Any) -> tuple[dict[str, torch.Tensor], Any]:
     return tensors, skeleton
 
 
-def check(tree: Any) -> None:
+def check(tree: object) -> None:
     """Raise what ``encode`` would raise for ``tree``, storing and copying nothing.
 
     A lazy module's parameter that is not materialised yet passes: it will be by the first save.
@@ -105,7 +83,7 @@ def check(tree: Any) -> None:
     _Encoder({}, preflight=True).node(tree, (), set())
 
 
-def decode(skeleton: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
+def decode(skeleton: JsonValue, tensors: Mapping[str, torch.Tensor]) -> Any:
     """Rebuild the state tree from a skeleton and the tensors it references.
 
     Tensors are used as given (not copied); numpy leaves share memory with them (CPU tensors).
@@ -121,6 +99,11 @@ def decode(skeleton: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
     Raises:
         ManifestError: the skeleton is malformed (unknown tag, wrong field types).
         CorruptCheckpointError: a referenced tensor is missing or has another dtype or shape.
+
+    Example:
+        >>> tensors, skel = encode({"w": torch.zeros(2), "t": (1, float("nan"))})
+        >>> decode(skel, tensors)
+        {'w': tensor([0., 0.]), 't': (1, nan)}
     """
     try:
         return _decode(skeleton, tensors, 0)
@@ -169,7 +152,8 @@ def _component(key: Any) -> str:
     if key is None or type(key) is bool:
         return f"#{key}"
     if type(key) is float:
-        return f"#{key!r}" if not math.isnan(key) else f"#{encode_float(key)['$float']}"
+        tagged = encode_float(key)  # a nan's sign and payload: its tag, as in the skeleton
+        return f"#{tagged['$float']}" if isinstance(tagged, dict) and math.isnan(key) else f"#{key!r}"
     raise AssertionError(key)  # mapping() refused every other key type already
 
 
@@ -215,7 +199,7 @@ class _Encoder:
                     factory = _FACTORY_NAMES.get(id(obj.default_factory))
                     if factory is None:
                         raise _refuse(path, obj, f"its default_factory {obj.default_factory!r} is "
-                                      f"not one of {sorted(_FACTORIES)}; convert it with dict(x)")
+                                      f"not one of {sorted(FACTORIES)}; convert it with dict(x)")
                     return {"$defaultdict": self.mapping(obj, path, active), "factory": factory}
                 if kind in _MAPPING_TAGS:
                     return {_MAPPING_TAGS[kind]: self.mapping(obj, path, active)}
@@ -261,8 +245,8 @@ class _Encoder:
         if t.is_quantized or t.device.type == "meta":
             raise _refuse(path, t, "quantized and meta tensors have no plain values; dequantize "
                                    "or materialise them first")
-        name = _DTYPE_TO_NAME.get(t.dtype)
-        if name is None:
+        entry = of_torch(t.dtype)
+        if entry is None:
             hint = " (e.g. torch.view_as_real(t) for complex128)" if t.is_complex() else ""
             raise _refuse(path, t, f"safetensors cannot hold dtype {t.dtype}; convert it{hint}")
         t = t.detach()
@@ -273,7 +257,7 @@ class _Encoder:
             t = t.resolve_neg()
         key = self.claim(path)
         self.tensors[key] = t
-        return {"$tensor": key, "dtype": name, "shape": list(t.shape)}
+        return {"$tensor": key, "dtype": entry.name, "shape": list(t.shape)}
 
     def ndarray(self, a: np.ndarray, path: tuple[str, ...]) -> Any:
         dtype_str = a.dtype.str
@@ -288,7 +272,7 @@ class _Encoder:
             t = torch.from_numpy(a)
         except TypeError as exc:
             raise _refuse(path, a, f"numpy dtype {a.dtype} has no torch equivalent") from exc
-        if t.dtype not in _DTYPE_TO_NAME:
+        if of_torch(t.dtype) is None:
             raise _refuse(path, a, f"safetensors cannot hold numpy dtype {a.dtype}; convert it")
         key = self.claim(path)
         self.tensors[key] = t
@@ -330,21 +314,10 @@ def _hint_for(obj: Any) -> str:
 # --- decoding ---------------------------------------------------------------------------------
 
 
-def _tag_of(node: dict) -> str | None:
-    tags = [k for k in node if isinstance(k, str) and k.startswith("$")]
-    if not tags:
-        return None
-    if len(tags) != 1 or tags[0] not in _TAGS:
-        raise ManifestError(f"state skeleton has an unknown node {sorted(map(str, node))!r}")
-    return tags[0]
-
-
 def _decode(node: Any, tensors: Mapping[str, torch.Tensor], depth: int) -> Any:
     if depth > MAX_DEPTH:
         raise ManifestError(f"state skeleton nests deeper than {MAX_DEPTH} levels")
-    if node is None or isinstance(node, (bool, str)):
-        return node
-    if isinstance(node, int):
+    if node is None or isinstance(node, (bool, str, int)):
         return node
     if isinstance(node, float):
         if not math.isfinite(node):
@@ -354,14 +327,14 @@ def _decode(node: Any, tensors: Mapping[str, torch.Tensor], depth: int) -> Any:
         return [_decode(v, tensors, depth + 1) for v in node]
     if not isinstance(node, dict):
         raise ManifestError(f"state skeleton holds a {type(node).__name__}, not a JSON value")
-    tag = _tag_of(node)
+    tag = tag_of(node)
     if tag is None:
         return {k: _decode(v, tensors, depth + 1) for k, v in node.items()}
     try:
         return _decode_tagged(tag, node, tensors, depth)
     except (KeyError, TypeError, ValueError, IndexError) as exc:
-        if isinstance(exc, (ManifestError, CorruptCheckpointError)):
-            raise
+        # ManifestError and CorruptCheckpointError (raised on purpose below) are none of these
+        # builtins: they pass through as they are.
         raise ManifestError(f"state skeleton has a malformed {tag} node: {exc}") from exc
 
 
@@ -400,9 +373,9 @@ def _decode_tagged(tag: str, node: dict, tensors: Mapping[str, torch.Tensor], de
             return OrderedDict(items)
         if tag == "$counter":
             return Counter(items)
-        if node["factory"] not in _FACTORIES:
+        if node["factory"] not in FACTORIES:
             raise ValueError(f"unknown defaultdict factory {node['factory']!r}")
-        return defaultdict(_FACTORIES[node["factory"]], items)
+        return defaultdict(FACTORIES[node["factory"]], items)
     if tag == "$deque":
         _expect_keys(node, {tag, "maxlen"})
         maxlen = node["maxlen"]
@@ -443,9 +416,14 @@ def _decode_tagged(tag: str, node: dict, tensors: Mapping[str, torch.Tensor], de
             f"tensor {value!r} has shape {list(t.shape)} in the tensor file but {shape} in the "
             "manifest; the checkpoint is inconsistent", key=value)
     if tag == "$tensor":
-        expected = _DTYPES.get(node["dtype"])
-        if expected is None:
+        entry = BY_NAME.get(node["dtype"])
+        if entry is None:
             raise ValueError(f"unknown tensor dtype {node['dtype']!r}")
+        expected = to_torch(entry)
+        if expected is None:
+            raise ManifestError(
+                f"tensor {value!r} is {entry.name}, which torch {torch.__version__} lacks; upgrade "
+                "torch to restore this checkpoint")
         if t.dtype != expected:
             raise CorruptCheckpointError(
                 f"tensor {value!r} is {t.dtype} in the tensor file but {expected} in the "

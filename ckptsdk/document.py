@@ -92,7 +92,7 @@ _CANONICAL_NAN_BITS = struct.unpack("<Q", struct.pack("<d", float("nan")))[0]
 FLOAT_FORM = r"^(nan|inf|-inf|-0\.0|[0-9a-f]{16})$"
 
 
-def encode_float(x: float) -> Any:
+def encode_float(x: float) -> float | dict[str, str]:
     """A float as a JSON value that strict JSON can hold: itself, or ``{"$float": ...}``.
 
     nan, inf, -inf and -0.0 are tagged (``"nan"``, ``"inf"``, ``"-inf"``, ``"-0.0"``); a nan with
@@ -112,7 +112,7 @@ def encode_float(x: float) -> Any:
     return {"$float": "nan" if bits == _CANONICAL_NAN_BITS else f"{bits:016x}"}
 
 
-def decode_float(value: Any) -> float:
+def decode_float(value: object) -> float:
     """The inverse of ``encode_float`` (accepts a JSON number or a ``{"$float": ...}`` object).
 
     Raises:
@@ -142,7 +142,7 @@ def decode_float(value: Any) -> float:
 
 # --- version ---------------------------------------------------------------------------------
 
-def check_format(value: Any, expected: str) -> int:
+def check_format(value: object, expected: str) -> int:
     """The minor version of ``value`` if the version rule lets this ckptsdk read it.
 
     Args:
@@ -212,7 +212,7 @@ class Document(Strict):
         return seal(body) if self.CHECKSUM_SINCE is not None else dumps(body)
 
 
-def dumps(obj: Any) -> bytes:
+def dumps(obj: object) -> bytes:
     """``obj`` as one line of strict JSON (no NaN/Infinity tokens), UTF-8, ending in a newline."""
     return (json.dumps(obj, allow_nan=False, separators=(",", ":")) + "\n").encode("utf-8")
 
@@ -269,7 +269,7 @@ def _reject_constant(name: str) -> Any:
 D = TypeVar("D", bound=Document)
 
 
-def parse_document(data: Any, model: type[D], *, key: str = "", url: str | None = None,
+def parse_document(data: bytes | bytearray | memoryview | str, model: type[D], *, key: str = "", url: str | None = None,
                    error: Callable[[str, int | None], CkptError] | None = None,
                    damaged: str = "it is not used") -> D:
     """Parse and validate one JSON document by the version rule (module docstring).

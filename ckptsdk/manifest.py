@@ -1,10 +1,9 @@
-"""Pydantic models of every JSON document ckptsdk writes next to the tensors, and their parsers.
+"""The models of a checkpoint's manifest.json (its commit marker) and lineage records, and their parsers.
 
-A checkpoint's manifest.json (its commit marker) and the lineage records under lineage/. The
-``format`` field is checked before anything else so that a newer major version gives a clear
-error, then the document's ``checksum`` (sha256 of its canonical JSON), so that no flipped byte
-is ever trusted. Storage and the state codec's internals do not belong here. Regenerate
-docs/manifest.schema.json with ``python -m ckptsdk.manifest --schema > docs/manifest.schema.json``.
+They follow document.py's rule: ``format`` checked first (a newer major version gives a clear
+error), then the ``checksum``, so that no flipped byte is ever trusted. What metrics and extra may
+hold is userfield.py's; the state skeleton's rules are skeleton.py's; storage does not belong
+here. Regenerate docs/manifest.schema.json with ``python -m ckptsdk.manifest --schema > docs/manifest.schema.json``.
 """
 
 from __future__ import annotations
@@ -12,49 +11,42 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import logging
 import math
 import os
 import platform
 import re
 import socket
 import sys
-from typing import Annotated, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
-from pydantic import (
-    BeforeValidator,
-    Field,
-    JsonValue,
-    WithJsonSchema,
-    field_serializer,
-    field_validator,
-)
+from pydantic import Field, JsonValue, field_serializer, field_validator
 from pydantic.json_schema import models_json_schema
 
 from .document import (
     CHECKSUM_FIELD,
-    FLOAT_FORM,
     D,
     Document,
     Strict,
     UtcTime,
     check_format,
     check_utc,
-    decode_float,
-    encode_float,
     parse_document,
     seal,
     utc_now,
 )
-from .errors import ConfigError, ManifestError
+from .errors import ManifestError
 from .skeleton import skeleton_schema, tensor_paths
+from .userfield import Metric, decode_extra, encode_extra, user_fields
 
-logger = logging.getLogger(__name__)
+if TYPE_CHECKING:
+    from torch import device as TorchDevice  # not "torch": Environment has a field of that name
 
 __all__ = [
-    "CHECKSUM_FIELD", "FORMAT", "LINEAGE_FORMAT", "Environment", "FileEntry", "LineageRecord", "Manifest",
-    "Position", "Writer", "json_schema", "parse_lineage", "parse_manifest", "schema_text", "seal",
-    "user_fields", "utc_now",
+    "FORMAT", "LINEAGE_FORMAT", "Environment", "FileEntry", "LineageRecord", "Manifest", "Position", "Writer",
+    "json_schema", "parse_lineage", "parse_manifest", "schema_text",
+    # Re-exported for callers outside this module's owner's files (their one home is named):
+    "seal",  # document.py (tests/test_manager.py, tests/test_faults_hostile.py)
+    "user_fields",  # userfield.py (manager.py)
 ]
 
 #: What this code writes; it reads any ``/1.x`` (fields of a newer minor version are ignored).
@@ -69,10 +61,7 @@ _FILE_NAME = r"^(?!\.\.?(/|$))[A-Za-z0-9_.-]+(/(?!\.\.?(/|$))[A-Za-z0-9_.-]+)*$"
 _NODE_REF = "#/$defs/SkeletonNode"
 
 
-_Part = Strict
-
-
-def _check_finite_json(value: Any, where: str = "extra") -> Any:
+def _check_finite_json(value: Any, where: str) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         raise ValueError(f"{where} holds {value}; JSON has no nan/inf")
     if isinstance(value, dict):
@@ -84,102 +73,7 @@ def _check_finite_json(value: Any, where: str = "extra") -> Any:
     return value
 
 
-_USER_RULE = ("metrics and extra hold None, bool, int, float (nan and inf included), str, and numpy "
-              "scalars or 0-d tensors (kept as their Python value); extra also holds lists and "
-              "str-keyed dicts of these")
-
-
-def user_fields(
-    *, metrics: Any = None, extra: Any = None
-) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Check a save's ``metrics`` and ``extra`` against the one rule both follow; plain copies.
-
-    The rule (also the manifest's): None, bool, int, float (nan and inf included: stored tagged,
-    restored exactly), str; numpy scalars and 0-d tensors become their Python value; ``extra``
-    may also nest lists and dicts with str keys (not starting with '$', which tags floats).
-
-    Raises:
-        ConfigError: a value outside the rule; names the field, the key and the type.
-    """
-    out: list[dict[str, Any]] = []
-    for field, values, nested in (("metrics", metrics, False), ("extra", extra, True)):
-        if values is None:
-            out.append({})
-            continue
-        if not isinstance(values, dict):
-            raise ConfigError(f"{field} must be a dict, got a {type(values).__name__}")
-        out.append({_user_key(k, field): _user_value(v, f"{field}[{k!r}]", nested)
-                    for k, v in values.items()})
-    return out[0], out[1]
-
-
-def _user_key(key: Any, where: str) -> str:
-    if type(key) is not str or key.startswith("$"):
-        raise ConfigError(f"{where} has the key {key!r}: keys are str not starting with '$'; {_USER_RULE}")
-    return key
-
-
-def _user_value(value: Any, where: str, nested: bool) -> Any:
-    if value is None or type(value) in (bool, int, float, str):
-        return value
-    shape = getattr(value, "shape", None)
-    if shape is not None and tuple(shape) == () and callable(getattr(value, "item", None)):
-        return _user_value(value.item(), where, False)  # np.int64(3), torch.tensor(0.5)
-    if nested and type(value) is dict:
-        return {_user_key(k, where): _user_value(v, f"{where}[{k!r}]", True) for k, v in value.items()}
-    if nested and type(value) is list:
-        return [_user_value(v, f"{where}[{i}]", True) for i, v in enumerate(value)]
-    kind = f"{type(value).__module__}.{type(value).__qualname__}".removeprefix("builtins.")
-    size = f" of shape {tuple(shape)}" if shape is not None else ""
-    raise ConfigError(f"{where} is a {kind}{size}: {_USER_RULE}. Convert it (x.item() for a "
-                      "scalar, x.tolist() for an array, list(x) for a tuple)")
-
-
-def _extra_in(value: Any) -> Any:
-    # The manifest's nan/inf tags ({"$float": ...}) back to floats; '$' keys are otherwise refused.
-    if isinstance(value, dict):
-        if set(value) == {"$float"}:
-            return decode_float(value)
-        return {k: _extra_in(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_extra_in(v) for v in value]
-    return value
-
-
-def _extra_out(value: Any) -> Any:
-    if type(value) is float:
-        return encode_float(value)
-    if isinstance(value, dict):
-        return {k: _extra_out(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_extra_out(v) for v in value]
-    return value
-
-
-def _metric_in(value: Any) -> Any:
-    if isinstance(value, dict):
-        return decode_float(value)
-    # numpy scalars and 0-d tensors (a loss) are accepted as their Python value.
-    if not isinstance(value, (bool, int, float, str, type(None))) and callable(getattr(value, "item", None)):
-        return value.item()
-    return value
-
-
-Metric = Annotated[
-    bool | int | float | str | None,
-    BeforeValidator(_metric_in),
-    WithJsonSchema({
-        "anyOf": [
-            {"type": ["boolean", "integer", "number", "string", "null"]},
-            {"type": "object", "properties": {"$float": {"type": "string", "pattern": FLOAT_FORM}},
-             "required": ["$float"], "additionalProperties": False,
-             "description": "nan, inf, -inf, -0.0 or a nan's 16 hex digit bit pattern"},
-        ]
-    }),
-]
-
-
-class FileEntry(_Part):
+class FileEntry(Strict):
     """One file of a checkpoint, with what a reader verifies before using it."""
 
     name: str = Field(json_schema_extra={"pattern": _FILE_NAME},
@@ -197,7 +91,7 @@ class FileEntry(_Part):
         return value
 
 
-class Position(_Part):
+class Position(Strict):
     """Where in the data the job was: epoch, batch index, and anything the job adds."""
 
     epoch: int | None = Field(default=None, ge=0)
@@ -209,14 +103,14 @@ class Position(_Part):
     @field_validator("extra", mode="before")
     @classmethod
     def _tagged_floats(cls, value: Any) -> Any:
-        return _extra_in(value)
+        return decode_extra(value)
 
     @field_serializer("extra", when_used="json")
-    def _extra_json(self, value: dict[str, Any]) -> dict[str, Any]:
-        return _extra_out(value)
+    def _extra_json(self, value: dict[str, Any]) -> object:
+        return encode_extra(value)
 
 
-class Writer(_Part):
+class Writer(Strict):
     """Who wrote a checkpoint: run, attempt, lease epoch (the fencing token), host, pid."""
 
     run_id: str = Field(min_length=1)
@@ -227,7 +121,7 @@ class Writer(_Part):
     resumed_from_step: int | None = Field(default=None, ge=0)
 
 
-class Environment(_Part):
+class Environment(Strict):
     """Versions and device of the process that wrote a checkpoint (informational)."""
 
     python: str
@@ -239,7 +133,7 @@ class Environment(_Part):
     cuda: str | None = Field(description="the CUDA version torch was built with, if any")
 
     @classmethod
-    def current(cls, device: Any = None) -> Environment:
+    def current(cls, device: TorchDevice | str | None = None) -> Environment:
         """Describe this process. Never initialises CUDA.
 
         Args:
@@ -317,22 +211,6 @@ class Manifest(Document):
             raise ValueError(f"file names repeat: {names}")
         return value
 
-    @field_serializer("metrics", when_used="json")
-    def _metrics_json(self, value: dict[str, Any]) -> dict[str, Any]:
-        return {k: encode_float(v) if type(v) is float else v for k, v in value.items()}
-
-    def file(self, name: str) -> FileEntry:
-        """The entry of file ``name``.
-
-        Raises:
-            ManifestError: the manifest lists no such file.
-        """
-        for entry in self.files:
-            if entry.name == name:
-                return entry
-        raise ManifestError(f"checkpoint step {self.step}: the manifest lists no file {name!r} "
-                            f"(it has {[f.name for f in self.files]})", step=self.step)
-
 
 
 class LineageRecord(Document):
@@ -363,8 +241,7 @@ class LineageRecord(Document):
         return check_utc(value)
 
 
-
-def _parse(data: Any, model: type[D], key: str) -> D:
+def _parse(data: bytes, model: type[D], key: str) -> D:
     return parse_document(data, model, key=key,
                           damaged="it is not used (restore falls back to an earlier checkpoint)")
 

@@ -27,6 +27,7 @@ import torch
 from . import codec
 from .backends.base import Backend
 from .catalog import MANIFEST, TENSORS, Catalog, CheckpointInfo, Rank, checkpoint_dir, lineage_key, writer_tag
+from .digest import DEFAULT as DIGEST_ALGORITHM
 from .errors import CheckpointError, LeaseLostError, ObjectNotFound, PreconditionFailed
 from .lease import Lease
 from .manifest import Environment, FileEntry, LineageRecord, Manifest, Position, Writer
@@ -34,7 +35,7 @@ from .rotation import Rotation
 from .runlog import RunLog
 from .staging import Stager
 from .state import tensor_key
-from .tensorfile import DIGEST_ALGORITHM, write_tensorfile
+from .tensorfile import write_tensorfile
 
 logger = logging.getLogger(__name__)
 

@@ -1,22 +1,40 @@
-"""Checking a state skeleton without its tensors, and its JSON Schema: one set of rules for both.
+"""The state skeleton's format: its tags, its checks without the tensors, and its JSON Schema.
 
-``tensor_paths`` is what parsing a manifest runs; ``skeleton_schema`` states the same rules for
-docs/manifest.schema.json (tests/test_schema_agreement.py keeps them in step). Encoding and
-decoding belong to codec.py.
+The vocabulary (``TAGS``, defaultdict ``FACTORIES``, ``MAX_DEPTH``, ``tag_of``) is what the codec
+writes and reads; ``tensor_paths`` is what parsing a manifest runs; ``skeleton_schema`` states the
+same rules for docs/manifest.schema.json (tests/test_schema_agreement.py keeps them in step).
+Encoding and decoding belong to codec.py. No torch here: a manifest is checked without it.
 """
 
 from __future__ import annotations
 
 import re
+from collections import Counter, OrderedDict, deque
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+from pydantic import JsonValue
 
-from .codec import _DTYPE_NAMES, _FACTORIES, MAX_DEPTH, _tag_of
 from .document import FLOAT_FORM
+from .dtype import NAMES
 from .errors import ManifestError
 
-__all__ = ["skeleton_schema", "tensor_paths"]
+__all__ = ["FACTORIES", "MAX_DEPTH", "TAGS", "skeleton_schema", "tag_of", "tensor_paths"]
+
+#: Deepest nesting accepted; deeper trees are almost surely a mistake and would hit Python's
+#: recursion limit in json as well.
+MAX_DEPTH = 200
+#: Every tag a skeleton node may carry (docs/FORMAT.md, "The skeleton").
+TAGS = ("$tensor", "$ndarray", "$tuple", "$dict", "$float", "$int", "$npscalar", "$state_dict",
+        "$ordered_dict", "$counter", "$defaultdict", "$deque")
+#: The defaultdict factories a skeleton may name, by the name it stores. A factory is stored by
+#: name (never pickled), so only these are known.
+FACTORIES: dict[str, Callable[[], Any] | None] = {
+    "None": None, "int": int, "float": float, "str": str, "bool": bool, "list": list, "dict": dict,
+    "tuple": tuple, "set": set, "frozenset": frozenset, "collections.OrderedDict": OrderedDict,
+    "collections.Counter": Counter, "collections.deque": deque,
+}
 
 # The plain fields each tag carries besides itself ($npscalar: "value" or "hex").
 _TAG_FIELDS: dict[str, set[str]] = {
@@ -30,7 +48,25 @@ _HEX_BYTES = r"^([0-9a-f]{2})*$"
 _SCALAR_FORMS = {"$float": FLOAT_FORM, "$int": r"^-?0x[0-9a-f]+$"}
 
 
-def tensor_paths(skeleton: Any) -> list[str]:
+def tag_of(node: dict[Any, Any]) -> str | None:
+    """The tag of a dict node, or None for a plain mapping.
+
+    Raises:
+        ManifestError: more than one ``$`` key, or one that is not a known tag.
+
+    Example:
+        >>> tag_of({"$tuple": [1]}), tag_of({"a": 1})
+        ('$tuple', None)
+    """
+    tags = [k for k in node if isinstance(k, str) and k.startswith("$")]
+    if not tags:
+        return None
+    if len(tags) != 1 or tags[0] not in TAGS:
+        raise ManifestError(f"state skeleton has an unknown node {sorted(map(str, node))!r}")
+    return tags[0]
+
+
+def tensor_paths(skeleton: JsonValue) -> list[str]:
     """Every tensor path a skeleton references, in tree order (no tensors needed).
 
     Also checks the shape of every tagged node (its fields and their types: the rules
@@ -39,6 +75,10 @@ def tensor_paths(skeleton: Any) -> list[str]:
 
     Raises:
         ManifestError: the skeleton is malformed.
+
+    Example:
+        >>> tensor_paths({"w": {"$tensor": "w", "dtype": "float32", "shape": [2]}, "t": {"$tuple": [1]}})
+        ['w']
     """
     found: list[str] = []
 
@@ -54,7 +94,7 @@ def tensor_paths(skeleton: Any) -> list[str]:
             return
         if not isinstance(node, dict):
             return
-        tag = _tag_of(node)
+        tag = tag_of(node)
         if tag is None:
             for item in node.values():
                 visit(item, depth + 1)
@@ -71,7 +111,7 @@ def tensor_paths(skeleton: Any) -> list[str]:
             shape = node["shape"]
             if not (isinstance(shape, list) and all(type(n) is int and n >= 0 for n in shape)):
                 raise bad(tag, f"shape {shape!r} is not a list of ints >= 0")
-            names = _DTYPE_NAMES if tag == "$tensor" else None
+            names = NAMES if tag == "$tensor" else None
             if not _dtype_ok(node["dtype"], names):
                 raise bad(tag, f"unknown dtype {node['dtype']!r}")
             found.append(value)
@@ -91,7 +131,7 @@ def tensor_paths(skeleton: Any) -> list[str]:
         elif tag in ("$state_dict", "$ordered_dict", "$counter", "$defaultdict"):
             if not isinstance(value, dict):
                 raise bad(tag, "it must hold a dict node")
-            if tag == "$defaultdict" and node["factory"] not in _FACTORIES:
+            if tag == "$defaultdict" and node["factory"] not in FACTORIES:
                 raise bad(tag, f"unknown factory {node['factory']!r}")
             visit(value, depth + 1)
             if tag == "$state_dict":
@@ -134,7 +174,7 @@ def skeleton_schema(ref: str) -> dict[str, Any]:
             {"type": "array", "items": node},
             {"type": "object", "propertyNames": {"not": {"pattern": "^\\$"}},
              "additionalProperties": node},
-            tagged("$tensor", {"type": "string"}, dtype={"enum": list(_DTYPE_NAMES)}, shape=shape),
+            tagged("$tensor", {"type": "string"}, dtype={"enum": sorted(NAMES)}, shape=shape),
             tagged("$ndarray", {"type": "string"}, dtype={"type": "string", "pattern": _NUMPY_DTYPE},
                    shape=shape),
             tagged("$tuple", {"type": "array", "items": node}),
@@ -145,7 +185,7 @@ def skeleton_schema(ref: str) -> dict[str, Any]:
             tagged("$state_dict", {**mapping, "$ref": ref}, metadata=node),
             tagged("$ordered_dict", {**mapping, "$ref": ref}),
             tagged("$counter", {**mapping, "$ref": ref}),
-            tagged("$defaultdict", {**mapping, "$ref": ref}, factory={"enum": sorted(_FACTORIES)}),
+            tagged("$defaultdict", {**mapping, "$ref": ref}, factory={"enum": sorted(FACTORIES)}),
             tagged("$npscalar", {"type": "string", "pattern": _NUMPY_DTYPE}, value=node),
             tagged("$npscalar", {"type": "string", "pattern": _NUMPY_DTYPE},
                    hex={"type": "string", "pattern": _HEX_BYTES}),

@@ -16,10 +16,13 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from ckptsdk import open_backend
 from ckptsdk.codec import decode, encode
+from ckptsdk.dtype import TABLE, DType, to_torch
 from ckptsdk.errors import CorruptCheckpointError, ManifestError, UnsupportedStateError
 from ckptsdk.skeleton import tensor_paths
 from ckptsdk.state import TrainState
+from ckptsdk.tensorfile import read_tensorfile, write_tensorfile
 
 
 def through_files(tree):
@@ -214,6 +217,24 @@ def test_conjugate_and_negative_views_store_their_values():
     c = torch.tensor([1 + 2j, 3 - 1j], dtype=torch.complex64)
     back = through_files({"conj": c.conj()})
     assert torch.equal(back["conj"], torch.tensor([1 - 2j, 3 + 1j], dtype=torch.complex64))
+
+
+@pytest.mark.parametrize("entry", TABLE, ids=lambda d: d.name)
+def test_every_dtype_a_tensor_file_holds_round_trips_through_the_codec(entry: DType):
+    # One dtype table (ckptsdk/dtype.py): what the tensor file writes, the codec stores.
+    dtype = to_torch(entry)
+    if dtype is None:
+        pytest.skip(f"torch {torch.__version__} has no {entry.name}")
+    raw = torch.arange(3 * 4 * dtype.itemsize, dtype=torch.uint8) * 37  # every byte value kind
+    t = (raw & 1 if dtype == torch.bool else raw).view(dtype).reshape(3, 4)
+    tree = {"t": t, "view": t.t()}
+    tensors, skeleton = encode(tree)
+    assert skeleton["t"]["dtype"] == entry.name
+    backend = open_backend(f"memory://codec-dtype-{entry.name}")
+    size, digest = write_tensorfile(backend, "t.safetensors", tensors)
+    back = decode(json.loads(json.dumps(skeleton, allow_nan=False)),
+                  read_tensorfile(backend, "t.safetensors", size=size, digest=digest))
+    assert_same(tree, back)
 
 
 @pytest.mark.parametrize(

@@ -12,10 +12,11 @@ import torch
 
 from ckptsdk import CheckpointManager
 from ckptsdk.catalog import checkpoint_dir
+from ckptsdk.digest import DEFAULT as DIGEST_ALGORITHM
 from ckptsdk.errors import CorruptCheckpointError
 from ckptsdk.manager import Simulation
 from ckptsdk.manifest import FileEntry
-from ckptsdk.tensorfile import DIGEST_ALGORITHM, write_tensorfile
+from ckptsdk.tensorfile import write_tensorfile
 
 
 def _save_with_extra(mgr: CheckpointManager, step: int) -> str:

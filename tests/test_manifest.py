@@ -14,6 +14,7 @@ import subprocess
 import sys
 from collections import Counter, OrderedDict, defaultdict, deque
 from pathlib import Path
+from types import MappingProxyType
 
 import numpy as np
 import pytest
@@ -23,7 +24,8 @@ import xxhash
 from pydantic import ValidationError
 
 from ckptsdk.codec import encode
-from ckptsdk.errors import ManifestError
+from ckptsdk.document import seal
+from ckptsdk.errors import ConfigError, ManifestError
 from ckptsdk.manifest import (
     FORMAT,
     Environment,
@@ -36,8 +38,8 @@ from ckptsdk.manifest import (
     parse_lineage,
     parse_manifest,
     schema_text,
-    seal,
 )
+from ckptsdk.userfield import user_fields
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 
@@ -69,7 +71,7 @@ def test_manifest_round_trips_through_strict_json():
     assert math.isnan(back.metrics["nan"]) and back.metrics["inf"] == -math.inf
     assert math.copysign(1.0, back.metrics["zero"]) < 0
     assert type(back.metrics["n"]) is int and type(back.metrics["best"]) is bool
-    assert back.metrics["np"] == 0.5 and back.file("tensors.safetensors").size == 1234
+    assert back.metrics["np"] == 0.5 and {f.name: f for f in back.files}["tensors.safetensors"].size == 1234
     assert back.created_at.endswith("Z")
 
 
@@ -86,6 +88,48 @@ def test_models_are_frozen_and_forbid_extra_fields():
     assert math.isnan(back["x"]) and math.copysign(1, back["y"][0]) == -1
     with pytest.raises(ValidationError, match="tree.a holds nan"):
         make_manifest(tree={"a": float("nan")})  # the codec tags nan; pydantic would write null
+
+
+# Written by the ckptsdk before the dtype/user-field/skeleton split (commit d424e12), byte for byte:
+# nan/-0.0/inf tags in metrics, extra and the tree, and tensor paths under nan dict keys.
+_WRITTEN_BEFORE = (
+    b'{"format":"ckptsdk.checkpoint/1.1","step":7,"position":{"epoch":1,"batch_idx":2,"extra":{"x":{"$float":'
+    b'"inf"},"y":[{"$float":"-0.0"},1.5]}},"created_at":"2026-11-30T06:10:00.123456Z","writer":{"run_id":"r",'
+    b'"attempt":1,"lease_epoch":1,"host":"h","pid":3,"resumed_from_step":null},"files":[{"name":'
+    b'"tensors.safetensors","size":8,"digest":"00000000000000000000000000000000","algorithm":"xxh3-128"}],'
+    b'"tree":{"w":{"$tensor":"w","dtype":"float32","shape":[2]},"t":{"$tuple":[1,{"$float":"nan"}]},"k":'
+    b'{"$dict":[[{"$float":"nan"},{"$tensor":"k/#nan","dtype":"float32","shape":[1]}],[{"$float":'
+    b'"fff8000000000123"},{"$tensor":"k/#fff8000000000123","dtype":"float8_e5m2","shape":[1]}],[{"$float":'
+    b'"-0.0"},2]]}},"metrics":{"loss":0.25,"nan":{"$float":"nan"},"neg":{"$float":"-0.0"},"n":3,"ok":true,'
+    b'"s":"a","z":null},"environment":{"python":"3.11","torch":"2","numpy":"2","ckptsdk":"0","platform":"p",'
+    b'"device":"cpu","cuda":null},"tags":{},"checksum":'
+    b'"sha256:3f34c2ae00160b1af41cb0600d5028947e63ad44500c173294f8db6291b2c189"}\n'
+)
+
+
+def test_a_manifest_written_before_is_read_and_written_the_same():
+    manifest = parse_manifest(_WRITTEN_BEFORE, key="old")
+    assert math.isnan(manifest.metrics["nan"]) and math.copysign(1, manifest.metrics["neg"]) == -1
+    assert manifest.position.extra["x"] == math.inf
+    assert manifest.to_json() == _WRITTEN_BEFORE
+    odd = struct.unpack(">d", bytes.fromhex("fff8000000000123"))[0]
+    tree = {"w": torch.ones(2), "t": (1, float("nan")),
+            "k": {float("nan"): torch.zeros(1), odd: torch.zeros(1, dtype=torch.float8_e5m2), -0.0: 2}}
+    assert json.dumps(encode(tree)[1]) == json.dumps(manifest.tree)  # same skeleton, same tensor paths
+
+
+def test_user_fields_follow_one_rule():
+    metrics, extra = user_fields(metrics=MappingProxyType({"loss": torch.tensor(0.5), "n": np.int64(3)}),
+                                 extra={"seen": [1, {"a": np.float32(1.5)}]})
+    assert metrics == {"loss": 0.5, "n": 3} and type(metrics["n"]) is int
+    assert extra == {"seen": [1, {"a": 1.5}]}
+    for kwargs, why in [({"metrics": [1]}, "metrics must be a dict, got a list"),
+                        ({"metrics": {"a": [1]}}, r"metrics\['a'\] is a list"),
+                        ({"extra": {"$float": 1}}, "keys are str not starting with '\\$'"),
+                        ({"extra": {"a": (1, 2)}}, r"extra\['a'\] is a tuple"),
+                        ({"metrics": {"w": np.ones(2)}}, "of shape \\(2,\\)")]:
+        with pytest.raises(ConfigError, match=why):
+            user_fields(**kwargs)
 
 
 def test_environment_current_describes_this_process():
@@ -207,6 +251,15 @@ def test_committed_schema_matches_the_models():
     schema = json_schema()
     assert set(schema["$defs"]) >= {"Manifest", "LineageRecord", "FileEntry", "Writer", "Position", "Environment"}
     assert schema["$defs"]["Manifest"]["additionalProperties"] is False
+
+
+def test_reading_manifests_needs_no_torch():
+    # The catalog (ckptsdk ls, lease, gc) parses manifests; the dtype names and skeleton rules
+    # they check come from torch-free modules, so listing a root never pays for importing torch.
+    code = ("import sys, ckptsdk.manifest, ckptsdk.catalog, ckptsdk.skeleton, ckptsdk.dtype, ckptsdk.digest; "
+            "print(sorted(m for m in ('torch', 'safetensors') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]"
 
 
 def test_schema_entry_point_prints_the_schema():

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import struct
+from pathlib import Path
 
 import pytest
 import safetensors
@@ -17,16 +19,19 @@ import torch
 import xxhash
 
 from ckptsdk import open_backend
+from ckptsdk.digest import DEFAULT as DIGEST_ALGORITHM
+from ckptsdk.dtype import TABLE, to_torch
 from ckptsdk.errors import ConfigError, CorruptCheckpointError
 from ckptsdk.tensorfile import (
-    _TO_NAME,
-    DIGEST_ALGORITHM,
+    read_header,
     read_tensorfile,
     verify_file,
     write_tensorfile,
 )
 
 KEY = "step-0000000001.e1/tensors.safetensors"
+#: Every dtype a tensor file can hold that this torch has.
+DTYPES = [dt for dt in map(to_torch, TABLE) if dt is not None]
 
 
 @pytest.fixture
@@ -48,6 +53,13 @@ def _sample(dtype: torch.dtype, shape: tuple[int, ...], seed: int = 0) -> torch.
         return torch.randn(shape, generator=g, dtype=torch.float64).to(dtype)
     raw = torch.randint(0, 256, (n * dtype.itemsize,), generator=g, dtype=torch.uint8)
     return raw.view(dtype).reshape(shape)
+
+
+def test_format_md_lists_every_dtype_of_the_table():
+    text = (Path(__file__).resolve().parent.parent / "docs" / "FORMAT.md").read_text()
+    table = text.split("<!-- dtypes:begin -->")[1].split("<!-- dtypes:end -->")[0]
+    documented = set(re.findall(r"`([A-Z0-9_]+)` \| `([a-z0-9_]+)`", table))
+    assert documented == {(d.code, d.name) for d in TABLE}
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -83,7 +95,7 @@ def test_bytes_identical_to_safetensors_save(local, metadata):
 
 def test_bytes_identical_for_every_dtype(local):
     backend, root = local
-    tensors = {f"t_{str(dt)[6:]}": _sample(dt, (3, 5), i) for i, dt in enumerate(_TO_NAME)}
+    tensors = {f"t_{str(dt)[6:]}": _sample(dt, (3, 5), i) for i, dt in enumerate(DTYPES)}
     size, digest = write_tensorfile(backend, KEY, tensors)
     assert (root / KEY).read_bytes() == safetensors.torch.save(tensors)
 
@@ -102,7 +114,7 @@ def test_safetensors_own_loader_reads_it(local):
 
 @pytest.mark.parametrize("shape", [(), (0,), (2, 0, 3), (7,), (4, 3, 2)], ids=str)
 def test_round_trip_every_dtype(backend, shape):
-    tensors = {f"x.{str(dt)[6:]}": _sample(dt, shape, i) for i, dt in enumerate(_TO_NAME)}
+    tensors = {f"x.{str(dt)[6:]}": _sample(dt, shape, i) for i, dt in enumerate(DTYPES)}
     size, digest = write_tensorfile(backend, KEY, tensors)
     out = read_tensorfile(backend, KEY, size=size, digest=digest)
     assert set(out) == set(tensors)
@@ -157,6 +169,17 @@ def test_sha256_manifests_are_readable(local):
     verify_file(backend, KEY, size=size, digest=sha.upper(), algorithm="sha256")
     with pytest.raises(ConfigError, match="unknown digest algorithm 'md5'"):
         read_tensorfile(backend, KEY, size=size, digest=sha, algorithm="md5")
+
+
+def test_md5_is_refused_for_checkpoint_files(local):
+    # md5 is in the digest table (dataset checksums) but no ckptsdk ever wrote it for a
+    # checkpoint: a manifest naming it is refused before any byte is read.
+    backend, root = local
+    size, _ = write_tensorfile(backend, KEY, _state())
+    md5 = hashlib.md5((root / KEY).read_bytes()).hexdigest()
+    for read in (read_tensorfile, verify_file):
+        with pytest.raises(ConfigError, match="unknown digest algorithm 'md5'.*xxh3-128, sha256"):
+            read(backend, KEY, size=size, digest=md5, algorithm="md5")
 
 
 def _corrupt_check(backend, key, size, digest, match, **kw):
@@ -219,6 +242,8 @@ def _store(backend, key: str, data: bytes) -> tuple[int, str]:
 def test_junk_header_is_caught(backend, blob, why):
     size, digest = _store(backend, KEY, blob)  # a matching digest: only the parser can object
     _corrupt_check(backend, KEY, size, digest, why)
+    with pytest.raises(CorruptCheckpointError, match=why):  # one parser: read_header agrees
+        read_header(backend, KEY)
 
 
 def _with_header(header: dict, data: bytes) -> bytes:
@@ -245,6 +270,16 @@ def _with_header(header: dict, data: bytes) -> bytes:
 def test_malformed_header_entries_are_caught(backend, entry, data, why):
     size, digest = _store(backend, KEY, _with_header({"w": entry}, data))
     _corrupt_check(backend, KEY, size, digest, why)
+    with pytest.raises(CorruptCheckpointError, match=why):  # one parser: read_header agrees
+        read_header(backend, KEY)
+
+
+def test_read_header_describes_every_tensor(backend):
+    tensors = {"b": torch.ones(2, 3, dtype=torch.bfloat16), "a": torch.arange(4), "e": torch.zeros(0)}
+    write_tensorfile(backend, KEY, tensors)
+    got = {e.name: (e.dtype, e.code, e.shape, e.nbytes) for e in read_header(backend, KEY)}
+    assert got == {"a": (torch.int64, "I64", [4], 32), "b": (torch.bfloat16, "BF16", [2, 3], 12),
+                   "e": (torch.float32, "F32", [0], 0)}
 
 
 def test_misaligned_foreign_file_still_loads(backend):
@@ -285,9 +320,9 @@ def test_failing_write_leaves_previous_object(local, monkeypatch):
         raise OSError(28, "No space left on device")
 
     # Fail inside the backend's write loop, after the temp file was opened.
-    import ckptsdk.tensorfile as tf
+    import ckptsdk.tensorwriter as tw
 
-    monkeypatch.setattr(tf, "_byte_view", explode)
+    monkeypatch.setattr(tw, "byte_view", explode)
     with pytest.raises(OSError, match="No space left"):
         write_tensorfile(backend, KEY, {"w": torch.zeros(100_000)})
     monkeypatch.undo()

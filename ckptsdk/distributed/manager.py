@@ -28,12 +28,13 @@ from .. import codec, errors
 from ..backends import open_backend
 from ..backends.base import Backend
 from ..catalog import CheckpointInfo, checkpoint_dir, writer_tag
+from ..digest import DEFAULT as DIGEST_ALGORITHM
 from ..errors import CkptError, ConfigError, CorruptCheckpointError, StateMismatchError
 from ..export import DISTRIBUTED_FORMAT
 from ..manager import CheckpointManager, ResumePoint, Simulation, save_due
 from ..manifest import FileEntry, Manifest
 from ..state import capture_rng, restore_rng
-from ..tensorfile import DIGEST_ALGORITHM, read_tensorfile, write_tensorfile
+from ..tensorfile import read_tensorfile, write_tensorfile
 from .collective import all_min, broadcast_json, gather_json
 from .metadata import metadata_from_json
 from .storage import CkptStorageReader, CkptStorageWriter, JsonLoadPlanner, JsonSavePlanner, unwrap

@@ -35,8 +35,9 @@ from torch.futures import Future
 
 from .. import codec
 from ..backends.base import Backend
+from ..digest import DEFAULT as DIGEST_ALGORITHM
 from ..errors import CkptError, CorruptCheckpointError, UnsupportedStateError
-from ..tensorfile import DIGEST_ALGORITHM, read_tensorfile, write_tensorfile
+from ..tensorfile import read_tensorfile, write_tensorfile
 from .metadata import metadata_to_json
 
 logger = logging.getLogger(__name__)
