@@ -36,12 +36,13 @@ def _lease_doc(record: LeaseRecord) -> dict[str, Any]:
 
 
 def cmd_lease(args: argparse.Namespace) -> int:
+    from ..lease import Lease, read_lease
+
     if args.break_lease and not args.yes_i_am_sure:
         raise UsageError(
             "--break takes over the lease and fences its holder (a live writer then stops with "
             "LeaseLostError at its next save); add --yes-i-am-sure to do it"
         )
-    from ..lease import Lease, read_lease  # imports torch (through the catalog): after the checks
     store = backend(args)
     unreadable = None
     try:
