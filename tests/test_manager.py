@@ -20,6 +20,7 @@ from ckptsdk.catalog import MANIFEST, TENSORS, checkpoint_dir
 from ckptsdk.errors import (
     BackendError,
     ConfigError,
+    CorruptCheckpointError,
     LeaseLostError,
     NoValidCheckpointError,
     StateMismatchError,
@@ -142,6 +143,25 @@ def test_corrupt_newest_is_skipped_and_previous_restored(tmp_path, caplog, damag
     # Nothing was deleted or rewritten by a restore (the anchor adds a new folder only).
     for p, data in kept_bytes.items():
         assert p.read_bytes() == data
+
+
+def test_verify_and_the_cli_share_one_check(tmp_path):
+    """``verify()`` raises what ``check()`` (the verdict ``ckptsdk verify`` prints) reports."""
+    url = str(tmp_path / "r")
+    with CheckpointManager(url, lease_ttl=5) as mgr:
+        for step in (1, 2):
+            mgr.save(make_state(), step=step)
+    reader = CheckpointManager(url, read_only=True)
+    assert [(v.status, v.reason, v.rehashed) for v in map(reader.check, reader.list())] == [("ok", None, True)] * 2
+    path = tmp_path / "r" / checkpoint_dir(2, 1) / TENSORS
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0x01
+    path.write_bytes(bytes(data))
+    with pytest.raises(CorruptCheckpointError) as info:
+        reader.verify(2)
+    verdict = reader.check(reader.list()[1])
+    assert (verdict.status, verdict.reason, verdict.rehashed) == ("CORRUPT", str(info.value), True)
+    assert reader.verify(1).step == 1 and reader.verify(key=checkpoint_dir(1, 1)).key == checkpoint_dir(1, 1)
 
 
 def test_no_valid_checkpoint_left_raises_with_each_reason(tmp_path):
