@@ -2,7 +2,7 @@
 
 Registered at import. ``--hypothesis-profile=NAME`` (hypothesis' pytest plugin) loads a profile
 before test modules are imported, so for ``deep`` load this module first:
-``python -m pytest -p tests.hypothesis_profiles --hypothesis-profile=deep tests/test_lineage_stateful.py``
+``python -m pytest -p tests.hypothesis_profiles --hypothesis-profile=deep tests/test_lineage_invariants.py``
 (or set ``CKPTSDK_HYPOTHESIS_PROFILE=deep``). Only settings live here; no strategies, no tests.
 """
 

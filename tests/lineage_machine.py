@@ -1,4 +1,8 @@
-"""Stateful property test of the lease and lineage rules over many writer schedules (issue 9).
+"""The lineage state machine: writers and a reader on one checkpoint root, invariants after every step.
+
+Shared by the lineage tests (test_lineage_invariants.py runs it over many schedules,
+test_lineage_sabotage.py proves its checks catch broken rules, test_lineage_regressions.py reuses
+its ``Weights`` and naming helpers); it holds no tests itself.
 
 Two to five writers and a reader share one checkpoint root: a simulated Drive folder
 (tests/sim_drive.py: per-VM views, propagation delays and reorderings drawn by hypothesis), a real
@@ -26,7 +30,6 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-import pytest
 import torch
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -35,7 +38,6 @@ from hypothesis.stateful import (
     invariant,
     precondition,
     rule,
-    run_state_machine_as_test,
 )
 
 from ckptsdk import lease as lease_module
@@ -45,10 +47,8 @@ from ckptsdk.errors import (
     LeaseHeldError,
     LeaseLostError,
     NoValidCheckpointError,
-    PreconditionFailed,
 )
 from ckptsdk.manager import CheckpointManager
-from tests.hypothesis_profiles import lineage_settings
 from tests.sim_drive import FakeClock, FrozenBackend, SimDrive
 
 # A writer's rank is (lease epoch, tag): the tag is "" where the store has compare-and-swap, else
@@ -88,7 +88,7 @@ def _key_rank(folder: str) -> Rank:
     return int(m.group(2)), m.group(3) or ""
 
 
-def _dir(step: int, rank: Rank) -> str:
+def folder_name(step: int, rank: Rank) -> str:
     """The folder name a writer of ``rank`` must use for ``step``."""
     return f"step-{step:010d}.e{rank[0]}" + (f".{rank[1]}" if rank[1] else "")
 
@@ -207,7 +207,7 @@ class Coop:
 
 
 # ---------------------------------------------------------------------- writers and taps
-class _Weights:
+class Weights:
     """A one-tensor "model" whose value names who computed it: (writer uid, step)."""
 
     def __init__(self, uid: int, step: int) -> None:
@@ -242,7 +242,7 @@ class Writer:
     tag: str = ""  # "" with compare-and-swap, else the lease nonce's first 8 hex digits
     nonce: str = ""
     step: int = 0
-    weights: _Weights = field(default_factory=lambda: _Weights(0, 0))
+    weights: Weights = field(default_factory=lambda: Weights(0, 0))
     begun: bool = False  # lineage written (restore or first save)
     fenced_seen: str | None = None  # evidence of a higher rank this writer had in view
     solo: bool = True  # no other writer alive during its whole acquisition (liveness applies)
@@ -403,7 +403,7 @@ class LineageMachine(RuleBasedStateMachine):
         self.violations: list[str] = []
         self.next_beat = self.clock.now + self.ttl / 3
         self.story: list[str] = []
-        self._restoring: dict[str, _Weights] = {}  # a writer's restore target (its anchor's payload)
+        self._restoring: dict[str, Weights] = {}  # a writer's restore target (its anchor's payload)
         self._ops: list[str] = []
         self.stats = STATS.setdefault(type(self).__name__, Counter())
         self.stats["schedules"] += 1
@@ -566,7 +566,7 @@ class LineageMachine(RuleBasedStateMachine):
         view = self._view(actor.vm) if actor is not None else {}
 
         def score(k: tuple[int, Rank]) -> tuple[bool, bool, Rank]:
-            complete = all(f"{_dir(*k)}/{n}" in view for n in ("manifest.json", "tensors.safetensors"))
+            complete = all(f"{folder_name(*k)}/{n}" in view for n in ("manifest.json", "tensors.safetensors"))
             return (target is not None and self.committed[k] == target.payload, complete, k[1])
 
         return max(found, key=score)
@@ -753,7 +753,7 @@ class LineageMachine(RuleBasedStateMachine):
         assert w.mgr is not None
         w.frozen = False
         self._note_evidence(w)
-        state = _Weights(0, 0)
+        state = Weights(0, 0)
         self._restoring[w.name] = state
         try:
             rp = None
@@ -916,7 +916,7 @@ class LineageMachine(RuleBasedStateMachine):
     # ------------------------------------------------------------------ checks
     def _read(self, backend: Any) -> tuple[Any, Any]:
         reader = CheckpointManager(_Tap(backend, None, self._hook), read_only=True)
-        state = _Weights(0, 0)
+        state = Weights(0, 0)
         try:
             rp = reader.restore(state)
         except NoValidCheckpointError as exc:
@@ -1031,361 +1031,3 @@ class MemoryLineage(LineageMachine):
     settle = 0.0
     max_writers = 4
     unpromised = ()
-
-
-def _run(machine: type[LineageMachine], scale: float, needed: tuple[str, ...]) -> None:
-    STATS.pop(machine.__name__, None)
-    run_state_machine_as_test(machine, settings=lineage_settings(scale))
-    stats = STATS.get(machine.__name__, Counter())
-    print(f"\n{machine.__name__}: " + ", ".join(f"{k}: {v}" for k, v in sorted(stats.items())))
-    # The schedules must reach the interesting situations, or the invariants prove little.
-    for what in needed:
-        assert stats[what] > 0, f"no schedule of {machine.__name__} had {what!r}: {dict(stats)}"
-
-
-def test_lineage_drive_within_settle() -> None:
-    """Drive whose changes arrive within the settle time: invariants 0-5."""
-    _run(LineageMachine, 0.3, ("takeovers", "save refused (fenced)"))
-
-
-def test_lineage_drive_late() -> None:
-    """Drive whose changes arrive minutes late: invariants 0-4 hold by ranks and lineage alone,
-    also in schedules where two writers share an epoch."""
-    _run(DriveLateLineage, 0.35, ("takeovers", "save refused (fenced)", "commits by a superseded writer",
-                                  "restore with orphans present", "epoch shared by two writers (distinct ranks)"))
-
-
-def test_lineage_local(tmp_path: Path) -> None:
-    LocalLineage.tmp_root = tmp_path
-    _run(LocalLineage, 0.2, ("takeovers", "save refused (fenced)"))
-
-
-def test_lineage_memory() -> None:
-    _run(MemoryLineage, 0.15, ("takeovers", "save refused (fenced)"))
-
-
-# ---------------------------------------------------------------------- the checks have teeth
-def _expect_story_failure(machine: type[LineageMachine], pattern: str) -> None:
-    from hypothesis import Phase, settings
-
-    quick = settings(lineage_settings(), max_examples=200, derandomize=True, phases=[Phase.generate])
-    with pytest.raises(StoryFailure, match=pattern) as info:
-        run_state_machine_as_test(machine, settings=quick)
-    assert "--- the schedule" in str(info.value) and "sees: vm1[" in str(info.value)
-
-
-def test_the_machine_catches_restoring_orphans(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Sabotage: the catalog never marks a superseded writer's checkpoints as orphans."""
-    from ckptsdk import catalog
-
-    monkeypatch.setattr(catalog, "_superseded_by", lambda step, rank, points: None)
-    _expect_story_failure(DriveLateLineage, r"\[[14]\]")
-
-
-def test_the_machine_catches_a_writer_that_ignores_newer_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Sabotage: a writer never fences itself on seeing a newer lease, lineage record or folder
-    (``fence_if_newer`` gets a rank tuple and does nothing)."""
-    from ckptsdk.lease import Lease
-    from ckptsdk.saving import SavePipeline
-
-    monkeypatch.setattr(SavePipeline, "fence_if_newer", lambda self, seen: None)
-    monkeypatch.setattr(Lease, "_judge", lambda self, data, ours: None)
-    monkeypatch.setattr(Lease, "fence", lambda self, reason, newer_epoch=None: None)
-    _expect_story_failure(DriveLateLineage, r"\[[234]\]")
-
-
-def test_the_machine_catches_writers_sharing_a_rank(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Sabotage: the simulated Drive claims compare-and-swap, so writers drop the nonce tag from
-    their names (the world before de3dc83): two writers of one epoch then share a rank. The lie
-    also makes the catalog trust LEASE.json's epoch (a zombie's late write puts an older one back
-    here), so a genuine lineage record may be ignored as stray first: [4] (see catalog.py)."""
-    import dataclasses
-
-    from tests import sim_drive
-
-    monkeypatch.setattr(sim_drive.SimDriveBackend, "capabilities",
-                        dataclasses.replace(sim_drive.DRIVE_CAPABILITIES, compare_and_swap=True))
-    _expect_story_failure(DriveLateLineage, r"\[[04]\]")
-
-
-# ---------------------------------------------------------------------- the simulation itself
-def test_sim_drive_reorders_and_resolves_last_writer_wins() -> None:
-    x_uploads = iter([80.0, 10.0, 0.0, 0.0, 0.0])  # a's first write of x uploads slowest
-
-    def delay(hop: str, key: str) -> float:
-        if hop != "up":
-            return 5.0
-        fixed = {"tensors": 100.0, "manifest": 0.0}.get(key.split("/")[-1])
-        return fixed if fixed is not None else next(x_uploads)
-
-    sim = SimDrive(delay=delay)
-    sim.add_vm("a")
-    sim.add_vm("b")
-    a, b = sim.backend("a"), sim.backend("b")
-    a.write("ck/tensors", b"T")
-    a.write("ck/manifest", b"M")
-    assert a.read("ck/manifest") == b"M" and not b.exists("ck/manifest")  # at once on a only
-    sim.advance_to(sim.now + 6)
-    assert b.exists("ck/manifest") and not b.exists("ck/tensors")  # manifest first: torn on b
-    sim.advance_to(sim.now + 100)
-    assert b.read("ck/tensors") == b"T"
-    # Both VMs write x; a's older write arrives last and is dropped (last writer wins).
-    a.write("x", b"old")  # reaches the cloud in 80 s
-    sim.advance_to(sim.now + 1)
-    b.write("x", b"new")  # newer, reaches the cloud in 10 s: before a's
-    sim.advance_to(sim.now + 30)
-    assert a.read("x") == b"new"
-    sim.advance_to(sim.now + 200)  # a's older write arrives last and is dropped everywhere
-    assert a.read("x") == b"new" and b.read("x") == b"new" and sim.converged_cloud()["x"].data == b"new"
-    # create/replace check only the writer's own view.
-    a.delete("x")
-    assert b.exists("x")
-    with pytest.raises(PreconditionFailed):
-        b.create("x", b"again")
-    a.create("x", b"a's")  # a no longer sees x: its create succeeds although b's copy exists
-    sim.advance_to(sim.now + 200)
-    assert b.read("x") == b"a's"
-    sim.add_vm("c")  # a VM mounting later starts from the cloud
-    assert sim.backend("c").read("ck/manifest") == b"M"
-
-
-
-# ---------------------------------------------------------------------- regressions
-# The faults this machine found, each as its smallest story; all fixed in de3dc83.
-def _sim_manager(sim: SimDrive, vm: str, *, beating: tuple[CheckpointManager, ...] = (),
-                 **kw: Any) -> CheckpointManager:
-    """A writer on ``vm`` whose lease sleeps by letting simulated time pass (single-threaded);
-    while it sleeps, the writers in ``beating`` renew their leases every 50 s (their heartbeats)."""
-    if vm not in sim.views:
-        sim.add_vm(vm)
-    return CheckpointManager(sim.backend(vm), keep_last=1, lease_ttl=300.0, heartbeat=False,
-                             clock=sim.clock, sleep=lambda dt: _beat(sim, beating, dt),
-                             run_id="run", **kw)
-
-
-def _beat(sim: SimDrive, writers: tuple[CheckpointManager, ...], seconds: float, every: float = 50.0) -> None:
-    """``seconds`` pass on ``sim``; every ``every`` s each unfenced writer renews its lease (a
-    renewal that finds a higher writer fences that writer: what its heartbeat would do)."""
-    end = sim.now + seconds
-    while sim.now < end:
-        sim.advance_to(min(end, sim.now + every))
-        for m in writers:
-            assert m.lease is not None
-            if not m.lease.fenced:
-                try:
-                    m.lease.renew()
-                except LeaseLostError:
-                    pass
-
-
-def _rank(mgr: CheckpointManager) -> Rank:
-    """The rank a Drive writer must carry in its names: (lease epoch, nonce[:8])."""
-    assert mgr.lease is not None and mgr.lease.record is not None
-    return mgr.lease.epoch, mgr.lease.record.holder.nonce[:8]
-
-
-def _nonces(monkeypatch: pytest.MonkeyPatch, *prefixes: str) -> None:
-    """The lease nonces of the next acquisitions, in order (so a story fixes which writer of a
-    shared epoch ranks higher; real nonces are random uuids)."""
-    from ckptsdk import lease as lease_module
-
-    it = iter(prefixes)
-    monkeypatch.setattr(lease_module, "uuid", SimpleNamespace(
-        uuid4=lambda: SimpleNamespace(hex=(next(it) * 8)[:8] + "0" * 24)))
-
-
-def _the_higher_rank_wins(sim: SimDrive, first: CheckpointManager, second: CheckpointManager,
-                          step: int, gap: float, *, low_fenced_early: bool = False) -> None:
-    """Two writers that took the same epoch on Drive: both save ``step`` under distinct names
-    (unless the lower one has already seen the higher one: ``low_fenced_early``, then that save
-    raises LeaseLostError); once each has seen the other's writes (``gap`` seconds of
-    heartbeats), the lower-ranked one's next save raises LeaseLostError, none of the higher
-    one's checkpoints is gone, and a reader on a fresh VM restores the higher one's newest."""
-    assert first.lease is not None and second.lease is not None
-    # The story still produces a shared epoch (else this test no longer tests rank ordering).
-    assert first.lease.epoch == second.lease.epoch and _rank(first) != _rank(second)
-    (high_uid, high), (low_uid, low) = sorted(((1, first), (2, second)), key=lambda p: _rank(p[1]), reverse=True)
-    keys = {}
-    for uid, m in ((1, first), (2, second)):
-        if m is low and low_fenced_early:
-            with pytest.raises(LeaseLostError):
-                m.save(_Weights(uid, step), step=step)
-            continue
-        keys[uid] = m.save(_Weights(uid, step), step=step).key
-        assert keys[uid] == _dir(step, _rank(m)), f"{keys[uid]} does not carry the rank {_rank(m)}"
-    assert len(set(keys.values())) == len(keys)  # the folder names differ
-    high_keys = {c.key for c in high.list() if c.rank == _rank(high) and c.valid}
-    assert keys[high_uid] in high_keys
-    _beat(sim, (first, second), gap)
-    for uid, key in keys.items():  # each VM has seen the other writer's checkpoint
-        other = second if uid == 1 else first
-        assert sim.backend(other.backend.vm).exists(f"{key}/manifest.json")  # type: ignore[attr-defined]
-    assert high.lease is not None and not high.lease.fenced, high.lease.record
-    with pytest.raises(LeaseLostError):
-        low.save(_Weights(low_uid, step + 10), step=step + 10)
-    _beat(sim, (high,), gap)
-    converged = CheckpointManager(FrozenBackend(sim.converged_cloud()), read_only=True).list()
-    valid = {c.key for c in converged if c.valid}
-    assert high_keys <= valid, f"the higher writer lost {sorted(high_keys - valid)}"
-    assert not any(c.key == _dir(step + 10, _rank(low)) for c in converged), "the fenced writer committed"
-    assert high.save(_Weights(high_uid, step + 10), step=step + 10).committed
-    _beat(sim, (high,), gap)
-    sim.add_vm("reader")
-    state = _Weights(0, 0)
-    rp = CheckpointManager(sim.backend("reader"), read_only=True).restore(state)
-    assert rp is not None and rp.key == _dir(step + 10, _rank(high)) and state.payload == (high_uid, step + 10)
-
-
-@pytest.mark.parametrize("higher", ["first", "second"])
-def test_two_newcomers_sharing_an_epoch_on_late_drive_are_ordered_by_rank(
-        monkeypatch: pytest.MonkeyPatch, higher: str) -> None:
-    """Changes 400 s late (> settle 60 s): two newcomers that take over a dead writer one after
-    the other on two VMs both become epoch 2. Before de3dc83 their folders (step-N.e2) collided
-    and either one's rotation deleted the other's checkpoints; now names carry the nonce and the
-    lower rank steps back."""
-    _nonces(monkeypatch, "1", "9" if higher == "first" else "5", "5" if higher == "first" else "9")
-    sim = SimDrive(delay=lambda hop, key: 400.0)
-    w1 = _sim_manager(sim, "vm1")
-    managers = [w1]
-    try:
-        assert w1.restore(_Weights(1, 0)) is None
-        w1.save(_Weights(1, 10), step=10)
-        sim.advance_to(sim.now + 1000)  # everything propagated; then W1's VM vanishes
-        w2 = _sim_manager(sim, "vm2")  # watches W1's silent lease for a ttl, takes over
-        managers.append(w2)
-        assert w2.restore(_Weights(2, 0)) is not None  # step 10, anchored under W2's rank
-        w2.wait()
-        w3 = _sim_manager(sim, "vm3", beating=(w2,))  # W2's records are still in flight to vm3
-        managers.append(w3)
-        assert w3.restore(_Weights(3, 0)) is not None
-        w3.wait()
-        _the_higher_rank_wins(sim, w2, w3, step=20, gap=1000.0)
-    finally:
-        for m in managers:  # a dead VM closes nothing (and runs no exit handler)
-            m._closed = True
-
-
-def test_restore_after_being_taken_over_commits_nothing() -> None:
-    """A writer taken over between opening and restoring: restore() renews the lease and looks
-    for newer writers before it records lineage or anchors (before de3dc83 it committed
-    step-N.e<old> after the takeover)."""
-    clock = FakeClock()
-    name = f"lineage-restore-{id(clock)}"
-    backend = MemoryBackend(name)
-    managers: list[CheckpointManager] = []
-    try:
-        def open_writer(**kw: Any) -> CheckpointManager:
-            m = CheckpointManager(backend, keep_last=2, lease_ttl=60.0, heartbeat=False, clock=clock,
-                                  sleep=lambda dt: setattr(clock, "now", clock.now + dt),
-                                  run_id="run", **kw)
-            managers.append(m)
-            return m
-
-        w1 = open_writer()
-        w1.restore(_Weights(1, 0))
-        w1.save(_Weights(1, 10), step=10)
-        w1._closed = True  # dies
-        clock.now += 61.0
-        w2 = open_writer()  # epoch 2 (takes over after a ttl of silence), does not restore yet
-        w3 = open_writer(force=True)  # epoch 3 takes over from W2
-        assert w3.restore(_Weights(3, 0)) is not None
-        w3.wait()
-        with pytest.raises(LeaseLostError):
-            w2.restore(_Weights(2, 0))  # W2 is stale: epoch 3 holds the lease and wrote lineage
-        w2.wait()
-        assert not backend.exists("step-0000000010.e2/manifest.json"), "the stale writer committed an anchor"
-        assert not backend.exists("lineage/epoch-000002.json"), "the stale writer recorded a lineage"
-        state = _Weights(0, 0)
-        rp = CheckpointManager(backend, read_only=True).restore(state)
-        assert rp is not None and rp.key == "step-0000000010.e3" and state.payload == (1, 10)
-    finally:
-        for m in managers:
-            m._closed = True
-        MemoryBackend.discard_store(name)
-
-
-def test_gc_on_another_vm_spares_a_checkpoint_still_uploading() -> None:
-    """On Drive a checkpoint whose manifest arrived before its tensor file looks torn on other
-    VMs; gc there must keep it (before de3dc83 it deleted the live writer's newest)."""
-    sim = SimDrive(delay=lambda hop, key: 400.0 if key.endswith("tensors.safetensors") else 0.0)
-    w1 = _sim_manager(sim, "vm1")
-    try:
-        w1.restore(_Weights(1, 0))
-        key = w1.save(_Weights(1, 10), step=10).key
-        assert key == _dir(10, _rank(w1))
-        sim.add_vm("vm2")
-        sim.advance_to(sim.now + 1)  # the manifest is everywhere, the tensor file still uploading
-        other = CheckpointManager(sim.backend("vm2"), read_only=True)
-        assert [c.valid for c in other.list()] == [False]  # torn, as vm2 sees it
-        report = other.gc()
-        assert key not in report.deleted, report.reasons
-        sim.advance_to(sim.now + 1000)
-        state = _Weights(0, 0)
-        rp = CheckpointManager(sim.backend("vm2"), read_only=True).restore(state)
-        assert rp is not None and rp.key == key and state.payload == (1, 10)
-    finally:
-        w1._closed = True
-
-
-def test_rotation_on_drive_keeps_a_checkpoint_when_the_vm_vanishes_mid_upload() -> None:
-    """Rotation deletes are tiny and reach Drive long before a checkpoint's tensor file; if the
-    VM then vanishes, the predecessor must still be there (before de3dc83 nothing was left)."""
-    sim = SimDrive(delay=lambda hop, key: 200.0 if key.endswith("tensors.safetensors") else 1.0)
-    w1 = _sim_manager(sim, "vm1")  # keep_last=1
-    try:
-        w1.restore(_Weights(1, 0))
-        key10 = w1.save(_Weights(1, 10), step=10).key
-        sim.advance_to(sim.now + 250)  # step 10 is on Drive, complete (and W1's lease is < ttl old)
-        w1.save(_Weights(1, 20), step=20)  # Drive rotates one save late: step 10 stays
-        sim.advance_to(sim.now + 10)  # small changes reached Drive; step 20's tensors still uploading
-        assert sim.lose_vm("vm1") > 0
-    finally:
-        w1._closed = True
-    sim.add_vm("vm2")
-    sim.advance_to(sim.now + 1000)
-    state = _Weights(0, 0)
-    rp = CheckpointManager(sim.backend("vm2"), read_only=True).restore(state)
-    assert rp is not None and rp.key == key10 and state.payload == (1, 10)
-
-
-@pytest.mark.parametrize("higher", ["first", "second"])
-def test_a_renewal_during_the_settle_cannot_make_two_writers_collide(
-        monkeypatch: pytest.MonkeyPatch, higher: str) -> None:
-    """Every change 20 s per hop (40 s < settle 60 s): a stale holder's heartbeat renewal made
-    during a newcomer's settle lands after the newcomer's read-back and hides its epoch-2 record
-    on the holder's VM; a third writer there takes epoch 2 again. They share an epoch, not a
-    rank: names stay apart and the lower rank steps back (before de3dc83 they collided)."""
-    _nonces(monkeypatch, "1", "9" if higher == "first" else "5", "5" if higher == "first" else "9")
-    sim = SimDrive(delay=lambda hop, key: 20.0)
-    w3 = _sim_manager(sim, "vm2")  # the holder, epoch 1, heartbeating
-    managers = [w3]
-    try:
-        w3.restore(_Weights(3, 0))
-        sim.advance_to(sim.now + 100)
-        assert w3.lease is not None
-
-        def settle_with_a_renewal(dt: float) -> None:
-            sim.advance_to(sim.now + 30)
-            w3.lease.renew()  # type: ignore[union-attr]  # vm2 does not see epoch 2 yet (at +40)
-            sim.advance_to(sim.now + dt - 30)
-
-        sim.add_vm("vm3")
-        w4 = CheckpointManager(sim.backend("vm3"), keep_last=1, lease_ttl=300.0, heartbeat=False,
-                               clock=sim.clock, sleep=settle_with_a_renewal, run_id="run", force=True)
-        managers.append(w4)
-        sim.advance_to(sim.now + 1)
-        w5 = _sim_manager(sim, "vm2", force=True)  # on the holder's VM, which still shows epoch 1
-        managers.append(w5)
-        if higher == "second":
-            # W5's record, newer and of a higher nonce, reached vm3 during W5's settle: W4 sees
-            # it when restore() renews, and stops before recording any lineage.
-            with pytest.raises(LeaseLostError):
-                w4.restore(_Weights(0, 0))
-            assert not sim.backend("vm3").exists(f"lineage/epoch-000002.{_rank(w4)[1]}.json")
-        else:
-            assert w4.restore(_Weights(0, 0)) is None  # nothing saved yet: a fresh start
-        assert w5.restore(_Weights(0, 0)) is None
-        _the_higher_rank_wins(sim, w4, w5, step=10, gap=200.0, low_fenced_early=higher == "second")
-    finally:
-        for m in managers:
-            m._closed = True
