@@ -174,7 +174,6 @@ class CheckpointManager(CheckpointReader):
         self._preemption: Preemption | None = None
         self._lock = threading.RLock()
         self._closed = False
-        self._saved = False  # a save() was called: where this writer's lineage starts is fixed
         if retention_mode is None:
             caps = self._backend.capabilities
             retention_mode = "recycle" if caps.trash_on_delete and caps.rewrite_in_place else "delete"
@@ -254,10 +253,10 @@ class CheckpointManager(CheckpointReader):
         one, a full rewrite on Drive), so that a previous writer that is still alive (a zombie,
         still rotating) can no longer rotate this run's resume point away.
 
-        Where a writer's lineage starts is fixed by its restore before its first save. A restore
-        after that only loads the newest checkpoint (this writer's own) into ``state``: the lineage,
-        ``resumed_from`` and the step log stay as they were, so this writer's manifests go on
-        agreeing with its lineage record.
+        Where a writer's lineage starts is fixed by its first restore (or, without one, its first
+        save). A later restore only loads the newest checkpoint (after a save, this writer's own)
+        into ``state``: the lineage, ``resumed_from`` and the step log stay as they were, so this
+        writer's manifests go on agreeing with its lineage record.
 
         Args:
             state: a :class:`~ckptsdk.TrainState` (or anything with ``load_state_dict``).
@@ -276,13 +275,14 @@ class CheckpointManager(CheckpointReader):
         preflight(state, "restore")  # before any training: what cannot be saved fails here
         if self._saving is not None:
             self._saving.wait()  # a pipelined copy may still read the live tensors
+        fixed = self._saving is not None and self._saving.lineage_written
         try:
             tree, info = self._read_newest()
         except NoValidCheckpointError as exc:
             if not exc.tried:
-                if self._saving is not None and not self._saved:
+                if self._saving is not None:
                     self._saving.confirm_writer()
-                    self._saving.write_lineage(None, None)
+                    self._saving.write_lineage(None, None)  # nothing once the lineage is fixed
                 if self.runlog is not None:
                     self.runlog.start()
                 return None
@@ -290,27 +290,31 @@ class CheckpointManager(CheckpointReader):
         state.load_state_dict(tree)
         if self._saving is None:
             self.resumed_from = info
-        elif not self._saved:  # this restore is where the writer's lineage starts
-            self.resumed_from = self._saving.resumed_from = info
+        else:
             # A writer taken over between opening and restoring must not record a lineage or
             # anchor anything: confirm the lease and look for newer writers first.
             self._saving.confirm_writer()
-            self._saving.write_lineage(info.step, info.epoch)
-            assert self.runlog is not None
-            self.runlog.resumed_from_step = info.step
-            self.runlog.start()
-            # Anchor after every takeover. After an unclean end the previous writer may still be
-            # rotating; on Drive another VM's takeover may not be visible yet (its late lineage
-            # record would orphan the resume point: the lineage property test finds that
-            # schedule); and the catalog believes a lineage record that would orphan
-            # checkpoints only when its writer left a checkpoint folder (or holds the lease),
-            # which the anchor is. It is cheap where the store allows (a hard link, a
-            # server-side copy) and replaces the copies it re-committed at this writer's next
-            # save (see ``Rotation.drop_copies``).
-            if info.rank < self._saving.rank:
-                self._saving.anchor(tree, info)
+            if not fixed:  # this restore is where the writer's lineage starts
+                self._start_lineage(tree, info)
         logger.info("restored %s (step %d) from %s", info.key, info.step, self.url)
         return resume_point(info)
+
+    def _start_lineage(self, tree: Any, info: CheckpointInfo) -> None:
+        """Record that this writer resumes from ``info`` (lineage, step log) and anchor it."""
+        assert self._saving is not None and self.runlog is not None
+        self.resumed_from = self._saving.resumed_from = info
+        self._saving.write_lineage(info.step, info.epoch)
+        self.runlog.resumed_from_step = info.step
+        self.runlog.start()
+        # Anchor after every takeover. After an unclean end the previous writer may still be
+        # rotating; on Drive another VM's takeover may not be visible yet (its late lineage
+        # record would orphan the resume point: the lineage property test finds that schedule);
+        # and the catalog believes a lineage record that would orphan checkpoints only when its
+        # writer left a checkpoint folder (or holds the lease), which the anchor is. It is cheap
+        # where the store allows (a hard link, a server-side copy) and replaces the copies it
+        # re-committed at this writer's next save (see ``Rotation.drop_copies``).
+        if info.rank < self._saving.rank:
+            self._saving.anchor(tree, info)
 
     # ------------------------------------------------------------------ saving
 
@@ -366,7 +370,6 @@ class CheckpointManager(CheckpointReader):
         metrics, extra = user_fields(metrics=metrics, extra=extra)
         blocking = (not self.async_save) if blocking is None else blocking
         position = Position(epoch=epoch, batch_idx=batch_idx, extra=dict(extra or {}))
-        self._saved = True
         if self.preempted:
             return self._save_and_stop(state, step=step, position=position, metrics=metrics, tags=tags,
                                        extra_files=extra_files)

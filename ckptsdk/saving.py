@@ -327,6 +327,11 @@ class SavePipeline:
         self.commit(folder, manifest.step, tensors, skeleton, manifest.position, manifest.metrics,
                     manifest.tags, device, extra)
 
+    @property
+    def lineage_written(self) -> bool:
+        """This writer's lineage record is written: where its lineage starts is fixed."""
+        return self._lineage_written
+
     def write_lineage(self, step: int | None, epoch: int | None) -> None:
         """Record, once per epoch, where this writer's lineage starts (before its first commit)."""
         if self._lineage_written:

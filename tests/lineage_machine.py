@@ -48,7 +48,7 @@ from ckptsdk.errors import (
     LeaseLostError,
     NoValidCheckpointError,
 )
-from ckptsdk.manager import CheckpointManager
+from ckptsdk.manager import CheckpointManager, Simulation
 from tests.sim_drive import FakeClock, FrozenBackend, SimDrive
 
 # A writer's rank is (lease epoch, tag): the tag is "" where the store has compare-and-swap, else
@@ -707,7 +707,7 @@ class LineageMachine(RuleBasedStateMachine):
         def body() -> CheckpointManager:
             mgr = CheckpointManager(
                 w.backend, keep_last=self.keep_last, lease_ttl=self.ttl, force=force,
-                heartbeat=False, clock=self.clock, sleep=self.coop.sleep, run_id="run")
+                _simulation=Simulation(heartbeat=False, clock=self.clock, sleep=self.coop.sleep), run_id="run")
             self._became_writer(w, mgr)
             if then_restore:
                 self._restore_impl(w)
