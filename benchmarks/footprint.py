@@ -5,7 +5,7 @@ Part 1, per backend (local disk, a Drive folder, GCS on the patched emulator at 
 and reopened cleanly; prints the bytes held at the end against keep_last x checkpoint size, and
 the bytes each restart wrote before training on (the anchor). Part 2: the story's schedule
 (7,800 steps, a save every 100, keep_last=3) on the simulated Drive mount in both retention
-modes, counting what the files' changes would send to Drive's trash (tests/drive_sim.py), scaled
+modes, counting what the files' changes would send to Drive's trash (tests/drive_mount_sim.py), scaled
 to the story's 89.5 MB checkpoint. Not a test: it prints numbers; nothing fails on a target.
 
     python -m benchmarks.footprint [--no-gcs] [--json-out FILE]
@@ -35,7 +35,7 @@ from ckptsdk.catalog import TENSORS  # noqa: E402
 from ckptsdk.manager import Simulation  # noqa: E402
 from ckptsdk.usage import usage  # noqa: E402
 from tests._footprint_child import state  # noqa: E402
-from tests.drive_sim import DriveSim  # noqa: E402
+from tests.drive_mount_sim import DriveSim  # noqa: E402
 from tests.test_leftovers import _line  # noqa: E402
 
 KEEP_LAST = 3

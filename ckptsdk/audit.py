@@ -7,25 +7,26 @@ plotting do not belong here.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Final, Literal
+from typing import Any, ClassVar, Final
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from .backends.base import Backend
-from .errors import ConfigError, ObjectNotFound
-from .runlog import _ATTEMPT_RE, RUNLOG_FORMAT, RUNLOG_PREFIX, AttemptRecord, _decode_float
+from .document import Document, check_format
+from .errors import ConfigError, ManifestError, ObjectNotFound
+from .runlog_record import RUNLOG_PREFIX, AttemptRecord, LogFloat, parse_attempt_record, parse_chunk, parse_runlog_key
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["AUDIT_FORMAT", "AttemptSummary", "OverlapRange", "ScalarDiff", "Divergence", "AuditReport",
            "audit", "read_runlog"]
 
-AUDIT_FORMAT: Final = "ckptsdk.audit/1"
+#: 1.1: non-finite floats as {"$float": ...} (1.0: "NaN"/"Infinity" strings, still read).
+AUDIT_FORMAT: Final = "ckptsdk.audit/1.1"
 _READ_WORKERS = 8  # concurrent chunk reads (each a GCS/Drive round trip)
 
 
@@ -64,9 +65,9 @@ class OverlapRange(BaseModel):
 class ScalarDiff(BaseModel):
     """For one scalar, the largest difference between attempts over the overlapping steps."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, ser_json_inf_nan="strings")
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
-    max_abs_diff: float
+    max_abs_diff: LogFloat
     at_step: int | None
     compared_steps: int
 
@@ -74,27 +75,36 @@ class ScalarDiff(BaseModel):
 class Divergence(BaseModel):
     """The first step where attempts disagree beyond the tolerance."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, ser_json_inf_nan="strings")
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
     step: int
     scalar: str
-    values: dict[int, float]
-    abs_diff: float
+    values: dict[int, LogFloat]
+    abs_diff: LogFloat
+
+    @field_validator("values", mode="before")
+    @classmethod
+    def _attempt_keys(cls, value: Any) -> Any:
+        # JSON keys are strings: {"1": ...} is attempt 1 (read strictly, as every document is).
+        if isinstance(value, dict):
+            return {int(k) if isinstance(k, str) and k.isdigit() else k: v for k, v in value.items()}
+        return value
 
 
-class AuditReport(BaseModel):
+class AuditReport(Document):
     """What :func:`audit` found. ``verdict`` is "bit-exact", "within tolerance",
     "DIVERGED at step N", or "no overlap" (no step was logged by two attempts: nothing to prove).
 
     ``series`` (attempt -> [(step, {scalar: value})]) is kept for plotting in-process and left
-    out of the JSON form.
+    out of the JSON form. Read a saved report with ``parse_document(data, AuditReport)``. No
+    checksum: a report is printed for people and tools, never trusted by ckptsdk itself.
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True, ser_json_inf_nan="strings")
+    FORMAT: ClassVar[str] = AUDIT_FORMAT
 
-    format: Literal["ckptsdk.audit/1"] = AUDIT_FORMAT
+    format: str = Field(default=AUDIT_FORMAT, pattern=r"^ckptsdk\.audit/1(\.[0-9]+)?$")
     url: str
-    tolerance: float
+    tolerance: LogFloat
     verdict: str
     diverged_at: int | None = None
     attempts: list[AttemptSummary]
@@ -106,6 +116,12 @@ class AuditReport(BaseModel):
     # repr=False: every scalar of every step would bury the verdict in a REPL.
     series: dict[int, list[tuple[int, dict[str, float]]]] = Field(default_factory=dict, exclude=True,
                                                                    repr=False)
+
+    @field_validator("format", mode="before")
+    @classmethod
+    def _format_first(cls, value: object) -> object:
+        check_format(value, AUDIT_FORMAT)
+        return value
 
     @property
     def ok(self) -> bool:
@@ -129,31 +145,6 @@ class AuditReport(BaseModel):
         return text
 
 
-def _parse_header(line: str, key: str) -> AttemptRecord:
-    data = json.loads(line)
-    if not isinstance(data, dict):
-        raise ValueError("header is not a JSON object")
-    fmt = data.get("format")
-    if fmt != RUNLOG_FORMAT:
-        raise ValueError(f"unknown run log format {fmt!r} (this ckptsdk reads {RUNLOG_FORMAT!r})")
-    return AttemptRecord.model_validate(data)
-
-
-def _parse_chunk(text: str, key: str) -> tuple[AttemptRecord, list[tuple[int, dict[str, float]]]]:
-    lines = [ln for ln in text.splitlines() if ln.strip()]
-    if not lines:
-        raise ValueError("empty chunk")
-    header = _parse_header(lines[0], key)
-    rows = []
-    for n, line in enumerate(lines[1:], start=2):
-        row = json.loads(line)
-        if (not isinstance(row, dict) or not isinstance(row.get("step"), int)
-                or not isinstance(row.get("scalars"), dict)):
-            raise ValueError(f"line {n} is not a step record")
-        rows.append((row["step"], {str(k): _decode_float(v) for k, v in row["scalars"].items()}))
-    return header, rows
-
-
 def read_runlog(
     backend: Backend,
 ) -> tuple[dict[int, AttemptSummary], dict[int, dict[int, dict[str, float]]], list[str]]:
@@ -168,14 +159,14 @@ def read_runlog(
     """
     found: dict[int, dict[str, Any]] = {}
     for info in backend.list(RUNLOG_PREFIX):
-        m = _ATTEMPT_RE.match(info.key)
-        if not m:
+        parsed = parse_runlog_key(info.key)
+        if parsed is None:
             continue
-        entry = found.setdefault(int(m.group(1)), {"chunks": {}, "start": None})
-        if m.group(3) is None:
+        entry = found.setdefault(parsed[0], {"chunks": {}, "start": None})
+        if parsed[1] is None:
             entry["start"] = info.key
         else:
-            entry["chunks"][int(m.group(3))] = info.key
+            entry["chunks"][parsed[1]] = info.key
     summaries: dict[int, AttemptSummary] = {}
     steps: dict[int, dict[int, dict[str, float]]] = {}
     warnings: list[str] = []
@@ -193,25 +184,22 @@ def read_runlog(
                 data = contents[key]
                 if isinstance(data, BaseException):
                     raise data
-                header, chunk_rows = _parse_chunk(data.decode("utf-8"), key)
+                header, chunk_rows = parse_chunk(data, key=key)
             except ObjectNotFound:
                 warnings.append(f"attempt {attempt}: chunk {key} was listed but is gone")
                 continue
-            # pydantic's ValidationError is a ValueError; a line nested thousands deep is a
-            # RecursionError in json; a scalar of the wrong type a TypeError: all one bad chunk.
-            except (ValueError, UnicodeDecodeError, RecursionError, TypeError, OverflowError) as exc:
+            except ManifestError as exc:  # parse_chunk says what is wrong with it: one bad chunk
                 warnings.append(f"attempt {attempt}: unreadable chunk {key} skipped ({_short(exc)})")
                 continue
             read_chunks += 1
             newest = header
             closed = closed or header.closed
-            for step, vals in chunk_rows:
-                rows[step] = vals  # last wins
+            for row in chunk_rows:
+                rows[row.step] = dict(row.scalars)  # last wins
         if newest is None and entry["start"] is not None:
             try:
-                record = _parse_header(backend.read(entry["start"]).decode("utf-8"), entry["start"])
-            except (ObjectNotFound, ValueError, UnicodeDecodeError, RecursionError, TypeError,
-                    OverflowError) as exc:
+                record = parse_attempt_record(backend.read(entry["start"]), key=entry["start"])
+            except (ObjectNotFound, ManifestError) as exc:
                 warnings.append(f"attempt {attempt}: unreadable {entry['start']} ({_short(exc)})")
         rec = newest or record
         seqs = sorted(entry["chunks"])
@@ -301,9 +289,17 @@ def audit(backend: Backend, *, tolerance: float = 0.0) -> AuditReport:
         BackendError: the root cannot be listed.
 
     Example:
-        >>> report = audit(open_backend("gs://bucket/run1"))  # doctest: +SKIP
-        >>> report.verdict
-        'bit-exact'
+        >>> from ckptsdk.backends import open_backend
+        >>> from ckptsdk.runlog import RunLog
+        >>> root = open_backend("memory://audit-doc")
+        >>> for attempt, steps in ((1, range(0, 5)), (2, range(3, 8))):  # 2 resumed from step 3
+        ...     log = RunLog(root, run_id="r", attempt=attempt, lease_epoch=attempt, resumed_from_step=None)
+        ...     for s in steps:
+        ...         log.log_step(s, loss=1.0 / (s + 1))
+        ...     log.close()
+        >>> report = audit(root)
+        >>> report.verdict, report.overlap_steps
+        ('bit-exact', 2)
     """
     if not isinstance(tolerance, (int, float)) or not math.isfinite(tolerance) or tolerance < 0:
         raise ConfigError(f"audit tolerance must be a finite number >= 0, got {tolerance!r}")
@@ -355,7 +351,7 @@ def audit(backend: Backend, *, tolerance: float = 0.0) -> AuditReport:
         a: [(s, dict(rows[s])) for s in sorted(rows)] for a, rows in steps.items()
     }
     report = AuditReport(
-        url=getattr(backend, "url", ""),
+        url=backend.url,
         tolerance=float(tolerance),
         verdict=verdict,
         diverged_at=first_div.step if first_div else None,

@@ -11,14 +11,11 @@ import logging
 import re
 from collections.abc import Callable, Iterable, MutableMapping
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
 
 from .backends.base import Backend, ObjectInfo
 from .errors import BackendError, LeaseError, ManifestError, ObjectNotFound
+from .lease_record import LEASE_KEY, LeaseRecord, parse_lease
 from .manifest import LineageRecord, Manifest, parse_lineage, parse_manifest
-
-if TYPE_CHECKING:
-    from .lease import LeaseRecord
 
 logger = logging.getLogger(__name__)
 
@@ -327,8 +324,6 @@ _TOLD: set[tuple[Rank, str]] = set()
 
 
 def _read_lease(backend: Backend) -> LeaseRecord | None:
-    from .lease import LEASE_KEY, parse_lease  # late: lease.py imports this module
-
     try:
         return parse_lease(backend.read(LEASE_KEY), url=backend.url)
     except (ObjectNotFound, LeaseError, BackendError):

@@ -8,20 +8,20 @@ recorded tensor hash) live here too. Parsing what the bytes mean belongs to adap
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import xxhash
 
 from .backends import open_backend
 from .backends.base import Backend, check_key
-from .download import DownloadError, _progress_bar, download
+from .datacache_entry import CacheEntry, Fetched, file_digest, parse_entry, pinned_digest
+from .digest import ALGORITHMS, DEFAULT, new_hasher
+from .download import DownloadError, download, progress_bar
 from .errors import (
     AllSourcesFailedError,
     BackendError,
@@ -34,36 +34,11 @@ from .errors import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ALGORITHMS", "CacheEntry", "DataCache", "Fetched", "file_digest"]
+# ALGORITHMS (digest's table) and the datacache_entry names stay importable from here.
+__all__ = ["ALGORITHMS", "CacheEntry", "DataCache", "Fetched", "file_digest", "pinned_digest"]
 
 _CHUNK = 8 << 20
-_META_FORMAT = 1
 _TMP = ".ckptsdk-tmp."  # local temp files start their suffix with this (same prefix as backends use)
-
-# name -> hasher factory. md5 only because published dataset checksums (torchvision's) use it.
-ALGORITHMS: dict[str, Callable[[], Any]] = {
-    "sha256": hashlib.sha256,
-    "md5": hashlib.md5,
-    "xxh3-128": xxhash.xxh3_128,
-}
-
-
-def _hasher(algorithm: str) -> Any:
-    try:
-        return ALGORITHMS[algorithm]()
-    except KeyError:
-        raise ConfigError(
-            f"unknown digest algorithm {algorithm!r}; use one of {', '.join(sorted(ALGORITHMS))}"
-        ) from None
-
-
-def file_digest(path: str, algorithm: str) -> str:
-    """Hex digest of the file at ``path`` with ``algorithm`` (a key of :data:`ALGORITHMS`)."""
-    h = _hasher(algorithm)
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _file_chunks(path: str) -> Iterator[bytes]:
@@ -74,43 +49,6 @@ def _file_chunks(path: str) -> Iterator[bytes]:
 
 def _speed(size: int, seconds: float) -> float:
     return size / (1 << 20) / max(seconds, 1e-9)
-
-
-@dataclass(frozen=True)
-class CacheEntry:
-    """What the cache says about one artifact (its ``meta`` object, written after the blob verified)."""
-
-    name: str
-    size: int
-    algorithm: str
-    digest: str
-    source: str
-    stored_at: float
-
-
-@dataclass(frozen=True)
-class Fetched:
-    """Where a fetched artifact came from and where it now is.
-
-    Attributes:
-        name: the artifact name.
-        path: the verified local file.
-        source: ``"local"``, ``"cache"``, or the URL it was downloaded from.
-        size: bytes.
-        algorithm: digest algorithm used to verify it.
-        digest: its hex digest.
-        seconds: time from the call to a verified local file.
-        failures: sources tried before this one and why each was passed over.
-    """
-
-    name: str
-    path: str
-    source: str
-    size: int
-    algorithm: str
-    digest: str
-    seconds: float
-    failures: dict[str, str]
 
 
 class DataCache:
@@ -132,9 +70,18 @@ class DataCache:
         **storage_options: passed to ``open_backend`` (fsspec/gcsfs options for ``gs://``).
 
     Example:
-        >>> cache = DataCache("memory://demo")
-        >>> cache.fetch("x.bin", local_dir="/tmp/d", sources=["https://example.org/x.bin"],
-        ...             digest="ab12...", algorithm="sha256")  # doctest: +SKIP
+        >>> import os, tempfile
+        >>> made, fresh = tempfile.mkdtemp(), tempfile.mkdtemp()
+        >>> with open(os.path.join(made, "x.bin"), "wb") as f:
+        ...     _ = f.write(b"some bytes")
+        >>> cache = DataCache("memory://datacache-doc", progress=False)
+        >>> cache.adopt("x.bin", local_dir=made).algorithm  # recorded, and published
+        'xxh3-128'
+        >>> got = cache.fetch("x.bin", local_dir=fresh)  # another runtime: from the cache, verified
+        >>> got.source, got.size
+        ('cache', 10)
+        >>> got = cache.fetch("y.bin", local_dir=fresh, sources=["https://example.org/y.bin"],
+        ...                   digest="sha256:ab12...")  # doctest: +SKIP
     """
 
     def __init__(
@@ -181,24 +128,21 @@ class DataCache:
         except ObjectNotFound:
             return None
         try:
-            data = json.loads(raw)
-            if data.get("format") != _META_FORMAT:
-                raise ValueError(f"unknown meta format {data.get('format')!r}")
-            return CacheEntry(
-                name=data["name"], size=int(data["size"]), algorithm=data["algorithm"],
-                digest=data["digest"], source=data["source"], stored_at=float(data["stored_at"]),
-            )
-        except (ValueError, KeyError, TypeError) as exc:
+            return parse_entry(raw, self._meta_key(name))
+        except DataError as exc:
             logger.warning("cache meta for %r under %s is unreadable (%s); treating the entry as absent",
                            name, self.url, exc)
             return None
 
-    def _read_sidecar(self, local_dir: str, name: str) -> dict[str, Any] | None:
+    def _read_sidecar(self, local_dir: str, name: str) -> CacheEntry | None:
+        path = self._sidecar(local_dir, name)
         try:
-            with open(self._sidecar(local_dir, name), "rb") as f:
-                data = json.load(f)
-            return data if isinstance(data, dict) and "digest" in data and "algorithm" in data else None
-        except (OSError, ValueError):
+            with open(path, "rb") as f:
+                return parse_entry(f.read(), path)
+        except FileNotFoundError:
+            return None
+        except (OSError, DataError) as exc:  # not trusted: the copy is fetched again
+            logger.warning("ignoring the local record %s: %s", path, exc)
             return None
 
     def _write_sidecar(self, local_dir: str, name: str, *, algorithm: str, digest: str, size: int,
@@ -206,9 +150,10 @@ class DataCache:
         path = self._sidecar(local_dir, name)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         tmp = f"{path}{_TMP}{os.getpid()}"
-        with open(tmp, "w") as f:
-            json.dump({"name": name, "algorithm": algorithm, "digest": digest, "size": size,
-                       "source": source}, f)
+        entry = CacheEntry(name=name, size=size, algorithm=algorithm, digest=digest, source=source,
+                           stored_at=time.time())
+        with open(tmp, "wb") as f:
+            f.write(entry.to_json())
         os.replace(tmp, path)
 
     def get_record(self, name: str) -> dict[str, Any] | None:
@@ -244,7 +189,7 @@ class DataCache:
             return existing if existing is not None else record
 
     # ------------------------------------------------------------- publish
-    def publish(self, name: str, path: str, *, algorithm: str = "xxh3-128", digest: str | None = None,
+    def publish(self, name: str, path: str, *, algorithm: str | None = None, digest: str | None = None,
                 source: str = "local") -> CacheEntry:
         """Copy the local file ``path`` into the cache as ``name``, read it back, verify, commit.
 
@@ -254,8 +199,10 @@ class DataCache:
         Args:
             name: artifact name (a relative key).
             path: local file.
-            algorithm: digest algorithm.
-            digest: the file's digest if already known (skips hashing it twice).
+            algorithm: the digest's algorithm; None: ``digest``'s own (``"sha256:<hex>"``), else
+                ``digest.DEFAULT``.
+            digest: the file's digest if already known (skips hashing it twice); it says its
+                algorithm (see :func:`pinned_digest`).
             source: where the bytes came from, recorded in the meta.
 
         Returns:
@@ -264,12 +211,17 @@ class DataCache:
         Raises:
             DigestMismatchError: what the cache returned differs from what was written.
             BackendError: the cache could not be written.
+            ConfigError: a ``digest`` that does not say its algorithm.
         """
         check_key(name, url=self.url or "")
         if self.backend is None:
             raise ConfigError("this DataCache has no cache URL; nothing to publish into")
         start = time.monotonic()
-        digest = digest or file_digest(path, algorithm)
+        if digest is not None:
+            algorithm, digest = pinned_digest(digest, algorithm)
+        else:
+            algorithm = algorithm or DEFAULT
+            digest = file_digest(path, algorithm)
         size = os.path.getsize(path)
         self.backend.write(self._blob_key(name), _file_chunks(path))
         back = self._hash_blob(name, algorithm)
@@ -279,20 +231,21 @@ class DataCache:
                 f"({algorithm} {back} != {digest}); the storage is unreliable",
                 source=self.url or "", expected=digest, actual=back,
             )
-        entry = CacheEntry(name, size, algorithm, digest, source, time.time())
-        meta = {"format": _META_FORMAT, **entry.__dict__}
-        self.backend.write(self._meta_key(name), json.dumps(meta, sort_keys=True).encode())
+        entry = CacheEntry(name=name, size=size, algorithm=algorithm, digest=digest, source=source,
+                           stored_at=time.time())
+        self.backend.write(self._meta_key(name), entry.to_json())
         seconds = time.monotonic() - start
         logger.info("published %r into the cache %s: %d bytes in %.2f s (%.1f MiB/s, verified)",
                     name, self.url, size, seconds, _speed(size, seconds))
         return entry
 
-    def adopt(self, name: str, *, local_dir: str, algorithm: str = "xxh3-128", source: str = "derived",
+    def adopt(self, name: str, *, local_dir: str, algorithm: str = DEFAULT, source: str = "derived",
               publish: bool = True) -> Fetched:
         """Register a file this runtime produced at ``{local_dir}/{name}`` (e.g. decoded tensors).
 
-        Records its digest next to it (so the next ``fetch`` can verify the local copy) and, with
-        ``publish``, copies it into the cache (best effort: a failing cache is logged, not raised).
+        Records its digest (``algorithm``, by default ``digest.DEFAULT``) next to it, so the next
+        ``fetch`` can verify the local copy, and with ``publish`` copies it into the cache (best
+        effort: a failing cache is logged, not raised).
         """
         check_key(name, url=self.url or "")
         start = time.monotonic()
@@ -306,7 +259,7 @@ class DataCache:
 
     def _hash_blob(self, name: str, algorithm: str) -> str:
         assert self.backend is not None
-        h = _hasher(algorithm)
+        h = new_hasher(algorithm)
         with self.backend.open(self._blob_key(name)) as f:
             while chunk := f.read(_CHUNK):
                 h.update(chunk)
@@ -320,7 +273,7 @@ class DataCache:
         local_dir: str,
         sources: Sequence[str] = (),
         digest: str | None = None,
-        algorithm: str = "sha256",
+        algorithm: str | None = None,
         publish: bool = True,
     ) -> Fetched:
         """Return a verified local copy of artifact ``name``.
@@ -337,8 +290,10 @@ class DataCache:
             name: artifact name, a relative ``/``-separated key (e.g. ``"cifar10/train.parquet"``).
             local_dir: folder for local copies (created if missing).
             sources: URLs to try in order.
-            digest: pinned hex digest, or None.
-            algorithm: the digest's algorithm (``sha256``, ``md5``, ``xxh3-128``).
+            digest: the pinned digest, saying its algorithm (``"sha256:<hex>"``, or the hex with
+                ``algorithm=``; see :func:`pinned_digest`), or None.
+            algorithm: the algorithm of ``digest``, or (without one) of the digest recorded on
+                first use; None: ``digest.DEFAULT`` (``sha256``, ``md5``, ``xxh3-128``).
             publish: copy a downloaded artifact into the cache.
 
         Returns:
@@ -346,9 +301,14 @@ class DataCache:
 
         Raises:
             AllSourcesFailedError: no copy could be had; ``failures`` says, per source, why.
+            ConfigError: a ``digest`` that does not say its algorithm, or an unknown algorithm.
         """
         check_key(name, url=self.url or "")
-        _hasher(algorithm)  # fail fast on an unknown algorithm
+        if digest is not None:
+            algorithm, digest = pinned_digest(digest, algorithm)
+        else:
+            algorithm = algorithm or DEFAULT
+            new_hasher(algorithm)  # fail fast on an unknown algorithm
         start = time.monotonic()
         path = os.path.join(local_dir, *name.split("/"))
         os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -375,7 +335,7 @@ class DataCache:
             local_expect = expect
             if local_expect is None:
                 side = self._read_sidecar(local_dir, name)
-                local_expect = (side["algorithm"], side["digest"]) if side else None
+                local_expect = (side.algorithm, side.digest) if side else None
             if local_expect is None:
                 failures["local"] = f"{path} exists but no digest is known to verify it; ignoring it"
                 logger.warning("%s", failures["local"])
@@ -457,12 +417,12 @@ class DataCache:
         assert self.backend is not None
         start = time.monotonic()
         tmp = f"{path}{_TMP}cache.{os.getpid()}"
-        h = _hasher(expect[0])
+        h = new_hasher(expect[0])
         size = 0
         try:
             total = self.backend.stat(self._blob_key(name)).size
             with self.backend.open(self._blob_key(name)) as src, open(tmp, "wb") as out, \
-                    _progress_bar(total, 0, os.path.basename(path), self.progress) as bar:
+                    progress_bar(total, 0, os.path.basename(path), self.progress) as bar:
                 while chunk := src.read(_CHUNK):
                     h.update(chunk)
                     out.write(chunk)

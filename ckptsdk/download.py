@@ -15,12 +15,13 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from .errors import DownloadError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Downloaded", "DownloadError", "download"]
+__all__ = ["Downloaded", "DownloadError", "download", "progress_bar"]
 
 _CHUNK = 1 << 20  # 1 MiB reads: large enough for loopback speed, small enough for a smooth bar
 _RETRY_STATUS = frozenset({408, 425, 429, 500, 502, 503, 504})
@@ -51,8 +52,16 @@ class Downloaded:
         return self.size / (1 << 20) / max(self.seconds, 1e-9)
 
 
-def _progress_bar(total: int | None, initial: int, desc: str, enabled: bool):  # noqa: ANN202
-    from tqdm.auto import tqdm
+def progress_bar(total: int | None, initial: int, desc: str, enabled: bool) -> Any:
+    """A tqdm byte counter (KiB/MiB units), or a silent one when not ``enabled``: every copy's bar.
+
+    A ``tqdm`` object; ``Any`` because tqdm ships no type information.
+
+    Example:
+        >>> with progress_bar(10, 0, "x", enabled=False) as bar:
+        ...     _ = bar.update(10)
+    """
+    from tqdm.auto import tqdm  # late: tqdm is only needed once something is copied
 
     return tqdm(
         total=total, initial=initial, unit="B", unit_scale=True, unit_divisor=1024,
@@ -139,7 +148,7 @@ def download(
                 length = response.headers.get("Content-Length")
                 total = offset + int(length) if length and length.isdigit() else None
                 received = offset
-                with open(part, mode) as out, _progress_bar(total, offset, os.path.basename(path), progress) as bar:
+                with open(part, mode) as out, progress_bar(total, offset, os.path.basename(path), progress) as bar:
                     while True:
                         chunk = response.read(_CHUNK)
                         if not chunk:

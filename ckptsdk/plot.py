@@ -2,7 +2,7 @@
 
 matplotlib is an optional extra (``pip install 'ckptsdk[plot]'``), imported only when a plot is
 drawn, and only through its object API with the Agg canvas (no pyplot, no global state, no
-display needed). Reading the run log and judging it belong in ``runlog.py``.
+display needed). Reading the run log belongs in ``runlog_record.py``, judging it in ``audit.py``.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import os
 from typing import Any
 
 from .audit import AuditReport, audit
+from .backends.base import Backend
 from .errors import ConfigError, MissingDependencyError
 
 logger = logging.getLogger(__name__)
@@ -33,7 +34,8 @@ def _import_matplotlib() -> tuple[Any, Any]:
     return Figure, FigureCanvasAgg
 
 
-def plot_audit(source: Any, path: str | os.PathLike[str], *, scalar: str = "loss", dpi: int = 110) -> str:
+def plot_audit(source: AuditReport | Backend, path: str | os.PathLike[str], *, scalar: str = "loss",
+               dpi: int = 110) -> str:
     """Plot ``scalar`` over steps, coloured by attempt, with each resume point marked.
 
     Args:
@@ -51,6 +53,7 @@ def plot_audit(source: Any, path: str | os.PathLike[str], *, scalar: str = "loss
         ConfigError: the report carries no step series, or nothing was logged.
 
     Example:
+        >>> from ckptsdk.backends import open_backend
         >>> plot_audit(open_backend("gs://bucket/run1"), "audit.png")  # doctest: +SKIP
         'audit.png'
     """

@@ -13,14 +13,13 @@ grow, and a Drive mount may show another VM's rewrites late and out of order)::
 
 The newest chunk's header is the attempt's current record (last step seen, closed cleanly), so a
 reader that sees only some chunks (Drive delivers them out of order) still learns who wrote them.
-Non-finite scalars are stored as the JSON strings "NaN", "Infinity" and "-Infinity" (strict JSON).
+The documents themselves (the record, the rows, their format and keys, reading them back) are
+``runlog_record``'s.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import math
 import numbers
 import os
 import platform
@@ -29,61 +28,28 @@ import socket
 import sys
 import threading
 import time
-from datetime import datetime, timezone
-from typing import Any, Final, Literal
-
-from pydantic import BaseModel, ConfigDict, Field
+from collections.abc import Callable
+from typing import Any
 
 from .backends.base import Backend
+from .document import utc_now
 from .errors import BackendError, ConfigError, ObjectNotFound, PreconditionFailed
+from .runlog_record import (
+    RUNLOG_FORMAT,
+    RUNLOG_PREFIX,
+    AttemptRecord,
+    StepRow,
+    attempt_prefix,
+    chunk_key,
+    parse_runlog_key,
+)
 
 logger = logging.getLogger(__name__)
 
-__all__ = [
-    "RUNLOG_PREFIX",
-    "RUNLOG_FORMAT",
-    "AttemptRecord",
-    "RunLog",
-]
+# The record's names stay importable from here, where they were before runlog_record existed.
+__all__ = ["RUNLOG_FORMAT", "RUNLOG_PREFIX", "AttemptRecord", "RunLog", "chunk_key"]
 
-RUNLOG_PREFIX = "runlog/"
-RUNLOG_FORMAT: Final = "ckptsdk.runlog/1"
-
-_ATTEMPT_RE = re.compile(r"^runlog/attempt-(\d+)/(attempt\.json|chunk-(\d+)\.jsonl)$")
-_NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
 _SCALAR_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_./-]{0,127}$")
-
-
-def attempt_prefix(attempt: int) -> str:
-    """The folder of one attempt's objects, e.g. ``runlog/attempt-000003/``."""
-    return f"{RUNLOG_PREFIX}attempt-{attempt:06d}/"
-
-
-def chunk_key(attempt: int, seq: int) -> str:
-    """The key of one chunk, e.g. ``runlog/attempt-000003/chunk-000012.jsonl``."""
-    return f"{attempt_prefix(attempt)}chunk-{seq:06d}.jsonl"
-
-
-def _utcnow() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="milliseconds")
-
-
-def _encode_float(x: float) -> float | str:
-    if math.isfinite(x):
-        return x
-    if math.isnan(x):
-        return "NaN"
-    return "Infinity" if x > 0 else "-Infinity"
-
-
-def _decode_float(x: Any) -> float:
-    if isinstance(x, bool):
-        raise ValueError(f"a boolean is not a logged scalar: {x!r}")
-    if isinstance(x, (int, float)):
-        return float(x)
-    if isinstance(x, str) and x in _NONFINITE:
-        return _NONFINITE[x]
-    raise ValueError(f"not a logged scalar: {x!r}")
 
 
 def _versions() -> dict[str, str]:
@@ -102,43 +68,22 @@ def _versions() -> dict[str, str]:
 
 
 def _detect_device() -> str:
-    # Only ask torch if the job already imported it: importing torch here just to name the
-    # device would add seconds to a CLI and could initialise CUDA in a process that avoids it.
+    """``cuda:<name>`` once the job itself has initialised CUDA, else ``cpu``.
+
+    Only asks torch if the job already imported it (importing torch to name the device would add
+    seconds to a CLI), and never initialises CUDA: ``current_device()`` would create a context
+    (hundreds of MiB of GPU memory, seconds) in a CPU job on a GPU machine. A job that moves to
+    the GPU after the log is opened is named at the next flush (the header is re-detected).
+    """
     torch = sys.modules.get("torch")
     if torch is None:
         return "cpu"
     try:
-        if torch.cuda.is_available():
+        if torch.cuda.is_initialized():
             return f"cuda:{torch.cuda.get_device_name(torch.cuda.current_device())}"
     except RuntimeError:  # a broken driver is not a reason to fail logging
         return "cpu (cuda unusable)"
     return "cpu"
-
-
-class AttemptRecord(BaseModel):
-    """Who ran one attempt, on what, from where, and how far it got.
-
-    Written as ``attempt.json`` when the attempt first flushes, and repeated (with ``last_step``
-    and ``closed`` up to date) as the header line of every chunk.
-    """
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    format: Literal["ckptsdk.runlog/1"] = RUNLOG_FORMAT
-    kind: Literal["attempt"] = "attempt"
-    attempt: int
-    run_id: str
-    lease_epoch: int | None = None
-    host: str
-    pid: int
-    device: str
-    versions: dict[str, str] = Field(default_factory=dict)
-    started_at: str
-    resumed_from_step: int | None = None
-    last_step: int | None = None
-    steps_logged: int = 0
-    chunk: int | None = None
-    closed: bool = False
 
 
 class RunLog:
@@ -180,7 +125,7 @@ class RunLog:
         device: str | None = None,
         flush_every: int = 200,
         flush_interval: float = 15.0,
-        clock: Any = time.monotonic,
+        clock: Callable[[], float] = time.monotonic,
         background: bool = False,
     ) -> None:
         if not isinstance(attempt, int) or isinstance(attempt, bool) or attempt < 0:
@@ -192,6 +137,7 @@ class RunLog:
         self.flush_every = int(flush_every)
         self.flush_interval = float(flush_interval)
         self._clock = clock
+        self._detect = device is None  # named again at each flush (see _detect_device)
         self._record = AttemptRecord(
             attempt=attempt,
             run_id=str(run_id),
@@ -200,7 +146,7 @@ class RunLog:
             pid=os.getpid(),
             device=device or _detect_device(),
             versions=_versions(),
-            started_at=_utcnow(),
+            started_at=utc_now(),
             resumed_from_step=resumed_from_step,
         )
         # (step, wall time, {name: float or a 0-d tensor not yet read back})
@@ -302,7 +248,7 @@ class RunLog:
             return
         key = f"{attempt_prefix(self.attempt)}attempt.json"
         try:
-            self.backend.create(key, self._record.model_dump_json().encode())
+            self.backend.create(key, self._record.to_json())
         except PreconditionFailed:
             # This attempt's log was opened before (a RunLog re-created in the same
             # attempt): the first record stands; every chunk header carries the current one.
@@ -356,17 +302,11 @@ class RunLog:
                     "steps_logged": self._record.steps_logged + len(rows),
                     "chunk": seq,
                     "closed": closed,
+                    **({"device": _detect_device()} if self._detect else {}),
                 }
             )
-            lines = [header.model_dump_json()]
-            for step, t, vals in rows:
-                lines.append(
-                    json.dumps(
-                        {"step": step, "time": round(t, 3), "scalars": {k: _encode_float(v) for k, v in vals.items()}},
-                        allow_nan=False,
-                        separators=(",", ":"),
-                    )
-                )
+            lines = [header.to_json().decode().rstrip("\n")]
+            lines += [StepRow(step=step, time=round(t, 3), scalars=vals).to_line() for step, t, vals in rows]
             self._pending = (chunk_key(self.attempt, seq), ("\n".join(lines) + "\n").encode(), len(rows))
             self._next_seq = seq + 1
             self._record = header
@@ -431,11 +371,8 @@ def _resolve(value: Any) -> float:
 
 def _next_chunk_seq(backend: Backend, attempt: int) -> int:
     seqs = [
-        int(m.group(3))
+        parsed[1]
         for info in backend.list(attempt_prefix(attempt))
-        if (m := _ATTEMPT_RE.match(info.key)) and m.group(3) is not None
+        if (parsed := parse_runlog_key(info.key)) is not None and parsed[1] is not None
     ]
     return max(seqs) + 1 if seqs else 0
-
-
-# -- reading and auditing --------------------------------------------------------------------

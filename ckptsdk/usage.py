@@ -11,17 +11,23 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from typing import ClassVar
+
+from pydantic import Field, field_validator
 
 from .backends.base import Backend
 from .catalog import Catalog, Rank, scan
-from .errors import BackendError, ObjectNotFound
+from .document import Document, UtcTime, check_format, check_utc, parse_document, utc_now
+from .errors import BackendError, CkptError, DataError, ObjectNotFound
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TRASH_DAYS", "Usage", "TrashLedger", "usage", "record_trash", "read_trash"]
+__all__ = ["TRASH_DAYS", "TRASH_FORMAT", "Usage", "TrashLedger", "TrashTotal", "usage", "record_trash",
+           "read_trash"]
 
 TRASH_PREFIX = "trash/"
+#: 1.0: the first versioned form; the previous ckptsdk wrote the same fields without "format".
+TRASH_FORMAT = "ckptsdk.trash/1.0"
 # Google Drive empties its trash of an item 30 days after it was trashed (Drive API guide
 # "Trash or delete files and folders"); until then it counts against the owner's quota.
 TRASH_DAYS = 30
@@ -29,6 +35,45 @@ TRASH_DAYS = 30
 
 def _ledger_key(rank: Rank) -> str:
     return f"{TRASH_PREFIX}epoch-{rank[0]:06d}" + (f".{rank[1]}" if rank[1] else "") + ".json"
+
+
+class TrashTotal(Document):
+    """``trash/epoch-NNNNNN[.tag].json``: one writer's running total of what it sent to the trash.
+
+    No checksum: it is advice for the user (``ckptsdk du``), rewritten at every rotation.
+    """
+
+    FORMAT: ClassVar[str] = TRASH_FORMAT
+
+    format: str = Field(default=TRASH_FORMAT, pattern=r"^ckptsdk\.trash/1(\.[0-9]+)?$")
+    bytes: int = Field(ge=0)
+    files: int = Field(ge=0)
+    updated_at: UtcTime = Field(default_factory=utc_now)
+
+    @field_validator("format", mode="before")
+    @classmethod
+    def _format_first(cls, value: object) -> object:
+        check_format(value, TRASH_FORMAT)
+        return value
+
+    @field_validator("updated_at")
+    @classmethod
+    def _utc(cls, value: str) -> str:
+        return check_utc(value)
+
+
+def _parse_total(data: bytes, key: str) -> TrashTotal:
+    try:
+        obj = json.loads(data)
+    except (ValueError, RecursionError):
+        obj = None  # parse_document says what is wrong
+    if isinstance(obj, dict) and "format" not in obj:  # the previous ckptsdk's unversioned form
+        data = json.dumps({**obj, "format": TRASH_FORMAT}).encode()
+
+    def error(message: str, step: int | None) -> CkptError:
+        return DataError(message)
+
+    return parse_document(data, TrashTotal, key=key, error=error)
 
 
 @dataclass(frozen=True)
@@ -47,10 +92,9 @@ def record_trash(backend: Backend, rank: Rank, *, total_bytes: int, files: int) 
     Best effort: a failure is logged, never raised, because the count is advice for the user
     and must not fail a save that has already committed.
     """
-    doc = {"bytes": int(total_bytes), "files": int(files),
-           "updated_at": datetime.now(timezone.utc).isoformat()}
+    doc = TrashTotal(bytes=int(total_bytes), files=int(files))
     try:
-        backend.write(_ledger_key(rank), json.dumps(doc).encode())
+        backend.write(_ledger_key(rank), doc.to_json())
     except BackendError as exc:
         logger.info("could not record the trash total under %s: %s", backend.url, exc)
 
@@ -60,9 +104,9 @@ def read_trash(backend: Backend) -> list[TrashLedger]:
     out = []
     for obj in backend.list(TRASH_PREFIX):
         try:
-            doc = json.loads(backend.read(obj.key))
-            out.append(TrashLedger(obj.key, int(doc["bytes"]), int(doc["files"]), obj.mtime))
-        except (ObjectNotFound, ValueError, KeyError, TypeError) as exc:
+            doc = _parse_total(backend.read(obj.key), obj.key)
+            out.append(TrashLedger(obj.key, doc.bytes, doc.files, obj.mtime))
+        except (ObjectNotFound, DataError) as exc:
             logger.info("ignoring trash ledger %s: %s", obj.key, exc)
     return out
 

@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import sys
+import threading
 import time
 from typing import Any
 
@@ -29,11 +30,33 @@ class Events:
 
     def __init__(self, path: str) -> None:
         self._f = open(path, "a", buffering=1, encoding="utf-8")
+        self._lock = threading.Lock()  # the lease heartbeat emits from its own thread
 
     def emit(self, event: str, **fields: Any) -> None:
-        self._f.write(json.dumps({"event": event, "t": time.monotonic(), "pid": os.getpid(),
-                                  **fields}) + "\n")
-        self._f.flush()
+        with self._lock:
+            self._f.write(json.dumps({"event": event, "t": time.monotonic(), "pid": os.getpid(),
+                                      **fields}) + "\n")
+            self._f.flush()
+
+
+def _trace_renewals(lease: Any, ev: Events) -> None:
+    """Emit "renewed" / "renew_lost" (with when each began, ``t0``) for every renewal of
+    ``lease``, the heartbeat's and the saves': tests order them against other events."""
+    from ckptsdk.errors import LeaseLostError
+
+    renew = lease.renew
+
+    def traced() -> Any:
+        t0 = time.monotonic()
+        try:
+            record = renew()
+        except LeaseLostError as exc:
+            ev.emit("renew_lost", t0=t0, newer_epoch=exc.newer_epoch)
+            raise
+        ev.emit("renewed", t0=t0, epoch=record.epoch, renewals=record.renewals)
+        return record
+
+    lease.renew = traced
 
 
 def _wait_for(path: str, timeout: float) -> None:
@@ -109,6 +132,7 @@ def train(args: argparse.Namespace, ev: Events) -> int:
                             lease_wait=args.wait, storage_options=json.loads(args.options),
                             force=args.force)
     assert mgr.lease is not None
+    _trace_renewals(mgr.lease, ev)
     ev.emit("acquired", t_open=t_open, epoch=mgr.lease.epoch, attempt=mgr.lease.attempt,
             run_id=mgr.lease.run_id)
     pos = mgr.restore(state)

@@ -5,7 +5,7 @@ test_lineage_sabotage.py proves its checks catch broken rules, test_lineage_regr
 its ``Weights`` and naming helpers); it holds no tests itself.
 
 Two to five writers and a reader share one checkpoint root: a simulated Drive folder
-(tests/sim_drive.py: per-VM views, propagation delays and reorderings drawn by hypothesis), a real
+(tests/drive_deterministic_sim.py: per-VM views, propagation delays and reorderings drawn by hypothesis), a real
 local-disk root, and the memory backend. Writers open (takeover, also with ``force``), restore,
 save (which rotates), pause, die, close; a reader restores. Everything runs on one fake clock:
 lease acquisitions are cooperative tasks that sleep on it, so nothing really sleeps.
@@ -49,7 +49,7 @@ from ckptsdk.errors import (
     NoValidCheckpointError,
 )
 from ckptsdk.manager import CheckpointManager, Simulation
-from tests.sim_drive import FakeClock, FrozenBackend, SimDrive
+from tests.drive_deterministic_sim import FakeClock, FrozenBackend, SimDrive
 
 # A writer's rank is (lease epoch, tag): the tag is "" where the store has compare-and-swap, else
 # the first 8 hex digits of the writer's lease nonce, and it is part of every name the writer makes.

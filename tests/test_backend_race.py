@@ -1,7 +1,7 @@
 """Two processes race to ``create`` the same key, 50 rounds: exactly one wins each round.
 
 Local disk (``os.link`` refuses an existing name) and the Drive backend on one VM (check and rename
-under the root flock; DRIVE_FACTS: nothing excludes a second VM, which capabilities say).
+under the root flock; docs/DRIVE.md: nothing excludes a second VM, which capabilities say).
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""One conformance suite for every backend (memory, local, drive on a folder, gcs on the emulator).
+"""The shipped conformance suite (ckptsdk.testing.conformance) run on every backend of ours (memory,
+local, drive on a folder, gcs on the emulator).
 
 Then what only the file backends (local, Drive) have: temp files, sweep, folders, the lock, errno
 mapping; and the fault-injecting wrapper of ckptsdk.testing.
@@ -6,17 +7,17 @@ mapping; and the fault-injecting wrapper of ckptsdk.testing.
 
 from __future__ import annotations
 
-import dataclasses
 import errno
 import os
 import random
 import threading
 import time
+from typing import ClassVar
 
 import pytest
 
 from ckptsdk.backends import open_backend
-from ckptsdk.backends.base import Backend, Capabilities, ObjectInfo
+from ckptsdk.backends.base import Backend, Capabilities
 from ckptsdk.backends.drive import DriveBackend
 from ckptsdk.backends.local import LOCK_NAME, TMP_PREFIX, LocalBackend
 from ckptsdk.errors import (
@@ -27,11 +28,12 @@ from ckptsdk.errors import (
     StorageUnavailable,
 )
 from ckptsdk.testing import FaultyBackend, SimulatedCrash, fail_nth
+from ckptsdk.testing.conformance import BackendConformance
 
 MIB = 1 << 20
-BIG = random.Random(7).randbytes(3 * MIB + 12345)
+BIG = random.Random(7).randbytes(3 * MIB + 12345)  # the same bytes as the suite's
 
-# What each kind honestly promises (DRIVE_FACTS: no cross-VM exclusion, write-back cache, trash).
+# What each kind honestly promises (docs/DRIVE.md: no cross-VM exclusion, write-back cache, trash).
 EXPECTED_CAPABILITIES = {
     "memory": Capabilities(exclusive_create=True, compare_and_swap=True, durable_on_return=False,
                            cheap_copy=True),
@@ -43,105 +45,56 @@ EXPECTED_CAPABILITIES = {
 }
 
 
-# -- conformance: every backend ------------------------------------------------------------------
+# -- conformance: every backend, through the suite shipped to backend authors ------------------
 
-# Each case builds its data afresh: a generator can be consumed only once.
-ROUND_TRIPS = {
-    "empty": (lambda: b"", b""),
-    "one-byte": (lambda: b"x", b"x"),
-    "chunks": (lambda: [b"ab", bytearray(b"cd"), memoryview(b"ef")], b"abcdef"),
-    "generator": (lambda: (bytes([i]) * 1000 for i in range(5)),
-                  b"".join(bytes([i]) * 1000 for i in range(5))),
-    "no-chunks": (lambda: [], b""),
-    "3MiB": (lambda: BIG, BIG),
-    "3MiB-chunked": (lambda: (memoryview(BIG)[i:i + MIB] for i in range(0, len(BIG), MIB)), BIG),
-}
+class _OurBackend(BackendConformance):
+    """The shipped suite (ckptsdk.testing.conformance) on fresh storage of one of our kinds."""
+
+    kind: ClassVar[str]
+
+    @pytest.fixture
+    def target(self, make_backend_target):
+        return make_backend_target(self.kind)
+
+    @pytest.fixture
+    def backend(self, target):
+        return target.open()
+
+    @pytest.fixture
+    def reopen(self, target):
+        return target.open
+
+    @pytest.fixture
+    def expected_capabilities(self):
+        return EXPECTED_CAPABILITIES[self.kind]
 
 
-@pytest.mark.parametrize("case", list(ROUND_TRIPS))
-def test_round_trip(backend, case):
-    make, expected = ROUND_TRIPS[case]
-    info = backend.write("dir/obj.bin", make())
-    assert isinstance(info, ObjectInfo)
-    assert (info.key, info.size) == ("dir/obj.bin", len(expected))
-    assert backend.read("dir/obj.bin") == expected
-    assert backend.stat("dir/obj.bin") == info
-    assert backend.list("dir/") == [info]
-    again = backend.write("dir/obj.bin", make())  # overwrite with the same content
-    assert again.version != info.version and backend.read("dir/obj.bin") == expected
+class TestMemoryBackend(_OurBackend):
+    kind = "memory"
+
+
+class TestLocalBackend(_OurBackend):
+    kind = "local"
+
+
+class TestDriveBackend(_OurBackend):
+    kind = "drive"
+
+
+@pytest.mark.gcs
+class TestGCSBackend(_OurBackend):
+    kind = "gcs"
+
+
+def test_the_suite_runs_on_every_kind():
+    """No kind of ours is left out of the shipped suite (a new backend gets a Test class)."""
+    covered = {cls.kind for cls in _OurBackend.__subclasses__()}
+    assert covered == set(EXPECTED_CAPABILITIES) == {"memory", "local", "drive", "gcs"}
 
 
 def test_is_a_backend_with_its_url(backend, backend_url):
     assert isinstance(backend, Backend)
     assert backend.url == backend_url.url
-
-
-def test_open_streams_with_readinto_and_seek(backend):
-    backend.write("big", BIG)
-    buf = bytearray(MIB)
-    got = bytearray()
-    with backend.open("big") as f:
-        while n := f.readinto(buf):
-            got += buf[:n]
-        assert f.readinto(buf) == 0
-        f.seek(len(BIG) - 5)
-        assert f.read() == BIG[-5:]
-        f.seek(0)
-        assert f.read(10) == BIG[:10]
-    assert bytes(got) == BIG
-
-
-def test_list_prefix_semantics(backend):
-    sizes = {"a/b/1": 1, "a/b/2": 2, "a/b/c/d": 3, "a/bc": 4, "ab": 5, "z": 0, "a/b0": 6}
-    for key, size in sizes.items():
-        backend.write(key, b"q" * size)
-
-    def keys(prefix: str = "") -> list[str]:
-        infos = backend.list(prefix)
-        for info in infos:
-            assert info.size == sizes[info.key]
-            assert info.version == backend.stat(info.key).version
-        return [info.key for info in infos]
-
-    assert keys() == sorted(sizes)
-    assert keys("a/b/") == ["a/b/1", "a/b/2", "a/b/c/d"]            # folder: recursive
-    assert keys("a/b") == ["a/b/1", "a/b/2", "a/b/c/d", "a/b0", "a/bc"]  # string prefix
-    assert keys("a") == ["a/b/1", "a/b/2", "a/b/c/d", "a/b0", "a/bc", "ab"]
-    assert keys("a/b/c/d") == ["a/b/c/d"]
-    assert keys("nothing/") == [] and keys("q") == []
-    assert backend.list("") == backend.list()
-
-
-def test_stat_and_exists(backend):
-    assert not backend.exists("k/v")
-    info = backend.write("k/v", b"12345")
-    assert backend.exists("k/v")
-    assert backend.stat("k/v") == ObjectInfo("k/v", 5, info.version)
-    assert not backend.exists("k")  # a folder-like prefix is not an object
-    with pytest.raises(ObjectNotFound):
-        backend.stat("k")
-
-
-def test_cheap_copy_where_the_store_has_one(backend):
-    """Where ``cheap_copy`` is claimed, ``copy`` duplicates inside the store, refuses an existing
-    target and a missing source, and the copies part ways cleanly; Drive says it has none."""
-    backend.write("c/src", BIG)
-    if not backend.capabilities.cheap_copy:
-        with pytest.raises(BackendError):
-            backend.copy("c/src", "c/dst")
-        assert not backend.exists("c/dst")
-        return
-    info = backend.copy("c/src", "c/dst")
-    assert (info.key, info.size) == ("c/dst", len(BIG)) and backend.stat("c/dst").size == len(BIG)
-    assert backend.read("c/dst") == BIG
-    with pytest.raises(PreconditionFailed):
-        backend.copy("c/src", "c/dst")
-    with pytest.raises(ObjectNotFound):
-        backend.copy("c/absent", "c/other")
-    backend.write("c/src", b"new")  # a write publishes a new object: the copy keeps the old bytes
-    assert backend.read("c/dst") == BIG
-    backend.delete("c/src")
-    assert backend.read("c/dst") == BIG
 
 
 def test_drive_moves_and_overwrites_a_file_in_place(make_backend_target):
@@ -165,173 +118,6 @@ def test_drive_moves_and_overwrites_a_file_in_place(make_backend_target):
     with pytest.raises(ObjectNotFound):
         b.overwrite("step-9/tensors", b"x")
     assert b.read("step-3/tensors") == b"x"
-
-
-def test_objects_carry_the_time_the_store_reports(backend):
-    """``mtime`` is the store's own time of the last write: the same through write, stat and
-    list, moving forward with a later write, and this store's clock (here: 127.0.0.1's)."""
-    first = backend.write("t/a", b"1")
-    time.sleep(0.02)
-    second = backend.write("t/b", b"22")
-    for info in (first, second):
-        assert isinstance(info.mtime, float)
-        assert abs(info.mtime - time.time()) < 120
-    listed = {o.key: o for o in backend.list("t/")}
-    assert listed["t/a"].mtime == backend.stat("t/a").mtime == first.mtime
-    assert listed["t/b"].mtime == second.mtime
-    assert second.mtime >= first.mtime
-    time.sleep(0.02)
-    rewritten = backend.write("t/a", b"333")
-    assert rewritten.mtime >= second.mtime and backend.stat("t/a").mtime == rewritten.mtime
-    # Equality stays the version's business: a record without a time equals one with it.
-    assert ObjectInfo("t/b", 2, second.version) == second
-
-
-@pytest.mark.parametrize("op", ["read", "open", "stat", "delete"])
-def test_missing_key_is_object_not_found(backend, op):
-    backend.write("present", b"1")
-    with pytest.raises(ObjectNotFound) as exc_info:
-        getattr(backend, op)("absent/key")
-    assert isinstance(exc_info.value, FileNotFoundError)
-    assert exc_info.value.key == "absent/key"
-    assert backend.read("present") == b"1"
-
-
-def test_every_write_gets_a_new_version(backend):
-    versions = {backend.write("v", b"same-size").version for _ in range(30)}
-    versions.add(backend.create("w", b"same-size").version)
-    assert len(versions) == 31
-
-
-def test_delete_and_delete_with_version(backend):
-    backend.write("keep", b"k")
-    v1 = backend.write("d", b"1").version
-    v2 = backend.write("d", b"2").version
-    with pytest.raises(PreconditionFailed) as exc_info:
-        backend.delete("d", version=v1)
-    assert (exc_info.value.expected, exc_info.value.actual) == (v1, v2)
-    assert backend.read("d") == b"2"
-    backend.delete("d", version=v2)
-    assert not backend.exists("d")
-    with pytest.raises(ObjectNotFound):
-        backend.delete("d")
-    with pytest.raises(ObjectNotFound):
-        backend.delete("d", version=v2)
-    backend.write("d", b"3")
-    backend.delete("d")
-    assert [i.key for i in backend.list()] == ["keep"]
-
-
-def test_create_twice_fails_and_keeps_the_first(backend):
-    first = backend.create("lease/LEASE.json", b"first")
-    with pytest.raises(PreconditionFailed) as exc_info:
-        backend.create("lease/LEASE.json", [b"sec", b"ond"])
-    assert exc_info.value.expected is None
-    assert exc_info.value.actual == first.version
-    assert exc_info.value.key == "lease/LEASE.json"
-    assert backend.read("lease/LEASE.json") == b"first"
-    assert backend.list() == [first]
-
-
-def test_replace_checks_the_version(backend):
-    v1 = backend.write("r", b"one").version
-    v2 = backend.replace("r", b"two", v1)
-    assert v2.version != v1 and v2.size == 3
-    assert backend.stat("r") == v2 and backend.read("r") == b"two"
-    with pytest.raises(PreconditionFailed) as exc_info:
-        backend.replace("r", b"three", v1)  # stale
-    assert (exc_info.value.expected, exc_info.value.actual) == (v1, v2.version)
-    assert backend.read("r") == b"two" and backend.stat("r") == v2
-    with pytest.raises(PreconditionFailed) as exc_info:
-        backend.replace("never-written", b"x", v1)
-    assert (exc_info.value.expected, exc_info.value.actual) == (v1, None)
-    assert not backend.exists("never-written")
-
-
-@pytest.mark.parametrize("key", ["../x", "/abs", "a//b", "a\\b", "", "a/./b", "a/../b", "a/"])
-def test_invalid_keys_are_refused_everywhere(backend, key):
-    backend.write("ok", b"1")
-    calls = [
-        lambda: backend.read(key), lambda: backend.open(key), lambda: backend.stat(key),
-        lambda: backend.exists(key), lambda: backend.write(key, b"x"),
-        lambda: backend.create(key, b"x"), lambda: backend.replace(key, b"x", "1"),
-        lambda: backend.delete(key),
-    ]
-    for call in calls:
-        with pytest.raises(InvalidKey) as exc_info:
-            call()
-        assert isinstance(exc_info.value, ValueError) and exc_info.value.key == key
-    assert [i.key for i in backend.list()] == ["ok"]
-
-
-@pytest.mark.parametrize("prefix", ["../", "/abs", "a//"])
-def test_invalid_list_prefix(backend, prefix):
-    with pytest.raises(InvalidKey):
-        backend.list(prefix)
-
-
-def test_capabilities_are_an_honest_frozen_record(backend, backend_url):
-    caps = backend.capabilities
-    assert isinstance(caps, Capabilities) and caps.atomic_publish
-    assert caps == EXPECTED_CAPABILITIES[backend_url.kind]
-    with pytest.raises(dataclasses.FrozenInstanceError):
-        caps.exclusive_create = not caps.exclusive_create  # type: ignore[misc]
-
-
-def test_a_failing_data_iterable_publishes_nothing(backend):
-    old = backend.write("obj", b"old")
-
-    class Boom(Exception):
-        pass
-
-    def chunks():
-        yield b"x" * MIB
-        raise Boom("producer failed")
-
-    with pytest.raises(Boom):
-        backend.write("obj", chunks())
-    with pytest.raises(Boom):
-        backend.create("fresh", chunks())
-    assert backend.list() == [old]
-    assert backend.read("obj") == b"old"
-    assert backend.sweep(0) == []  # nothing was left behind either
-
-
-def test_concurrent_creates_from_threads_have_one_winner(backend):
-    results: list[str] = []
-    lock = threading.Lock()
-    start = threading.Barrier(6)
-
-    def racer(i: int) -> None:
-        start.wait(timeout=30)
-        try:
-            backend.create("one", f"writer-{i}".encode())
-            outcome = f"won-{i}"
-        except PreconditionFailed:
-            outcome = "lost"
-        with lock:
-            results.append(outcome)
-
-    threads = [threading.Thread(target=racer, args=(i,)) for i in range(6)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
-    winners = [r for r in results if r.startswith("won")]
-    assert len(results) == 6 and len(winners) == 1
-    assert backend.read("one") == f"writer-{winners[0][4:]}".encode()
-
-
-def test_sweep_on_a_clean_store_removes_nothing(backend):
-    backend.write("a/b", b"1")
-    assert backend.sweep(0) == []
-    assert backend.read("a/b") == b"1"
-
-
-def test_same_name_opens_the_same_store(backend_url):
-    a, b = backend_url.open(), backend_url.open()
-    a.write("shared", b"1")
-    assert b.read("shared") == b"1"
 
 
 # -- the file backends (local disk, Drive mount) ---------------------------------------------------
@@ -442,7 +228,7 @@ def test_dropped_mount_is_storage_unavailable_with_what_to_do(make_backend_targe
     def dropped(*args, **kwargs):
         raise OSError(code, os.strerror(code))
 
-    # The mount answers every call with this errno once it drops (DRIVE_FACTS: Errno 107).
+    # The mount answers every call with this errno once it drops (docs/DRIVE.md: Errno 107).
     with monkeypatch.context() as m:
         for name in ("scandir", "stat", "open", "mkdir"):
             m.setattr(os, name, dropped)

@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 
 import pytest
+import xxhash
 
 from ckptsdk.datacache import DataCache
 from ckptsdk.download import DownloadError, download
-from ckptsdk.errors import AllSourcesFailedError
+from ckptsdk.errors import AllSourcesFailedError, ConfigError
 from tests.http_server import Behaviour, FileServer
 
 PAYLOAD = os.urandom(1_000_003)
-DIGEST = hashlib.sha256(PAYLOAD).hexdigest()
+HEX = hashlib.sha256(PAYLOAD).hexdigest()
+DIGEST = "sha256:" + HEX  # a digest the caller pins says its algorithm
 NAME = "sets/payload.bin"
 
 
@@ -34,10 +37,10 @@ def test_chain_source_then_local_then_cache_on_a_fresh_runtime(backend_url, http
     cache = _cache(backend_url)
 
     first = cache.fetch(NAME, local_dir=str(tmp_path / "rt1"), sources=[url], digest=DIGEST)
-    assert (first.source, first.size, first.digest) == (url, len(PAYLOAD), DIGEST)
+    assert (first.source, first.size, first.algorithm, first.digest) == (url, len(PAYLOAD), "sha256", HEX)
     assert _read(first.path) == PAYLOAD
     entry = cache.entry(NAME)
-    assert entry is not None and entry.digest == DIGEST and entry.source == url
+    assert entry is not None and (entry.algorithm, entry.digest, entry.source) == ("sha256", HEX, url)
 
     again = cache.fetch(NAME, local_dir=str(tmp_path / "rt1"), sources=[url], digest=DIGEST)
     assert again.source == "local"
@@ -58,7 +61,7 @@ def test_wrong_bytes_are_rejected_and_the_next_source_is_used(http_server, tmp_p
     assert got.source == good
     assert _read(got.path) == PAYLOAD
     wrong = list(got.failures)
-    assert bad in wrong and "wrong bytes" in got.failures[bad] and DIGEST in got.failures[bad]
+    assert bad in wrong and "wrong bytes" in got.failures[bad] and HEX in got.failures[bad]
     # The rejection names the digest it did get.
     corrupt = bytearray(PAYLOAD)
     corrupt[len(PAYLOAD) // 2] ^= 0xFF
@@ -162,7 +165,8 @@ def test_without_a_pinned_digest_the_first_source_is_trusted_and_recorded(http_s
     url = http_server.add("/mirror/p.bin", PAYLOAD)
     cache_url = "memory://" + tmp_path.name
     first = _cache(cache_url).fetch(NAME, local_dir=str(tmp_path / "rt1"), sources=[url])
-    assert first.source == url and first.digest == DIGEST  # sha256 by default
+    recorded = xxhash.xxh3_128_hexdigest(PAYLOAD)
+    assert first.source == url and (first.algorithm, first.digest) == ("xxh3-128", recorded)  # digest.DEFAULT
 
     # The mirror now serves other bytes, and the cached copy rots: the record still rules.
     http_server.add("/mirror/p.bin", PAYLOAD[::-1])
@@ -170,7 +174,7 @@ def test_without_a_pinned_digest_the_first_source_is_trusted_and_recorded(http_s
     with pytest.raises(AllSourcesFailedError) as info:
         _cache(cache_url).fetch(NAME, local_dir=str(tmp_path / "rt2"), sources=[url])
     assert "corrupt" in info.value.failures["cache"]
-    assert "wrong bytes" in info.value.failures[url] and DIGEST in info.value.failures[url]
+    assert "wrong bytes" in info.value.failures[url] and recorded in info.value.failures[url]
 
 
 def test_record_once_keeps_the_first_record(tmp_path):
@@ -189,3 +193,75 @@ def test_dropped_server_mid_body_without_retries_leaves_a_part_file_that_resumes
         assert (tmp_path / "p.bin.part").stat().st_size == 400_000
         result = download(url, str(tmp_path / "p.bin"), retries=0, progress=False)
         assert result.resumed_bytes == 400_000 and (tmp_path / "p.bin").read_bytes() == PAYLOAD
+
+
+# ---------------------------------------------------------------- one digest rule, one document
+
+
+def test_a_pinned_digest_must_say_its_algorithm(http_server, tmp_path):
+    url = http_server.add("/p.bin", PAYLOAD)
+    cache = _cache("memory://" + tmp_path.name)
+    with pytest.raises(ConfigError, match="does not say its algorithm.*'sha256:"):
+        cache.fetch(NAME, local_dir=str(tmp_path), sources=[url], digest=HEX)
+    with pytest.raises(ConfigError, match="drop one of them"):
+        cache.fetch(NAME, local_dir=str(tmp_path), sources=[url], digest=DIGEST, algorithm="md5")
+    with pytest.raises(ConfigError, match="unknown digest algorithm 'sha1'"):
+        cache.fetch(NAME, local_dir=str(tmp_path), sources=[url], digest="sha1:" + HEX[:40])
+    assert http_server.requests("/p.bin") == 0  # refused before any download
+    # The other spelling of the same pin: the bare hex with algorithm= (what adapters pass).
+    got = cache.fetch(NAME, local_dir=str(tmp_path), sources=[url], digest=HEX, algorithm="sha256")
+    assert (got.algorithm, got.digest) == ("sha256", HEX)
+    md5 = hashlib.md5(PAYLOAD).hexdigest()
+    again = cache.fetch("other.bin", local_dir=str(tmp_path), sources=[url], digest="md5:" + md5)
+    assert (again.algorithm, again.digest) == ("md5", md5)
+
+
+def test_publish_and_adopt_compute_the_default_digest(tmp_path):
+    path = tmp_path / "d" / "x.bin"
+    path.parent.mkdir()
+    path.write_bytes(PAYLOAD)
+    cache = _cache("memory://" + tmp_path.name)
+    assert cache.publish("p.bin", str(path)).algorithm == "xxh3-128"
+    assert cache.adopt("x.bin", local_dir=str(path.parent), publish=False).algorithm == "xxh3-128"
+    assert cache.publish("q.bin", str(path), digest=DIGEST).algorithm == "sha256"
+    with pytest.raises(ConfigError, match="does not say its algorithm"):
+        cache.publish("r.bin", str(path), digest=HEX)
+
+
+# Written by ckptsdk before format ckptsdk.datacache/1.0: meta said "format": 1 (an int), the
+# local sidecar said nothing.
+_OLD_META = ('{{"algorithm": "sha256", "digest": "{hex}", "format": 1, "name": "sets/payload.bin", '
+             '"size": 1000003, "source": "https://mirror.example/p.bin", "stored_at": 1764483000.25}}')
+_OLD_SIDECAR = ('{{"name": "sets/payload.bin", "algorithm": "sha256", "digest": "{hex}", "size": 1000003, '
+                '"source": "https://mirror.example/p.bin"}}')
+
+
+def test_meta_and_sidecars_of_the_previous_version_are_still_read(tmp_path):
+    cache = _cache("memory://" + tmp_path.name)
+    cache.backend.write(f"datacache/blobs/{NAME}", PAYLOAD)
+    cache.backend.write(f"datacache/meta/{NAME}.json", _OLD_META.format(hex=HEX).encode())
+    entry = cache.entry(NAME)
+    assert entry is not None and (entry.algorithm, entry.digest, entry.size) == ("sha256", HEX, len(PAYLOAD))
+    assert entry.stored_at == 1764483000.25
+    got = cache.fetch(NAME, local_dir=str(tmp_path / "rt"), sources=[])  # no source: the record rules
+    assert (got.source, got.digest) == ("cache", HEX)
+    # A local copy recorded by the previous version verifies without the cache.
+    local = tmp_path / "old"
+    (local / "sets").mkdir(parents=True)
+    (local / "sets" / "payload.bin").write_bytes(PAYLOAD)
+    (local / ".ckptsdk" / "sets").mkdir(parents=True)
+    (local / ".ckptsdk" / "sets" / "payload.bin.json").write_text(_OLD_SIDECAR.format(hex=HEX))
+    assert _cache(None).fetch(NAME, local_dir=str(local)).source == "local"
+    # What this version writes: the document's string format.
+    cache.publish(NAME, str(local / "sets" / "payload.bin"), digest=DIGEST)
+    written = json.loads(cache.backend.read(f"datacache/meta/{NAME}.json"))
+    assert written["format"] == "ckptsdk.datacache/1.0" and written["digest"] == HEX
+
+
+def test_meta_of_a_newer_major_version_is_not_trusted(tmp_path, caplog):
+    cache = _cache("memory://" + tmp_path.name)
+    newer = json.loads(_OLD_META.format(hex=HEX))
+    newer["format"] = "ckptsdk.datacache/2.0"
+    cache.backend.write(f"datacache/meta/{NAME}.json", json.dumps(newer).encode())
+    assert cache.entry(NAME) is None
+    assert "upgrade ckptsdk" in caplog.text

@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
-import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
 
@@ -24,90 +22,9 @@ from ckptsdk.errors import BackendError, CkptError
 from ckptsdk.manager import Simulation
 from tests._fault_state import digest, expected, make_state
 from tests.gcs_emulator import Emulator, start_emulator
+from tests.gcs_proxy import LoopbackProxy
 
 pytestmark = pytest.mark.gcs
-
-# A plan maps (request index, request head) to an action: "pass", "stall", "drop", or an HTTP
-# status to answer without forwarding (429, 503).
-Plan = Callable[[int, bytes], "str | int"]
-
-
-class _FaultProxy:
-    """A TCP proxy on 127.0.0.1 in front of the emulator, one HTTP exchange per connection."""
-
-    def __init__(self, upstream_port: int) -> None:
-        self.upstream = upstream_port
-        self.plan: Plan = lambda n, head: "pass"
-        self.seen: list[tuple[str | int, bytes]] = []
-        self.released = threading.Event()
-        self._count = 0
-        self._lock = threading.Lock()
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.endpoint = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self.sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(client,), daemon=True).start()
-
-    def _serve(self, client: socket.socket) -> None:
-        client.settimeout(30)
-        with client:
-            head = b""
-            try:
-                while b"\r\n\r\n" not in head:
-                    data = client.recv(65536)
-                    if not data:
-                        return
-                    head += data
-            except OSError:
-                return
-            with self._lock:
-                self._count += 1
-                action = self.plan(self._count, head)
-                self.seen.append((action, head.split(b"\r\n")[0]))
-            if action == "stall":  # a frozen server: holds the socket, reads and answers nothing
-                self.released.wait(60)
-                return
-            if isinstance(action, int):
-                body = b'{"error": {"code": %d, "message": "injected"}}' % action
-                client.sendall(b"HTTP/1.1 %d Injected\r\nContent-Type: application/json\r\n"
-                               b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (action, len(body), body))
-                return
-            self._forward(client, head, drop=action == "drop")
-
-    def _forward(self, client: socket.socket, head: bytes, *, drop: bool) -> None:
-        with socket.create_connection(("127.0.0.1", self.upstream), timeout=30) as up:
-            up.sendall(head)
-
-            def pump() -> None:
-                try:
-                    while data := client.recv(1 << 20):
-                        up.sendall(data)
-                except OSError:
-                    pass
-
-            threading.Thread(target=pump, daemon=True).start()
-            try:
-                while data := up.recv(1 << 20):  # the emulator closes when its reply is done
-                    if not drop:
-                        client.sendall(data)
-            except OSError:
-                pass
-            for s in (client, up):
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-
-    def close(self) -> None:
-        self.released.set()
-        self.sock.close()
-
 
 def _fast(backend: GCSBackend) -> GCSBackend:
     backend.backoff_s = 0.05
@@ -118,11 +35,11 @@ def _fast(backend: GCSBackend) -> GCSBackend:
 
 
 @pytest.fixture
-def rig(gcs_emulator: Emulator) -> Iterator[tuple[_FaultProxy, GCSBackend, GCSBackend]]:
+def rig(gcs_emulator: Emulator) -> Iterator[tuple[LoopbackProxy, GCSBackend, GCSBackend]]:
     """(proxy, backend through it, direct backend on the same root)."""
     bucket = f"faults-{uuid.uuid4().hex[:12]}"
     gcs_emulator.make_bucket(bucket)
-    proxy = _FaultProxy(gcs_emulator.port)
+    proxy = LoopbackProxy(gcs_emulator.port)
     through = _fast(GCSBackend(f"{bucket}/run", endpoint_url=proxy.endpoint, token="anon", project="test",
                                skip_instance_cache=True))
     direct = GCSBackend(f"{bucket}/run", **gcs_emulator.storage_options, skip_instance_cache=True)

@@ -147,6 +147,20 @@ def test_du_on_drive_sums_recent_trash_ledgers(tmp_path, monkeypatch):
     assert (u.trash_bytes, u.trash_files) == (5000, 2)
 
 
+def test_trash_ledgers_of_the_previous_version_are_still_read(tmp_path, monkeypatch):
+    monkeypatch.setenv("CKPTSDK_DRIVE_ROOT", str(tmp_path))
+    b = open_backend("drive://run")
+    # What the previous ckptsdk wrote: no "format", a "+00:00" time.
+    b.write("trash/epoch-000001.ab12cd34.json",
+            b'{"bytes": 5000, "files": 2, "updated_at": "2026-11-30T06:10:00.123456+00:00"}')
+    record_trash(b, (2, "00ff00ff"), total_bytes=7000, files=3)
+    new = json.loads(b.read("trash/epoch-000002.00ff00ff.json"))
+    assert new["format"] == "ckptsdk.trash/1.0" and new["updated_at"].endswith("Z")
+    assert (usage(b).trash_bytes, usage(b).trash_files) == (12000, 5)
+    b.write("trash/epoch-000003.ffffffff.json", b'{"format": "ckptsdk.trash/2.0", "bytes": 1, "files": 1}')
+    assert usage(b).trash_bytes == 12000  # a newer major version's ledger is skipped, not misread
+
+
 @pytest.mark.parametrize("argv_json", [False, True])
 def test_du_command(tmp_path, capsys, argv_json, monkeypatch):
     from ckptsdk.cli import main

@@ -8,6 +8,9 @@ missing bucket, and what 100 MB costs.
 
 from __future__ import annotations
 
+import ast
+import importlib.metadata
+import inspect
 import os
 import random
 import select
@@ -18,15 +21,28 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from itertools import pairwise
+from pathlib import Path
 
+import aiohttp
+import fsspec.asyn
 import pytest
+import tomllib
 import xxhash
+from gcsfs.core import GCSFileSystem
 
-from ckptsdk.backends import open_backend
+import ckptsdk.backends
+from ckptsdk.backends import gcs_transport, open_backend
 from ckptsdk.backends.base import Backend, Capabilities
 from ckptsdk.backends.gcs import GCSBackend
-from ckptsdk.errors import BackendError, ObjectNotFound, PreconditionFailed, StorageUnavailable
+from ckptsdk.errors import (
+    BackendError,
+    MissingDependencyError,
+    ObjectNotFound,
+    PreconditionFailed,
+    StorageUnavailable,
+)
 from tests.gcs_emulator import Emulator, start_emulator
+from tests.gcs_proxy import LoopbackProxy
 
 pytestmark = pytest.mark.gcs
 
@@ -53,6 +69,50 @@ def _backend(emulator: Emulator, bucket: str, **extra: object) -> GCSBackend:
 @pytest.fixture
 def backend(emulator: Emulator) -> GCSBackend:
     return _backend(emulator, _bucket(emulator))
+
+
+# -- the third-party API this backend stands on ----------------------------------------------------
+
+_GCS_MODULES = ("gcs.py", "gcs_transport.py", "gcs_payload.py")
+
+
+def test_no_private_attribute_of_another_library_is_touched() -> None:
+    """gcsfs/aiohttp internals change without notice (the `gcs` extra admits gcsfs >= 2024.2): the
+    GCS modules may reach ``._name`` only on ``self``."""
+    backends = Path(ckptsdk.backends.__file__).parent
+    offenders = []
+    for name in _GCS_MODULES:
+        tree = ast.parse((backends / name).read_text())
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and node.attr.startswith("_")
+                    and not node.attr.startswith("__")
+                    and not (isinstance(node.value, ast.Name) and node.value.id == "self")):
+                offenders.append(f"{name}:{node.lineno}: {ast.unparse(node)}")
+    assert offenders == []
+
+
+def test_the_gcs_extra_bounds_what_the_backend_uses() -> None:
+    """pyproject's `gcs` extra names the lowest aiohttp with client middlewares; the installed
+    versions meet it; the public names gcs_transport.py uses exist; an older aiohttp is refused
+    at construction with the extra to install, not with a TypeError inside a save."""
+    with open(Path(ckptsdk.backends.__file__).parents[2] / "pyproject.toml", "rb") as f:
+        extra = tomllib.load(f)["project"]["optional-dependencies"]["gcs"]
+    bounds = dict(req.split(">=") for req in extra)
+    assert set(bounds) == {"gcsfs", "aiohttp", "google-crc32c"}
+    assert tuple(int(p) for p in bounds["aiohttp"].split(".")) == gcs_transport.MIN_AIOHTTP
+    for package, low in bounds.items():
+        have = tuple(int(p) for p in importlib.metadata.version(package).split(".")[:2])
+        assert have >= tuple(int(p) for p in low.split(".")[:2]), (package, have, low)
+    assert "middlewares" in inspect.signature(aiohttp.ClientSession).parameters
+    assert callable(fsspec.asyn.sync) and callable(fsspec.asyn.get_loop)
+    creds = GCSFileSystem(token="anon", skip_instance_cache=True).credentials
+    headers: dict[str, str] = {}
+    creds.apply(headers)  # anonymous: signs nothing, but the public method is there
+    assert headers == {} and creds.method == "anon"
+    gcs_transport.check_aiohttp(aiohttp.__version__)
+    with pytest.raises(MissingDependencyError, match=r"aiohttp >= 3\.12.*pip install 'ckptsdk\[gcs\]'") as exc_info:
+        gcs_transport.check_aiohttp("3.11.18")
+    assert exc_info.value.extra == "gcs"
 
 
 def test_is_a_backend_with_honest_capabilities(backend: GCSBackend) -> None:
@@ -211,83 +271,11 @@ def test_open_is_pinned_to_one_generation(backend: GCSBackend) -> None:
 # -- lost replies ------------------------------------------------------------------------------
 
 
-class _DropReplyProxy:
-    """A TCP proxy on 127.0.0.1 that can swallow the server's reply to chosen requests.
-
-    The request reaches the server and is applied; the client then sees its connection close
-    without an answer, exactly like a reply lost in the network. ``then`` runs after the server
-    answered and before the client's connection is cut.
-    """
-
-    def __init__(self, upstream_port: int) -> None:
-        self.upstream = upstream_port
-        self.rules: list[tuple[bytes, Callable[[], None] | None]] = []
-        self.dropped: list[bytes] = []
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
-        self.endpoint = f"http://127.0.0.1:{self.port}"
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def drop_next(self, marker: bytes, then: Callable[[], None] | None = None) -> None:
-        """Swallow the reply to the next request whose head contains ``marker``."""
-        self.rules.append((marker, then))
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self.sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(client,), daemon=True).start()
-
-    def _serve(self, client: socket.socket) -> None:
-        client.settimeout(30)
-        with client, socket.create_connection(("127.0.0.1", self.upstream), timeout=30) as up:
-            head = b""
-            while b"\r\n\r\n" not in head:
-                data = client.recv(65536)
-                if not data:
-                    return
-                head += data
-            rule = next((r for r in self.rules if r[0] in head.split(b"\r\n\r\n")[0]), None)
-            if rule is not None:
-                self.rules.remove(rule)
-            up.sendall(head)
-
-            def pump() -> None:
-                try:
-                    while data := client.recv(1 << 20):
-                        up.sendall(data)
-                except OSError:
-                    pass
-
-            threading.Thread(target=pump, daemon=True).start()
-            reply = b""
-            while data := up.recv(1 << 20):  # the emulator speaks HTTP/1.0: it closes when done
-                if rule is None:
-                    client.sendall(data)
-                else:
-                    reply += data
-            if rule is not None:
-                self.dropped.append(head.split(b"\r\n")[0] + b" -> " + reply.split(b"\r\n")[0])
-                if rule[1] is not None:
-                    rule[1]()
-            # shutdown, not just close: close() would wait for the pump thread's recv() to end.
-            for s in (client, up):
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-
-    def close(self) -> None:
-        self.sock.close()
-
-
 @pytest.fixture
-def lossy(emulator: Emulator) -> Iterator[tuple[GCSBackend, _DropReplyProxy, GCSBackend]]:
+def lossy(emulator: Emulator) -> Iterator[tuple[GCSBackend, LoopbackProxy, GCSBackend]]:
     """(backend through the proxy, the proxy, a direct backend on the same root)."""
     bucket = _bucket(emulator)
-    proxy = _DropReplyProxy(emulator.port)
+    proxy = LoopbackProxy(emulator.port)
     through = GCSBackend(f"{bucket}/run", endpoint_url=proxy.endpoint, token="anon", project="test",
                          skip_instance_cache=True)
     through.backoff_s = 0.05

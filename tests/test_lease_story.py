@@ -17,6 +17,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -27,7 +28,7 @@ import pytest
 
 from ckptsdk.backends import open_backend
 from ckptsdk.manager import CheckpointManager
-from tests.drive_sim import DriveSim
+from tests.drive_mount_sim import DriveSim
 
 REPO = Path(__file__).resolve().parents[1]
 SIM_DELAY = 3.0
@@ -111,6 +112,35 @@ def _digests(backend: Any, folder: str) -> dict[str, str] | None:
     return {o.key: hashlib.sha256(backend.read(o.key)).hexdigest() for o in objs}
 
 
+class _LeaseArrival:
+    """Watches one VM's copy of LEASE.json; ``at``: when a record of a newer epoch than
+    ``after_epoch`` was first seen there (the test's monotonic clock, as the children's events)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.at: float | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self, *, after_epoch: int) -> None:
+        def watch() -> None:
+            while self.at is None and not self._stop.wait(0.01):
+                try:
+                    epoch = json.loads(self.path.read_bytes()).get("epoch")
+                except (OSError, ValueError):
+                    continue  # not there, or being replaced
+                if isinstance(epoch, int) and epoch > after_epoch:
+                    self.at = time.monotonic()
+
+        self._thread = threading.Thread(target=watch, name="lease-arrival", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(5)
+
+
 REPORT: dict[str, dict[str, Any]] = {}
 
 
@@ -139,8 +169,11 @@ def test_zombie_cannot_clobber_the_resumed_run(kind: str, make_backend_target: A
     proc_a = _spawn(side_a, ev_a, *common, "--interval", "0.2" if frozen else "0.4")
     proc_b = _spawn(side_b, ev_b, *common, "--interval", "0.2", "--saves", "3",
                     "--go", str(go_b), "--check", str(check_b), *([] if frozen else ["--force"]))
+    arrived = _LeaseArrival(sim.root("vm1") / "run" / "LEASE.json") if sim is not None else None
     try:
         _wait(ev_a, proc_a, 90, lambda evs: len(_count("saved")(evs)) >= 8, "8 saves by A")
+        if arrived is not None:
+            arrived.start(after_epoch=_count("acquired")(_events(ev_a))[0]["epoch"])
         if sim is not None:
             # The story's premise: A has run long enough for its lease and checkpoints to reach
             # B's VM. (A newcomer that finds the root still empty takes epoch 1 too; only a settle
@@ -152,7 +185,6 @@ def test_zombie_cannot_clobber_the_resumed_run(kind: str, make_backend_target: A
         t_stop = time.monotonic()
         go_b.touch()
         evs_b = _wait(ev_b, proc_b, 120, _count("mine"), "B's takeover, resume and saves")
-        frozen_for = time.monotonic() - t_stop
         if frozen:
             os.kill(proc_a.pid, signal.SIGCONT)  # the zombie thaws and keeps training
         t_cont = time.monotonic()
@@ -168,6 +200,8 @@ def test_zombie_cannot_clobber_the_resumed_run(kind: str, make_backend_target: A
             sim.wait_synced(60)
         evs_a = _events(ev_a)
     finally:
+        if arrived is not None:
+            arrived.stop()
         for proc in (proc_a, proc_b):
             if proc.poll() is None:
                 os.kill(proc.pid, signal.SIGCONT)
@@ -193,15 +227,25 @@ def test_zombie_cannot_clobber_the_resumed_run(kind: str, make_backend_target: A
     assert a_lost, f"A never lost the lease:\n{_log(ev_a)}"
     assert a_lost[0]["epoch"] == a_epoch
     assert not _count("error")(evs_a), _count("error")(evs_a)
+    a_renewed = _count("renewed")(evs_a)
+    first_renew_lost = min((e["t"] for e in _count("renew_lost")(evs_a)), default=a_lost[0]["t"])
+    # Once A knew it lost the lease, no save of its began (let alone committed).
+    assert not [e for e in a_saved if e["t0"] > first_renew_lost], (first_renew_lost, a_saved[-3:])
     if frozen:
-        assert frozen_for > ttl
+        # B took over while A was frozen (after a whole ttl of A's silence, by its own clock:
+        # see test_lease.py), and resumed from A's newest save before the freeze.
+        assert t_stop < b_acq["t"] < t_cont
         assert max(e["step"] for e in a_saved if e["t"] < t_stop) <= b_restored["step"]
         # The zombie's next save after the thaw raised LeaseLostError: none begun after it
-        # committed.
+        # committed; nor did any renewal it began after the thaw succeed.
         assert not [e for e in a_saved if e["t0"] > t_cont], a_saved[-3:]
+        assert not [e for e in a_renewed if e["t0"] > t_cont], a_renewed[-3:]
     else:
-        # A kept saving (orphans, invisible to restore) until B's epoch reached its VM.
-        assert a_lost[0]["t"] - b_acq["t"] < SIM_DELAY + ttl + 5
+        # A kept saving (orphans, invisible to restore) until B's epoch reached its VM; the
+        # first renewal A began after that failed (A noticed at once, never wrote over B).
+        assert arrived is not None and arrived.at is not None, "B's lease never reached A's VM"
+        assert not [e for e in a_renewed if e["t0"] > arrived.at], (arrived.at, a_renewed[-3:])
+        assert b_acq["t"] < a_lost[0]["t"]
 
     # Nothing of B's was deleted or overwritten, on every copy of the root.
     assert b_mine, "B reported no checkpoint of its own"

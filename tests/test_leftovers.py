@@ -25,7 +25,7 @@ from ckptsdk.backends.local import TMP_PREFIX
 from ckptsdk.catalog import TENSORS, scan
 from ckptsdk.manager import Simulation
 from tests.counting import CountingBackend
-from tests.drive_sim import DriveSim
+from tests.drive_mount_sim import DriveSim
 
 REPO = Path(__file__).resolve().parents[1]
 KILLS = 10

@@ -1,4 +1,4 @@
-"""The simulation the lineage machine runs on: tests/sim_drive.py behaves as Drive does.
+"""The simulation the lineage machine runs on: tests/drive_deterministic_sim.py behaves as Drive does.
 
 Per-VM views, changes that reach other VMs late and out of order, last writer wins, and
 create/replace that check only the writer's own view: the properties the lineage invariants
@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from ckptsdk.errors import PreconditionFailed
-from tests.sim_drive import SimDrive
+from tests.drive_deterministic_sim import SimDrive
 
 
 def test_sim_drive_reorders_and_resolves_last_writer_wins() -> None:

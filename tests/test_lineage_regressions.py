@@ -1,7 +1,7 @@
 """Lineage regressions: the faults the lineage machine found, each as its smallest story.
 
 All were fixed in de3dc83; each test says what went wrong before. Single-threaded stories on
-tests/sim_drive.py (or the memory backend) with a fake clock, using the machine's ``Weights``.
+tests/drive_deterministic_sim.py (or the memory backend) with a fake clock, using the machine's ``Weights``.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import pytest
 from ckptsdk.backends.memory import MemoryBackend
 from ckptsdk.errors import LeaseLostError
 from ckptsdk.manager import CheckpointManager, Simulation
+from tests.drive_deterministic_sim import FakeClock, FrozenBackend, SimDrive
 from tests.lineage_machine import Rank, Weights, folder_name
-from tests.sim_drive import FakeClock, FrozenBackend, SimDrive
 
 
 def _sim_manager(sim: SimDrive, vm: str, *, beating: tuple[CheckpointManager, ...] = (),

@@ -157,8 +157,6 @@ except MissingDependencyError as exc:
 '''
 
 
-@pytest.mark.skipif(not (REPO / "ckptsdk" / "backends" / "gcs.py").exists(),
-                    reason="ckptsdk/backends/gcs.py is not in the tree yet")
 def test_missing_gcsfs_names_the_extra(tmp_path):
     (tmp_path / "sitecustomize.py").write_text(textwrap.dedent(_BLOCKER))
     env = dict(os.environ)

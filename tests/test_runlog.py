@@ -12,11 +12,19 @@ import numpy as np
 import pytest
 import torch
 
-from ckptsdk.audit import AuditReport, audit, read_runlog
+from ckptsdk.audit import AUDIT_FORMAT, AuditReport, audit, read_runlog
 from ckptsdk.backends import open_backend
-from ckptsdk.errors import ConfigError, MissingDependencyError, PreconditionFailed, StorageUnavailable
+from ckptsdk.document import parse_document
+from ckptsdk.errors import (
+    ConfigError,
+    ManifestError,
+    MissingDependencyError,
+    PreconditionFailed,
+    StorageUnavailable,
+)
 from ckptsdk.plot import plot_audit
-from ckptsdk.runlog import RunLog, chunk_key
+from ckptsdk.runlog import RUNLOG_FORMAT, RunLog, chunk_key
+from ckptsdk.runlog_record import parse_chunk
 
 CHUNK_RE = re.compile(r"^runlog/attempt-\d{6}/(attempt\.json|chunk-\d{6}\.jsonl)$")
 
@@ -95,8 +103,9 @@ def test_nan_and_inf_are_kept_and_compared(backend):
     assert report.verdict == "DIVERGED at step 140"
     assert report.first_divergence.scalar == "loss"
     assert report.scalars["loss"].max_abs_diff == math.inf
-    doc = json.loads(report.model_dump_json())  # strict JSON even with inf inside
-    assert doc["scalars"]["loss"]["max_abs_diff"] == "Infinity"
+    doc = json.loads(report.to_json())  # strict JSON even with inf inside: document's float tag
+    assert doc["scalars"]["loss"]["max_abs_diff"] == {"$float": "inf"}
+    assert json.loads(report.model_dump_json()) == doc
 
 
 def test_chunks_are_never_rewritten(backend):
@@ -424,3 +433,114 @@ def test_a_runtime_killed_mid_run_leaves_its_flushed_steps(tmp_path):
     assert a1.closed is False and a1.first_step == 1 and a1.last_step >= 60 and a1.last_step % 5 == 0
     assert report.verdict == "bit-exact" and report.warnings == []  # no torn chunk, nothing missing
     assert report.overlaps[0].first_step == 41 and report.overlaps[0].last_step == a1.last_step
+
+
+# ---------------------------------------------------------------- the documents and their versions
+
+# Written by ckptsdk before format 1.1 (the run log's 1.0 and the audit's 1.0): non-finite
+# floats as the strings "NaN"/"Infinity", times with milliseconds and "+00:00".
+_OLD_CHUNK = (
+    b'{"format":"ckptsdk.runlog/1","kind":"attempt","attempt":1,"run_id":"run-1","lease_epoch":1,'
+    b'"host":"vm-a","pid":41,"device":"cpu","versions":{"python":"3.11.9"},'
+    b'"started_at":"2026-11-30T06:10:00.123+00:00","resumed_from_step":null,"last_step":3,'
+    b'"steps_logged":3,"chunk":0,"closed":false}\n'
+    b'{"step":1,"time":1764483000.5,"scalars":{"loss":0.5,"g":"Infinity"}}\n'
+    b'{"step":2,"time":1764483000.6,"scalars":{"loss":"NaN","g":"-Infinity"}}\n'
+    b'{"step":3,"time":1764483000.7,"scalars":{"loss":0.25,"g":1}}\n'
+)
+_OLD_REPORT = (
+    '{"format":"ckptsdk.audit/1","url":"memory://x","tolerance":0.0,"verdict":"DIVERGED at step 3",'
+    '"diverged_at":3,"attempts":[{"attempt":1,"run_id":"r","lease_epoch":1,"host":"h","device":"cpu",'
+    '"versions":{},"started_at":"2026-11-30T06:10:00.123+00:00","resumed_from_step":null,'
+    '"first_step":1,"last_step":3,"steps":3,"chunks":1,"missing_chunks":[],"closed":false}],'
+    '"overlap_steps":1,"overlaps":[{"attempts":[1,2],"first_step":3,"last_step":3,"steps":1}],'
+    '"scalars":{"loss":{"max_abs_diff":"Infinity","at_step":3,"compared_steps":1}},'
+    '"first_divergence":{"step":3,"scalar":"loss","values":{"1":"NaN","2":0.5},"abs_diff":"Infinity"},'
+    '"warnings":[]}'
+)
+
+
+def test_a_chunk_written_by_format_1_0_is_still_read(backend):
+    backend.create(chunk_key(1, 0), _OLD_CHUNK)
+    summaries, steps, warnings = read_runlog(backend)
+    assert warnings == [] and summaries[1].host == "vm-a" and summaries[1].steps == 3
+    assert steps[1][1] == {"loss": 0.5, "g": math.inf}
+    assert math.isnan(steps[1][2]["loss"]) and steps[1][2]["g"] == -math.inf
+    assert steps[1][3] == {"loss": 0.25, "g": 1.0}
+    # A new attempt (format 1.1) over the old one compares like any other.
+    run_attempt(backend, 2, [3], loss=lambda s: 0.25, g=lambda s: 1.0)
+    assert audit(backend).verdict == "bit-exact"
+
+
+def test_chunks_store_non_finite_scalars_with_the_document_float_tag(backend):
+    log = RunLog(backend, run_id="r", attempt=1, lease_epoch=1, resumed_from_step=None, device="cpu")
+    log.log_step(1, loss=math.nan, g=-math.inf, ok=0.5)
+    log.close()
+    header, row = backend.read(chunk_key(1, 0)).decode().splitlines()
+    assert json.loads(header)["format"] == RUNLOG_FORMAT == "ckptsdk.runlog/1.1"
+    assert json.loads(header)["started_at"].endswith("Z")
+    assert json.loads(row)["scalars"] == {"loss": {"$float": "nan"}, "g": {"$float": "-inf"}, "ok": 0.5}
+    assert "NaN" not in row and "Infinity" not in row
+
+
+def test_a_newer_major_run_log_is_skipped_with_upgrade_advice(backend):
+    backend.create(chunk_key(1, 0), _OLD_CHUNK.replace(b"ckptsdk.runlog/1", b"ckptsdk.runlog/2", 1))
+    summaries, steps, warnings = read_runlog(backend)
+    assert steps[1] == {} and len(warnings) == 1
+    assert "ckptsdk.runlog/2" in warnings[0] and "upgrade ckptsdk" in warnings[0]
+    with pytest.raises(ManifestError, match="upgrade ckptsdk"):
+        parse_chunk(backend.read(chunk_key(1, 0)), key=chunk_key(1, 0))
+
+
+def test_an_audit_report_of_format_1_0_is_still_read():
+    old = parse_document(_OLD_REPORT, AuditReport)
+    assert old.scalars["loss"].max_abs_diff == math.inf
+    assert old.first_divergence is not None and math.isnan(old.first_divergence.values[1])
+    assert old.attempts[0].started_at == "2026-11-30T06:10:00.123+00:00"
+    again = json.loads(old.to_json())  # re-written as the current format
+    assert again["format"] == AUDIT_FORMAT == "ckptsdk.audit/1.1"
+    assert again["first_divergence"]["values"] == {"1": {"$float": "nan"}, "2": 0.5}
+    newer = _OLD_REPORT.replace("ckptsdk.audit/1", "ckptsdk.audit/2")
+    with pytest.raises(ManifestError, match="upgrade ckptsdk"):
+        parse_document(newer, AuditReport)
+
+
+# ---------------------------------------------------------------- the device, without initialising CUDA
+
+_NO_CUDA_INIT = """
+import torch
+from ckptsdk.backends import open_backend
+from ckptsdk.runlog import RunLog
+log = RunLog(open_backend("memory://no-cuda-init"), run_id="r", attempt=1, lease_epoch=1,
+             resumed_from_step=None)
+log.log_step(1, loss=0.5)
+log.close()
+print(log.record.device, torch.cuda.is_initialized())
+"""
+
+
+def test_naming_the_device_never_initialises_cuda():
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-c", _NO_CUDA_INIT], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["cpu", "False"]
+
+
+def test_the_device_is_named_once_the_job_itself_initialised_cuda(backend, monkeypatch):
+    """On a GPU machine: no question to CUDA before the job initialised it, its name after."""
+    asked: list[str] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: asked.append("is_available") or True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: asked.append("current_device") or 0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i: asked.append("name") or "NVIDIA H200")
+    log = RunLog(backend, run_id="r", attempt=1, lease_epoch=1, resumed_from_step=None)
+    log.log_step(1, loss=0.5)
+    log.flush()
+    assert log.record.device == "cpu" and "current_device" not in asked and "name" not in asked
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)  # the job moved to the GPU
+    log.log_step(2, loss=0.5)
+    log.close()
+    assert log.record.device == "cuda:NVIDIA H200"
+    assert json.loads(backend.read(chunk_key(1, 1)).decode().splitlines()[0])["device"] == "cuda:NVIDIA H200"

@@ -28,6 +28,9 @@ class Capabilities:
         compare_and_swap: ``replace(key, data, version)`` is atomic against every other writer.
         atomic_publish: a reader sees the old object or the new one, never a part (all backends).
         durable_on_return: once ``write`` returns, the bytes survive a crash of this machine.
+            A statement for callers and tests: no ckptsdk code branches on it (on Drive, where it
+            is False, the upper layers adapt to ``immediately_consistent`` instead; see
+            docs/DRIVE.md).
         immediately_consistent: another host sees a write (and a delete) as soon as it returns.
             False on the Drive mount, where other VMs see changes minutes late and out of order.
         trash_on_delete: deletes keep costing quota for a while (Drive's 30-day trash).

@@ -1,11 +1,14 @@
 """Google Drive backend: the Colab Drive mount (``drive://REL``), through the local-disk code.
 
-What the mount does (see the project's DRIVE_FACTS notes; nothing here is documented by Google):
+What the mount does, with sources, is in ``docs/DRIVE.md`` ("The mount: facts the code relies
+on"); nothing of it is documented by Google. In short:
 
 - Writes land in a local write-back cache and upload later, in any order; a file closed (even
   fsynced) without error can still be lost with the VM, and over quota nothing uploads at all.
-  So ``durable_on_return`` is False: the SDK treats a checkpoint as durable only once it is seen
-  from outside the writing VM or after ``drive.flush_and_unmount()``.
+  ``durable_on_return`` is False to say so; no code reads it: ckptsdk does not wait for uploads.
+  A checkpoint is committed once its manifest is published as this VM sees it; what protects a
+  run is rotation running one save late (``immediately_consistent`` is False) and the digest
+  checks on load. ``drive.flush_and_unmount()`` is how a user makes sure the newest has arrived.
 - Another VM sees changes minutes late and out of order, so ``immediately_consistent`` is False:
   readers verify every file's size and digest instead of trusting a manifest's order.
 - ``os.replace`` works on the writing VM, ``os.link`` fails (Errno 38), and ``flock``/``O_EXCL``
@@ -26,7 +29,8 @@ import os
 
 from ..errors import BackendError, StorageUnavailable
 from .base import Capabilities, Data, ObjectInfo, iter_chunks
-from .local import LocalBackend, version_of
+from .local import LocalBackend
+from .posix import fsync_dir, prune, stamp, version_of
 
 logger = logging.getLogger(__name__)
 
@@ -48,8 +52,9 @@ class DriveBackend(LocalBackend):
             or ``root`` is a file.
 
     Example:
-        >>> b = open_backend("drive://runs/cifar")  # doctest: +SKIP (needs the mount)
-        >>> b.capabilities.trash_on_delete, b.capabilities.exclusive_create
+        >>> from ckptsdk.backends import open_backend
+        >>> b = open_backend("drive://runs/cifar")  # doctest: +SKIP
+        >>> DriveBackend.capabilities.trash_on_delete, DriveBackend.capabilities.exclusive_create
         (True, False)
     """
 
@@ -114,9 +119,9 @@ class DriveBackend(LocalBackend):
                     raise self._exists_error(dst, path)
                 os.makedirs(os.path.dirname(path), exist_ok=True)
                 os.rename(src_path, path)
-                self._fsync_dir(os.path.dirname(path))
-                self._fsync_dir(os.path.dirname(src_path))
-                self._prune(os.path.dirname(src_path))
+                fsync_dir(os.path.dirname(path))
+                fsync_dir(os.path.dirname(src_path))
+                prune(self.root, os.path.dirname(src_path))
                 st = os.stat(path)
         return ObjectInfo(dst, st.st_size, version_of(st), st.st_mtime_ns / 1e9)
 
@@ -143,7 +148,7 @@ class DriveBackend(LocalBackend):
                 f.truncate()
                 f.flush()
                 os.fsync(f.fileno())
-                self._stamp(f.fileno())
+                stamp(f.fileno())
                 st = os.fstat(f.fileno())
         return ObjectInfo(key, st.st_size, version_of(st), st.st_mtime_ns / 1e9)
 

@@ -1,87 +1,45 @@
-"""Google Cloud Storage backend (``gs://bucket/prefix``): the JSON API, with real preconditions.
+"""Google Cloud Storage backend (``gs://bucket/prefix``): objects over the JSON API, with real preconditions.
 
-gcsfs supplies credentials, the endpoint (``endpoint_url`` or ``STORAGE_EMULATOR_HOST``) and its
-aiohttp session; the requests themselves are sent here, because gcsfs has no public door for
+What each request means lives here: objects, uploads (multipart, resumable), generations as
+versions, 404/412 and lost replies. How a request travels (endpoint, credentials, retries,
+deadlines) is ``gcs_transport.py``; chunking, CRC32C and ranged reads are ``gcs_payload.py``.
+Requests are ours, not gcsfs's, because gcsfs has no public door for
 ``ifGenerationMatch=<generation>`` (compare-and-swap, conditional delete), turns every 412 into
-``FileExistsError``, retries for ~30 s, and keeps a directory cache that never expires. Checkpoint
-layout, leases and manifests do not belong here. Tested against gcsfs 2026.10.1.
+``FileExistsError``, retries for ~30 s, and keeps a directory cache that never expires.
+Checkpoint layout, leases and manifests do not belong here.
 """
 
 from __future__ import annotations
 
-import asyncio
-import base64
 import builtins
 import io
 import json
 import logging
 import os
-import random
 import secrets
-import time
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
-from datetime import datetime
+from collections.abc import Callable, Iterable
 from typing import Any, BinaryIO
 from urllib.parse import quote
 
-# Must be set before gcsfs is imported: otherwise its default class probes every bucket over
-# gRPC/TLS first (up to 60 s per operation against an HTTP emulator). We also import the core
-# class directly, which never probes, in case someone imported gcsfs before us.
-os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
-
-import aiohttp  # noqa: E402  (gcsfs dependency)
-import google_crc32c  # noqa: E402  (gcsfs -> google-cloud-storage dependency)
-from fsspec.asyn import sync  # noqa: E402
-from gcsfs.core import GCSFileSystem  # noqa: E402
-
-from ..errors import (  # noqa: E402
+from ..errors import (
     BackendError,
     ConfigError,
     ObjectNotFound,
     PreconditionFailed,
     StorageUnavailable,
 )
-from .base import Capabilities, Data, ObjectInfo, check_key, check_prefix  # noqa: E402
+from .base import Capabilities, Data, ObjectInfo, check_key, check_prefix
+from .gcs_payload import RangeReader, b64crc, chain, crc32c, persisted, rechunk, rfc3339, slices
+from .gcs_transport import JsonApiTransport, Reply
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["GCSBackend"]
 
 _MiB = 1 << 20
-# Statuses worth another attempt. 5xx may mean "done, but the reply was lost", so a 412 after
-# one of them is checked against what we wrote (see _upload).
-_RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
-_STREAM_OVER = 1 * _MiB  # request bodies bigger than this are streamed in slices of this size
-# Retry jitter from a generator of our own: a draw from the global ``random`` would move the
-# training job's Python RNG stream (a save must not draw from it: what restore brings back is
-# the state at save(), and a retry during training would change the run). Found by
-# tests/test_faults_gcs.py: restores after retried requests were not exact.
-_JITTER = random.Random()
 
 
-class _HTTPStatusError(OSError):
-    """An HTTP answer we did not expect; the ``from`` of the BackendError we raise."""
-
-    def __init__(self, method: str, url: str, status: int, body: bytes) -> None:
-        try:
-            message = json.loads(body)["error"]["message"]
-        except (ValueError, KeyError, TypeError):
-            message = body[:300].decode("utf-8", "replace")
-        super().__init__(f"{method} {url.split('?')[0]} -> HTTP {status}: {message}")
-        self.status = status
-        self.message = message
-
-
-@dataclass
-class _Reply:
-    status: int
-    headers: dict[str, str]
-    body: bytes
-    ambiguous: bool  # an earlier attempt failed in a way that may have applied it
-
-
-class GCSBackend:
+class GCSBackend(JsonApiTransport):
     """Objects under ``gs://bucket/prefix`` through the GCS JSON API.
 
     One upload per write (GCS publishes an object whole or not at all): a single multipart request
@@ -97,8 +55,9 @@ class GCSBackend:
     Args:
         path: ``"bucket"`` or ``"bucket/prefix"``.
         url: the URL it was opened as (for messages); default ``gs://<path>``.
-        **storage_options: for ``gcsfs.GCSFileSystem``: ``endpoint_url``, ``token``, ``project``...
-            With ``STORAGE_EMULATOR_HOST`` set and no ``token``, ``token="anon"`` is used.
+        **storage_options: gcsfs's options: ``endpoint_url``, ``token``, ``project``, ``access``,
+            ``session_kwargs`` (for the aiohttp session)... With ``STORAGE_EMULATOR_HOST`` set and
+            no ``token``, ``token="anon"`` is used.
 
     Example:
         >>> b = GCSBackend("my-bucket/runs/a", token="anon", endpoint_url="http://127.0.0.1:9023")
@@ -119,15 +78,7 @@ class GCSBackend:
     multipart_max = 8 * _MiB
     chunk_size = 64 * _MiB  # resumable piece; a multiple of 256 KiB as GCS requires
     read_block = 16 * _MiB  # one ranged GET per block when streaming through open()
-    max_attempts = 4  # per request; backoff 0.5, 1, 2 s: a dead server is reported in ~4 s
-    backoff_s = 0.5
-    connect_timeout_s = 15.0
-    read_timeout_s = 60.0  # no byte of a reply for this long: the server is stalled
-    # Every request, all its attempts together, ends within request_deadline_s plus the time
-    # its body takes at min_rate_bps: a frozen server (process stopped, socket open: the kernel
-    # still accepts connections and buffers a body) fails a call clearly instead of hanging it.
-    request_deadline_s = 120.0
-    min_rate_bps = 1 * _MiB
+    # Request retries and deadlines: see JsonApiTransport (max_attempts, request_deadline_s...).
 
     def __init__(self, path: str, *, url: str | None = None, **storage_options: Any) -> None:
         path = str(path).strip("/")
@@ -142,9 +93,9 @@ class GCSBackend:
         options = dict(storage_options)
         if os.environ.get("STORAGE_EMULATOR_HOST") and "token" not in options:
             options["token"] = "anon"  # an emulator takes no credentials; never probe for them
-        self._fs = GCSFileSystem(**options)
+        self._init_transport(options)
         self._bucket_seen = False
-        if "token" not in options and getattr(self._fs.credentials, "method", None) == "anon":
+        if "token" not in options and self.credentials_method == "anon":
             # gcsfs falls back to anonymous access silently; a checkpoint root needs writes.
             logger.warning("no Google credentials found for %s: anonymous access reads public "
                            "buckets only and cannot write checkpoints; run `gcloud auth "
@@ -153,7 +104,7 @@ class GCSBackend:
                            self.url)
 
     def __repr__(self) -> str:
-        return f"GCSBackend({self.url!r}, endpoint={self._fs._location!r})"
+        return f"GCSBackend({self.url!r}, endpoint={self.endpoint!r})"
 
     # -- names and URLs ------------------------------------------------------------------------
 
@@ -162,125 +113,16 @@ class GCSBackend:
         return f"{self.prefix}/{key}" if self.prefix else key
 
     def _object_url(self, name: str, *, media: bool = False) -> str:
-        base = self._fs._location
+        base = self.endpoint
         kind = "download/storage" if media else "storage"
         return f"{base}/{kind}/v1/b/{quote(self.bucket, safe='')}/o/{quote(name, safe='')}"
 
     def _upload_url(self) -> str:
-        return f"{self._fs._location}/upload/storage/v1/b/{quote(self.bucket, safe='')}/o"
-
-    # -- transport -----------------------------------------------------------------------------
-
-    async def _send_async(
-        self, method: str, url: str, params: dict[str, str] | None, headers: dict[str, str] | None,
-        data: Any, total: float,
-    ) -> tuple[int, dict[str, str], bytes]:
-        session = await self._fs._set_session()
-        if getattr(session, "_retry_connection", False):
-            # aiohttp silently resends an idempotent request (PUT, DELETE, GET) once when the
-            # connection drops; that hides a lost reply from _request, which must know (a
-            # conditional DELETE that already happened answers 404 on the resend).
-            session._retry_connection = False
-        if isinstance(data, (bytes, bytearray, memoryview)) and len(data) > _STREAM_OVER:
-            # aiohttp warns about (and would write in one go) a large in-memory body; send it as
-            # zero-copy slices with an explicit length instead (no chunked encoding).
-            view = memoryview(data).cast("B")
-            headers = {**(headers or {}), "Content-Length": str(view.nbytes)}
-            data = _aslices(view, _STREAM_OVER)
-        # sock_read alone never fires while *we* are sending (a frozen server stops reading, the
-        # socket buffer fills, the write waits forever): total bounds the whole exchange.
-        timeout = aiohttp.ClientTimeout(
-            total=total, sock_connect=self.connect_timeout_s, sock_read=self.read_timeout_s
-        )
-        async with session.request(
-            method, url, params=params, headers=self._fs._get_headers(headers), data=data,
-            timeout=timeout, allow_redirects=False,  # a resumable 308 is not a redirect
-        ) as resp:
-            body = await resp.read()
-            return resp.status, dict(resp.headers), body
-
-    def _request(
-        self, method: str, url: str, *, key: str | None, params: dict[str, str] | None = None,
-        headers: dict[str, str] | None = None, data: Any = None, attempts: int | None = None,
-    ) -> _Reply:
-        """Send one request, retrying transport failures and 408/429/5xx a bounded number of times.
-
-        A 412 is an answer, never retried: the caller decides what it means.
-        """
-        attempts = attempts or self.max_attempts
-        ambiguous = False
-        last: BaseException | None = None
-        nbytes = len(memoryview(data).cast("B")) if isinstance(data, (bytes, bytearray, memoryview)) else 0
-        allowance = self.request_deadline_s + nbytes / self.min_rate_bps
-        deadline = time.monotonic() + allowance
-        tried = 0
-        for attempt in range(attempts):
-            if attempt:
-                pause = self.backoff_s * 2 ** (attempt - 1) * (1 + 0.2 * _JITTER.random())
-                time.sleep(max(0.0, min(pause, deadline - time.monotonic())))
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                break
-            tried += 1
-            try:
-                status, rheaders, body = sync(
-                    self._fs.loop, self._send_async, method, url, params, headers, data, remaining
-                )
-            except aiohttp.ClientConnectorError as exc:  # never reached the server: not applied
-                last = exc
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-                ambiguous, last = True, exc  # sent, but the reply was lost: maybe applied
-            else:
-                if status not in _RETRY_STATUSES:
-                    return _Reply(status, rheaders, body, ambiguous)
-                ambiguous = ambiguous or status >= 500
-                last = _HTTPStatusError(method, url, status, body)
-            logger.warning(
-                "GCS %s %s: attempt %d/%d failed: %r", method, url.split("?")[0], attempt + 1,
-                attempts, last,
-            )
-        if isinstance(last, aiohttp.ClientConnectorError):
-            # Never reached a server (DNS, refused): say what a first-time user is missing.
-            raise BackendError(
-                f"cannot reach GCS at {self._fs._location} for {self.url} (key {key!r}): "
-                f"{getattr(last, 'os_error', None) or last} ({tried} tries). {self._setup_hint()}",
-                url=self.url, key=key,
-            ) from last
-        within = f" within its {allowance:.0f} s deadline" if tried < attempts else ""
-        raise BackendError(
-            f"GCS request {method} for {self.url} (key {key!r}) failed {tried} times{within}, last: "
-            f"{last!r}. Check the network and {self._fs._location}, then retry",
-            url=self.url, key=key,
-        ) from last
-
-    def _setup_hint(self) -> str:
-        method = getattr(getattr(self._fs, "credentials", None), "method", None)
-        creds = ("no Google credentials were found (anonymous access: public buckets only)"
-                 if method == "anon" else f"credentials: {method or 'unknown'}")
-        return (
-            f"Check, in order: the network reaches {self._fs._location}; {creds}: run `gcloud auth "
-            "application-default login`, set GOOGLE_APPLICATION_CREDENTIALS=key.json, or pass "
-            "storage_options token=...; for a local emulator set STORAGE_EMULATOR_HOST="
-            "http://127.0.0.1:PORT (or storage_options endpoint_url=...)"
-        )
-
-    def _fail(self, reply: _Reply, method: str, url: str, key: str | None, what: str) -> BackendError:
-        """The error for an answer we cannot use (not 404/412, which callers map themselves)."""
-        cause = _HTTPStatusError(method, url, reply.status, reply.body)
-        if reply.status in (401, 403):
-            hint = "check the credentials (storage option token=...) and their access to the bucket"
-        else:
-            hint = "see the message from GCS"
-        err = BackendError(
-            f"GCS refused to {what} {key!r} in {self.url}: HTTP {reply.status} {cause.message}; {hint}",
-            url=self.url, key=key,
-        )
-        err.__cause__ = cause
-        return err
+        return f"{self.endpoint}/upload/storage/v1/b/{quote(self.bucket, safe='')}/o"
 
     def _missing_bucket(self, key: str | None) -> StorageUnavailable:
         return StorageUnavailable(
-            f"GCS bucket {self.bucket!r} does not exist (at {self._fs._location}), so {self.url} "
+            f"GCS bucket {self.bucket!r} does not exist (at {self.endpoint}), so {self.url} "
             f"cannot be used: create the bucket (gcloud storage buckets create gs://{self.bucket}) "
             "or fix the URL",
             url=self.url, key=key,
@@ -289,7 +131,7 @@ class GCSBackend:
     def _not_found(self, key: str, doing: str) -> BackendError:
         """A 404 on an object: the object is missing, unless the whole bucket is."""
         if not self._bucket_seen:
-            url = f"{self._fs._location}/storage/v1/b/{quote(self.bucket, safe='')}"
+            url = f"{self.endpoint}/storage/v1/b/{quote(self.bucket, safe='')}"
             reply = self._request("GET", url, key=key)
             if reply.status == 404:
                 return self._missing_bucket(key)
@@ -301,7 +143,7 @@ class GCSBackend:
 
     def _info(self, key: str, meta: dict[str, Any]) -> ObjectInfo:
         return ObjectInfo(key=key, size=int(meta["size"]), version=str(meta["generation"]),
-                          mtime=_rfc3339(meta.get("updated")))
+                          mtime=rfc3339(meta.get("updated")))
 
     def _current_generation(self, key: str) -> str | None:
         try:
@@ -350,14 +192,32 @@ class GCSBackend:
         ``ObjectNotFound`` instead of mixing bytes of two versions.
         """
         meta = self._stat_meta(key)
-        raw = _RangeReader(self, key, str(meta["generation"]), int(meta["size"]))
+        generation, url = str(meta["generation"]), self._object_url(self._name(key), media=True)
+
+        def fetch(offset: int, n: int) -> bytes:
+            reply = self._request(
+                "GET", url, key=key, params={"alt": "media", "generation": generation},
+                headers={"Range": f"bytes={offset}-{offset + n - 1}"},
+            )
+            if reply.status == 404:
+                raise ObjectNotFound(
+                    f"{key!r} in {self.url} was replaced or deleted while being read "
+                    f"(generation {generation} is gone); open it again",
+                    url=self.url, key=key,
+                )
+            if reply.status not in (200, 206):
+                raise self._fail(reply, "GET", url, key, "read")
+            # 200: the server ignored Range and sent everything.
+            return reply.body[offset:offset + n] if reply.status == 200 else reply.body
+
+        raw = RangeReader(fetch, int(meta["size"]), url=self.url, key=key)
         return io.BufferedReader(raw, buffer_size=self.read_block)
 
     def list(self, prefix: str = "") -> list[ObjectInfo]:
         """Every object whose key starts with ``prefix``, sorted; always a fresh listing."""
         check_prefix(prefix, url=self.url)
         root = f"{self.prefix}/" if self.prefix else ""
-        url = f"{self._fs._location}/storage/v1/b/{quote(self.bucket, safe='')}/o"
+        url = f"{self.endpoint}/storage/v1/b/{quote(self.bucket, safe='')}/o"
         params = {"prefix": root + prefix, "maxResults": "1000"}
         out: list[ObjectInfo] = []
         for _ in range(1_000_000):  # pages; bounded so a server that loops cannot hang us
@@ -407,7 +267,7 @@ class GCSBackend:
             view = memoryview(data).cast("B")
             if view.nbytes <= self.multipart_max:
                 return self._multipart(key, name, view, params, if_generation)
-            return self._resumable(key, name, _slices(view, self.chunk_size), params, if_generation, view)
+            return self._resumable(key, name, slices(view, self.chunk_size), params, if_generation, view)
         # An iterable of chunks: copy into our own buffer (the producer may reuse its buffers),
         # and go resumable only once it outgrows one multipart request.
         buffered = bytearray()
@@ -415,15 +275,15 @@ class GCSBackend:
         for chunk in chunks:
             buffered += memoryview(chunk).cast("B")
             if len(buffered) > self.multipart_max:
-                pieces = _rechunk(_chain(buffered, chunks), self.chunk_size)
+                pieces = rechunk(chain(buffered, chunks), self.chunk_size)
                 return self._resumable(key, name, pieces, params, if_generation, None)
         return self._multipart(key, name, memoryview(buffered), params, if_generation)
 
     def _multipart(
         self, key: str, name: str, view: memoryview, params: dict[str, str], if_generation: str | None
     ) -> ObjectInfo:
-        crc = _crc32c(0, view)
-        meta = json.dumps({"name": name, "crc32c": _b64crc(crc)}).encode()
+        crc = crc32c(0, view)
+        meta = json.dumps({"name": name, "crc32c": b64crc(crc)}).encode()
         boundary = "ckptsdk-" + secrets.token_hex(16)
         body = b"".join([
             f"--{boundary}\r\nContent-Type: application/json; charset=UTF-8\r\n\r\n".encode(),
@@ -461,7 +321,7 @@ class GCSBackend:
         try:
             crc, offset = 0, 0
             for chunk, last in pieces:
-                crc = _crc32c(crc, chunk)
+                crc = crc32c(crc, chunk)
                 total = offset + len(chunk) if last else None
                 reply = self._put_chunk(key, location, chunk, offset, total, crc)
                 offset += len(chunk)
@@ -478,13 +338,13 @@ class GCSBackend:
 
     def _put_chunk(
         self, key: str, location: str, chunk: bytes, offset: int, total: int | None, crc: int
-    ) -> _Reply:
+    ) -> Reply:
         """PUT ``chunk`` at ``offset``; after a lost reply ask the server how far it got and resume."""
         end = offset + len(chunk)
         size = "*" if total is None else str(total)
         headers = {"Content-Type": "application/octet-stream"}
         if total is not None:
-            headers["X-Goog-Hash"] = f"crc32c={_b64crc(crc)}"  # GCS verifies the whole object
+            headers["X-Goog-Hash"] = f"crc32c={b64crc(crc)}"  # GCS verifies the whole object
         ambiguous = False
         sent_from = offset
         for attempt in range(self.max_attempts):
@@ -493,10 +353,10 @@ class GCSBackend:
                     "PUT", location, key=key, headers={"Content-Range": f"bytes */{size}"}
                 )
                 if status.status in (200, 201, 412):  # finished (or refused) at finalisation
-                    return _Reply(status.status, status.headers, status.body, True)
+                    return Reply(status.status, status.headers, status.body, True)
                 if status.status != 308:
                     raise self._fail(status, "PUT", location, key, "resume uploading")
-                sent_from = _persisted(status.headers)
+                sent_from = persisted(status.headers)
                 if not offset <= sent_from <= end:
                     raise BackendError(
                         f"upload of {key!r} to {self.url}: server holds {sent_from} bytes, "
@@ -516,7 +376,7 @@ class GCSBackend:
                 ambiguous = True  # maybe (partly) stored: ask the server before resending
                 continue
             reply.ambiguous = reply.ambiguous or ambiguous
-            if reply.status == 308 and (total is not None or _persisted(reply.headers) < end):
+            if reply.status == 308 and (total is not None or persisted(reply.headers) < end):
                 ambiguous = True  # GCS kept only part of the chunk: resume from where it stopped
                 continue
             return reply
@@ -526,7 +386,7 @@ class GCSBackend:
         )
 
     def _finished(
-        self, reply: _Reply, method: str, url: str, key: str, if_generation: str | None,
+        self, reply: Reply, method: str, url: str, key: str, if_generation: str | None,
         size: int, crc: int, view: memoryview | None,
     ) -> ObjectInfo:
         """Turn the answer to the request that finished an upload into ObjectInfo or an error."""
@@ -551,7 +411,7 @@ class GCSBackend:
             meta = self._stat_meta(key)
         except ObjectNotFound:
             return None
-        if int(meta["size"]) != size or meta.get("crc32c") not in (None, _b64crc(crc)):
+        if int(meta["size"]) != size or meta.get("crc32c") not in (None, b64crc(crc)):
             return None
         if view is not None and self.read(key) != view:
             return None
@@ -628,120 +488,3 @@ class GCSBackend:
         return []
 
 
-class _RangeReader(io.RawIOBase):
-    """Raw reads of one object generation by ranged GETs (wrapped in a BufferedReader)."""
-
-    def __init__(self, backend: GCSBackend, key: str, generation: str, size: int) -> None:
-        super().__init__()
-        self._b, self._key, self._gen, self._size, self._pos = backend, key, generation, size, 0
-        self._url = backend._object_url(backend._name(key), media=True)
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
-        if base + offset < 0:
-            raise ValueError(f"negative seek position {base + offset}")
-        self._pos = base + offset
-        return self._pos
-
-    def readinto(self, b: Any) -> int:
-        out = memoryview(b).cast("B")
-        want = min(out.nbytes, self._size - self._pos)
-        if want <= 0:
-            return 0
-        reply = self._b._request(
-            "GET", self._url, key=self._key, params={"alt": "media", "generation": self._gen},
-            headers={"Range": f"bytes={self._pos}-{self._pos + want - 1}"},
-        )
-        if reply.status == 404:
-            raise ObjectNotFound(
-                f"{self._key!r} in {self._b.url} was replaced or deleted while being read "
-                f"(generation {self._gen} is gone); open it again",
-                url=self._b.url, key=self._key,
-            )
-        if reply.status not in (200, 206):
-            raise self._b._fail(reply, "GET", self._url, self._key, "read")
-        data = reply.body
-        if reply.status == 200:  # the server ignored Range and sent everything
-            data = data[self._pos:self._pos + want]
-        n = min(len(data), want)
-        if n == 0:
-            raise BackendError(
-                f"GCS returned no bytes for {self._key!r} at offset {self._pos} of {self._size} "
-                f"in {self._b.url}; retry the read", url=self._b.url, key=self._key,
-            )
-        out[:n] = data[:n]
-        self._pos += n
-        return n
-
-
-def _chain(first: bytearray, rest: Iterator[Any]) -> Iterator[memoryview]:
-    yield memoryview(first)
-    for chunk in rest:
-        yield memoryview(chunk).cast("B")
-
-
-async def _aslices(view: memoryview, step: int) -> Any:
-    for i in range(0, view.nbytes, step):
-        yield view[i:i + step]
-
-
-def _slices(view: memoryview, step: int) -> Iterator[tuple[memoryview, bool]]:
-    """(slice, is_last) of one buffer, without copying."""
-    for i in range(0, view.nbytes, step):
-        yield view[i:i + step], i + step >= view.nbytes
-
-
-def _rechunk(pieces: Iterator[memoryview], step: int) -> Iterator[tuple[bytes, bool]]:
-    """Regroup pieces into ``step``-byte chunks (copied: producers may reuse their buffers).
-
-    A chunk goes out only once more bytes are known to follow: the last must carry the total.
-    """
-    buf = bytearray()
-    for piece in pieces:
-        buf += piece
-        while len(buf) > step:
-            chunk = bytes(buf[:step])
-            del buf[:step]
-            yield chunk, False
-    yield bytes(buf), True
-
-
-def _rfc3339(stamp: Any) -> float | None:
-    """GCS's ``updated`` (RFC 3339, server clock) as POSIX seconds; None if absent or odd."""
-    if not isinstance(stamp, str):
-        return None
-    try:
-        return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
-    except ValueError:
-        return None
-
-
-def _crc32c(crc: int, data: Any) -> int:
-    """Extend a CRC32C; google_crc32c takes only ``bytes``, so copy other buffers in 8 MiB slices."""
-    if isinstance(data, bytes):
-        return google_crc32c.extend(crc, data)
-    view = memoryview(data).cast("B")
-    for i in range(0, view.nbytes, 8 * _MiB):
-        crc = google_crc32c.extend(crc, bytes(view[i:i + 8 * _MiB]))
-    return crc
-
-
-def _b64crc(crc: int) -> str:
-    return base64.b64encode(crc.to_bytes(4, "big")).decode("ascii")
-
-
-def _persisted(headers: dict[str, str]) -> int:
-    """Bytes the server holds, from a resumable 308's ``Range: bytes=0-N`` (absent: none)."""
-    value = headers.get("Range") or headers.get("range")
-    if not value:
-        return 0
-    return int(value.rsplit("-", 1)[1]) + 1

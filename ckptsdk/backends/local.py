@@ -1,20 +1,18 @@
 """Local-disk backend: atomic publish by temp file + rename, conditional writes by link and flock.
 
-Everything here is plain POSIX on one machine. The Drive backend (``drive.py``) reuses it and
-changes only what the mount cannot do. Nothing about checkpoints belongs here; the contract each
-method meets is documented in ``base.py``.
+Everything here is plain POSIX on one machine; the primitives (fsync, flock, the version token,
+reserved names) are in ``posix.py``, and this class maps keys to paths and ``OSError`` to the
+error tree. The Drive backend (``drive.py``) reuses it and changes only what the mount cannot do.
+Nothing about checkpoints belongs here; the contract each method meets is in ``base.py``.
 """
 
 from __future__ import annotations
 
 import builtins
 import errno
-import fcntl
 import logging
 import os
-import secrets
 import stat as stat_mod
-import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -28,60 +26,31 @@ from ..errors import (
     StorageUnavailable,
 )
 from .base import Capabilities, Data, ObjectInfo, check_key, check_prefix, iter_chunks
+from .posix import (
+    LOCK_NAME,
+    LOCK_TIMEOUT_S,
+    NO_FLOCK_ERRNOS,
+    NOT_AN_OBJECT_ERRNOS,
+    NOT_THERE,
+    RESERVED_PREFIX,
+    TMP_PREFIX,
+    UNAVAILABLE_ERRNOS,
+    discard,
+    flock,
+    fsync_dir,
+    open_regular,
+    prune,
+    published_key,
+    scan,
+    thread_lock,
+    version_of,
+    write_temp,
+)
 
 logger = logging.getLogger(__name__)
 
-# Every name this backend puts on disk for itself starts with RESERVED_PREFIX; list() skips them
-# and keys may not use them, so bookkeeping can never be mistaken for (or clobber) an object.
-RESERVED_PREFIX = ".ckptsdk-"
-TMP_PREFIX = ".ckptsdk-tmp."
-LOCK_NAME = ".ckptsdk-lock"
-
-# The store itself is gone or sick rather than one object missing: a dropped FUSE mount reports
-# ENOTCONN (Drive's "Transport endpoint is not connected"), a failing disk or an over-full Drive
-# folder EIO, a vanished NFS export ESTALE.
-_UNAVAILABLE_ERRNOS = frozenset({errno.ENOTCONN, errno.EIO, errno.ESTALE, errno.ENODEV, errno.ENXIO})
-# Filesystems that cannot fsync a directory say so with one of these; the rename is then as
-# durable as that filesystem makes it, which is all we can ask.
-_NO_DIR_FSYNC_ERRNOS = frozenset({errno.EINVAL, errno.ENOTSUP, errno.ENOSYS, errno.EBADF})
-_NOT_THERE = (FileNotFoundError, NotADirectoryError, IsADirectoryError)
-# A key that is a symlink loop (or a too-long chain of links) is no object either.
-_NOT_AN_OBJECT_ERRNOS = frozenset({errno.ENOENT, errno.ELOOP, errno.ENOTDIR})
-# A filesystem without flock (possible behind FUSE) answers with one of these.
-_NO_FLOCK_ERRNOS = frozenset({errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EINVAL, errno.ENOLCK})
-LOCK_TIMEOUT_S = 120.0
-
-_clock_lock = threading.Lock()
-_last_stamp_ns = 0
-_thread_locks: dict[str, threading.Lock] = {}
-
-
-def _thread_lock(root: str) -> threading.Lock:
-    """One process-wide lock per root: the fallback where the filesystem has no flock."""
-    with _clock_lock:
-        return _thread_locks.setdefault(root, threading.Lock())
-
-
-def _unique_ns() -> int:
-    """A wall-clock timestamp in ns, strictly increasing within this process."""
-    global _last_stamp_ns
-    with _clock_lock:
-        now = time.time_ns()
-        _last_stamp_ns = now if now > _last_stamp_ns else _last_stamp_ns + 1
-        return _last_stamp_ns
-
-
-def version_of(st: os.stat_result) -> str:
-    """The version token of a published file: its inode, size and mtime (ns), in hex."""
-    return f"{st.st_ino:x}-{st.st_size:x}-{st.st_mtime_ns:x}"
-
-
-def _published_key(temp_key: str) -> str:
-    """The key a temp file (``folder/.ckptsdk-tmp.NAME.PID.HEX``) was going to publish."""
-    folder, _, name = temp_key.rpartition("/")
-    target = name[len(TMP_PREFIX):].rsplit(".", 2)[0]
-    return f"{folder}/{target}" if folder else target
-
+# Importable from here as before (tests, drive.py): the names a file backend puts on disk.
+__all__ = ["LocalBackend", "LOCK_NAME", "RESERVED_PREFIX", "TMP_PREFIX", "version_of"]
 
 class LocalBackend:
     """Objects as files under a folder on this machine.
@@ -130,7 +99,7 @@ class LocalBackend:
         """Return the whole object at ``key`` (see :meth:`Backend.read`)."""
         path = self._path(key)
         with self._errors("read", key, missing=True):
-            with self._open_regular(path) as f:
+            with open_regular(path) as f:
                 return f.read()
 
     def open(self, key: str) -> BinaryIO:
@@ -140,24 +109,7 @@ class LocalBackend:
         """
         path = self._path(key)
         with self._errors("open", key, missing=True):
-            return self._open_regular(path)
-
-    @staticmethod
-    def _open_regular(path: str) -> BinaryIO:
-        """Open ``path`` for reading if it is a regular file; else "not there" (never blocks).
-
-        O_NONBLOCK: opening a FIFO for reading blocks until a writer appears (forever); with
-        it the open returns at once, and fstat tells what it is. Regular files ignore the flag.
-        """
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-        try:
-            if not stat_mod.S_ISREG(os.fstat(fd).st_mode):
-                raise IsADirectoryError(errno.EISDIR, "not a regular file (a folder, FIFO, socket or device)", path)
-            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
-            return open(fd, "rb")
-        except BaseException:
-            os.close(fd)
-            raise
+            return open_regular(path)
 
     def stat(self, key: str) -> ObjectInfo:
         """Return the size and version of ``key``, or raise ``ObjectNotFound``."""
@@ -200,7 +152,7 @@ class LocalBackend:
                     # Deleted while we listed, or a link that leads nowhere (dangling, a loop):
                     # not an object, like a FIFO or a folder. One bad entry must not fail the
                     # listing of a whole root.
-                    if exc.errno not in _NOT_AN_OBJECT_ERRNOS:
+                    if exc.errno not in NOT_AN_OBJECT_ERRNOS:
                         raise
                     logger.debug("not listing %s under %s: %s", key, self.url, exc)
                     continue
@@ -259,7 +211,7 @@ class LocalBackend:
                     raise self._exists_error(dst, path) from None
                 except FileNotFoundError:
                     raise ObjectNotFound(f"no object {src!r} under {self.url}", url=self.url, key=src) from None
-                self._fsync_dir(os.path.dirname(path))
+                fsync_dir(os.path.dirname(path))
                 st = os.stat(path)
         return ObjectInfo(dst, st.st_size, version_of(st), st.st_mtime_ns / 1e9)
 
@@ -280,8 +232,8 @@ class LocalBackend:
                     self.stat(key)
                 os.unlink(path)
                 folder = os.path.dirname(path)
-                self._fsync_dir(folder)
-                self._prune(folder)
+                fsync_dir(folder)
+                prune(self.root, folder)
 
     def sweep(self, older_than: float, *,
               only: Callable[[str], bool] | None = None) -> builtins.list[str]:  # `list`: the method above
@@ -298,7 +250,7 @@ class LocalBackend:
             for key, entry in self._scan("", lambda _folder: True):
                 if not entry.name.startswith(TMP_PREFIX):
                     continue
-                if only is not None and not only(_published_key(key)):
+                if only is not None and not only(published_key(key)):
                     continue
                 try:
                     if entry.stat(follow_symlinks=False).st_mtime > cutoff:
@@ -308,7 +260,7 @@ class LocalBackend:
                     continue
                 logger.info("swept leftover temp file %s under %s", key, self.url)
                 removed.append(key)
-                self._prune(os.path.dirname(entry.path))
+                prune(self.root, os.path.dirname(entry.path))
         return sorted(removed)
 
     # -- the publish protocol ----------------------------------------------------------------
@@ -321,12 +273,12 @@ class LocalBackend:
             with self._locked(op, key):
                 with self._errors(op, key):
                     commit(path, tmp)
-                    self._fsync_dir(os.path.dirname(path))
+                    fsync_dir(os.path.dirname(path))
                     # Stat the key while still holding the lock, so the version returned is the
                     # one this call published, whatever another writer does next.
                     st = os.stat(path)
         except BaseException:
-            self._discard(tmp)
+            discard(tmp)
             raise
         return ObjectInfo(key, st.st_size, version_of(st), st.st_mtime_ns / 1e9)
 
@@ -344,62 +296,14 @@ class LocalBackend:
 
     def _write_temp(self, op: str, key: str, path: str, data: Data) -> str:
         """Write ``data`` to a new temp file next to ``path``, fsynced; return its path."""
-        folder, name = os.path.split(path)
-        fd = -1
-        # A concurrent delete may prune the folder between makedirs and open: retry a little.
-        for attempt in range(5):
-            tmp = os.path.join(folder, f"{TMP_PREFIX}{name}.{os.getpid()}.{secrets.token_hex(4)}")
-            try:
-                os.makedirs(folder, exist_ok=True)
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
-                break
-            except FileNotFoundError as exc:
-                if attempt == 4:
-                    raise self._translate(exc, op, key, missing=False) from exc
-            except OSError as exc:
-                raise self._translate(exc, op, key, missing=False) from exc
-        f = open(fd, "wb")
-        try:
-            # The caller's iterable may raise: that propagates unchanged (nothing published).
-            for chunk in iter_chunks(data):
-                try:
-                    f.write(chunk)
-                except OSError as exc:
-                    raise self._translate(exc, op, key, missing=False) from exc
-            try:
-                f.flush()
-                os.fsync(f.fileno())
-                self._stamp(f.fileno())
-                f.close()
-            except OSError as exc:
-                raise self._translate(exc, op, key, missing=False) from exc
-        except BaseException:
-            # After a failed write (a full disk) the buffer still holds bytes: close() retries
-            # the flush and raises ENOSPC again, raw. The descriptor is closed either way.
-            try:
-                f.close()
-            except OSError:
-                pass
-            self._discard(tmp)
-            raise
-        return tmp
-
-    def _stamp(self, fd: int) -> None:
-        # The version token is (inode, size, mtime). A freed inode can be reused by the next write
-        # of the same size within one coarse kernel tick (ext4 stamps mtime per jiffy), which would
-        # repeat a token; a process-unique ns timestamp makes every publish's token new.
-        t = _unique_ns()
-        try:
-            os.utime(fd, ns=(t, t))
-        except OSError as exc:  # a filesystem that refuses utime still publishes correctly
-            logger.debug("could not stamp mtime under %s: %s", self.url, exc)
+        return write_temp(path, iter_chunks(data), lambda exc: self._translate(exc, op, key, missing=False))
 
     def _check_version(
         self, op: str, key: str, path: str, version: str, *, missing_is_precondition: bool = True
     ) -> None:
         try:
             st = os.stat(path)
-        except _NOT_THERE:
+        except NOT_THERE:
             if not missing_is_precondition:
                 raise
             st = None
@@ -439,40 +343,33 @@ class LocalBackend:
             if self._flock(fd, op, key):
                 yield
             else:  # no flock here (allowed on Drive only): at least exclude this process's threads
-                with _thread_lock(self.root):
+                with thread_lock(self.root):
                     yield
         finally:
             os.close(fd)  # closing the descriptor releases the flock
 
     def _flock(self, fd: int, op: str, key: str | None) -> bool:
         """Take the flock on ``fd``; False if this filesystem has none and ``_flock_optional``."""
-        deadline = time.monotonic() + LOCK_TIMEOUT_S
-        delay = 0.0005
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        try:
+            if flock(fd, LOCK_TIMEOUT_S):
                 return True
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    raise BackendError(
-                        f"{op} of {key!r} under {self.url}: the lock {LOCK_NAME} stayed held for "
-                        f"{LOCK_TIMEOUT_S:.0f} s; another process is stuck in a write here. "
-                        "Find and stop it, then retry",
-                        url=self.url,
-                        key=key,
-                    ) from None
-                time.sleep(delay)
-                delay = min(delay * 2, 0.05)
-            except OSError as exc:
-                if self._flock_optional and exc.errno in _NO_FLOCK_ERRNOS:
-                    if not self._told_no_flock:
-                        self._told_no_flock = True
-                        logger.warning(
-                            "no flock on %s (%s): create/replace exclude only this process's threads",
-                            self.root, exc.strerror,
-                        )
-                    return False
-                raise self._translate(exc, op, key) from exc
+        except OSError as exc:
+            if self._flock_optional and exc.errno in NO_FLOCK_ERRNOS:
+                if not self._told_no_flock:
+                    self._told_no_flock = True
+                    logger.warning(
+                        "no flock on %s (%s): create/replace exclude only this process's threads",
+                        self.root, exc.strerror,
+                    )
+                return False
+            raise self._translate(exc, op, key) from exc
+        raise BackendError(
+            f"{op} of {key!r} under {self.url}: the lock {LOCK_NAME} stayed held for "
+            f"{LOCK_TIMEOUT_S:.0f} s; another process is stuck in a write here. "
+            "Find and stop it, then retry",
+            url=self.url,
+            key=key,
+        )
 
     # -- helpers -----------------------------------------------------------------------------
 
@@ -492,56 +389,11 @@ class LocalBackend:
         return os.path.relpath(path, self.root).replace(os.sep, "/")
 
     def _scan(self, folder: str, descend: Callable[[str], bool]) -> Iterator[tuple[str, os.DirEntry]]:
-        """Yield ``(key, entry)`` for every non-folder under ``folder`` (a key, "" for the root).
-
-        Symlinked folders are not followed (no cycles); ``descend(folder_key)`` prunes the walk.
-        """
-        path = os.path.join(self.root, *folder.split("/")) if folder else self.root
+        """``posix.scan`` under the root; a missing root is empty, a root that is a file is not."""
         try:
-            entries = list(os.scandir(path))
-        except _NOT_THERE:
-            if not folder:
-                self._check_root()
-            return
-        for entry in entries:
-            key = f"{folder}/{entry.name}" if folder else entry.name
-            try:
-                is_dir = entry.is_dir(follow_symlinks=False)
-            except FileNotFoundError:
-                continue
-            if is_dir:
-                if descend(key):
-                    yield from self._scan(key, descend)
-            else:
-                yield key, entry
-
-    def _prune(self, folder: str) -> None:
-        """Remove ``folder`` and its parents while they are empty, never the root itself."""
-        while folder != self.root and folder.startswith(self.root + os.sep):
-            try:
-                os.rmdir(folder)
-            except OSError:  # not empty (or a writer just put a temp file in it): stop here
-                return
-            folder = os.path.dirname(folder)
-
-    def _discard(self, tmp: str) -> None:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        except OSError as exc:  # the original error matters more; sweep() will get this one
-            logger.warning("could not remove temp file %s: %s (sweep() will)", tmp, exc)
-
-    def _fsync_dir(self, folder: str) -> None:
-        # Makes the rename itself durable: without it a power cut can forget the new name.
-        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
-            os.fsync(fd)
-        except OSError as exc:
-            if exc.errno not in _NO_DIR_FSYNC_ERRNOS:
-                raise
-        finally:
-            os.close(fd)
+            yield from scan(self.root, folder, descend)
+        except NOT_THERE:
+            self._check_root()
 
     def _check_root(self) -> None:
         """Raise ``StorageUnavailable`` if the root exists but cannot be a folder of objects."""
@@ -577,7 +429,7 @@ class LocalBackend:
         """Map an ``OSError`` to the error tree. ``missing``: "not there" means ObjectNotFound."""
         if isinstance(exc, BackendError):
             return exc
-        if exc.errno in _UNAVAILABLE_ERRNOS:
+        if exc.errno in UNAVAILABLE_ERRNOS:
             return self._unavailable(exc, op, key)
         if op in ("write", "create", "replace") and not os.path.isdir(self.root):
             # The root itself cannot be made (/proc/x, a read-only mount): say so, rather than
@@ -592,12 +444,12 @@ class LocalBackend:
                     url=self.url,
                     key=key,
                 )
-        if isinstance(exc, (*_NOT_THERE, FileExistsError)):
+        if isinstance(exc, (*NOT_THERE, FileExistsError)):
             try:
                 self._check_root()
             except StorageUnavailable as root_exc:
                 return root_exc
-        if missing and (isinstance(exc, _NOT_THERE) or exc.errno == errno.ELOOP):
+        if missing and (isinstance(exc, NOT_THERE) or exc.errno == errno.ELOOP):
             return ObjectNotFound(f"no object {key!r} under {self.url}", url=self.url, key=key)
         if isinstance(exc, PermissionError) and not os.access(
             self.root if os.path.exists(self.root) else os.path.dirname(self.root),

@@ -1,4 +1,6 @@
-"""A simulated Google Drive folder shared by several "VMs", for lease and story tests.
+"""The Drive mount simulated on disk, in real time: one folder shared by several "VMs", for lease
+and story tests (the deterministic, in-memory model for property tests is
+tests/drive_deterministic_sim.py).
 
 Each VM is a plain directory used through ``DriveBackend`` (``CKPTSDK_DRIVE_ROOT`` = that VM's
 directory); a syncer thread carries creations, updates and deletions between them through a
@@ -73,7 +75,7 @@ class DriveSim:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self.applied = 0  # changes written onto other VMs (for tests and reports)
-        # What the VMs' own changes would cost on Drive (DRIVE_FACTS; docs/DRIVE.md):
+        # What the VMs' own changes would cost on Drive (docs/DRIVE.md):
         self.trashed_bytes = 0  # files deleted: Drive's trash keeps them 30 days, on the quota
         self.trashed_files = 0
         self.replaced_bytes = 0  # files renamed over (os.replace): trash or revision, undocumented

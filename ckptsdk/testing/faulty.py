@@ -1,4 +1,4 @@
-"""Test helpers shipped with ckptsdk: a backend wrapper that fails chosen calls and counts calls.
+"""A backend wrapper that fails chosen calls and counts calls (ckptsdk.testing.FaultyBackend).
 
 Lets tests put a failure exactly in a crash window (between a checkpoint's tensors and its
 manifest, between a lease write and its read-back) on any real backend. Nothing in the library
@@ -13,8 +13,8 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 from typing import BinaryIO, TypeVar
 
-from .backends.base import Backend, Capabilities, Data, ObjectInfo
-from .errors import BackendError
+from ..backends.base import Backend, Capabilities, Data, ObjectInfo
+from ..errors import BackendError
 
 _T = TypeVar("_T")
 

@@ -6,7 +6,7 @@ upload delay and every other VM after a further download delay, each delay asked
 ``delay`` callable (the test draws them from hypothesis, so files arrive out of order: a manifest
 before its tensors, a delete before the write it follows). Conflicts resolve last-writer-wins by
 the moment a change was made. ``create``/``replace`` check only the writing VM's view, as on the
-real mount. Real-thread Drive simulation for story tests lives in tests/drive_sim.py, not here.
+real mount. Real-thread Drive simulation for story tests lives in tests/drive_mount_sim.py, not here.
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ class SimDrive:
         self.clock.now = max(self.clock.now, t)
 
     def lose_vm(self, vm: str) -> int:
-        """The VM vanishes: its uploads still in flight are lost (DRIVE_FACTS: what is not yet
+        """The VM vanishes: its uploads still in flight are lost (docs/DRIVE.md: what is not yet
         uploaded is lost with the VM). Returns how many changes were dropped."""
         keep = [p for p in self._pending if not (p[2] == CLOUD and p[4].origin == vm)]
         dropped = len(self._pending) - len(keep)

@@ -1,0 +1,130 @@
+"""The data cache's records and digest rule: what a cached artifact's meta and sidecar hold.
+
+``CacheEntry`` is the one document (meta object and local sidecar), ``pinned_digest`` the rule for
+digests a caller supplies, ``Fetched`` what ``DataCache.fetch`` returns. Copying, downloading and
+verifying bytes belong to ``ckptsdk.datacache``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import ClassVar
+
+from pydantic import Field, field_validator
+
+from .digest import ALGORITHMS, DEFAULT, new_hasher
+from .document import Document, check_format, parse_document
+from .errors import CkptError, ConfigError, DataError
+
+__all__ = ["CACHE_FORMAT", "CacheEntry", "Fetched", "file_digest", "parse_entry", "pinned_digest"]
+
+_CHUNK = 8 << 20
+#: 1.0: the first string format; before it, meta objects said ``"format": 1`` (an int, still read)
+#: and local sidecars had no format at all (still read).
+CACHE_FORMAT = "ckptsdk.datacache/1.0"
+
+
+def file_digest(path: str, algorithm: str = DEFAULT) -> str:
+    """Hex digest of the file at ``path`` with ``algorithm`` (a key of ``digest.ALGORITHMS``)."""
+    h = new_hasher(algorithm)
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def pinned_digest(digest: str, algorithm: str | None = None) -> tuple[str, str]:
+    """(algorithm, hex) of a digest a caller supplies: it must say its algorithm.
+
+    The rule: a digest ckptsdk computes uses ``digest.DEFAULT`` (xxh3-128) unless the caller
+    names another algorithm; a digest the caller supplies names its algorithm, as
+    ``"sha256:<hex>"`` or with ``algorithm=`` (a bare hex string could be md5 or xxh3-128 alike).
+
+    Raises:
+        ConfigError: no algorithm said, two that disagree, or one ckptsdk does not know.
+
+    Example:
+        >>> pinned_digest("md5:c9a34cfc85d982698c6ac89f76071abd"), pinned_digest("ab12", "sha256")
+        (('md5', 'c9a34cfc85d982698c6ac89f76071abd'), ('sha256', 'ab12'))
+    """
+    named, sep, hexpart = digest.partition(":")
+    if not sep:
+        if algorithm is None:
+            raise ConfigError(
+                f"digest {digest!r} does not say its algorithm: write it as 'sha256:{digest}' (or "
+                f"{', '.join(repr(a + ':...') for a in ALGORITHMS if a != 'sha256')}), or pass algorithm=")
+        named, hexpart = algorithm, digest
+    elif algorithm is not None and algorithm != named:
+        raise ConfigError(f"digest {digest!r} is a {named} digest but algorithm={algorithm!r} was "
+                          "passed too; drop one of them")
+    new_hasher(named)  # an unknown algorithm: ConfigError listing the known ones
+    return named, hexpart
+
+
+class CacheEntry(Document):
+    """What the cache says about one artifact: its ``meta`` object (written after the blob
+    verified, so it is the commit marker) and the local sidecar next to a verified copy.
+
+    No checksum: a damaged record can only make a copy fail verification, and then the artifact
+    is fetched again and the record rewritten; it never makes wrong bytes pass.
+    """
+
+    FORMAT: ClassVar[str] = CACHE_FORMAT
+
+    format: str = Field(default=CACHE_FORMAT, pattern=r"^ckptsdk\.datacache/1(\.[0-9]+)?$")
+    name: str
+    size: int = Field(ge=0)
+    algorithm: str
+    digest: str
+    source: str
+    #: seconds since the epoch (this host's clock) when the blob was stored; None in local
+    #: sidecars written before format 1.0.
+    stored_at: float | None = None
+
+    @field_validator("format", mode="before")
+    @classmethod
+    def _format_first(cls, value: object) -> object:
+        check_format(value, CACHE_FORMAT)
+        return value
+
+
+def parse_entry(data: bytes, key: str) -> CacheEntry:
+    """A meta object or sidecar, by the version rule; the two older unversioned forms too."""
+    try:
+        obj = json.loads(data)
+    except (ValueError, RecursionError):
+        obj = None  # parse_document says what is wrong
+    if isinstance(obj, dict) and (obj.get("format") == 1 or ("format" not in obj and "digest" in obj)):
+        # Before format 1.0: meta said "format": 1 (an int), sidecars said nothing. Same fields.
+        data = json.dumps({**obj, "format": CACHE_FORMAT}).encode()
+
+    def error(message: str, step: int | None) -> CkptError:
+        return DataError(message)
+
+    return parse_document(data, CacheEntry, key=key, error=error)
+
+
+@dataclass(frozen=True)
+class Fetched:
+    """Where a fetched artifact came from and where it now is.
+
+    Attributes:
+        name: the artifact name.
+        path: the verified local file.
+        source: ``"local"``, ``"cache"``, or the URL it was downloaded from.
+        size: bytes.
+        algorithm: digest algorithm used to verify it.
+        digest: its hex digest.
+        seconds: time from the call to a verified local file.
+        failures: sources tried before this one and why each was passed over.
+    """
+
+    name: str
+    path: str
+    source: str
+    size: int
+    algorithm: str
+    digest: str
+    seconds: float
+    failures: dict[str, str]
