@@ -28,13 +28,14 @@ from .backends.base import Backend
 from .catalog import CheckpointInfo
 from .errors import BackendError, CheckpointError, ConfigError, LeaseLostError, NoValidCheckpointError
 from .lease import Lease
-from .manifest import FileEntry, Position, user_fields
+from .manifest import FileEntry, Position
 from .preemption import DEFAULT_DEADLINE, Preemption
 from .reader import CheckpointReader, ResumePoint, resume_point
 from .rotation import LEFTOVER_GRACE_S, RETENTION_MODES, GcReport, Rotation
 from .runlog import RunLog
 from .saving import SavePipeline
 from .state import Restorable, Stateful, TrainState, preflight
+from .userfield import user_fields
 
 if TYPE_CHECKING:
     from .audit import AuditReport

@@ -19,7 +19,6 @@ import socket
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from typing import Any
 
 import torch
@@ -270,7 +269,6 @@ class SavePipeline:
         manifest = Manifest(
             step=step,
             position=position,
-            created_at=datetime.now(timezone.utc).isoformat(),
             writer=Writer(
                 run_id=self.lease.run_id, attempt=self.lease.attempt, lease_epoch=self.lease.epoch,
                 host=socket.gethostname(), pid=os.getpid(),
@@ -278,7 +276,7 @@ class SavePipeline:
             ),
             files=files,
             tree=skeleton,
-            metrics=_plain_metrics(metrics),
+            metrics=dict(metrics or {}),  # checked and converted by userfield.user_fields at save()
             environment=Environment.current(device=device),
             tags=dict(tags or {}),
         )
@@ -339,7 +337,7 @@ class SavePipeline:
         record = LineageRecord(
             epoch=self.lease.epoch, attempt=self.lease.attempt, run_id=self.lease.run_id,
             resumed_from_step=step, resumed_from_epoch=epoch, host=socket.gethostname(),
-            pid=os.getpid(), created_at=datetime.now(timezone.utc).isoformat(),
+            pid=os.getpid(),
         )
         self.lease.check()
         try:
@@ -382,14 +380,3 @@ def _device_of(tensors: Mapping[str, torch.Tensor]) -> str:
         if t.device.type != "cpu":
             return str(t.device)
     return "cpu"
-
-
-def _plain_metrics(metrics: Mapping[str, Any] | None) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in (metrics or {}).items():
-        if isinstance(v, torch.Tensor):
-            v = v.item()
-        elif hasattr(v, "item") and callable(v.item):
-            v = v.item()  # numpy scalars
-        out[str(k)] = v
-    return out

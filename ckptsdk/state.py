@@ -380,7 +380,7 @@ def _copied_in(module: torch.nn.Module, saved: Mapping[str, Any]) -> Mapping[str
     wait on each other (twice the time of the read itself for ResNet-18). Entries whose dtype,
     shape, device or layout differ go through ``load_state_dict`` unchanged.
     """
-    from .staging import _memcpy
+    from .staging import memcpy
 
     out: OrderedDict[str, Any] = OrderedDict(saved)
     with torch.no_grad():
@@ -391,7 +391,7 @@ def _copied_in(module: torch.nn.Module, saved: Mapping[str, Any]) -> Mapping[str
                     and src.dtype == live.dtype and src.shape == live.shape
                     and src.is_contiguous() and live.is_contiguous() and not live.is_conj()
                     and src.layout == torch.strided and live.layout == torch.strided):
-                _memcpy(live.detach(), src)
+                memcpy(live.detach(), src)
                 out[key] = live.detach()
     if hasattr(saved, "_metadata"):  # per-module versions (BatchNorm's num_batches_tracked rule)
         out._metadata = saved._metadata  # type: ignore[attr-defined]

@@ -32,9 +32,9 @@ import xxhash
 
 from ckptsdk import CheckpointManager
 from ckptsdk.catalog import MANIFEST, TENSORS
+from ckptsdk.document import seal
 from ckptsdk.errors import ConfigError, CorruptCheckpointError, DataError, LeaseError
 from ckptsdk.manager import Simulation
-from ckptsdk.manifest import seal
 from tests._fault_state import expected, make_state, observe
 
 REPO = Path(__file__).resolve().parents[1]

@@ -17,6 +17,7 @@ import torch
 import ckptsdk
 from ckptsdk import CheckpointManager, TrainState
 from ckptsdk.catalog import MANIFEST, TENSORS, checkpoint_dir
+from ckptsdk.document import seal
 from ckptsdk.errors import (
     BackendError,
     ConfigError,
@@ -25,7 +26,6 @@ from ckptsdk.errors import (
     NoValidCheckpointError,
     StateMismatchError,
 )
-from ckptsdk.manifest import seal
 from ckptsdk.testing import FaultyBackend
 
 
