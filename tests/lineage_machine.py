@@ -1008,7 +1008,7 @@ class LineageMachine(RuleBasedStateMachine):
 
 
 class DriveLateLineage(LineageMachine):
-    """Drive as DRIVE_FACTS describes it: changes reach other VMs up to 20 minutes late (far beyond
+    """Drive as docs/DRIVE.md describes it: changes reach other VMs up to 20 minutes late (far beyond
     the settle time and the ttl). The lease cannot exclude anyone then (two writers may share an
     epoch, never a rank); ranks and lineage must keep invariants 0-4. Liveness (5) rests on
     timing and is only counted."""
