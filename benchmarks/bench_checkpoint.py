@@ -213,6 +213,8 @@ class Bench:
             self.state = TrainState(**job.objects)
             self.mgr = CheckpointManager(str(root / "mgr"), keep_last=1000, lease_ttl=600.0,
                                          save_on_signal=False)
+            # Restores go through a reader: a writer restores once, before its first save.
+            self.reader = CheckpointManager(str(root / "mgr"), read_only=True)
             self.slow = {lat: CheckpointManager(_slow_backend(root / f"mgr-{int(lat * 1000)}ms", lat),
                                                 keep_last=2, lease_ttl=600.0, save_on_signal=False)
                          for lat in LATENCIES}
@@ -258,7 +260,7 @@ class Bench:
             ("ckptsdk restore (direct, verified)", lambda: read_tensorfile(self.direct, key, size=size, digest=digest)),
         ]
         if self.mgr is not None:
-            reads.append(("ckptsdk restore (manager, verified)", lambda: self.mgr.restore(self.state)))
+            reads.append(("ckptsdk restore (manager, verified)", lambda: self.reader.restore(self.state)))
         rot = r % len(reads)
         for row, fn in reads[rot:] + reads[:rot]:
             gc.collect()
@@ -456,6 +458,8 @@ def gcs_rows(job: Job, reps: int, warmup: int) -> dict[str, list[float]]:
             state = TrainState(**job.objects)
             mgr = CheckpointManager(emu.url("bench", "mgr"), storage_options=emu.storage_options,
                                     keep_last=2, lease_ttl=600.0)
+            reader = CheckpointManager(emu.url("bench", "mgr"), storage_options=emu.storage_options,
+                                       read_only=True)  # a writer restores once, before saving
         step = 0
         for r in range(warmup + reps):
             keep = r >= warmup
@@ -483,7 +487,7 @@ def gcs_rows(job: Job, reps: int, warmup: int) -> dict[str, list[float]]:
                  lambda size=size, digest=digest: read_tensorfile(backend, "t.safetensors", size=size, digest=digest)),
             ]
             if mgr is not None:
-                reads.append(("gcs ckptsdk restore (manager)", lambda: mgr.restore(state)))
+                reads.append(("gcs ckptsdk restore (manager)", lambda: reader.restore(state)))
             for row, fn in reads:
                 seconds, out = timed(fn)
                 del out

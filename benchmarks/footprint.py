@@ -32,6 +32,7 @@ sys.path.insert(0, str(REPO))
 from ckptsdk import CheckpointManager  # noqa: E402
 from ckptsdk.backends import open_backend  # noqa: E402
 from ckptsdk.catalog import TENSORS  # noqa: E402
+from ckptsdk.manager import Simulation  # noqa: E402
 from ckptsdk.usage import usage  # noqa: E402
 from tests._footprint_child import state  # noqa: E402
 from tests.drive_mount_sim import DriveSim  # noqa: E402
@@ -117,7 +118,8 @@ def story_trash(tmp: Path, mode: str, *, steps: int = 7800, every: int = 100, si
     backend = sim.backend("vm1", "run")
     sim.account()  # the starting point
     s = state(size)
-    with CheckpointManager(backend, keep_last=KEEP_LAST, lease_ttl=600, lease_settle=0, heartbeat=False,
+    with CheckpointManager(backend, keep_last=KEEP_LAST, lease_ttl=600, lease_settle=0,
+                           _simulation=Simulation(heartbeat=False),
                            retention_mode=mode) as mgr:
         mgr.restore(s)
         for step in range(every, steps + 1, every):

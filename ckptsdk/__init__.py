@@ -3,10 +3,21 @@
 The curated public surface (``__all__``, locked by tests/test_public_api.py); everything else
 lives in submodules users do not need (``ckptsdk.codec``, ``ckptsdk.tensorfile``...).
 
-Example:
-    >>> mgr = ckptsdk.CheckpointManager("drive://runs/r18", keep_last=3, save_every=100)
+Example (``memory://`` here; a job passes a path, ``drive://runs/r18`` or ``gs://bucket/run``):
+    >>> import torch, ckptsdk
+    >>> model = torch.nn.Linear(4, 2)
+    >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
     >>> state = ckptsdk.TrainState(model=model, optimizer=opt)
-    >>> pos = mgr.restore(state)        # None on a fresh run
+    >>> with ckptsdk.CheckpointManager("memory://readme", keep_last=3, save_every=100) as mgr:
+    ...     pos = mgr.restore(state)        # None on a fresh run
+    ...     start = pos.step + 1 if pos else 1
+    ...     for step in range(start, 201):
+    ...         loss = model(torch.randn(8, 4)).square().mean()
+    ...         opt.zero_grad(); loss.backward(); opt.step()
+    ...         if mgr.should_save(step):
+    ...             _ = mgr.save(state, step=step)
+    >>> [c.step for c in ckptsdk.CheckpointManager("memory://readme", read_only=True).list()]
+    [100, 200]
 """
 
 from typing import TYPE_CHECKING, Any
@@ -50,7 +61,7 @@ _LAZY = {
     "CheckpointManager": "manager",
     "DataCache": "datacache",
     "GcReport": "manager",
-    "ResumePoint": "manager",
+    "ResumePoint": "reader",
     "TrainState": "state",
 }
 
@@ -58,7 +69,8 @@ if TYPE_CHECKING:
     from .audit import AuditReport
     from .catalog import CheckpointInfo
     from .datacache import DataCache
-    from .manager import CheckpointManager, GcReport, ResumePoint
+    from .manager import CheckpointManager, GcReport
+    from .reader import ResumePoint
     from .state import TrainState
 
 

@@ -1,4 +1,4 @@
-"""``python -m ckptsdk``: the same command line as the ``ckptsdk`` script (see ckptsdk/cli.py)."""
+"""``python -m ckptsdk``: the same command line as the ``ckptsdk`` script (see ckptsdk/cli/)."""
 
 import sys
 

@@ -1,17 +1,16 @@
 """The door out: export one checkpoint's model weights to a standard safetensors file.
 
 Tied weights are handled as ``safetensors.torch.save_model`` does. Reads through a read-only
-CheckpointManager (verified, pickle-free); importing ``torch.save`` files is legacy_import.py's job.
+CheckpointManager (verified, pickle-free); importing ``torch.save`` files is legacy_import.py's job,
+the ``ckptsdk export`` command ckptsdk/cli/porting.py's.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import logging
 import os
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 
@@ -19,7 +18,17 @@ from .errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["MODEL_PATHS", "cmd_export", "export_safetensors"]
+__all__ = ["DISTRIBUTED_FORMAT", "MODEL_PATHS", "ExportReport", "export_safetensors", "is_distributed"]
+
+class ExportReport(TypedDict):
+    """What :func:`export_safetensors` wrote."""
+
+    step: int
+    object: str
+    tensors: int | None
+    removed: dict[str, str]
+    out: str
+
 
 #: Where the model's state dict sits in the trees ckptsdk and its integrations write, in order.
 MODEL_PATHS = ("objects/model", "objects/model_0", "lightning/state_dict")
@@ -47,18 +56,20 @@ def _storage_groups(model: torch.nn.Module) -> list[list[str]]:
 def export_safetensors(
     url: str, out: str | os.PathLike[str], *, step: int | None = None, object_path: str | None = None,
     model: torch.nn.Module | None = None, tied: Iterable[tuple[str, str]] = (),
-    storage_options: Mapping[str, Any] | None = None,
-) -> dict[str, Any]:
+    storage_options: Mapping[str, object] | None = None,
+) -> ExportReport:
     """Write one checkpoint's model weights to a standard safetensors file.
 
     Tied weights are written once, as ``safetensors.torch.save_model`` does: the first name of
     each tied group (sorted) is kept, the others are left out and recorded in the file's metadata
     as ``{removed: kept}``; ``safetensors.torch.load_model(model, OUT)`` restores them. Checkpoints
     do not record which weights were tied, so ties come from ``model`` (a live instance of the
-    architecture) or from ``tied`` pairs; without either, every tensor is written.
+    architecture) or from ``tied`` pairs; without either, every tensor is written. A checkpoint
+    of :mod:`ckptsdk.distributed` (sharded over rank files) is written consolidated, every entry
+    at full size under its DCP name (see :func:`ckptsdk.distributed.export_consolidated`).
 
     Args:
-        url: the checkpoint root (opened read-only: no lease is taken).
+        url: the checkpoint root (opened read-only: no lease is taken; listed once).
         out: the ``.safetensors`` file to write (atomically: a temp name, then a rename).
         step: which checkpoint (the newest valid one by default).
         object_path: where the state dict sits in the tree (default: the first of
@@ -68,22 +79,43 @@ def export_safetensors(
         storage_options: fsspec options for ``gs://``.
 
     Returns:
-        ``{"step", "object", "tensors", "removed": {removed: kept}, "out"}``.
+        ``{"step", "object", "tensors", "removed": {removed: kept}, "out"}`` (``tensors`` is None
+        for a distributed checkpoint: all of them).
 
     Raises:
-        ConfigError: no state dict at ``object_path``, or "tied" weights whose values differ.
+        ConfigError: no state dict at ``object_path``, "tied" weights whose values differ, or
+            ``object_path``/``model``/``tied`` given for a distributed checkpoint.
+        NoValidCheckpointError: no such step, or nothing restorable.
 
     Example:
-        >>> export_safetensors("gs://bucket/run", "model.safetensors", model=GPT2LMHeadModel(cfg))
+        >>> import os, tempfile, torch
+        >>> from ckptsdk import CheckpointManager, TrainState
+        >>> with CheckpointManager("memory://to-export") as mgr:
+        ...     _ = mgr.save(TrainState(model=torch.nn.Linear(2, 2)), step=5)
+        >>> out = os.path.join(tempfile.mkdtemp(), "model.safetensors")
+        >>> report = export_safetensors("memory://to-export", out)
+        >>> report["step"], report["object"], report["tensors"]
+        (5, 'objects/model', 2)
     """
     import safetensors.torch
 
     from .manager import CheckpointManager
 
+    tied = list(tied)
     with CheckpointManager(url, read_only=True, storage_options=storage_options) as mgr:
-        info = mgr.latest() if step is None else None
-        chosen = step if step is not None else (info.step if info is not None else None)
-        tree = mgr.load(chosen)
+        info = mgr.pick(step)
+        assert info.manifest is not None  # pick() returns only checkpoints whose manifest reads
+        chosen = info.step
+        if is_distributed(info.manifest.tree):
+            if object_path or tied or model is not None:
+                raise ConfigError("object_path, model and tied (--object, --tied) do not apply to a "
+                                  "distributed checkpoint: every entry is exported under its DCP name")
+            from .distributed.export import write_consolidated
+
+            write_consolidated(mgr.backend, info, out, source=url)
+            return {"step": chosen, "object": "distributed (all ranks, consolidated)", "tensors": None,
+                    "removed": {}, "out": os.fspath(out)}
+        tree = mgr.read_tree(info)
     paths = (object_path,) if object_path else MODEL_PATHS
     where = next((p for p in paths if isinstance(_at(tree, p), Mapping)), None)
     if where is None:
@@ -118,52 +150,8 @@ def export_safetensors(
     return {"step": chosen, "object": where, "tensors": len(tensors), "removed": removed, "out": out}
 
 
-
-def cmd_export(args: argparse.Namespace) -> int:
-    """``ckptsdk export URL[@STEP] OUT.safetensors``: see :func:`export_safetensors`."""
-    from .cli import _emit_json, _storage_options, _UsageError
-
-    url, step = args.url, None
-    head, sep, tail = url.rpartition("@")
-    if sep and tail.isdigit():
-        url, step = head, int(tail)
-    tied = []
-    for pair in args.tied or ():
-        gone, sep, kept = pair.partition("=")
-        if not (sep and gone and kept):
-            raise _UsageError(f"--tied expects REMOVED=KEPT, got {pair!r}")
-        tied.append((gone, kept))
-    options = _storage_options(args.storage_option)
-    if _is_distributed(url, step, options):
-        # A DistributedCheckpointManager's checkpoint: its tensors are sharded over rank files,
-        # so the consolidating reader (ckptsdk.distributed) writes them at full size.
-        if args.object or tied:
-            raise _UsageError("--object and --tied do not apply to a distributed checkpoint: every "
-                              "entry is exported under its DCP name")
-        from .distributed.export import export_consolidated
-
-        got = export_consolidated(url, args.out, step, storage_options=options)
-        report = {"step": got, "object": "distributed (all ranks, consolidated)", "tensors": None,
-                  "removed": {}, "out": os.fspath(args.out)}
-    else:
-        report = export_safetensors(url, args.out, step=step, object_path=args.object, tied=tied,
-                                    storage_options=options)
-    if args.json:
-        _emit_json({"command": "export", "url": url, **report})
-    else:
-        count = "all" if report["tensors"] is None else report["tensors"]
-        print(f"wrote {count} tensors of step {report['step']} ({report['object']}) to {args.out}"
-              + (f"; tied, left out: {json.dumps(report['removed'])}" if report["removed"] else ""))
-    return 0
-
-
-def _is_distributed(url: str, step: int | None, storage_options: Mapping[str, Any]) -> bool:
-    """Whether the checkpoint ``export`` would read was written by ckptsdk.distributed."""
-    from .manager import CheckpointManager
-
-    with CheckpointManager(url, read_only=True, storage_options=storage_options) as mgr:
-        tree = mgr.load_manifest(step).tree
-    # The payload's marker; kept in sync with ckptsdk.distributed.manager.PAYLOAD_FORMAT by a test.
+def is_distributed(tree: object) -> bool:
+    """Whether a manifest tree is a :mod:`ckptsdk.distributed` payload (its ``format`` marker)."""
     return isinstance(tree, Mapping) and tree.get("format") == DISTRIBUTED_FORMAT
 
 

@@ -2,12 +2,12 @@
 
 The only module of the library that calls ``torch.load``, always with ``weights_only=True`` (plus,
 on request, the few numpy globals an RNG state needs); nothing on the restore path imports it
-(tests/test_import_export.py checks). Exporting weights out is export.py's job. The CLI's ``import`` calls in.
+(tests/test_import_export.py checks). Exporting weights out is export.py's job; the ``ckptsdk import``
+command is ckptsdk/cli/porting.py's.
 """
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import logging
 import os
@@ -24,7 +24,7 @@ from .errors import ConfigError, UnsupportedStateError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["cmd_import", "import_torch_checkpoint", "load_torch_checkpoint"]
+__all__ = ["import_torch_checkpoint", "load_torch_checkpoint"]
 
 
 # Where the story's (and most hand-written loops') keys go. First match wins; each list is short
@@ -200,7 +200,11 @@ def import_torch_checkpoint(
         ConfigError: unknown keys, no model, no step, or the root already holds checkpoints.
 
     Example:
-        >>> import_torch_checkpoint("ckpt_4650.pt", "drive://runs/r18", allow_numpy_rng=True)
+        >>> import os, tempfile, torch
+        >>> pt = os.path.join(tempfile.mkdtemp(), "ckpt_7.pt")
+        >>> torch.save({"model": torch.nn.Linear(2, 2).state_dict(), "step": 7}, pt)
+        >>> import_torch_checkpoint(pt, "memory://imported").key
+        'step-0000000007.e1'
     """
     from .manager import CheckpointManager
 
@@ -226,19 +230,3 @@ class _Refuse:
 
     def load_state_dict(self, tree: Any) -> None:
         raise ConfigError("the root gained a checkpoint while importing; import into a new root")
-
-
-
-def cmd_import(args: argparse.Namespace) -> int:
-    """``ckptsdk import FILE.pt URL``: see :func:`import_torch_checkpoint`."""
-    from .cli import _emit_json, _storage_options
-
-    info = import_torch_checkpoint(
-        args.file, args.url, allow_numpy_rng=args.allow_numpy_rng, step=args.step, drop=args.drop or (),
-        storage_options=_storage_options(args.storage_option), force=args.force)
-    if args.json:
-        _emit_json({"command": "import", "url": args.url, "file": args.file, "step": info.step, "key": info.key})
-    else:
-        print(f"imported {args.file} as step {info.step} ({info.key}) under {args.url}; resume with "
-              "mgr.restore(TrainState(model=..., optimizer=..., scheduler=..., scaler=...))")
-    return 0

@@ -1,9 +1,11 @@
 """CheckpointManager: the face of one run's checkpoints under one root URL.
 
-It holds the configuration, acquires the writer lease, and offers the read API, restore (with
-anchoring after a takeover) and the run-log front end. The save pipeline (snapshot, write,
-commit, fencing, lineage) lives in :mod:`ckptsdk.saving`, rotation and gc in
-:mod:`ckptsdk.rotation`; this module only wires them together.
+It holds the configuration, acquires the writer lease, restores (recording where this writer's
+lineage starts, and anchoring the resume point after a takeover) and fronts the step log. Reading
+(listing, picking, verified reads, verify) is :mod:`ckptsdk.reader`'s; the save pipeline
+(snapshot, write, the lease renewals before the write and right before the commit, fencing,
+lineage) is :mod:`ckptsdk.saving`'s; rotation and gc, which delete only after a commit and only
+while the lease still checks out, are :mod:`ckptsdk.rotation`'s. This module wires them together.
 """
 
 from __future__ import annotations
@@ -15,68 +17,65 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
-from . import catalog as _catalog
-from . import codec
-from .audit import audit as _audit
+import numpy as np
+import torch
+
 from .backends import open_backend
 from .backends.base import Backend
-from .catalog import MANIFEST, TENSORS, CheckpointInfo
-from .errors import (
-    BackendError,
-    CheckpointError,
-    ConfigError,
-    CorruptCheckpointError,
-    LeaseLostError,
-    ManifestError,
-    NoValidCheckpointError,
-)
+from .catalog import CheckpointInfo
+from .errors import BackendError, CheckpointError, ConfigError, LeaseLostError, NoValidCheckpointError
 from .lease import Lease
-from .manifest import FileEntry, Manifest, Position, user_fields
+from .manifest import FileEntry, Position
 from .preemption import DEFAULT_DEADLINE, Preemption
+from .reader import CheckpointReader, ResumePoint, resume_point
 from .rotation import LEFTOVER_GRACE_S, RETENTION_MODES, GcReport, Rotation
 from .runlog import RunLog
 from .saving import SavePipeline
-from .state import preflight
-from .tensorfile import read_tensorfile, verify_file
+from .state import Restorable, Stateful, TrainState, preflight
+from .userfield import user_fields
+
+if TYPE_CHECKING:
+    from .audit import AuditReport
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CheckpointManager", "ResumePoint", "GcReport"]
-
+__all__ = ["CheckpointManager", "GcReport", "ResumePoint", "Simulation", "save_due"]
 
 @dataclass(frozen=True)
-class ResumePoint:
-    """Where a restored run continues: what ``restore()`` returns.
+class Simulation:
+    """Time and the lease heartbeat under a test's or benchmark's control; never for a real job.
+
+    Passed as ``CheckpointManager(..., _simulation=Simulation(...))`` (and to
+    ``DistributedCheckpointManager``): off the public signature, because a job that turns the
+    heartbeat off or fakes the clock breaks the lease's guarantees.
 
     Attributes:
-        step: the saved step (the next step to run is ``step + 1``).
-        epoch: the training epoch saved with it, if any.
-        batch_idx: the batch index within that epoch, if any.
-        extra: free-form position fields the job saved.
-        metrics: metrics saved with the checkpoint.
-        tags: string tags saved with the checkpoint (e.g. a dataset hash).
-        key: the checkpoint folder restored from.
-        lease_epoch: the lease epoch that wrote it.
+        heartbeat: renew the lease from a background thread every ttl/3. Off: only saves renew it
+            (simulations that drive time themselves; fault injectors that count backend calls).
+        clock: the lease's monotonic clock.
+        sleep: the lease's sleep.
     """
 
-    step: int
-    epoch: int | None
-    batch_idx: int | None
-    extra: dict[str, Any]
-    metrics: dict[str, Any]
-    tags: dict[str, str]
-    key: str
-    lease_epoch: int
+    heartbeat: bool = True
+    clock: Callable[[], float] = field(default=time.monotonic)
+    sleep: Callable[[float], None] = field(default=time.sleep)
 
 
-class CheckpointManager:
+def save_due(step: int, save_every: int | None) -> bool:
+    """The ``save_every`` rule of ``should_save``: every ``save_every`` steps, never at step 0."""
+    return save_every is not None and step > 0 and step % save_every == 0
+
+
+class CheckpointManager(CheckpointReader):
     """Checkpoints of one training run under one root URL.
 
     Opening a manager for writing acquires the root's writer lease (waiting for, or taking over
     from, a previous writer as the lease rules say); ``read_only=True`` never touches the lease.
+    The read API (``list``, ``latest``, ``load``, ``load_manifest``, ``verify``) is
+    :class:`~ckptsdk.reader.CheckpointReader`'s.
 
     Args:
         url: the root: a path, ``file://``, ``drive://REL``, ``gs://bucket/prefix``, ``memory://name``.
@@ -107,9 +106,6 @@ class CheckpointManager:
             created in the main thread for writing.
         signal_deadline: seconds that final save may take before it is abandoned (no commit).
         run_id: name of the run (kept across takeovers); a new uuid on a fresh root by default.
-        heartbeat: renew the lease from a background thread every ttl/3 (off only in
-            simulations that drive time themselves; then every save still renews).
-        clock, sleep: the lease's monotonic clock and sleep, injectable for simulations.
         retention_mode: ``"delete"`` rotated-out checkpoints, or ``"recycle"`` the oldest one's
             file for the next save (renamed and rewritten in place, so nothing full-size goes to
             Drive's trash; see docs/DRIVE.md). None: ``"recycle"`` where the store has a trash
@@ -118,8 +114,11 @@ class CheckpointManager:
             silent, by the store's own times, before it is removed where the store has no
             compare-and-swap (Drive: another VM may still be uploading it). Elsewhere such
             folders go at once.
+        _simulation: tests and benchmarks only (see :class:`Simulation`).
 
     Example:
+        >>> import torch
+        >>> from ckptsdk import CheckpointManager, TrainState
         >>> mgr = CheckpointManager("memory://doc", keep_last=2, save_every=10, lease_ttl=5)
         >>> state = TrainState(model=torch.nn.Linear(2, 2))
         >>> mgr.restore(state) is None
@@ -131,7 +130,7 @@ class CheckpointManager:
 
     def __init__(
         self,
-        url: str | Backend,
+        url: str | os.PathLike[str] | Backend,
         *,
         keep_last: int = 3,
         keep_every: int | None = None,
@@ -141,17 +140,15 @@ class CheckpointManager:
         lease_settle: float | None = None,
         force: bool = False,
         read_only: bool = False,
-        storage_options: Mapping[str, Any] | None = None,
+        storage_options: Mapping[str, object] | None = None,
         async_save: bool = False,
         snapshot: str = "pipelined",
         save_on_signal: bool | None = None,
         signal_deadline: float = DEFAULT_DEADLINE,
         run_id: str | None = None,
-        heartbeat: bool = True,
-        clock: Callable[[], float] = time.monotonic,
-        sleep: Callable[[float], None] = time.sleep,
         retention_mode: str | None = None,
         leftover_grace: float = LEFTOVER_GRACE_S,
+        _simulation: Simulation | None = None,
     ) -> None:
         if keep_last < 1:
             raise ConfigError(f"keep_last must be >= 1, got {keep_last}: the newest checkpoint is always kept")
@@ -164,11 +161,11 @@ class CheckpointManager:
             raise ConfigError("save_on_signal=True needs the manager to be created in the main "
                               "thread (Python delivers signals only there); pass save_on_signal=False")
         if isinstance(url, (str, os.PathLike)):
+            super().__init__(open_backend(os.fspath(url), **dict(storage_options or {})))
             self.url = os.fspath(url)
-            self._backend: Backend = open_backend(self.url, **dict(storage_options or {}))
         else:  # an already opened backend (custom storage, simulations)
-            self._backend = url
-            self.url = url.url
+            super().__init__(url)
+        sim = _simulation or Simulation()
         self.keep_last = keep_last
         self.keep_every = keep_every
         self.save_every = save_every
@@ -176,7 +173,6 @@ class CheckpointManager:
         self.async_save = async_save
         self.snapshot = snapshot
         self._preemption: Preemption | None = None
-        self._memo: dict[tuple[str, str], object] = {}
         self._lock = threading.RLock()
         self._closed = False
         if retention_mode is None:
@@ -188,16 +184,15 @@ class CheckpointManager:
                                   mode=retention_mode, leftover_grace=leftover_grace)
         self._saving: SavePipeline | None = None
         self.resumed_from: CheckpointInfo | None = None
-        self.restored_manifest: Manifest | None = None
         self.lease: Lease | None = None
         self.runlog: RunLog | None = None
         if read_only:
             return
         self.lease = Lease(self.backend, ttl=lease_ttl, force=force, run_id=run_id, wait_timeout=lease_wait,
-                           settle=lease_settle, clock=clock, sleep=sleep)
+                           settle=lease_settle, clock=sim.clock, sleep=sim.sleep)
         # Epochs never go back, even on a root whose LEASE.json was lost: names stay unique.
         self.lease.acquire(min_epoch=self._scan().epoch_floor + 1)
-        if heartbeat:
+        if sim.heartbeat:
             self.lease.start_heartbeat()
         self.runlog = RunLog(
             self.backend, run_id=self.lease.run_id, attempt=self.lease.attempt,
@@ -231,53 +226,6 @@ class CheckpointManager:
         if self.runlog is not None:
             self.runlog.backend = backend
 
-    # ------------------------------------------------------------------ reading
-
-    def list(self) -> list[CheckpointInfo]:
-        """One row per step, oldest first (valid or not, with why): the highest writer's folder
-        of the step, its other folders in ``copies``, a takeover's re-commit marked ``anchor``."""
-        return self._scan().rows()
-
-    def latest(self) -> CheckpointInfo | None:
-        """The newest restorable checkpoint (sizes checked, digests not yet), or None."""
-        good = self._scan().restorable()
-        return good[0] if good else None
-
-    def load_manifest(self, step: int | None = None) -> Manifest:
-        """The manifest of ``step`` (newest restorable if None)."""
-        info = self._pick(step)
-        assert info.manifest is not None
-        return info.manifest
-
-    def load(self, step: int | None = None) -> Any:
-        """The raw state tree of a checkpoint (newest restorable one if ``step`` is None), verified.
-
-        Raises:
-            NoValidCheckpointError: no checkpoint of that step (or none at all) can be read.
-            CorruptCheckpointError: a given ``step`` fails its digest check.
-        """
-        if step is not None:
-            return self._read_tree(self._pick(step))[0]
-        tree, _info = self._read_newest()
-        return tree
-
-    def verify(self, step: int | None = None, *, key: str | None = None) -> CheckpointInfo:
-        """Re-hash a checkpoint's files against its manifest; raise ``CorruptCheckpointError``.
-
-        Args:
-            step: the step to check (the newest restorable one if None and no ``key``).
-            key: one checkpoint folder (``step-0000000040.e2``), when several lease epochs hold
-                the same step (a takeover re-commits its resume point under its own epoch).
-        """
-        info = self._pick(step, key=key)
-        assert info.manifest is not None
-        for entry in info.manifest.files:
-            verify_file(
-                self.backend, f"{info.key}/{entry.name}", size=entry.size, digest=entry.digest,
-                algorithm=entry.algorithm,
-            )
-        return info
-
     @property
     def preempted(self) -> bool:
         """A stop signal arrived (``save_on_signal``): the next ``save`` is the last one."""
@@ -285,30 +233,31 @@ class CheckpointManager:
 
     def should_save(self, step: int) -> bool:
         """True every ``save_every`` steps (never at step 0), and at once after a stop signal."""
-        # getattr: ckptsdk.distributed's manager borrows this method without the signal machinery.
-        preemption = getattr(self, "_preemption", None)
-        if preemption is not None and preemption.requested:
-            return True
-        return bool(self.save_every) and step > 0 and step % self.save_every == 0  # type: ignore[operator]
+        return self.preempted or save_due(step, self.save_every)
 
-    def audit(self, tolerance: float = 0.0) -> Any:
+    def audit(self, tolerance: float = 0.0) -> AuditReport:
         """Compare the steps run by several attempts (see :func:`ckptsdk.audit.audit`)."""
+        from .audit import audit
+
         if self.runlog is not None:
             self.runlog.flush()
-        return _audit(self.backend, tolerance=tolerance)
+        return audit(self.backend, tolerance=tolerance)
 
     # ------------------------------------------------------------------ restoring
 
-    def restore(self, state: Any) -> ResumePoint | None:
+    def restore(self, state: TrainState | Restorable) -> ResumePoint | None:
         """Load the newest valid checkpoint into ``state`` (objects and RNGs).
 
         Torn, corrupt, unknown-format or orphaned checkpoints are skipped with a warning naming
-        them and why. After a takeover of a writer that did not release its lease (it may be a
-        zombie, still rotating), the restored checkpoint is re-committed under this writer's
-        epoch at once (the anchor: a hard link or server-side copy where the store has one), so
-        this run's resume point can no longer be rotated away by it. A clean handover (the
-        previous writer ``close()``d) on a store with compare-and-swap writes no copy; on Drive
-        every takeover anchors (see ``_anchor_needed``).
+        them and why. The restored checkpoint of an earlier writer is re-committed under this
+        writer's epoch at once (the anchor: a hard link or server-side copy where the store has
+        one, a full rewrite on Drive), so that a previous writer that is still alive (a zombie,
+        still rotating) can no longer rotate this run's resume point away.
+
+        Where a writer's lineage starts is fixed by its first restore (or, without one, its first
+        save). A later restore only loads the newest checkpoint (after a save, this writer's own)
+        into ``state``: the lineage, ``resumed_from`` and the step log stay as they were, so this
+        writer's manifests go on agreeing with its lineage record.
 
         Args:
             state: a :class:`~ckptsdk.TrainState` (or anything with ``load_state_dict``).
@@ -327,146 +276,58 @@ class CheckpointManager:
         preflight(state, "restore")  # before any training: what cannot be saved fails here
         if self._saving is not None:
             self._saving.wait()  # a pipelined copy may still read the live tensors
+        fixed = self._saving is not None and self._saving.lineage_written
         try:
             tree, info = self._read_newest()
         except NoValidCheckpointError as exc:
             if not exc.tried:
                 if self._saving is not None:
                     self._saving.confirm_writer()
-                    self._saving.write_lineage(None, None)
+                    self._saving.write_lineage(None, None)  # nothing once the lineage is fixed
                 if self.runlog is not None:
                     self.runlog.start()
                 return None
             raise
         state.load_state_dict(tree)
-        manifest = info.manifest
-        assert manifest is not None
-        self.resumed_from = info
-        self.restored_manifest = manifest
-        if self._saving is not None:
+        if self._saving is None:
+            self.resumed_from = info
+        else:
             # A writer taken over between opening and restoring must not record a lineage or
             # anchor anything: confirm the lease and look for newer writers first.
-            self._saving.resumed_from = info
             self._saving.confirm_writer()
-            self._saving.write_lineage(info.step, info.epoch)
-            assert self.runlog is not None
-            self.runlog.resumed_from_step = info.step
-            self.runlog.start()
-            if info.rank < self._saving.rank and self._anchor_needed():
-                self._saving.anchor(tree, info)
+            if not fixed:  # this restore is where the writer's lineage starts
+                self._start_lineage(tree, info)
         logger.info("restored %s (step %d) from %s", info.key, info.step, self.url)
-        pos = manifest.position
-        return ResumePoint(
-            step=manifest.step, epoch=pos.epoch, batch_idx=pos.batch_idx, extra=dict(pos.extra),
-            metrics=dict(manifest.metrics), tags=dict(manifest.tags), key=info.key,
-            lease_epoch=info.epoch,
-        )
+        return resume_point(info)
 
-    def _anchor_needed(self) -> bool:
-        """Whether the resume point needs a re-commit under this writer's rank: after every
-        takeover. After an unclean end the previous writer may still be rotating; on Drive
-        another VM's takeover may not be visible yet (its late lineage record would orphan the
-        resume point: the lineage property test finds that schedule); and the catalog believes
-        a lineage record that would orphan checkpoints only when its writer left a checkpoint
-        folder (or holds the lease), which the anchor is. It is cheap where the store allows (a
-        hard link, a server-side copy) and replaces the copies it re-committed at this writer's
-        next save (see ``Rotation.drop_copies``)."""
-        return True
-
-    def _read_newest(self) -> tuple[Any, CheckpointInfo]:
-        cat = self._scan()
-        tried: dict[str, str] = {}
-        newest_first = sorted(cat.checkpoints, key=lambda c: (c.step, c.rank), reverse=True)
-        for info in newest_first:
-            if not info.valid:
-                tried[info.key] = info.reason or ""
-                if info.committed and not info.orphan:
-                    logger.warning("skipping checkpoint %s/%s: %s", self.url, info.key, info.reason)
-                else:  # a save in progress, or a superseded writer's leftover: expected
-                    logger.info("not restoring %s/%s: %s", self.url, info.key, info.reason)
-                continue
-            try:
-                return self._read_tree(info)
-            except (CorruptCheckpointError, ManifestError) as exc:
-                logger.warning("skipping checkpoint %s/%s: %s", self.url, info.key, exc)
-                tried[info.key] = str(exc)
-        # Only committed checkpoints of the live lineage count: a root holding nothing but an
-        # interrupted first save (or a superseded writer's orphans) is a fresh start.
-        blocking = {c.key for c in cat.checkpoints if c.committed and not c.orphan}
-        if not blocking:
-            tried = {}
-        listing = "; ".join(f"{k}: {v}" for k, v in sorted(tried.items())) or "none"
-        raise NoValidCheckpointError(
-            f"no valid checkpoint under {self.url}: tried {len(tried)} ({listing}). "
-            "Inspect with `ckptsdk ls URL` / `ckptsdk verify URL`; restore a copy, or start a new root",
-            url=self.url, tried=tried,
-        )
-
-    def _read_tree(self, info: CheckpointInfo) -> tuple[Any, CheckpointInfo]:
-        manifest = info.manifest
-        assert manifest is not None
-        entry = next((f for f in manifest.files if f.name == TENSORS), None)
-        if entry is None:
-            raise ManifestError(f"{info.key}/{MANIFEST} lists no {TENSORS}", url=self.url, step=info.step)
-        tensors = read_tensorfile(
-            self.backend, f"{info.key}/{TENSORS}", size=entry.size, digest=entry.digest,
-            algorithm=entry.algorithm,
-        )
-        from .skeleton import tensor_paths
-
-        try:
-            tree = codec.decode(manifest.tree, tensors)
-            unused = set(tensors) - set(tensor_paths(manifest.tree))
-            if unused:  # the tree lost a leaf (a momentum buffer): never restore part of a state
-                raise ValueError(f"the tensor file holds {sorted(unused)[:3]} that the tree never uses")
-        except (KeyError, ValueError, TypeError) as exc:
-            raise CorruptCheckpointError(
-                f"checkpoint {self.url}/{info.key}: its manifest tree does not match its tensors "
-                f"({exc}); it cannot be restored", url=self.url, step=info.step, key=info.key,
-            ) from exc
-        if isinstance(tree, Mapping) and isinstance(tree.get("rng"), Mapping):
-            from .state import _check_rng
-
-            _check_rng(tree["rng"])  # an impossible RNG state is damage: fall back, not fail later
-        return tree, info
-
-    def _pick(self, step: int | None, *, key: str | None = None) -> CheckpointInfo:
-        cat = self._scan()
-        if key is not None:
-            match = next((c for c in cat.checkpoints if c.key == key.rstrip("/")), None)
-            if match is None or match.manifest is None:
-                why = match.reason if match is not None else "no such checkpoint folder"
-                raise NoValidCheckpointError(f"cannot read checkpoint {self.url}/{key}: {why}",
-                                             url=self.url, tried={key: why or ""})
-            return match
-        if step is None:
-            good = cat.restorable()
-            if not good:
-                raise NoValidCheckpointError(f"no valid checkpoint under {self.url}", url=self.url,
-                                             tried={c.key: c.reason or "" for c in cat.checkpoints})
-            return good[0]
-        found = cat.find(step)
-        usable = [c for c in found if c.manifest is not None and not c.orphan]
-        if not usable:
-            why = "; ".join(f"{c.key}: {c.reason}" for c in found) or "no such step"
-            raise NoValidCheckpointError(
-                f"no readable checkpoint of step {step} under {self.url} ({why}); "
-                "`ckptsdk ls URL` lists the steps", url=self.url,
-                tried={c.key: c.reason or "" for c in found},
-            )
-        return usable[0]
+    def _start_lineage(self, tree: Any, info: CheckpointInfo) -> None:
+        """Record that this writer resumes from ``info`` (lineage, step log) and anchor it."""
+        assert self._saving is not None and self.runlog is not None
+        self.resumed_from = self._saving.resumed_from = info
+        self._saving.write_lineage(info.step, info.epoch)
+        self.runlog.resumed_from_step = info.step
+        self.runlog.start()
+        # Anchor after every takeover. After an unclean end the previous writer may still be
+        # rotating; on Drive another VM's takeover may not be visible yet (its late lineage
+        # record would orphan the resume point: the lineage property test finds that schedule);
+        # and the catalog believes a lineage record that would orphan checkpoints only when its
+        # writer left a checkpoint folder (or holds the lease), which the anchor is. It is cheap
+        # where the store allows (a hard link, a server-side copy) and replaces the copies it
+        # re-committed at this writer's next save (see ``Rotation.drop_copies``).
+        if info.rank < self._saving.rank:
+            self._saving.anchor(tree, info)
 
     # ------------------------------------------------------------------ saving
 
     def save(
         self,
-        state: Any,
+        state: TrainState | Stateful | Mapping[str, Any],
         *,
         step: int,
         epoch: int | None = None,
         batch_idx: int | None = None,
-        metrics: Mapping[str, Any] | None = None,
-        extra: Mapping[str, Any] | None = None,
+        metrics: Mapping[str, object] | None = None,
+        extra: Mapping[str, object] | None = None,
         tags: Mapping[str, str] | None = None,
         blocking: bool | None = None,
         extra_files: Sequence[FileEntry] = (),
@@ -517,8 +378,8 @@ class CheckpointManager:
             return self._saving.save(state, step=step, position=position, metrics=metrics, tags=tags,
                                      blocking=blocking, snapshot=self.snapshot, extra_files=extra_files)
 
-    def _save_and_stop(self, state: Any, *, step: int, position: Position,
-                       metrics: Mapping[str, Any] | None, tags: Mapping[str, str] | None,
+    def _save_and_stop(self, state: TrainState | Stateful | Mapping[str, Any], *, step: int,
+                       position: Position, metrics: Mapping[str, Any] | None, tags: Mapping[str, str] | None,
                        extra_files: Sequence[FileEntry] = ()) -> CheckpointInfo:
         """The last save after a stop signal: commit within the deadline, close, then let the
         signal act (this returns only if a chained handler returns)."""
@@ -562,8 +423,11 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ step log, lifecycle
 
-    def log_step(self, step: int, **scalars: Any) -> None:
-        """Append ``scalars`` (loss, lr, ...) for ``step`` to this attempt's step log."""
+    def log_step(self, step: int, **scalars: float | torch.Tensor | np.generic) -> None:
+        """Append ``scalars`` (loss, lr, ...) for ``step`` to this attempt's step log.
+
+        A one-element tensor is read at the log's next flush (no device sync per step).
+        """
         if self.runlog is None:
             raise ConfigError(f"{self.url} was opened read_only: log_step() needs a writer")
         self.runlog.log_step(step, **scalars)
@@ -602,12 +466,8 @@ class CheckpointManager:
     def __enter__(self) -> CheckpointManager:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
-
-    def _scan(self) -> _catalog.Catalog:
-        return _catalog.scan(self.backend, cache=self._memo)
-
 
 
 def _close_at_exit(ref: weakref.ReferenceType[CheckpointManager]) -> None:

@@ -31,12 +31,11 @@ from .document import (
     check_format,
     check_utc,
     parse_document,
-    seal,
     utc_now,
 )
 from .errors import ManifestError
 from .skeleton import skeleton_schema, tensor_paths
-from .userfield import Metric, decode_extra, encode_extra, user_fields
+from .userfield import Metric, decode_extra, encode_extra
 
 if TYPE_CHECKING:
     from torch import device as TorchDevice  # not "torch": Environment has a field of that name
@@ -44,9 +43,6 @@ if TYPE_CHECKING:
 __all__ = [
     "FORMAT", "LINEAGE_FORMAT", "Environment", "FileEntry", "LineageRecord", "Manifest", "Position", "Writer",
     "json_schema", "parse_lineage", "parse_manifest", "schema_text",
-    # Re-exported for callers outside this module's owner's files (their one home is named):
-    "seal",  # document.py (tests/test_manager.py, tests/test_faults_hostile.py)
-    "user_fields",  # userfield.py (manager.py)
 ]
 
 #: What this code writes; it reads any ``/1.x`` (fields of a newer minor version are ignored).

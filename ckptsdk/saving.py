@@ -19,7 +19,6 @@ import socket
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from typing import Any
 
 import torch
@@ -270,7 +269,6 @@ class SavePipeline:
         manifest = Manifest(
             step=step,
             position=position,
-            created_at=datetime.now(timezone.utc).isoformat(),
             writer=Writer(
                 run_id=self.lease.run_id, attempt=self.lease.attempt, lease_epoch=self.lease.epoch,
                 host=socket.gethostname(), pid=os.getpid(),
@@ -278,7 +276,7 @@ class SavePipeline:
             ),
             files=files,
             tree=skeleton,
-            metrics=_plain_metrics(metrics),
+            metrics=dict(metrics or {}),  # checked and converted by userfield.user_fields at save()
             environment=Environment.current(device=device),
             tags=dict(tags or {}),
         )
@@ -327,6 +325,11 @@ class SavePipeline:
         self.commit(folder, manifest.step, tensors, skeleton, manifest.position, manifest.metrics,
                     manifest.tags, device, extra)
 
+    @property
+    def lineage_written(self) -> bool:
+        """This writer's lineage record is written: where its lineage starts is fixed."""
+        return self._lineage_written
+
     def write_lineage(self, step: int | None, epoch: int | None) -> None:
         """Record, once per epoch, where this writer's lineage starts (before its first commit)."""
         if self._lineage_written:
@@ -334,7 +337,7 @@ class SavePipeline:
         record = LineageRecord(
             epoch=self.lease.epoch, attempt=self.lease.attempt, run_id=self.lease.run_id,
             resumed_from_step=step, resumed_from_epoch=epoch, host=socket.gethostname(),
-            pid=os.getpid(), created_at=datetime.now(timezone.utc).isoformat(),
+            pid=os.getpid(),
         )
         self.lease.check()
         try:
@@ -377,14 +380,3 @@ def _device_of(tensors: Mapping[str, torch.Tensor]) -> str:
         if t.device.type != "cpu":
             return str(t.device)
     return "cpu"
-
-
-def _plain_metrics(metrics: Mapping[str, Any] | None) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in (metrics or {}).items():
-        if isinstance(v, torch.Tensor):
-            v = v.item()
-        elif hasattr(v, "item") and callable(v.item):
-            v = v.item()  # numpy scalars
-        out[str(k)] = v
-    return out

@@ -68,12 +68,12 @@ class PendingSnapshot:
 
 def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
     if src.is_contiguous() and not (src.is_conj() or src.is_neg()):
-        _memcpy(dst, src)
+        memcpy(dst, src)
     else:
         dst.copy_(src)  # strided: torch walks the strides
 
 
-def _memcpy(dst: torch.Tensor, src: torch.Tensor) -> None:
+def memcpy(dst: torch.Tensor, src: torch.Tensor) -> None:
     """Plain single-threaded memcpy of a contiguous CPU tensor into ``dst``.
 
     Not ``dst.copy_(src)``: torch splits every copy over its intra-op threads, and on a small

@@ -11,17 +11,18 @@ import logging
 import random
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import torch
 
 from . import codec
-from .errors import ConfigError, StateMismatchError
+from .errors import ConfigError, CorruptCheckpointError, StateMismatchError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TrainState", "capture_rng", "preflight", "restore_rng", "torch_class"]
+__all__ = ["Restorable", "Stateful", "TrainState", "capture_rng", "check_rng", "preflight", "restore_rng",
+           "torch_class"]
 
 # What TrainState wraps: passed bare to save()/restore(), they are refused with a hint.
 _BARE = (torch.nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler,
@@ -35,6 +36,21 @@ _PARAM_SHAPED = frozenset({
     "momentum_buffer", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "square_avg", "acc_delta",
     "sum", "grad_avg", "exp_inf", "prev", "ax", "mu_product_buf",
 })
+
+
+@runtime_checkable
+class Restorable(Protocol):
+    """What ``restore()`` loads a checkpoint's tree into: a :class:`TrainState`, or an object of
+    the job's (or an integration's) with ``load_state_dict``."""
+
+    def load_state_dict(self, state_dict: dict[str, Any], /) -> object: ...
+
+
+@runtime_checkable
+class Stateful(Restorable, Protocol):
+    """What ``save()`` reads besides a plain tree: ``state_dict()`` (and ``load_state_dict()``)."""
+
+    def state_dict(self) -> Mapping[str, Any]: ...
 
 
 def capture_rng() -> dict[str, Any]:
@@ -68,7 +84,7 @@ def restore_rng(tree: Mapping[str, Any]) -> None:
     Raises:
         StateMismatchError: the tree is not an RNG state (missing parts, wrong types).
     """
-    problems = _check_rng(tree)
+    problems = check_rng(tree)
     if problems:
         raise StateMismatchError(_message("the saved RNG state cannot be restored", problems),
                                  mismatches=problems)
@@ -87,15 +103,13 @@ def restore_rng(tree: Mapping[str, Any]) -> None:
             try:
                 torch.cuda.set_rng_state(state.cpu().clone(), i)
             except RuntimeError as exc:  # checked only here: no CUDA generator to ask before
-                from .errors import CorruptCheckpointError
-
                 raise CorruptCheckpointError(f"the saved CUDA RNG state of device {i} is "
                                              f"impossible: {exc}") from exc
     np.random.set_state(tree["numpy"])
     random.setstate(tree["python"])
 
 
-def _check_rng(tree: Any) -> list[str]:
+def check_rng(tree: Any) -> list[str]:
     """What makes ``tree`` not an RNG state (wrong parts or types), as a list of problems.
 
     Raises:
@@ -125,8 +139,6 @@ def _check_rng(tree: Any) -> list[str]:
         return problems
     impossible = _rng_values(t, cuda, tree["numpy"], py)
     if impossible:
-        from .errors import CorruptCheckpointError  # local: keeps this edit to these functions
-
         raise CorruptCheckpointError(_message("the saved RNG state is impossible (the checkpoint "
                                               "is damaged; restore falls back to an earlier one)",
                                               impossible))
@@ -225,19 +237,23 @@ class TrainState:
         ConfigError: an object lacks ``state_dict``/``load_state_dict``.
 
     Example:
-        >>> state = TrainState(model=model, optimizer=opt, scheduler=sched)
-        >>> tree = state.state_dict()        # {"objects": {...}, "rng": {...}}
+        >>> model = torch.nn.Linear(2, 2)
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> state = TrainState(model=model, optimizer=opt)
+        >>> tree = state.state_dict()        # {"objects": {...}, "rng": {...}, "types": {...}}
+        >>> sorted(tree["objects"])
+        ['model', 'optimizer']
         >>> state.load_state_dict(tree)      # checks first, then loads, then restores the RNGs
     """
 
-    def __init__(self, **objects: Any) -> None:
+    def __init__(self, **objects: Stateful) -> None:
         for name, obj in objects.items():
             if not (callable(getattr(obj, "state_dict", None))
                     and callable(getattr(obj, "load_state_dict", None))):
                 raise ConfigError(
                     f"TrainState({name}=...) got a {type(obj).__name__}, which has no "
                     "state_dict()/load_state_dict(); wrap it in an object that has both")
-        self.objects: dict[str, Any] = dict(objects)
+        self.objects: dict[str, Any] = dict(objects)  # Any: each is used as its own class
         # A pipelined save copies parameters and optimizer state while the next forward and
         # backward run; each optimizer's next step() first waits for that copy (see hold_steps).
         self._hold: Callable[[], None] | None = None
@@ -320,7 +336,7 @@ class TrainState:
         if "rng" not in tree:
             problems.append("rng: missing from the checkpoint")
         else:
-            problems += _check_rng(tree["rng"])
+            problems += check_rng(tree["rng"])
         return problems
 
     def load_state_dict(self, tree: Mapping[str, Any], *, strict: bool = True) -> None:
@@ -364,7 +380,7 @@ def _copied_in(module: torch.nn.Module, saved: Mapping[str, Any]) -> Mapping[str
     wait on each other (twice the time of the read itself for ResNet-18). Entries whose dtype,
     shape, device or layout differ go through ``load_state_dict`` unchanged.
     """
-    from .staging import _memcpy
+    from .staging import memcpy
 
     out: OrderedDict[str, Any] = OrderedDict(saved)
     with torch.no_grad():
@@ -375,7 +391,7 @@ def _copied_in(module: torch.nn.Module, saved: Mapping[str, Any]) -> Mapping[str
                     and src.dtype == live.dtype and src.shape == live.shape
                     and src.is_contiguous() and live.is_contiguous() and not live.is_conj()
                     and src.layout == torch.strided and live.layout == torch.strided):
-                _memcpy(live.detach(), src)
+                memcpy(live.detach(), src)
                 out[key] = live.detach()
     if hasattr(saved, "_metadata"):  # per-module versions (BatchNorm's num_batches_tracked rule)
         out._metadata = saved._metadata  # type: ignore[attr-defined]

@@ -17,6 +17,7 @@ import sys
 
 from ckptsdk import CheckpointManager
 from ckptsdk.errors import CkptError
+from ckptsdk.manager import Simulation
 from tests._fault_state import make_state
 
 FREE_STEPS = range(0, 96 * 1024, 4096)
@@ -41,7 +42,7 @@ def main(top: str) -> None:
     for i, free in enumerate(FREE_STEPS):
         root = os.path.join(top, f"root-{i}")
         blocking = i % 2 == 0
-        with CheckpointManager(root, keep_last=3, heartbeat=False) as mgr:
+        with CheckpointManager(root, keep_last=3, _simulation=Simulation(heartbeat=False)) as mgr:
             mgr.restore(make_state(0))
             for step in (1, 2):
                 mgr.save(make_state(step), step=step)
@@ -49,7 +50,7 @@ def main(top: str) -> None:
         _ballast(ballast, free)
         raised = None
         try:
-            with CheckpointManager(root, keep_last=3, heartbeat=False, lease_ttl=1.0) as mgr:
+            with CheckpointManager(root, keep_last=3, _simulation=Simulation(heartbeat=False), lease_ttl=1.0) as mgr:
                 mgr.restore(make_state(0))
                 mgr.save(make_state(3), step=3, blocking=blocking)
                 mgr.wait()

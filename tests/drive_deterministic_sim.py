@@ -1,6 +1,7 @@
 """A deterministic, in-memory simulation of one Google Drive folder shared by several "VMs".
 
-For the lineage property test (tests/test_lineage_stateful.py): no threads, no disk, no real time.
+For the lineage property tests (tests/lineage_machine.py, run by tests/test_lineage_*.py): no
+threads, no disk, no real time.
 Each VM has its own view; a VM's change lands in its view at once, reaches the "cloud" after an
 upload delay and every other VM after a further download delay, each delay asked of a
 ``delay`` callable (the test draws them from hypothesis, so files arrive out of order: a manifest

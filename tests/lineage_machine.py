@@ -48,7 +48,7 @@ from ckptsdk.errors import (
     LeaseLostError,
     NoValidCheckpointError,
 )
-from ckptsdk.manager import CheckpointManager
+from ckptsdk.manager import CheckpointManager, Simulation
 from tests.drive_deterministic_sim import FakeClock, FrozenBackend, SimDrive
 
 # A writer's rank is (lease epoch, tag): the tag is "" where the store has compare-and-swap, else
@@ -707,7 +707,7 @@ class LineageMachine(RuleBasedStateMachine):
         def body() -> CheckpointManager:
             mgr = CheckpointManager(
                 w.backend, keep_last=self.keep_last, lease_ttl=self.ttl, force=force,
-                heartbeat=False, clock=self.clock, sleep=self.coop.sleep, run_id="run")
+                _simulation=Simulation(heartbeat=False, clock=self.clock, sleep=self.coop.sleep), run_id="run")
             self._became_writer(w, mgr)
             if then_restore:
                 self._restore_impl(w)
@@ -1008,7 +1008,7 @@ class LineageMachine(RuleBasedStateMachine):
 
 
 class DriveLateLineage(LineageMachine):
-    """Drive as DRIVE_FACTS describes it: changes reach other VMs up to 20 minutes late (far beyond
+    """Drive as docs/DRIVE.md describes it: changes reach other VMs up to 20 minutes late (far beyond
     the settle time and the ttl). The lease cannot exclude anyone then (two writers may share an
     epoch, never a rank); ranks and lineage must keep invariants 0-4. Liveness (5) rests on
     timing and is only counted."""

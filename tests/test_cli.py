@@ -1,10 +1,9 @@
-"""The ``ckptsdk`` command line, run as a real subprocess (``python -m ckptsdk``) on local and GCS roots.
+"""The ``ckptsdk`` command line on local and GCS roots, run in-process (``cli.main(argv)``).
 
 Roots are made by real training through CheckpointManager: attempt 1 trains steps 1..45 (saves
-every 10), attempt 2 restores step 40 and trains 41..60, so steps 41..45 are logged twice. Cheap
-variants (human tables, argument errors) call ``cli.main`` in-process. Each subprocess imports
-torch (seconds on a loaded machine), so the subprocess matrix is marked ``slow``; one local
-subprocess test (audit) stays in the quick set.
+every 10), attempt 2 restores step 40 and trains 41..60, so steps 41..45 are logged twice. What
+only a real process proves (the exit status of ``python -m ckptsdk`` and of the console script,
+a reader closing the pipe, no stdin) is in tests/test_cli_first_hour.py.
 """
 
 from __future__ import annotations
@@ -12,31 +11,38 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-import ckptsdk
 from ckptsdk import cli
 from ckptsdk.errors import LeaseLostError
 from ckptsdk.lease import read_lease
 from ckptsdk.manager import CheckpointManager
 from ckptsdk.state import TrainState
 
-REPO = Path(ckptsdk.__file__).resolve().parents[1]
 KINDS = ["local", pytest.param("gcs", marks=pytest.mark.gcs)]
 
 
-def run_cli(*args: str, target=None, cwd=None, timeout: float = 120.0) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ)
-    env.update(getattr(target, "env", {}) or {})
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
-    return subprocess.run(
-        [sys.executable, "-m", "ckptsdk", *args], env=env, cwd=cwd, capture_output=True, text=True,
-        timeout=timeout,
-    )
+@pytest.fixture
+def run_cli(capsys, monkeypatch):
+    """``run_cli(*argv, target=, cwd=)``: ``cli.main`` in this process, its exit code and output
+    as a CompletedProcess (``target.env`` set as a child process would get it)."""
+
+    def run(*args: str, target=None, cwd=None) -> subprocess.CompletedProcess[str]:
+        for name, value in (getattr(target, "env", {}) or {}).items():
+            monkeypatch.setenv(name, value)
+        if cwd is not None:
+            monkeypatch.chdir(cwd)
+        capsys.readouterr()  # only this command's output
+        try:
+            code = cli.main(list(args))
+        except SystemExit as exc:  # argparse's usage errors
+            code = int(exc.code or 0)
+        out, err = capsys.readouterr()
+        return subprocess.CompletedProcess(["ckptsdk", *args], code, out, err)
+
+    return run
 
 
 def as_json(proc: subprocess.CompletedProcess[str]) -> dict:
@@ -89,9 +95,8 @@ def flip_byte(backend, key: str, offset: int = -100) -> None:
     backend.write(key, bytes(data))
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("kind", KINDS)
-def test_every_subcommand_as_a_subprocess(kind, make_backend_target, tmp_path):
+def test_every_subcommand(kind, make_backend_target, tmp_path, run_cli):
     target = make_run(make_backend_target(kind))
     url = target.url
     before = snapshot(target)
@@ -147,9 +152,8 @@ def test_every_subcommand_as_a_subprocess(kind, make_backend_target, tmp_path):
                                                   for p in tmp_path.iterdir())
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("kind", KINDS)
-def test_verify_catches_a_flipped_byte(kind, make_backend_target, tmp_path):
+def test_verify_catches_a_flipped_byte(kind, make_backend_target, tmp_path, run_cli):
     target = make_run(make_backend_target(kind))
     backend = target.open()
     flip_byte(backend, "step-0000000060.e2/tensors.safetensors")
@@ -170,7 +174,7 @@ def test_verify_catches_a_flipped_byte(kind, make_backend_target, tmp_path):
     assert snapshot(target) == before
 
 
-def test_audit_strict_fails_on_divergence_and_plots(make_backend_target, tmp_path):
+def test_audit_strict_fails_on_divergence_and_plots(make_backend_target, tmp_path, run_cli):
     target = make_run(make_backend_target("local"), perturb_from=43)
     png = tmp_path / "out" / "audit.png"
     png.parent.mkdir()
@@ -192,8 +196,7 @@ def test_audit_strict_fails_on_divergence_and_plots(make_backend_target, tmp_pat
     assert loose == 0
 
 
-@pytest.mark.slow
-def test_lease_break_needs_confirmation_and_fences_the_writer(make_backend_target, tmp_path, capsys):
+def test_lease_break_needs_confirmation_and_fences_the_writer(make_backend_target, tmp_path, run_cli):
     target = make_backend_target("local")
     train(target, 20)
     live = train(target, 30, close=False)  # a writer still holding the lease (epoch 2)
@@ -295,8 +298,7 @@ def test_errors_are_one_line_with_documented_exit_codes(tmp_path, capsys):
 
 
 @pytest.mark.gcs
-def test_missing_bucket_is_a_storage_error(gcs_emulator, tmp_path):
-    # `lease` reads one object and imports no torch: the cheapest command to reach the store.
+def test_missing_bucket_is_a_storage_error(gcs_emulator, tmp_path, run_cli):
     proc = run_cli("lease", "gs://no-such-bucket-here/run", target=gcs_emulator, cwd=tmp_path)
     assert proc.returncode == cli.EXIT_STORAGE
     assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1

@@ -14,6 +14,7 @@ from ckptsdk import CheckpointManager
 from ckptsdk.catalog import checkpoint_dir
 from ckptsdk.digest import DEFAULT as DIGEST_ALGORITHM
 from ckptsdk.errors import CorruptCheckpointError
+from ckptsdk.manager import Simulation
 from ckptsdk.manifest import FileEntry
 from ckptsdk.tensorfile import write_tensorfile
 
@@ -47,7 +48,7 @@ def test_extra_files_are_checked_like_the_tensor_file(tmp_path: pytest.TempPathF
 
 def test_a_takeover_anchor_copies_the_extra_files(tmp_path: pytest.TempPathFactory) -> None:
     url = str(tmp_path / "root")
-    dead = CheckpointManager(url, lease_ttl=5, heartbeat=False)
+    dead = CheckpointManager(url, lease_ttl=5, _simulation=Simulation(heartbeat=False))
     first = _save_with_extra(dead, 3)
     dead._closed = True  # dies without releasing its lease: the next writer anchors (a clean close needs no anchor)
     with CheckpointManager(url, lease_ttl=5, force=True) as mgr:

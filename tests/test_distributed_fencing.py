@@ -19,6 +19,7 @@ from ckptsdk import CheckpointManager
 from ckptsdk.backends import open_backend
 from ckptsdk.distributed import DistributedCheckpointManager
 from ckptsdk.errors import CorruptCheckpointError, LeaseLostError
+from ckptsdk.manager import Simulation
 
 
 @pytest.fixture
@@ -41,7 +42,8 @@ class _TakeoverOnWrite:
     def write(self, key: str, data: Any) -> Any:
         info = self._inner.write(key, data)
         if key.startswith("step-0000000002") and "/rank-" in key and self.newcomer is None:
-            self.newcomer = CheckpointManager(self._inner.url, force=True, lease_ttl=5, heartbeat=False)
+            self.newcomer = CheckpointManager(self._inner.url, force=True, lease_ttl=5,
+                                              _simulation=Simulation(heartbeat=False))
         return info
 
 
@@ -49,7 +51,7 @@ class _TakeoverOnWrite:
 def test_a_takeover_during_the_write_commits_nothing(tmp_path: Path, world_of_one: Any) -> None:
     url = str(tmp_path / "root")
     backend = _TakeoverOnWrite(open_backend(url))
-    dm = DistributedCheckpointManager(backend, lease_ttl=5, heartbeat=False)
+    dm = DistributedCheckpointManager(backend, lease_ttl=5, _simulation=Simulation(heartbeat=False))
     state = {"w": torch.arange(6.0)}
     assert dm.restore(state) is None
     dm.save(state, step=1)
@@ -69,13 +71,13 @@ def test_a_takeover_during_the_write_commits_nothing(tmp_path: Path, world_of_on
 @pytest.mark.timeout(60)
 def test_a_torn_rank_file_is_skipped_and_a_corrupt_one_refused(tmp_path: Path, world_of_one: Any) -> None:
     url = str(tmp_path / "root")
-    with DistributedCheckpointManager(url, lease_ttl=5, heartbeat=False) as dm:
+    with DistributedCheckpointManager(url, lease_ttl=5, _simulation=Simulation(heartbeat=False)) as dm:
         for step in (1, 2, 3):
             dm.save({"w": torch.full((4,), float(step))}, step=step)
     backend = open_backend(url)
     backend.delete("step-0000000003.e1/rank-00000.safetensors")  # torn: restore falls back to step 2
     state = {"w": torch.zeros(4)}
-    with DistributedCheckpointManager(url, lease_ttl=5, heartbeat=False) as dm:
+    with DistributedCheckpointManager(url, lease_ttl=5, _simulation=Simulation(heartbeat=False)) as dm:
         assert dm.restore(state).step == 2  # type: ignore[union-attr]
     assert torch.equal(state["w"], torch.full((4,), 2.0))
 
@@ -86,7 +88,7 @@ def test_a_torn_rank_file_is_skipped_and_a_corrupt_one_refused(tmp_path: Path, w
     data[-1] ^= 0xFF  # same size, other bytes: only the digest sees it
     backend.write(key, bytes(data))
     state = {"w": torch.zeros(4)}
-    with DistributedCheckpointManager(url, lease_ttl=5, heartbeat=False) as dm:
+    with DistributedCheckpointManager(url, lease_ttl=5, _simulation=Simulation(heartbeat=False)) as dm:
         with pytest.raises(CorruptCheckpointError) as info:
             dm.restore(state)
     assert info.value.key == key and torch.equal(state["w"], torch.zeros(4))
@@ -101,7 +103,7 @@ def test_the_export_command_consolidates_a_distributed_checkpoint(tmp_path: Path
     from ckptsdk.cli import main
 
     url = str(tmp_path / "root")
-    with DistributedCheckpointManager(url, lease_ttl=5, heartbeat=False) as dm:
+    with DistributedCheckpointManager(url, lease_ttl=5, _simulation=Simulation(heartbeat=False)) as dm:
         dm.save({"w": torch.arange(6.0)}, step=1)
         dm.save({"w": torch.arange(6.0) * 2}, step=2)
     out = tmp_path / "out.safetensors"

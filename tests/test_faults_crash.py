@@ -25,6 +25,7 @@ import pytest
 from ckptsdk import CheckpointManager
 from ckptsdk.backends.local import LocalBackend
 from ckptsdk.errors import BackendError, CkptError
+from ckptsdk.manager import Simulation
 from ckptsdk.testing import OPS, FaultyBackend, SimulatedCrash
 from tests._fault_state import expected, make_state
 
@@ -36,14 +37,14 @@ MODES = ("fail", "crash", "fail_after")
 def _open(root: str) -> tuple[CheckpointManager, FaultyBackend]:
     faulty = FaultyBackend(LocalBackend(root))
     # A short ttl: the verifier reads without the lease, and no test waits on a dead holder.
-    return CheckpointManager(faulty, keep_last=KEEP, heartbeat=False, lease_ttl=1.0), faulty
+    return CheckpointManager(faulty, keep_last=KEEP, _simulation=Simulation(heartbeat=False), lease_ttl=1.0), faulty
 
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory) -> str:
     """A root with steps 1-3 committed and the lease released."""
     root = str(tmp_path_factory.mktemp("faults") / "base")
-    with CheckpointManager(root, keep_last=KEEP, heartbeat=False) as mgr:
+    with CheckpointManager(root, keep_last=KEEP, _simulation=Simulation(heartbeat=False)) as mgr:
         assert mgr.restore(make_state(0)) is None
         for step in (1, 2, 3):
             mgr.save(make_state(step), step=step)

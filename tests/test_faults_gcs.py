@@ -19,6 +19,7 @@ import pytest
 from ckptsdk import CheckpointManager
 from ckptsdk.backends.gcs import GCSBackend
 from ckptsdk.errors import BackendError, CkptError
+from ckptsdk.manager import Simulation
 from tests._fault_state import digest, expected, make_state
 from tests.gcs_emulator import Emulator, start_emulator
 from tests.gcs_proxy import LoopbackProxy
@@ -55,7 +56,7 @@ def _restored(backend: GCSBackend) -> tuple[int | None, str | None]:
 @pytest.mark.timeout(120)
 def test_a_stalled_server_fails_the_save_in_bounded_time_and_commits_nothing(rig):
     proxy, through, direct = rig
-    mgr = CheckpointManager(through, heartbeat=False)
+    mgr = CheckpointManager(through, _simulation=Simulation(heartbeat=False))
     mgr.restore(make_state(0))
     mgr.save(make_state(1), step=1)
     proxy.plan = lambda n, head: "stall"
@@ -75,7 +76,7 @@ def test_a_stalled_server_fails_the_save_in_bounded_time_and_commits_nothing(rig
 @pytest.mark.timeout(120)
 def test_a_storm_of_429_and_503_is_retried_and_a_lasting_one_commits_nothing(rig):
     proxy, through, direct = rig
-    mgr = CheckpointManager(through, heartbeat=False)
+    mgr = CheckpointManager(through, _simulation=Simulation(heartbeat=False))
     mgr.restore(make_state(0))
     # Every other request is refused once (429 or 503): each is retried, the save succeeds.
     proxy.plan = lambda n, head: (429 if n % 4 == 1 else 503) if n % 2 else "pass"
@@ -93,7 +94,7 @@ def test_a_storm_of_429_and_503_is_retried_and_a_lasting_one_commits_nothing(rig
 @pytest.mark.timeout(120)
 def test_lost_replies_are_retried_and_restores_are_exact(rig):
     proxy, through, direct = rig
-    mgr = CheckpointManager(through, heartbeat=False)
+    mgr = CheckpointManager(through, _simulation=Simulation(heartbeat=False))
     mgr.restore(make_state(0))
     proxy.plan = lambda n, head: "drop" if n % 3 == 0 else "pass"  # every third reply is lost
     outcomes = []

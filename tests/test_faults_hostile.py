@@ -32,8 +32,9 @@ import xxhash
 
 from ckptsdk import CheckpointManager
 from ckptsdk.catalog import MANIFEST, TENSORS
+from ckptsdk.document import seal
 from ckptsdk.errors import ConfigError, CorruptCheckpointError, DataError, LeaseError
-from ckptsdk.manifest import seal
+from ckptsdk.manager import Simulation
 from tests._fault_state import expected, make_state, observe
 
 REPO = Path(__file__).resolve().parents[1]
@@ -42,7 +43,7 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def base(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("hostile") / "base"
-    with CheckpointManager(str(root), heartbeat=False) as mgr:
+    with CheckpointManager(str(root), _simulation=Simulation(heartbeat=False)) as mgr:
         mgr.restore(make_state(0))
         mgr.log_step(1, loss=0.5)
         mgr.save(make_state(1), step=1)
@@ -387,7 +388,7 @@ def test_stray_records_change_nothing(root, attack):
     report = observe(str(root))
     assert report["step"] == 2 and report["digest"] == expected(2), report
     # A writer opening the root is neither fenced nor sent back: it resumes at 2 and saves 3.
-    with CheckpointManager(str(root), heartbeat=False) as mgr:
+    with CheckpointManager(str(root), _simulation=Simulation(heartbeat=False)) as mgr:
         state = make_state(0)
         assert mgr.restore(state).step == 2
         mgr.save(make_state(3), step=3)
@@ -436,14 +437,14 @@ def test_junk_lease_is_refused_fast_and_breakable(root, kind):
         lease.write_bytes(LEASES[kind])
     started = time.monotonic()
     with pytest.raises(LeaseError):
-        CheckpointManager(str(root), heartbeat=False, lease_wait=30)
+        CheckpointManager(str(root), _simulation=Simulation(heartbeat=False), lease_wait=30)
     assert time.monotonic() - started < 10
     if kind in ("folder", "fifo"):
         return  # the message says: remove it by hand (ckptsdk never deletes a folder it did not make)
     out = subprocess.run([sys.executable, "-m", "ckptsdk", "lease", str(root), "--break", "--yes-i-am-sure"],
                          cwd=REPO, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    with CheckpointManager(str(root), heartbeat=False) as mgr:
+    with CheckpointManager(str(root), _simulation=Simulation(heartbeat=False)) as mgr:
         assert mgr.restore(make_state(0)).step == 2
 
 
@@ -451,7 +452,7 @@ def test_junk_lease_is_refused_fast_and_breakable(root, kind):
 def test_absurd_ttl_is_a_config_error(root):
     for ttl in (float("inf"), float("nan"), 1e9, 0.0, -1.0):
         with pytest.raises(ConfigError):
-            CheckpointManager(str(root), heartbeat=False, lease_ttl=ttl)
+            CheckpointManager(str(root), _simulation=Simulation(heartbeat=False), lease_ttl=ttl)
 
 
 @pytest.mark.timeout(120)

@@ -19,6 +19,7 @@ import torch
 from ckptsdk import CheckpointManager
 from ckptsdk.backends import open_backend
 from ckptsdk.backends.memory import MemoryBackend
+from ckptsdk.manager import Simulation
 
 SAVES = 10_000
 WARMUP = 500
@@ -51,7 +52,7 @@ def test_ten_thousand_saves_grow_nothing(kind, tmp_path):
     url = f"memory://soak-{os.getpid()}" if kind == "memory" else os.path.join(folder, "root")
     backend = open_backend(url)
     tree = {"w": torch.arange(4, dtype=torch.float32), "step": 0}
-    with CheckpointManager(url, keep_last=KEEP, heartbeat=False) as mgr:
+    with CheckpointManager(url, keep_last=KEEP, _simulation=Simulation(heartbeat=False)) as mgr:
         for step in range(1, WARMUP + 1):
             mgr.save({**tree, "step": step}, step=step)
         before = _usage(backend)

@@ -15,6 +15,7 @@ import torch
 from ckptsdk import CheckpointManager, TrainState
 from ckptsdk.backends import open_backend
 from ckptsdk.catalog import TENSORS, checkpoint_dir, scan
+from ckptsdk.manager import Simulation
 from ckptsdk.usage import record_trash, usage
 
 
@@ -37,7 +38,7 @@ def _unclean_takeover(url: str) -> None:
     On local disk the anchor is a hard link, and replaces e1's folder of step 2 at e2's next save;
     on Drive (no cheap copy, late consistency) both stay until rotation lets step 2 go."""
     state = _state()
-    first = CheckpointManager(url, keep_last=3, lease_ttl=5, heartbeat=False)
+    first = CheckpointManager(url, keep_last=3, lease_ttl=5, _simulation=Simulation(heartbeat=False))
     first.save(state, step=1)
     first.save(state, step=2)
     first._closed = True  # dies: never closes, never releases its lease

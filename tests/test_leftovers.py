@@ -23,6 +23,7 @@ import torch
 from ckptsdk import CheckpointManager, TrainState
 from ckptsdk.backends.local import TMP_PREFIX
 from ckptsdk.catalog import TENSORS, scan
+from ckptsdk.manager import Simulation
 from tests.counting import CountingBackend
 from tests.drive_mount_sim import DriveSim
 
@@ -170,7 +171,8 @@ def test_unclean_takeover_anchors_by_cheap_copy(kind, make_backend_target):
     server-side copy: no tensor byte passes through this machine."""
     target = make_backend_target(kind)
     state = _state()
-    dead = CheckpointManager(target.url, keep_last=3, lease_ttl=5, heartbeat=False, storage_options=target.options)
+    dead = CheckpointManager(target.url, keep_last=3, lease_ttl=5,
+                             _simulation=Simulation(heartbeat=False), storage_options=target.options)
     dead.save(state, step=10)
     dead._closed = True  # dies: never releases
     counting = CountingBackend(target.open())
@@ -198,11 +200,13 @@ def test_zombie_late_rotation_cannot_take_the_resume_point_on_drive(tmp_path):
     with DriveSim(tmp_path / "sim", delay=5.0) as sim:
         a_backend, b_backend = sim.backend("vm1", "run"), sim.backend("vm2", "run")
         state = _state()
-        a = CheckpointManager(a_backend, keep_last=1, lease_ttl=120, lease_settle=0, heartbeat=False)
+        a = CheckpointManager(a_backend, keep_last=1, lease_ttl=120, lease_settle=0,
+                              _simulation=Simulation(heartbeat=False))
         for step in (1, 2, 3):
             a.save(state, step=step)
         sim.wait_synced(timeout=30)
-        b = CheckpointManager(b_backend, keep_last=1, lease_ttl=120, lease_settle=0, force=True, heartbeat=False)
+        b = CheckpointManager(b_backend, keep_last=1, lease_ttl=120, lease_settle=0, force=True,
+                              _simulation=Simulation(heartbeat=False))
         resumed = b.restore(_state())
         assert resumed.step == 3
         # A has not seen B yet (its view is 5 s late): it saves and rotates 3 away.

@@ -14,7 +14,7 @@ import pytest
 
 from ckptsdk.backends.memory import MemoryBackend
 from ckptsdk.errors import LeaseLostError
-from ckptsdk.manager import CheckpointManager
+from ckptsdk.manager import CheckpointManager, Simulation
 from tests.drive_deterministic_sim import FakeClock, FrozenBackend, SimDrive
 from tests.lineage_machine import Rank, Weights, folder_name
 
@@ -25,8 +25,9 @@ def _sim_manager(sim: SimDrive, vm: str, *, beating: tuple[CheckpointManager, ..
     while it sleeps, the writers in ``beating`` renew their leases every 50 s (their heartbeats)."""
     if vm not in sim.views:
         sim.add_vm(vm)
-    return CheckpointManager(sim.backend(vm), keep_last=1, lease_ttl=300.0, heartbeat=False,
-                             clock=sim.clock, sleep=lambda dt: _beat(sim, beating, dt),
+    return CheckpointManager(sim.backend(vm), keep_last=1, lease_ttl=300.0,
+                             _simulation=Simulation(heartbeat=False, clock=sim.clock,
+                                                    sleep=lambda dt: _beat(sim, beating, dt)),
                              run_id="run", **kw)
 
 
@@ -142,8 +143,9 @@ def test_restore_after_being_taken_over_commits_nothing() -> None:
     managers: list[CheckpointManager] = []
     try:
         def open_writer(**kw: Any) -> CheckpointManager:
-            m = CheckpointManager(backend, keep_last=2, lease_ttl=60.0, heartbeat=False, clock=clock,
-                                  sleep=lambda dt: setattr(clock, "now", clock.now + dt),
+            m = CheckpointManager(backend, keep_last=2, lease_ttl=60.0,
+                                  _simulation=Simulation(heartbeat=False, clock=clock,
+                                                         sleep=lambda dt: setattr(clock, "now", clock.now + dt)),
                                   run_id="run", **kw)
             managers.append(m)
             return m
@@ -237,8 +239,8 @@ def test_a_renewal_during_the_settle_cannot_make_two_writers_collide(
             sim.advance_to(sim.now + dt - 30)
 
         sim.add_vm("vm3")
-        w4 = CheckpointManager(sim.backend("vm3"), keep_last=1, lease_ttl=300.0, heartbeat=False,
-                               clock=sim.clock, sleep=settle_with_a_renewal, run_id="run", force=True)
+        w4 = CheckpointManager(sim.backend("vm3"), keep_last=1, lease_ttl=300.0, run_id="run", force=True,
+                               _simulation=Simulation(heartbeat=False, clock=sim.clock, sleep=settle_with_a_renewal))
         managers.append(w4)
         sim.advance_to(sim.now + 1)
         w5 = _sim_manager(sim, "vm2", force=True)  # on the holder's VM, which still shows epoch 1

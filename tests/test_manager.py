@@ -17,14 +17,15 @@ import torch
 import ckptsdk
 from ckptsdk import CheckpointManager, TrainState
 from ckptsdk.catalog import MANIFEST, TENSORS, checkpoint_dir
+from ckptsdk.document import seal
 from ckptsdk.errors import (
     BackendError,
     ConfigError,
+    CorruptCheckpointError,
     LeaseLostError,
     NoValidCheckpointError,
     StateMismatchError,
 )
-from ckptsdk.manifest import seal
 from ckptsdk.testing import FaultyBackend
 
 
@@ -142,6 +143,25 @@ def test_corrupt_newest_is_skipped_and_previous_restored(tmp_path, caplog, damag
     # Nothing was deleted or rewritten by a restore (the anchor adds a new folder only).
     for p, data in kept_bytes.items():
         assert p.read_bytes() == data
+
+
+def test_verify_and_the_cli_share_one_check(tmp_path):
+    """``verify()`` raises what ``check()`` (the verdict ``ckptsdk verify`` prints) reports."""
+    url = str(tmp_path / "r")
+    with CheckpointManager(url, lease_ttl=5) as mgr:
+        for step in (1, 2):
+            mgr.save(make_state(), step=step)
+    reader = CheckpointManager(url, read_only=True)
+    assert [(v.status, v.reason, v.rehashed) for v in map(reader.check, reader.list())] == [("ok", None, True)] * 2
+    path = tmp_path / "r" / checkpoint_dir(2, 1) / TENSORS
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0x01
+    path.write_bytes(bytes(data))
+    with pytest.raises(CorruptCheckpointError) as info:
+        reader.verify(2)
+    verdict = reader.check(reader.list()[1])
+    assert (verdict.status, verdict.reason, verdict.rehashed) == ("CORRUPT", str(info.value), True)
+    assert reader.verify(1).step == 1 and reader.verify(key=checkpoint_dir(1, 1)).key == checkpoint_dir(1, 1)
 
 
 def test_no_valid_checkpoint_left_raises_with_each_reason(tmp_path):
@@ -338,6 +358,34 @@ def test_read_only_never_takes_the_lease_and_refuses_save(tmp_path):
         with pytest.raises(ConfigError, match="read_only"):
             ro.save(make_state(), step=2)
         ro.close()
+
+
+def test_a_restore_after_a_save_loads_and_leaves_the_lineage_alone(tmp_path, caplog):
+    """Where a writer's lineage starts is fixed by its first save: a later restore() (the
+    benchmarks time restores on a writer) loads the newest checkpoint and rewrites nothing, so
+    its manifests keep agreeing with its lineage record (no "believing the checkpoints")."""
+    url = str(tmp_path / "r")
+    with CheckpointManager(url, lease_ttl=5) as mgr:
+        mgr.save(make_state(), step=1)
+    state = make_state()
+    with CheckpointManager(url, lease_ttl=5) as mgr, caplog.at_level(logging.INFO, logger="ckptsdk"):
+        assert mgr.restore(state).step == 1  # the lineage of epoch 2 starts at step 1
+        first = mgr.resumed_from
+        for step in (2, 3, 4):
+            train(state, 1)
+            mgr.save(state, step=step)
+            other = make_state(step)
+            pos = mgr.restore(other)
+            assert (pos.step, pos.lease_epoch) == (step, 2)
+            assert_same(other, state)
+            assert mgr.resumed_from is first  # unchanged
+    resumed = {m["writer"]["resumed_from_step"] for m in (
+        json.loads((tmp_path / "r" / checkpoint_dir(s, 2) / MANIFEST).read_text()) for s in (3, 4))}
+    assert resumed == {1}
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    with CheckpointManager(url, read_only=True) as reader:
+        assert [c.step for c in reader.list()] == [2, 3, 4] and reader.latest().step == 4
+    assert not [r for r in caplog.records if "believing" in r.getMessage()]
 
 
 def test_interrupted_first_save_is_a_fresh_start(tmp_path):

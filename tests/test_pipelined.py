@@ -137,13 +137,13 @@ def test_pipelined_equals_sync_adamw_ema(tmp_path):
 def test_the_comparison_catches_a_step_that_does_not_wait(tmp_path, monkeypatch):
     """Sabotage: the optimizer no longer waits for the copy, and copies are slowed down so the
     next step lands mid-copy. The pipelined file then differs from the synchronous one."""
-    real = staging._memcpy
+    real = staging.memcpy
 
     def slow(dst, src):
         time.sleep(0.002)
         real(dst, src)
 
-    monkeypatch.setattr(staging, "_memcpy", slow)
+    monkeypatch.setattr(staging, "memcpy", slow)
     monkeypatch.setattr(TrainState, "_before_step", lambda self, opt, args, kwargs: None)
     with pytest.raises(AssertionError, match="differs from the synchronous one"):
         _run(tmp_path, _sgd_job, 12)
@@ -152,13 +152,13 @@ def test_the_comparison_catches_a_step_that_does_not_wait(tmp_path, monkeypatch)
 @pytest.mark.timeout(120)
 def test_slow_copies_with_the_wait_still_match(tmp_path, monkeypatch):
     """The same slowed copies with the optimizer's wait in place: every step matches."""
-    real = staging._memcpy
+    real = staging.memcpy
 
     def slow(dst, src):
         time.sleep(0.002)
         real(dst, src)
 
-    monkeypatch.setattr(staging, "_memcpy", slow)
+    monkeypatch.setattr(staging, "memcpy", slow)
     assert _run(tmp_path, _sgd_job, 12) == 12
 
 

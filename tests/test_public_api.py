@@ -48,3 +48,19 @@ def test_the_errors_the_readme_names_are_catchable():
         ckptsdk.open_backend("nope://x")
     with __import__("pytest").raises(ckptsdk.ConfigError):
         ckptsdk.CheckpointManager("memory://api-cfg", keep_last=0)
+
+
+def test_simulation_hooks_are_off_the_public_signatures():
+    """A job cannot turn the lease heartbeat off or fake its clock by a public keyword: tests
+    and benchmarks pass ``_simulation=ckptsdk.manager.Simulation(...)``."""
+    import inspect
+
+    from ckptsdk.distributed import DistributedCheckpointManager
+    from ckptsdk.manager import Simulation
+
+    for cls in (ckptsdk.CheckpointManager, DistributedCheckpointManager):
+        params = inspect.signature(cls).parameters
+        assert not {"heartbeat", "clock", "sleep"} & set(params), cls
+        assert params["_simulation"].kind is inspect.Parameter.KEYWORD_ONLY
+        assert params["_simulation"].default is None
+    assert Simulation().heartbeat is True

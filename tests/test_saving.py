@@ -11,6 +11,7 @@ import torch
 from ckptsdk import CheckpointManager, TrainState, open_backend
 from ckptsdk.catalog import MANIFEST, TENSORS, checkpoint_dir
 from ckptsdk.errors import BackendError, CheckpointError, LeaseLostError
+from ckptsdk.manager import Simulation
 from ckptsdk.testing import FaultyBackend
 
 
@@ -61,7 +62,8 @@ def test_async_save_makes_no_storage_call_on_the_calling_thread(tmp_path, snapsh
 def test_fenced_writer_commits_and_deletes_nothing_and_says_so_on_the_next_call(tmp_path):
     url = str(tmp_path / "r")
     state = _state()
-    zombie = CheckpointManager(url, keep_last=1, lease_ttl=30, save_on_signal=False, heartbeat=False)
+    zombie = CheckpointManager(url, keep_last=1, lease_ttl=30, save_on_signal=False,
+                               _simulation=Simulation(heartbeat=False))
     zombie.save(state, step=1)
     newcomer = CheckpointManager(url, keep_last=1, lease_ttl=30, save_on_signal=False, force=True)
     # The zombie has not seen the takeover: its foreground reads only its (stale) flag and
@@ -89,7 +91,7 @@ def test_takeover_during_the_write_is_caught_by_the_renewal_before_the_commit(tm
         return None
 
     backend = FaultyBackend(open_backend(url), fail_on=take_over)
-    zombie = CheckpointManager(backend, lease_ttl=30, save_on_signal=False, heartbeat=False)
+    zombie = CheckpointManager(backend, lease_ttl=30, save_on_signal=False, _simulation=Simulation(heartbeat=False))
     zombie.save(state, step=5, blocking=False)
     with pytest.raises(LeaseLostError):
         zombie.wait()

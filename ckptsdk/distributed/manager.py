@@ -14,8 +14,9 @@ import warnings
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -26,17 +27,20 @@ from .. import catalog as _catalog
 from .. import codec, errors
 from ..backends import open_backend
 from ..backends.base import Backend
-from ..catalog import checkpoint_dir, writer_tag
+from ..catalog import CheckpointInfo, checkpoint_dir, writer_tag
 from ..digest import DEFAULT as DIGEST_ALGORITHM
 from ..errors import CkptError, ConfigError, CorruptCheckpointError, StateMismatchError
 from ..export import DISTRIBUTED_FORMAT
-from ..manager import CheckpointManager, ResumePoint
+from ..manager import CheckpointManager, ResumePoint, Simulation, save_due
 from ..manifest import FileEntry, Manifest
 from ..state import capture_rng, restore_rng
 from ..tensorfile import read_tensorfile, write_tensorfile
 from .collective import all_min, broadcast_json, gather_json
 from .metadata import metadata_from_json
 from .storage import CkptStorageReader, CkptStorageWriter, JsonLoadPlanner, JsonSavePlanner, unwrap
+
+if TYPE_CHECKING:
+    from ..audit import AuditReport
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +109,7 @@ class DistributedCheckpointManager:
     Args:
         url: the root (any ckptsdk URL), or an opened backend.
         group: the process group (default: the world). Its rank 0 is the committer.
-        keep_last, keep_every, save_every, lease_ttl, lease_wait, force, run_id, heartbeat:
+        keep_last, keep_every, save_every, lease_ttl, lease_wait, force, run_id, _simulation:
             as for :class:`ckptsdk.CheckpointManager` (used on rank 0).
         storage_options: fsspec options for ``gs://``.
         async_save: make ``save`` non-blocking by default; sets up the gloo process group
@@ -116,19 +120,20 @@ class DistributedCheckpointManager:
         ConfigError: torch.distributed is not initialised.
         LeaseHeldError: on every rank, when rank 0 could not get the lease.
 
-    Example:
-        >>> # dm = DistributedCheckpointManager("gs://bucket/run", save_every=100)
-        >>> # state = {"app": AppState(model, optimizer)}
-        >>> # pos = dm.restore(state)            # every rank; the same step everywhere
-        >>> # if dm.should_save(step): dm.save(state, step=step, local={"batch": b})
-        >>> # dm.close()
+    Example (on every rank of a process group, not a doctest: tests/test_distributed_*.py)::
+
+        dm = DistributedCheckpointManager("gs://bucket/run", save_every=100)
+        state = {"app": AppState(model, optimizer)}
+        pos = dm.restore(state)            # every rank; the same step everywhere
+        if dm.should_save(step): dm.save(state, step=step, local={"batch": b})
+        dm.close()
     """
 
     def __init__(
-        self, url: str | Backend, *, group: Any = None, keep_last: int = 3, keep_every: int | None = None,
-        save_every: int | None = None, lease_ttl: float | None = None, lease_wait: float | None = None,
-        force: bool = False, storage_options: Mapping[str, Any] | None = None, run_id: str | None = None,
-        heartbeat: bool = True, async_save: bool = False,
+        self, url: str | Backend, *, group: dist.ProcessGroup | None = None, keep_last: int = 3,
+        keep_every: int | None = None, save_every: int | None = None, lease_ttl: float | None = None,
+        lease_wait: float | None = None, force: bool = False, storage_options: Mapping[str, object] | None = None,
+        run_id: str | None = None, async_save: bool = False, _simulation: Simulation | None = None,
     ) -> None:
         if not dist.is_initialized():
             raise ConfigError("DistributedCheckpointManager needs torch.distributed initialised "
@@ -160,7 +165,7 @@ class DistributedCheckpointManager:
                 self._core = CheckpointManager(
                     self.backend, keep_last=keep_last, keep_every=keep_every, save_every=save_every,
                     lease_ttl=lease_ttl, lease_wait=lease_wait, force=force, run_id=run_id,
-                    heartbeat=heartbeat,
+                    _simulation=_simulation,
                     # Rank 0 alone would catch the signal and the other ranks would never join
                     # its last save: signals keep their default behaviour in distributed jobs.
                     save_on_signal=False)
@@ -195,13 +200,13 @@ class DistributedCheckpointManager:
 
     def should_save(self, step: int) -> bool:
         """True every ``save_every`` steps (the core manager's rule, on every rank)."""
-        return CheckpointManager.should_save(self, step)  # type: ignore[arg-type]
+        return save_due(step, self.save_every)
 
     # ------------------------------------------------------------------ saving
 
     def save(
         self, state: dict[str, Any], *, step: int, epoch: int | None = None, batch_idx: int | None = None,
-        metrics: Mapping[str, Any] | None = None, extra: Mapping[str, Any] | None = None,
+        metrics: Mapping[str, object] | None = None, extra: Mapping[str, object] | None = None,
         tags: Mapping[str, str] | None = None, local: Mapping[str, Any] | None = None,
         blocking: bool | None = None,
     ) -> str:
@@ -408,16 +413,16 @@ class DistributedCheckpointManager:
 
     # ------------------------------------------------------------------ step log, lifecycle
 
-    def log_step(self, step: int, **scalars: Any) -> None:
+    def log_step(self, step: int, **scalars: float | torch.Tensor | np.generic) -> None:
         """Append ``scalars`` for ``step`` to the step log (rank 0's; other ranks: no-op)."""
         if self._core is not None:
             self._core.log_step(step, **scalars)
 
-    def audit(self, tolerance: float = 0.0) -> Any:
+    def audit(self, tolerance: float = 0.0) -> AuditReport | None:
         """The resume audit (see :meth:`ckptsdk.CheckpointManager.audit`); rank 0 only, else None."""
         return self._core.audit(tolerance) if self._core is not None else None
 
-    def list(self) -> list[Any]:
+    def list(self) -> list[CheckpointInfo]:
         """Every checkpoint folder under the root, oldest first (any rank; read-only)."""
         return _catalog.scan(self.backend).checkpoints
 
@@ -437,7 +442,7 @@ class DistributedCheckpointManager:
     def __enter__(self) -> DistributedCheckpointManager:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 

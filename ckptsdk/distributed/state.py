@@ -30,8 +30,9 @@ class AppState(Stateful):
         optimizer: its optimizer, or None.
         options: passed to ``get_state_dict``/``set_state_dict`` (e.g. ``full_state_dict``).
 
-    Example:
-        >>> # dm.save({"app": AppState(model, optimizer)}, step=step)
+    Example (see DistributedCheckpointManager)::
+
+        dm.save({"app": AppState(model, optimizer)}, step=step)
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *,

@@ -106,10 +106,10 @@ class CkptStorageWriter(StorageWriter):
         commit: called on the coordinator in ``finish()`` with the DCP metadata as JSON and
             ``{file: {"size", "digest", "algorithm"}}``; what it publishes is the commit.
 
-    Example:
-        >>> # on every rank, with torch.distributed initialised:
-        >>> # dcp.save(sd, storage_writer=CkptStorageWriter(b, "step-0000000010.e1", commit=fn),
-        >>> #          planner=JsonSavePlanner())
+    Example (on every rank, with torch.distributed initialised)::
+
+        dcp.save(sd, storage_writer=CkptStorageWriter(b, "step-0000000010.e1", commit=fn),
+                 planner=JsonSavePlanner())
     """
 
     def __init__(self, backend: Backend, folder: str, *, commit: Commit) -> None:

@@ -10,15 +10,22 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
 
 from . import require
 
 require("accelerate", "accelerate")
 
+from ..catalog import CheckpointInfo  # noqa: E402
 from ..errors import ConfigError  # noqa: E402
 from ..manager import CheckpointManager, ResumePoint  # noqa: E402
 from ..state import TrainState  # noqa: E402
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
 
 logger = logging.getLogger(__name__)
 
@@ -69,18 +76,19 @@ class AcceleratorCheckpoints:
         ConfigError: more than one process: each rank's RNG states would need a committer
             that gathers them (ckptsdk's distributed layer), which this wrapper is not.
 
-    Example:
-        >>> model, opt, loader, sched = accelerator.prepare(model, opt, loader, sched)
-        >>> ckpt = AcceleratorCheckpoints(accelerator, "gs://bucket/run", save_every=500)
-        >>> pos = ckpt.restore()    # None on a fresh run; else skip pos.batch_idx batches of pos.epoch
-        >>> ...; ckpt.save(step, epoch=epoch, batch_idx=i + 1) if ckpt.should_save(step) else None
-        >>> ckpt.close()
+    Example (a training loop, not a doctest: tests/_integration_jobs.py runs one)::
+
+        model, opt, loader, sched = accelerator.prepare(model, opt, loader, sched)
+        ckpt = AcceleratorCheckpoints(accelerator, "gs://bucket/run", save_every=500)
+        pos = ckpt.restore()    # None on a fresh run; else skip pos.batch_idx batches of pos.epoch
+        ...; ckpt.save(step, epoch=epoch, batch_idx=i + 1) if ckpt.should_save(step) else None
+        ckpt.close()
     """
 
     def __init__(
-        self, accelerator: Any, url: str, *, keep_last: int = 3, keep_every: int | None = None,
+        self, accelerator: Accelerator, url: str, *, keep_last: int = 3, keep_every: int | None = None,
         save_every: int | None = None, lease_ttl: float | None = None, force: bool = False,
-        async_save: bool = False, storage_options: Mapping[str, Any] | None = None,
+        async_save: bool = False, storage_options: Mapping[str, object] | None = None,
     ) -> None:
         if accelerator.num_processes != 1:
             raise ConfigError(
@@ -114,15 +122,20 @@ class AcceleratorCheckpoints:
         """
         return self.manager.restore(self.train_state())
 
-    def save(self, step: int, **position: Any) -> Any:
-        """Commit the state at ``step``; ``position`` as for ``CheckpointManager.save``."""
-        return self.manager.save(self.train_state(), step=step, **position)
+    def save(
+        self, step: int, *, epoch: int | None = None, batch_idx: int | None = None,
+        metrics: Mapping[str, object] | None = None, extra: Mapping[str, object] | None = None,
+        tags: Mapping[str, str] | None = None, blocking: bool | None = None,
+    ) -> CheckpointInfo:
+        """Commit the state at ``step``; the rest as for :meth:`ckptsdk.CheckpointManager.save`."""
+        return self.manager.save(self.train_state(), step=step, epoch=epoch, batch_idx=batch_idx, metrics=metrics,
+                                 extra=extra, tags=tags, blocking=blocking)
 
     def should_save(self, step: int) -> bool:
         """True every ``save_every`` steps."""
         return self.manager.should_save(step)
 
-    def log_step(self, step: int, **scalars: Any) -> None:
+    def log_step(self, step: int, **scalars: float | torch.Tensor | np.generic) -> None:
         """Record scalars in the per-attempt step log (for ``ckptsdk audit``)."""
         self.manager.log_step(step, **scalars)
 

@@ -74,16 +74,17 @@ class CkptsdkCheckpointIO(CheckpointIO):
         restore_rng: put back torch/CUDA/numpy/Python RNG states when a checkpoint is loaded
             (Lightning's own checkpoints do not hold them; ckptsdk's resume is bit-exact with them).
 
-    Example:
-        >>> io = CkptsdkCheckpointIO("drive://runs/r18")
-        >>> trainer = L.Trainer(plugins=[io], default_root_dir="/content/drive/MyDrive/runs/r18",
-        ...                     callbacks=[ModelCheckpoint(save_last=True)])
-        >>> trainer.fit(model, loader, ckpt_path="last")
+    Example (a training run, not a doctest: tests/test_integration_lightning.py runs one)::
+
+        io = CkptsdkCheckpointIO("drive://runs/r18")
+        trainer = L.Trainer(plugins=[io], default_root_dir="/content/drive/MyDrive/runs/r18",
+                            callbacks=[ModelCheckpoint(save_last=True)])
+        trainer.fit(model, loader, ckpt_path="last")
     """
 
     def __init__(
         self, url: str, *, keep_last: int = 3, keep_every: int | None = None,
-        storage_options: Mapping[str, Any] | None = None, lease_ttl: float | None = None,
+        storage_options: Mapping[str, object] | None = None, lease_ttl: float | None = None,
         force: bool = False, restore_rng: bool = True,
     ) -> None:
         super().__init__()
@@ -155,7 +156,8 @@ class CkptsdkCheckpointIO(CheckpointIO):
 
     # ------------------------------------------------------------------ CheckpointIO
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: str | os.PathLike[str],
+                        storage_options: object = None) -> None:
         """Commit ``checkpoint`` at its ``global_step``, then leave a pointer at ``path``.
 
         Two names saved at one step (``epoch=1-step=16.ckpt`` and ``last.ckpt``) share one
@@ -194,7 +196,7 @@ class CkptsdkCheckpointIO(CheckpointIO):
                                               "key": info.key})
         logger.info("lightning checkpoint %s -> %s/%s", path, self.url, info.key)
 
-    def load_checkpoint(self, path: Any, map_location: Any | None = None,
+    def load_checkpoint(self, path: str | os.PathLike[str], map_location: object = None,
                         weights_only: bool | None = None) -> dict[str, Any]:
         """Read the checkpoint a pointer names, verified; restore the RNG states.
 
@@ -223,7 +225,7 @@ class CkptsdkCheckpointIO(CheckpointIO):
             restore_rng(tree["rng"])
         return tree["lightning"]
 
-    def remove_checkpoint(self, path: Any) -> None:
+    def remove_checkpoint(self, path: str | os.PathLike[str]) -> None:
         """Remove the pointer only: the data belong to ckptsdk's retention (``keep_last``)."""
         path = os.fspath(path)
         fs = get_filesystem(path)

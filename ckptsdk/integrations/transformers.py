@@ -83,15 +83,16 @@ class CkptsdkTrainer(Trainer):
         ConfigError: more than one process, or ``load_best_model_at_end`` (both need folders
             or gathering this subclass does not do).
 
-    Example:
-        >>> trainer = CkptsdkTrainer(model=model, args=TrainingArguments("out", save_steps=500),
-        ...                          train_dataset=ds, ckpt_url="drive://runs/gpt")
-        >>> trainer.train(resume_from_checkpoint=True)
+    Example (a training run, not a doctest: tests/test_integration_hf.py runs one)::
+
+        trainer = CkptsdkTrainer(model=model, args=TrainingArguments("out", save_steps=500),
+                                 train_dataset=ds, ckpt_url="drive://runs/gpt")
+        trainer.train(resume_from_checkpoint=True)
     """
 
     def __init__(
         self, *args: Any, ckpt_url: str, keep_last: int = 3, keep_every: int | None = None,
-        lease_ttl: float | None = None, force: bool = False, storage_options: Mapping[str, Any] | None = None,
+        lease_ttl: float | None = None, force: bool = False, storage_options: Mapping[str, object] | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
@@ -109,7 +110,7 @@ class CkptsdkTrainer(Trainer):
 
     # ------------------------------------------------------------------ train
 
-    def train(self, resume_from_checkpoint: str | bool | None = None, trial: Any = None,
+    def train(self, resume_from_checkpoint: str | bool | None = None, trial: object = None,
               ignore_keys_for_eval: list[str] | None = None, **kwargs: Any) -> TrainOutput:
         """Train, checkpointing to ``ckpt_url``; ``resume_from_checkpoint=True`` continues.
 

@@ -1,0 +1,205 @@
+"""``ckptsdk ls``, ``show``, ``verify`` and ``du``: what a root holds, read-only.
+
+Each prints a human table, or one JSON document with ``--json``; none takes the writer lease.
+Which checkpoint is valid and the re-hash of its files are the library's
+(:class:`ckptsdk.reader.CheckpointReader`); this module only formats them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from ..errors import CorruptCheckpointError, NoValidCheckpointError, ObjectNotFound
+from .common import EXIT_OK, Failed, emit_json, human_size, manager, require_root, short_time, table
+
+if TYPE_CHECKING:
+    from ..catalog import CheckpointInfo
+
+__all__ = ["cmd_du", "cmd_ls", "cmd_show", "cmd_verify", "register"]
+
+
+def _info_dict(info: CheckpointInfo) -> dict[str, Any]:
+    m = info.manifest
+    return {
+        "step": info.step,
+        "key": info.key,
+        "lease_epoch": info.epoch,
+        "attempt": info.attempt,
+        "train_epoch": m.position.epoch if m is not None else None,
+        "batch_idx": m.position.batch_idx if m is not None else None,
+        "size": info.size,
+        "committed": info.committed,
+        "valid": info.valid,
+        "orphan": info.orphan,
+        "anchor": info.anchor,
+        "copies": list(info.copies),
+        "reason": info.reason,
+        "created_at": str(m.created_at) if m is not None else None,
+        "metrics": dict(m.metrics) if m is not None else {},
+    }
+
+
+def _status(info: CheckpointInfo) -> str:
+    if info.valid:
+        # What the listing checked (only `verify` re-hashes the bytes); an anchor is a takeover's
+        # re-commit of its resume point; copies: the other folders of the step.
+        copies = len(info.copies)
+        extra = [x for x in ("anchor" if info.anchor else "",
+                             f"+{copies} cop{'y' if copies == 1 else 'ies'}" if copies else "") if x]
+        return "sizes ok" + (f" ({', '.join(extra)})" if extra else "")
+    return info.reason or "invalid"
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    mgr = manager(args)
+    require_root(mgr.backend, args.url)
+    infos = mgr.list()
+    rows = [_info_dict(i) for i in infos]
+    if args.json:
+        emit_json({"command": "ls", "url": args.url, "checkpoints": rows})
+        return EXIT_OK
+    if not rows:
+        print(f"no checkpoints under {args.url}")
+        return EXIT_OK
+    cells = [
+        [r["step"], r["train_epoch"], human_size(r["size"]),
+         f"e{r['lease_epoch']}/a{r['attempt'] if r['attempt'] is not None else '?'}",
+         short_time(r["created_at"]), _status(i)]
+        for r, i in zip(rows, infos, strict=True)
+    ]
+    print(table(cells, ["STEP", "EPOCH", "SIZE", "WRITER", "CREATED", "STATUS"]))
+    valid = sum(1 for r in rows if r["valid"])
+    print(f"\n{len(rows)} steps under {args.url} (one row per step, the highest writer's), {valid} "
+          "restorable by their manifest and file sizes (WRITER: lease epoch/attempt); "
+          "`ckptsdk verify URL --all` re-hashes the bytes")
+    return EXIT_OK
+
+
+def _tensor_rows(mgr: Any, key: str) -> list[dict[str, Any]]:
+    """Tensor name, dtype, shape and byte size from a tensor file's header (bounded, checked)."""
+    from ..tensorfile import read_header  # the one header parser (torch: only when showing tensors)
+
+    rows = [{"name": e.name, "dtype": e.code, "shape": e.shape, "bytes": e.nbytes}
+            for e in read_header(mgr.backend, key)]
+    return sorted(rows, key=lambda r: r["name"])
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    from ..catalog import TENSORS
+
+    mgr = manager(args)
+    info = mgr.pick(args.step)
+    manifest = info.manifest
+    assert manifest is not None  # pick() returns only checkpoints whose manifest reads
+    tensors: list[dict[str, Any]] = []
+    tensor_error = None
+    if any(f.name == TENSORS for f in manifest.files):
+        try:
+            tensors = _tensor_rows(mgr, f"{info.key}/{TENSORS}")
+        except (ObjectNotFound, CorruptCheckpointError) as exc:
+            # Still show the manifest: it is what tells the user what should have been there.
+            tensor_error = f"{exc}; `ckptsdk verify {args.url} --step {manifest.step}` checks it"
+    m = json.loads(manifest.to_json())
+    if args.json:
+        emit_json({"command": "show", "url": args.url, "key": info.key, "manifest": m, "tensors": tensors,
+                   "tensor_file_error": tensor_error})
+        return EXIT_OK
+    w, pos = m["writer"], m["position"]
+    print(f"checkpoint {args.url}/{info.key}")
+    print(f"  step        {m['step']}   (epoch {pos.get('epoch')}, batch {pos.get('batch_idx')})")
+    print(f"  created     {m['created_at']}")
+    print(f"  writer      run {w['run_id']}, attempt {w['attempt']}, lease epoch {w['lease_epoch']}, "
+          f"host {w['host']} pid {w['pid']}, resumed from {w.get('resumed_from_step')}")
+    env = m.get("environment") or {}
+    if env:
+        print("  environment " + ", ".join(f"{k} {v}" for k, v in env.items()))
+    if m.get("metrics"):
+        print("  metrics     " + ", ".join(f"{k}={v}" for k, v in m["metrics"].items()))
+    if m.get("tags"):
+        print("  tags        " + ", ".join(f"{k}={v}" for k, v in m["tags"].items()))
+    print("\nfiles")
+    print(table([[f["name"], human_size(f["size"]), f"{f['algorithm']}:{f['digest']}"] for f in m["files"]],
+                ["NAME", "SIZE", "DIGEST"]))
+    if tensor_error:
+        print(f"\ntensors: unreadable: {tensor_error}")
+    if tensors:
+        total = sum(t["bytes"] for t in tensors)
+        print(f"\ntensors ({len(tensors)}, {human_size(total)})")
+        print(table([[t["name"], t["dtype"], "x".join(map(str, t["shape"])) or "()", t["bytes"]] for t in tensors],
+                    ["NAME", "DTYPE", "SHAPE", "BYTES"]))
+    return EXIT_OK
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    mgr = manager(args)
+    require_root(mgr.backend, args.url)
+    infos = mgr.list()
+    if args.all:
+        targets = list(infos)
+    elif args.step is not None:
+        targets = [i for i in infos if i.step == args.step]
+        if not targets:
+            raise NoValidCheckpointError(
+                f"no checkpoint of step {args.step} under {args.url}; `ckptsdk ls {args.url}` lists the steps",
+                url=args.url,
+            )
+    else:
+        # The newest restorable checkpoint is re-hashed; every other committed one is still
+        # checked cheaply (manifest readable, files present with their sizes) by the listing.
+        newest = max((i for i in infos if i.valid), key=lambda i: (i.step, i.epoch), default=None)
+        targets = [newest] if newest is not None else []
+        targets += [i for i in infos if i is not newest and i.committed and not i.valid and not i.orphan]
+    results = []
+    for info in sorted(targets, key=lambda i: (i.step, i.epoch)):
+        verdict = mgr.check(info)
+        results.append({"step": info.step, "key": info.key, "lease_epoch": info.epoch, "status": verdict.status,
+                        "rehashed": verdict.rehashed, "reason": verdict.reason})
+    bad = [r for r in results if r["status"] == "CORRUPT"]
+    if args.json:
+        emit_json({"command": "verify", "url": args.url, "ok": not bad, "checked": results})
+    elif not results:
+        print(f"no committed checkpoints under {args.url}: nothing to verify")
+    else:
+        print(table([[r["step"], r["key"], r["status"], "yes" if r["rehashed"] else "no", r["reason"] or ""]
+                     for r in results], ["STEP", "FOLDER", "STATUS", "REHASHED", "DETAIL"]))
+        print()
+        if bad:
+            print(f"{len(bad)} corrupt checkpoint(s) under {args.url}: restore() skips them and uses the "
+                  "newest valid one; `ckptsdk gc URL` removes them")
+        else:
+            print(f"all {len(results)} checked checkpoint(s) intact")
+    if bad:
+        raise Failed()
+    return EXIT_OK
+
+
+def cmd_du(args: argparse.Namespace) -> int:
+    from .. import usage
+    from .common import backend
+
+    u = usage.usage(backend(args))
+    if args.json:
+        emit_json({"command": "du", "url": args.url, **usage.as_dict(u)})
+    else:
+        print(usage.render(u, args.url))
+    return EXIT_OK
+
+
+def register(add: Callable[[str, str], argparse.ArgumentParser]) -> None:
+    """Add these commands to the parser (``add(name, help)`` makes a subcommand taking URL)."""
+    add("ls", "list checkpoints: step, epoch, size, writer (lease epoch/attempt), valid or why not").set_defaults(
+        fn=cmd_ls)
+    sp = add("show", "show a checkpoint's manifest and tensor table (newest valid one by default)")
+    sp.add_argument("--step", type=int, help="which step (default: the newest valid checkpoint)")
+    sp.set_defaults(fn=cmd_show)
+    sp = add("verify", "re-hash checkpoint files against their manifests; exit 1 on any corruption")
+    group = sp.add_mutually_exclusive_group()
+    group.add_argument("--all", action="store_true", help="re-hash every committed checkpoint (default: the newest)")
+    group.add_argument("--step", type=int, help="re-hash the checkpoint(s) of this step")
+    sp.set_defaults(fn=cmd_verify)
+    add("du", "bytes held: committed, anchor, duplicate, uncommitted, orphaned; Drive trash estimate").set_defaults(
+        fn=cmd_du)
+

@@ -1,0 +1,146 @@
+"""What every ``ckptsdk`` command shares: opening the root, the two CLI-only errors, output.
+
+Tables, sizes, times and the one JSON document a ``--json`` command prints. Commands live in
+the sibling modules; checkpoint logic lives in the library, never here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections.abc import Sequence
+from datetime import datetime, timezone
+from typing import TYPE_CHECKING, Any
+
+from ..document import parse_utc
+from ..errors import NoCheckpointRootError
+
+if TYPE_CHECKING:  # both import torch or fsspec: commands import them when they run
+    from ..backends.base import Backend
+    from ..manager import CheckpointManager
+
+__all__ = ["EXIT_BROKEN_PIPE", "EXIT_CHECKPOINT", "EXIT_FAILED", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_STORAGE",
+           "EXIT_USAGE", "Failed", "UsageError", "backend", "emit_json", "fmt_float", "human_size", "manager",
+           "parse_wall", "require_root", "short_time", "storage_options", "table"]
+
+
+# The exit codes (the package docstring says when each happens; README.md lists them).
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+EXIT_STORAGE = 3
+EXIT_CHECKPOINT = 4
+EXIT_INTERRUPTED = 130
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: what a shell reports for a Unix tool whose reader left
+
+
+class Failed(Exception):
+    """A check that ran and failed (exit 1); the report was already printed."""
+
+
+class UsageError(Exception):
+    """A bad combination of arguments that argparse cannot express (exit 2)."""
+
+
+def storage_options(pairs: Sequence[str] | None) -> dict[str, Any]:
+    """``--storage-option KEY=VALUE`` pairs as fsspec options (JSON values typed, else strings)."""
+    out: dict[str, Any] = {}
+    for pair in pairs or ():
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise UsageError(f"--storage-option takes KEY=VALUE, got {pair!r}")
+        try:  # numbers, booleans and JSON objects pass typed; anything else stays a string
+            out[key] = json.loads(value)
+        except ValueError:
+            out[key] = value
+    return out
+
+
+def manager(args: argparse.Namespace) -> CheckpointManager:
+    """A read-only manager of ``args.url`` (never the lease)."""
+    from ..manager import CheckpointManager  # imports torch: only for commands that need it
+
+    return CheckpointManager(args.url, read_only=True, storage_options=storage_options(args.storage_option))
+
+
+def backend(args: argparse.Namespace) -> Backend:
+    """The store of ``args.url``, opened without torch."""
+    from ..backends import open_backend
+
+    return open_backend(args.url, **storage_options(args.storage_option))
+
+
+def require_root(store: Backend, url: str) -> None:
+    """Exit 4 on a URL where nothing is stored: a typo must not read as "no checkpoints", exit 0."""
+    from ..lease import LEASE_KEY
+
+    if store.exists(LEASE_KEY) or store.list(""):
+        return
+    raise NoCheckpointRootError(
+        f"no checkpoint root at {url}: nothing is stored there (no {LEASE_KEY}, no checkpoint); "
+        "check the URL", url=url)
+
+
+def human_size(n: int | None) -> str:
+    if n is None:
+        return "-"
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024:
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} TiB"
+
+
+def fmt_float(x: float | None) -> str:
+    if x is None:
+        return "-"
+    if math.isnan(x) or math.isinf(x):
+        return str(x)
+    return f"{x:.6g}"
+
+
+def table(rows: list[list[Any]], header: list[str]) -> str:
+    cells = [header] + [["-" if c is None else str(c) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in cells]
+    return "\n".join(lines)
+
+
+def _json_default(obj: Any) -> Any:
+    if hasattr(obj, "model_dump"):
+        return obj.model_dump(mode="json")
+    raise TypeError(f"not JSON-able: {type(obj).__name__}")
+
+
+def _clean(obj: Any) -> Any:
+    """Make floats strict JSON (nan/inf as the strings JSON parsers print), recursively."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return "NaN" if math.isnan(obj) else ("Infinity" if obj > 0 else "-Infinity")
+    if isinstance(obj, dict):
+        return {str(k): _clean(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_clean(v) for v in obj]
+    return obj
+
+
+def emit_json(doc: dict[str, Any]) -> None:
+    """Print ``doc`` as the one JSON document on stdout (strict JSON: no NaN literals)."""
+    sys.stdout.write(json.dumps(_clean(doc), indent=2, allow_nan=False, default=_json_default) + "\n")
+
+
+def parse_wall(text: str | None) -> datetime | None:
+    """A stored UTC time (document.py's rule), or None when absent or unreadable."""
+    if not text:
+        return None
+    try:
+        return parse_utc(text)
+    except ValueError:
+        return None
+
+
+def short_time(text: str | None) -> str:
+    dt = parse_wall(text)
+    return dt.astimezone(timezone.utc).strftime("%Y-%m-%d %H:%M:%SZ") if dt else (text or "-")
