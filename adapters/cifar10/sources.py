@@ -57,15 +57,16 @@ class UnsafePickleError(DataError, pickle.UnpicklingError):
         self.global_name = global_name
 
 
-def _numpy_reconstruct():  # noqa: ANN202
+def numpy_reconstruct() -> Any:
+    """numpy's array unpickling function, the one global a CIFAR pickle may name (reader and writer)."""
     core = getattr(np, "_core", None) or np.core  # numpy 2 renamed it; ``numpy.core`` warns there
     return core.multiarray._reconstruct
 
 
 # Exactly what a pickled ndarray needs, whichever numpy wrote it. Nothing else can be built.
 _ALLOWED = {
-    ("numpy.core.multiarray", "_reconstruct"): _numpy_reconstruct,
-    ("numpy._core.multiarray", "_reconstruct"): _numpy_reconstruct,
+    ("numpy.core.multiarray", "_reconstruct"): numpy_reconstruct,
+    ("numpy._core.multiarray", "_reconstruct"): numpy_reconstruct,
     ("numpy", "ndarray"): lambda: np.ndarray,
     ("numpy", "dtype"): lambda: np.dtype,
 }
@@ -131,7 +132,7 @@ def _ndarray_guard(limit: int, where: str) -> _NdarrayClass:
 
 
 def _reconstruct_guard(limit: int, where: str) -> Any:
-    real = _numpy_reconstruct()
+    real = numpy_reconstruct()
 
     def reconstruct(subtype: Any, shape: Any, dtype: Any) -> np.ndarray:
         if not isinstance(subtype, _NdarrayClass):

@@ -22,7 +22,7 @@ import torch
 from ckptsdk.errors import ConfigError
 
 from .data import CifarData, tensor_hash
-from .sources import HF_TEST_FILE, HF_TRAIN_BATCH_ORDER, HF_TRAIN_FILE, LABEL_NAMES, TV_DIRNAME
+from .sources import HF_TEST_FILE, HF_TRAIN_BATCH_ORDER, HF_TRAIN_FILE, LABEL_NAMES, TV_DIRNAME, numpy_reconstruct
 
 __all__ = ["synthetic_cifar10", "write_hf_parquet", "write_torchvision_tarball", "write_both"]
 
@@ -89,6 +89,9 @@ class _Py2Pickler(pickle._Pickler):  # the pure-Python pickler is overridable
     if TYPE_CHECKING:  # the pure-Python pickler's own methods, which typeshed leaves out
         def write(self, data: bytes) -> None: ...
         def memoize(self, obj: object) -> None: ...
+        def _base_save_global(self, obj: object, name: str | None = None) -> None: ...
+    else:
+        _base_save_global = pickle._Pickler.save_global
 
     def _save_py2_str(self, obj: bytes) -> None:
         n = len(obj)
@@ -101,17 +104,12 @@ class _Py2Pickler(pickle._Pickler):  # the pure-Python pickler is overridable
     # typeshed types dispatch entries as taking an Unpickler; pickle.py calls them with the pickler.
     dispatch[bytes] = _save_py2_str  # type: ignore[assignment]
 
-    def save_global(self, obj, name=None):  # noqa: ANN001, ANN201 - pickle's signature
-        if obj is _reconstruct_fn():
+    def save_global(self, obj: object, name: str | None = None) -> None:
+        if obj is numpy_reconstruct():
             self.write(pickle.GLOBAL + b"numpy.core.multiarray\n_reconstruct\n")
             self.memoize(obj)
             return
-        super().save_global(obj, name)
-
-
-def _reconstruct_fn():  # noqa: ANN202
-    core = getattr(np, "_core", None) or np.core  # numpy 2 moved it; np.core warns there
-    return core.multiarray._reconstruct
+        self._base_save_global(obj, name)
 
 
 def _py2_pickle(obj: object) -> bytes:
