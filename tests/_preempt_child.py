@@ -5,7 +5,9 @@ default in the main thread) and save_every far away, so the only saves are the o
 for. It prints ``step N`` after each step (flushed), so the parent signals at a step it chose.
 ``CKPT_SLOW_WRITE=S`` sleeps S seconds before each tensor-file write (printing ``writing``), to
 signal again during the save; ``CKPT_DEADLINE`` sets ``signal_deadline``. At the end it prints
-``done DIGEST`` with a digest of the final parameters.
+``done DIGEST`` with a digest of the final parameters. ``CKPT_HOLD_AT=N`` holds step N (up to
+60 s) until a signal has asked for a save, so a busy machine cannot let the job run past the step
+the parent aims at before its signal lands.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ def main(root: str, max_step: int) -> None:
     pos = mgr.restore(state)
     start = 1 if pos is None else pos.step + 1
     _ARMED[0] = True
+    hold_at = int(os.environ.get("CKPT_HOLD_AT", "-1"))
     for step in range(start, max_step + 1):
         gen = torch.Generator().manual_seed(step)  # data and noise from (seed, step): resumable
         x = torch.randn(8, 16, generator=gen)
@@ -57,6 +60,11 @@ def main(root: str, max_step: int) -> None:
         mgr.log_step(step, loss=loss.item())
         print(f"step {step}", flush=True)
         time.sleep(0.02)  # a step long enough for the parent to aim at
+        if step == hold_at:
+            for _ in range(6000):  # bounded: 60 s
+                if mgr.should_save(step):
+                    break
+                time.sleep(0.01)
         if mgr.should_save(step):
             mgr.save(state, step=step)
     mgr.close()
