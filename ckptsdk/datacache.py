@@ -8,7 +8,6 @@ recorded tensor hash) live here too. Parsing what the bytes mean belongs to adap
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -19,7 +18,7 @@ import xxhash
 
 from .backends import open_backend
 from .backends.base import Backend, check_key
-from .datacache_entry import CacheEntry, Fetched, file_digest, parse_entry, pinned_digest
+from .datacache_entry import CacheEntry, DataRecord, Fetched, file_digest, parse_entry, parse_record, pinned_digest
 from .digest import ALGORITHMS, DEFAULT, new_hasher
 from .download import DownloadError, download, progress_bar
 from .errors import (
@@ -157,19 +156,19 @@ class DataCache:
         os.replace(tmp, path)
 
     def get_record(self, name: str) -> dict[str, Any] | None:
-        """The JSON record ``name`` stored in the cache, or None (absent, or no cache)."""
+        """The JSON record ``name`` stored in the cache, or None (absent, or no cache).
+
+        Raises:
+            DataError: the stored record is unreadable; the message says which object to delete.
+        """
         check_key(name, url=self.url or "")
         if self.backend is None:
             return None
         try:
-            return json.loads(self.backend.read(self._record_key(name)))
+            data = self.backend.read(self._record_key(name))
         except ObjectNotFound:
             return None
-        except ValueError as exc:
-            raise DataError(
-                f"record {name!r} in the data cache {self.url} is not valid JSON ({exc}); "
-                f"delete {self._record_key(name)!r} there to record it again"
-            ) from exc
+        return parse_record(data, f"{self.url}/{self._record_key(name)}")
 
     def record_once(self, name: str, record: dict[str, Any]) -> dict[str, Any]:
         """Store ``record`` under ``name`` unless one exists; return the record that stands.
@@ -181,7 +180,7 @@ class DataCache:
         if self.backend is None:
             return record
         try:
-            self.backend.create(self._record_key(name), json.dumps(record, sort_keys=True).encode())
+            self.backend.create(self._record_key(name), DataRecord(record=record).to_json())
             logger.info("recorded %r in the data cache %s", name, self.url)
             return record
         except PreconditionFailed:

@@ -11,18 +11,21 @@ import json
 from dataclasses import dataclass
 from typing import ClassVar
 
-from pydantic import Field, field_validator
+from pydantic import Field, JsonValue, field_validator
 
 from .digest import ALGORITHMS, DEFAULT, new_hasher
 from .document import Document, check_format, parse_document
 from .errors import CkptError, ConfigError, DataError
 
-__all__ = ["CACHE_FORMAT", "CacheEntry", "Fetched", "file_digest", "parse_entry", "pinned_digest"]
+__all__ = ["CACHE_FORMAT", "RECORD_FORMAT", "CacheEntry", "DataRecord", "Fetched", "file_digest", "parse_entry",
+           "parse_record", "pinned_digest"]
 
 _CHUNK = 8 << 20
 #: 1.0: the first string format; before it, meta objects said ``"format": 1`` (an int, still read)
 #: and local sidecars had no format at all (still read).
 CACHE_FORMAT = "ckptsdk.datacache/1.0"
+#: A caller's record (``DataCache.record_once``); before 1.0 the caller's dict was stored bare (still read).
+RECORD_FORMAT = "ckptsdk.datarecord/1.0"
 
 
 def file_digest(path: str, algorithm: str = DEFAULT) -> str:
@@ -103,6 +106,35 @@ def parse_entry(data: bytes, key: str) -> CacheEntry:
         return DataError(message)
 
     return parse_document(data, CacheEntry, key=key, error=error)
+
+
+class DataRecord(Document):
+    """A caller's JSON record kept once in the cache (a dataset's tensor hash, trusted on first use).
+
+    No checksum: the caller compares what it finds against what it computes and says so loudly
+    when they differ, which is the check that matters.
+    """
+
+    FORMAT: ClassVar[str] = RECORD_FORMAT
+
+    format: str = Field(default=RECORD_FORMAT, pattern=r"^ckptsdk\.datarecord/1(\.[0-9]+)?$")
+    record: dict[str, JsonValue]
+
+
+def parse_record(data: bytes, key: str) -> dict[str, JsonValue]:
+    """The caller's record from a stored one, by the version rule; a bare pre-1.0 dict too."""
+    try:
+        obj = json.loads(data)
+    except (ValueError, RecursionError):
+        obj = None  # parse_document says what is wrong
+    fmt = obj.get("format") if isinstance(obj, dict) else None
+    if isinstance(obj, dict) and not (isinstance(fmt, str) and fmt.startswith("ckptsdk.datarecord/")):
+        return obj  # before 1.0: the caller's dict itself (which may hold a "format" of its own)
+
+    def error(message: str, step: int | None) -> CkptError:
+        return DataError(f"{message}; delete {key!r} from the cache to record it again")
+
+    return parse_document(data, DataRecord, key=key, error=error).record
 
 
 @dataclass(frozen=True)

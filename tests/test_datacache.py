@@ -11,7 +11,7 @@ import xxhash
 
 from ckptsdk.datacache import DataCache
 from ckptsdk.download import DownloadError, download
-from ckptsdk.errors import AllSourcesFailedError, ConfigError
+from ckptsdk.errors import AllSourcesFailedError, ConfigError, DataError
 from tests.http_server import Behaviour, FileServer
 
 PAYLOAD = os.urandom(1_000_003)
@@ -183,6 +183,22 @@ def test_record_once_keeps_the_first_record(tmp_path):
     assert _cache("memory://" + tmp_path.name).record_once("x/y", {"v": 2}) == {"v": 1}
     assert cache.get_record("x/y") == {"v": 1}
     assert cache.get_record("x/none") is None
+
+
+def test_records_follow_the_version_rule_and_bare_old_ones_are_still_read(tmp_path):
+    cache = _cache("memory://" + tmp_path.name)
+    cache.record_once("new", {"format": "the caller's own field", "v": 1})
+    stored = json.loads(cache.backend.read(cache._record_key("new")))
+    assert stored["format"] == "ckptsdk.datarecord/1.0"
+    assert cache.get_record("new") == {"format": "the caller's own field", "v": 1}
+    # What ckptsdk stored before records had a format: the caller's dict, bare.
+    cache.backend.write(cache._record_key("old"), b'{"format": 7, "sha256": "ab12", "v": 2}')
+    assert cache.get_record("old") == {"format": 7, "sha256": "ab12", "v": 2}
+    cache.backend.write(cache._record_key("newer"), b'{"format": "ckptsdk.datarecord/2.0", "record": {}}')
+    with pytest.raises(DataError, match="upgrade ckptsdk") as info:
+        cache.get_record("newer")
+    assert "delete" in str(info.value)
+    assert cache.backend.read(cache._record_key("newer"))  # nothing was lost
 
 
 def test_dropped_server_mid_body_without_retries_leaves_a_part_file_that_resumes(tmp_path):

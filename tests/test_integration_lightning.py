@@ -106,6 +106,23 @@ def test_a_torch_save_ckpt_is_not_unpickled(tmp_path):
     io.teardown()
 
 
+def test_a_pointer_of_the_previous_format_is_read_and_a_newer_major_refused(tmp_path):
+    url = str(tmp_path / "root")
+    io = CkptsdkCheckpointIO(url, lease_ttl=5)
+    io.save_checkpoint(_checkpoint(), tmp_path / "last.ckpt")  # step 3
+    written = json.loads((tmp_path / "last.ckpt").read_text())
+    assert written["format"] == POINTER_FORMAT == "ckptsdk.lightning_pointer/1.0"
+    # What ckptsdk wrote before the pointer followed the version rule (document.py), verbatim:
+    (tmp_path / "old.ckpt").write_text(
+        '{"format": "ckptsdk-lightning-pointer/1", "key": "step-0000000003.e1", "step": 3, "url": ROOT}'
+        .replace("ROOT", json.dumps(url)))
+    assert io.load_checkpoint(tmp_path / "old.ckpt")["global_step"] == 3
+    (tmp_path / "new.ckpt").write_text(json.dumps({**written, "format": "ckptsdk.lightning_pointer/2.0"}))
+    with pytest.raises(ConfigError, match="upgrade ckptsdk"):
+        io.load_checkpoint(tmp_path / "new.ckpt")
+    io.teardown()
+
+
 def test_training_on_from_an_older_step_is_refused_before_it_is_shadowed(tmp_path):
     url = str(tmp_path / "root")
     io = CkptsdkCheckpointIO(url, lease_ttl=5)

@@ -16,9 +16,10 @@ import shutil
 import tempfile
 from collections import OrderedDict
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 from fsspec.implementations.local import LocalFileSystem
+from pydantic import Field
 
 from . import require
 
@@ -27,6 +28,7 @@ from lightning.fabric.plugins import CheckpointIO  # noqa: E402
 from lightning.fabric.utilities.cloud_io import get_filesystem  # noqa: E402
 from lightning.fabric.utilities.rank_zero import rank_zero_only  # noqa: E402
 
+from ..document import Document, parse_document  # noqa: E402
 from ..errors import ConfigError, UnsupportedStateError  # noqa: E402
 from ..state import capture_rng, restore_rng  # noqa: E402
 
@@ -35,7 +37,19 @@ logger = logging.getLogger(__name__)
 __all__ = ["CkptsdkCheckpointIO", "POINTER_FORMAT"]
 
 #: The ``format`` field of the JSON file left at Lightning's checkpoint path.
-POINTER_FORMAT = "ckptsdk-lightning-pointer/1"
+POINTER_FORMAT = "ckptsdk.lightning_pointer/1.0"
+# What ckptsdk wrote before the pointer followed the one version rule (document.py); still read.
+_LEGACY_POINTER_FORMAT = "ckptsdk-lightning-pointer/1"
+
+
+class Pointer(Document):
+    """What Lightning holds as a ``.ckpt`` path: a small JSON naming the ckptsdk checkpoint."""
+
+    FORMAT: ClassVar[str] = POINTER_FORMAT
+    format: str = POINTER_FORMAT
+    url: str
+    step: int = Field(ge=0)
+    key: str
 
 
 class _Captured:
@@ -151,7 +165,7 @@ class CkptsdkCheckpointIO(CheckpointIO):
         if self._tmpdir is None:
             self._tmpdir = tempfile.mkdtemp(prefix="ckptsdk-lightning-")
         path = os.path.join(self._tmpdir, f"resume-{info.step}.ckpt")
-        self._write_pointer(path, {"format": POINTER_FORMAT, "url": self.url, "step": info.step, "key": info.key})
+        self._write_pointer(path, Pointer(url=self.url, step=info.step, key=info.key))
         return path
 
     # ------------------------------------------------------------------ CheckpointIO
@@ -192,8 +206,7 @@ class CkptsdkCheckpointIO(CheckpointIO):
                 f"Lightning checkpoint key {key!r} cannot be stored without pickle: {exc}. Return plain "
                 "values there (tensors, numbers, strings, lists, dicts) from on_save_checkpoint/state_dict, "
                 "or leave it out", path=exc.path, type_name=exc.type_name) from exc
-        self._write_pointer(os.fspath(path), {"format": POINTER_FORMAT, "url": self.url, "step": info.step,
-                                              "key": info.key})
+        self._write_pointer(os.fspath(path), Pointer(url=self.url, step=info.step, key=info.key))
         logger.info("lightning checkpoint %s -> %s/%s", path, self.url, info.key)
 
     def load_checkpoint(self, path: str | os.PathLike[str], map_location: object = None,
@@ -209,10 +222,10 @@ class CkptsdkCheckpointIO(CheckpointIO):
             NoValidCheckpointError: the checkpoint it names is gone or corrupt.
         """
         pointer = self._read_pointer(os.fspath(path))
-        if pointer.get("url") != self.url:
+        if pointer.url != self.url:
             logger.warning("%s was written for %s; reading step %s from this plugin's root %s",
-                           path, pointer.get("url"), pointer.get("step"), self.url)
-        step = int(pointer["step"])
+                           path, pointer.url, pointer.step, self.url)
+        step = pointer.step
         mgr, tree = self._start(loading=True)
         if tree is None or tree.get("lightning", {}).get("global_step") != step:
             # Not the newest checkpoint (a `best` one, or a read-only rank): read it as it is.
@@ -244,8 +257,8 @@ class CkptsdkCheckpointIO(CheckpointIO):
     # ------------------------------------------------------------------ pointers
 
     @staticmethod
-    def _write_pointer(path: str, doc: dict[str, Any]) -> None:
-        data = json.dumps(doc, sort_keys=True).encode()
+    def _write_pointer(path: str, pointer: Pointer) -> None:
+        data = pointer.to_json()
         fs = get_filesystem(path)
         parent = os.path.dirname(path)
         if parent:
@@ -261,7 +274,7 @@ class CkptsdkCheckpointIO(CheckpointIO):
             fs.pipe_file(path, data)
 
     @staticmethod
-    def _read_pointer(path: str) -> dict[str, Any]:
+    def _read_pointer(path: str) -> Pointer:
         fs = get_filesystem(path)
         try:
             with fs.open(path, "rb") as f:
@@ -271,6 +284,10 @@ class CkptsdkCheckpointIO(CheckpointIO):
             raise ConfigError(
                 f"{path} is not a checkpoint pointer written by CkptsdkCheckpointIO ({exc}); a torch.save "
                 "checkpoint can be brought in with `ckptsdk import FILE URL`") from exc
-        if not isinstance(doc, dict) or doc.get("format") != POINTER_FORMAT or not isinstance(doc.get("step"), int):
-            raise ConfigError(f"{path} is not a {POINTER_FORMAT} pointer; it cannot be loaded by CkptsdkCheckpointIO")
-        return doc
+        if isinstance(doc, dict) and doc.get("format") == _LEGACY_POINTER_FORMAT:
+            raw = json.dumps({**doc, "format": "ckptsdk.lightning_pointer/1.0"}).encode()
+
+        def error(message: str, step: int | None) -> ConfigError:
+            return ConfigError(f"{message}; it cannot be loaded by CkptsdkCheckpointIO")
+
+        return parse_document(raw, Pointer, key=path, error=error)
