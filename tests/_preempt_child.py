@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import signal
 import sys
 import time
 
@@ -33,6 +34,10 @@ def _slow(op: str, key: str, n: int) -> None:
 
 
 def main(root: str, max_step: int) -> None:
+    # A shell starts background jobs with SIGINT ignored, and children inherit that, so under a
+    # backgrounded CI run Python would leave it ignored (and so would ckptsdk, rightly). This job
+    # stands in for an interactive one: Ctrl-C raises KeyboardInterrupt.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     torch.manual_seed(0)
     torch.set_num_threads(1)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.BatchNorm1d(32), torch.nn.ReLU(),
