@@ -16,7 +16,7 @@ from typing import Any, ClassVar, Final
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from .backends.base import Backend
-from .document import Document, check_format
+from .document import Document
 from .errors import ConfigError, ManifestError, ObjectNotFound
 from .runlog_record import RUNLOG_PREFIX, AttemptRecord, LogFloat, parse_attempt_record, parse_chunk, parse_runlog_key
 
@@ -117,11 +117,6 @@ class AuditReport(Document):
     series: dict[int, list[tuple[int, dict[str, float]]]] = Field(default_factory=dict, exclude=True,
                                                                    repr=False)
 
-    @field_validator("format", mode="before")
-    @classmethod
-    def _format_first(cls, value: object) -> object:
-        check_format(value, AUDIT_FORMAT)
-        return value
 
     @property
     def ok(self) -> bool:

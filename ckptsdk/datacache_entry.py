@@ -11,10 +11,10 @@ import json
 from dataclasses import dataclass
 from typing import ClassVar
 
-from pydantic import Field, JsonValue, field_validator
+from pydantic import Field, JsonValue
 
 from .digest import ALGORITHMS, DEFAULT, new_hasher
-from .document import Document, check_format, parse_document
+from .document import Document, parse_document
 from .errors import CkptError, ConfigError, DataError
 
 __all__ = ["CACHE_FORMAT", "RECORD_FORMAT", "CacheEntry", "DataRecord", "Fetched", "file_digest", "parse_entry",
@@ -85,11 +85,6 @@ class CacheEntry(Document):
     #: sidecars written before format 1.0.
     stored_at: float | None = None
 
-    @field_validator("format", mode="before")
-    @classmethod
-    def _format_first(cls, value: object) -> object:
-        check_format(value, CACHE_FORMAT)
-        return value
 
 
 def parse_entry(data: bytes, key: str) -> CacheEntry:

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from datetime import datetime, timezone
 from typing import Annotated, Any, ClassVar, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, model_validator
 
 from .errors import CkptError, ManifestError
 
@@ -45,9 +45,6 @@ _FORMAT_RE = re.compile(r"(?P<kind>[a-z0-9_.]+)/(?P<major>[0-9]+)(?:\.(?P<minor>
 
 _UTC_TIME = (r"^[0-9]{4}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])T([01][0-9]|2[0-3]):[0-5][0-9]:"
              r"[0-5][0-9](\.[0-9]{1,6})?(Z|\+00:00)$")
-#: A field holding a UTC time; validate it with ``check_utc`` (the JSON Schema states the pattern).
-UtcTime = Annotated[str, Field(description="UTC, ISO-8601: 2026-11-30T06:10:00.123456Z",
-                                json_schema_extra={"pattern": _UTC_TIME})]
 
 
 def utc_now() -> str:
@@ -70,6 +67,12 @@ def check_utc(value: str) -> str:
     except ValueError as exc:  # Feb 30 and the like: the pattern alone cannot tell
         raise ValueError(f"{value!r} is not a valid date and time") from exc
     return value
+
+
+#: A field holding a UTC time, checked by ``check_utc`` (the JSON Schema states the pattern).
+UtcTime = Annotated[str, AfterValidator(check_utc),
+                    Field(description="UTC, ISO-8601: 2026-11-30T06:10:00.123456Z",
+                          json_schema_extra={"pattern": _UTC_TIME})]
 
 
 def parse_utc(value: str) -> datetime:
@@ -201,6 +204,14 @@ class Document(Strict):
 
     FORMAT: ClassVar[str] = ""
     CHECKSUM_SINCE: ClassVar[int | None] = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _format_first(cls, data: object) -> object:
+        # The version rule for documents built or validated directly, not only parsed from bytes.
+        if isinstance(data, dict) and "format" in data:
+            check_format(data["format"], cls.FORMAT)
+        return data
 
     def to_json(self) -> bytes:
         """Strict JSON (no NaN tokens), UTF-8, one line ending in a newline, as the current format.

@@ -10,10 +10,10 @@ from __future__ import annotations
 import json
 from typing import ClassVar, Final
 
-from pydantic import Field, field_validator
+from pydantic import Field
 
 from .backends.base import Backend
-from .document import Document, Strict, UtcTime, check_format, check_utc, parse_document
+from .document import Document, Strict, UtcTime, parse_document
 from .errors import CkptError, LeaseError, ObjectNotFound
 
 __all__ = ["LEASE_FORMAT", "LEASE_KEY", "MAX_TTL", "LeaseHolder", "LeaseRecord", "best_effort_epoch",
@@ -76,16 +76,7 @@ class LeaseRecord(Document):
     renewed_at: UtcTime
     released: bool = False
 
-    @field_validator("format", mode="before")
-    @classmethod
-    def _format_first(cls, value: object) -> object:
-        check_format(value, LEASE_FORMAT)
-        return value
 
-    @field_validator("acquired_at", "renewed_at")
-    @classmethod
-    def _utc(cls, value: str) -> str:
-        return check_utc(value)
 
     def describe(self) -> str:
         """One human line: who holds it, which run and epoch, since when (by its own clock)."""

@@ -28,8 +28,6 @@ from .document import (
     Document,
     Strict,
     UtcTime,
-    check_format,
-    check_utc,
     parse_document,
     utc_now,
 )
@@ -182,16 +180,7 @@ class Manifest(Document):
     environment: Environment
     tags: dict[str, str] = Field(default_factory=dict)
 
-    @field_validator("format", mode="before")
-    @classmethod
-    def _format_first(cls, value: Any) -> Any:
-        check_format(value, FORMAT)
-        return value
 
-    @field_validator("created_at")
-    @classmethod
-    def _utc(cls, value: str) -> str:
-        return check_utc(value)
 
     @field_validator("tree")
     @classmethod
@@ -225,16 +214,7 @@ class LineageRecord(Document):
     pid: int = Field(default_factory=os.getpid, ge=0)
     created_at: UtcTime = Field(default_factory=utc_now)
 
-    @field_validator("format", mode="before")
-    @classmethod
-    def _format_first(cls, value: Any) -> Any:
-        check_format(value, LINEAGE_FORMAT)
-        return value
 
-    @field_validator("created_at")
-    @classmethod
-    def _utc(cls, value: str) -> str:
-        return check_utc(value)
 
 
 def _parse(data: bytes, model: type[D], key: str) -> D:

@@ -12,14 +12,12 @@ import math
 import re
 from typing import Annotated, Any, ClassVar, Final
 
-from pydantic import BeforeValidator, Field, PlainSerializer, field_validator
+from pydantic import BeforeValidator, Field, PlainSerializer
 
 from .document import (
     Document,
     Strict,
     UtcTime,
-    check_format,
-    check_utc,
     decode_float,
     dumps,
     encode_float,
@@ -112,16 +110,7 @@ class AttemptRecord(Document):
     chunk: int | None = None
     closed: bool = False
 
-    @field_validator("format", mode="before")
-    @classmethod
-    def _format_first(cls, value: object) -> object:
-        check_format(value, RUNLOG_FORMAT)
-        return value
 
-    @field_validator("started_at")
-    @classmethod
-    def _utc(cls, value: str) -> str:
-        return check_utc(value)
 
 
 class StepRow(Strict):

@@ -13,11 +13,11 @@ import logging
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from pydantic import Field, field_validator
+from pydantic import Field
 
 from .backends.base import Backend
 from .catalog import Catalog, Rank, scan
-from .document import Document, UtcTime, check_format, check_utc, parse_document, utc_now
+from .document import Document, UtcTime, parse_document, utc_now
 from .errors import BackendError, CkptError, DataError, ObjectNotFound
 
 logger = logging.getLogger(__name__)
@@ -50,16 +50,7 @@ class TrashTotal(Document):
     files: int = Field(ge=0)
     updated_at: UtcTime = Field(default_factory=utc_now)
 
-    @field_validator("format", mode="before")
-    @classmethod
-    def _format_first(cls, value: object) -> object:
-        check_format(value, TRASH_FORMAT)
-        return value
 
-    @field_validator("updated_at")
-    @classmethod
-    def _utc(cls, value: str) -> str:
-        return check_utc(value)
 
 
 def _parse_total(data: bytes, key: str) -> TrashTotal:
