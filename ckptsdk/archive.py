@@ -21,6 +21,11 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["check_members", "safe_extract"]
 
+# tarfile's extraction filters came in Python 3.10.12 / 3.11.4 / 3.12; Debian 12's 3.11.2 lacks
+# them. There ``_check_member`` is the whole check, and attributes (owner, mode) are not applied.
+_HAS_FILTER = hasattr(tarfile, "data_filter")
+_FILTER_ERRORS: tuple[type[BaseException], ...] = (tarfile.FilterError,) if _HAS_FILTER else ()
+
 
 def _inside(root: str, path: str) -> bool:
     return os.path.commonpath([root, path]) == root
@@ -75,7 +80,8 @@ def safe_extract(archive: str, target: str) -> list[str]:
     """Extract ``archive`` (any compression tarfile reads) into ``target``.
 
     One streaming pass (a .tar.gz is decompressed once) into a staging folder inside ``target``;
-    each member is checked before it is written, and Python's ``data`` filter checks it again.
+    each member is checked before it is written, and Python's ``data`` filter checks it again
+    (where this Python has it).
     Only when every member passed are the staged entries moved into ``target`` (replacing
     entries of the same name); on any refusal the staging folder is deleted.
 
@@ -105,8 +111,11 @@ def safe_extract(archive: str, target: str) -> list[str]:
             for m in tar:
                 _check_member(m, root, target)
                 try:
-                    tar.extract(m, stage, filter="data")
-                except tarfile.FilterError as exc:
+                    if _HAS_FILTER:
+                        tar.extract(m, stage, filter="data")
+                    else:  # pragma: no cover - Pythons before the filters (see _HAS_FILTER)
+                        tar.extract(m, stage, set_attrs=False)
+                except _FILTER_ERRORS as exc:
                     raise UnsafeArchiveError(
                         f"archive {archive!r} member {m.name!r} refused by tarfile's data filter: {exc}",
                         member=m.name,

@@ -1,6 +1,7 @@
 # Sourced by scripts/demo.sh, scripts/test.sh, and by you (`source scripts/venv.sh`): creates (once)
 # and activates a virtual environment with every dependency of the project, keyed by a hash of
-# pyproject.toml and this file, so that a second run, or a second clone, reuses it in seconds.
+# pyproject.toml, this file and the interpreter ($PYTHON, else python3: two Pythons on one machine
+# get two venvs), so that a second run, or a second clone, reuses it in seconds.
 # The project itself is put on PYTHONPATH rather than installed, so two clones can share one
 # venv; the venv's `ckptsdk` command runs the ckptsdk of whichever clone's PYTHONPATH is active.
 # Sourcing changes only PATH, PYTHONPATH and GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT in your shell: the
@@ -45,7 +46,9 @@ PY
 )
 
 _ckptsdk_repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-_ckptsdk_key="$(cat "$_ckptsdk_repo/pyproject.toml" "$_ckptsdk_repo/scripts/venv.sh" | sha256sum | cut -c1-16)"
+_ckptsdk_key="$({ cat "$_ckptsdk_repo/pyproject.toml" "$_ckptsdk_repo/scripts/venv.sh"
+                  "${PYTHON:-python3}" -c 'import sys; print(sys.executable, sys.version)' 2>/dev/null || true
+                } | sha256sum | cut -c1-16)"
 _ckptsdk_venv="${CKPTSDK_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/ckptsdk/venv-$_ckptsdk_key}"
 # Not `if _ckptsdk_setup ...`: bash ignores `set -e` inside a condition, even in a subshell.
 _ckptsdk_setup "$_ckptsdk_repo" "$_ckptsdk_venv"
