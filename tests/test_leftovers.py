@@ -29,6 +29,9 @@ from tests.drive_mount_sim import DriveSim
 
 REPO = Path(__file__).resolve().parents[1]
 KILLS = 10
+# Kills go on past KILLS (bounded) until two landed inside a save: where a kill lands is chance,
+# and a loaded machine (xdist workers on 2 cores) shifts the odds.
+MAX_KILLS = 30
 KEEP_LAST = 3
 GRACE = {"local": 3600.0, "gcs": 3600.0, "drive": 1.0}  # CAS stores never need the grace
 
@@ -73,7 +76,11 @@ def test_ten_kills_mid_save_then_one_save_leave_nothing_behind(kind, make_backen
     backend = target.open()
     try:
         assert _line(zygote, 120) == "zygote-ready", (tmp_path / "zygote.err").read_text()
-        for trial in range(KILLS):
+        kills = 0
+        for trial in range(MAX_KILLS):
+            if trial >= KILLS and killed_mid_save >= 2:
+                break
+            kills += 1
             zygote.stdin.write(b"go 0\n")
             pid = int(_line(zygote, 60).split()[1])
             restored = _line(zygote, 120)
@@ -123,7 +130,7 @@ def test_ten_kills_mid_save_then_one_save_leave_nothing_behind(kind, make_backen
     if kind in ("local", "drive"):
         assert _step_temp_files(Path(backend.root)) == [], "temp files of killed saves were left"
     assert killed_mid_save >= 2, "too few kills landed inside a save to test anything"
-    print(f"\n{kind}: {KILLS} kills, {killed_mid_save} inside a save; after one more save: "
+    print(f"\n{kind}: {kills} kills, {killed_mid_save} inside a save; after one more save: "
           f"{len(rows)} steps in {len(cat.checkpoints)} folders")
 
 
