@@ -23,7 +23,7 @@ import math
 import re
 import struct
 from collections.abc import Callable
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Annotated, Any, ClassVar, TypeVar
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, model_validator
@@ -54,7 +54,7 @@ def utc_now() -> str:
         >>> utc_now().endswith("Z") and len(utc_now()) == len("2026-11-30T06:10:00.123456Z")
         True
     """
-    return datetime.now(timezone.utc).isoformat(timespec="microseconds").replace("+00:00", "Z")
+    return datetime.now(UTC).isoformat(timespec="microseconds").replace("+00:00", "Z")
 
 
 def check_utc(value: str) -> str:
@@ -85,7 +85,7 @@ def parse_utc(value: str) -> datetime:
     dt = datetime.fromisoformat(value.replace("Z", "+00:00"))
     if dt.tzinfo is None:
         raise ValueError(f"{value!r} has no time zone; ckptsdk writes UTC times ending in 'Z'")
-    return dt.astimezone(timezone.utc)
+    return dt.astimezone(UTC)
 
 
 # --- floats ----------------------------------------------------------------------------------

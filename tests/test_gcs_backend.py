@@ -18,6 +18,7 @@ import signal
 import socket
 import threading
 import time
+import tomllib
 import uuid
 from collections.abc import Callable, Iterator
 from itertools import pairwise
@@ -26,7 +27,6 @@ from pathlib import Path
 import aiohttp
 import fsspec.asyn
 import pytest
-import tomllib
 import xxhash
 from gcsfs.core import GCSFileSystem
 

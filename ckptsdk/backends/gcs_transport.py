@@ -241,7 +241,7 @@ class JsonApiTransport:
                 )
             except aiohttp.ClientConnectorError as exc:  # never reached the server: not applied
                 last = exc
-            except (ConnectionLost, aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            except (TimeoutError, ConnectionLost, aiohttp.ClientError, OSError) as exc:
                 ambiguous, last = True, exc  # sent, but the reply was lost: maybe applied
             else:
                 if status not in RETRY_STATUSES:

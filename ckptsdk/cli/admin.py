@@ -11,7 +11,7 @@ import argparse
 import json
 import sys
 from collections.abc import Callable
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from ..errors import LeaseError
@@ -25,7 +25,7 @@ __all__ = ["cmd_gc", "cmd_lease", "register"]
 
 def _lease_doc(record: LeaseRecord) -> dict[str, Any]:
     renewed = parse_wall(record.renewed_at)
-    age = (datetime.now(timezone.utc) - renewed).total_seconds() if renewed else None
+    age = (datetime.now(UTC) - renewed).total_seconds() if renewed else None
     if record.released:
         state = "released"
     elif age is not None and age > record.ttl:

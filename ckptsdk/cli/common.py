@@ -11,7 +11,7 @@ import json
 import math
 import sys
 from collections.abc import Sequence
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from ..document import parse_utc
@@ -143,4 +143,4 @@ def parse_wall(text: str | None) -> datetime | None:
 
 def short_time(text: str | None) -> str:
     dt = parse_wall(text)
-    return dt.astimezone(timezone.utc).strftime("%Y-%m-%d %H:%M:%SZ") if dt else (text or "-")
+    return dt.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%SZ") if dt else (text or "-")
