@@ -49,10 +49,11 @@ def _figures(path: str) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=300, help="global steps of the run")
-    p.add_argument("--save-every", type=int, default=100)
-    p.add_argument("--kill-in-save", type=int, default=200, help="SIGKILL inside the save of this step")
-    p.add_argument("--kill-at", type=int, default=250, help="then SIGKILL after this step")
+    p.add_argument("--steps", type=int, help="global steps of the run (default 300; 60 with --small)")
+    p.add_argument("--save-every", type=int, help="default 100; 20 with --small")
+    p.add_argument("--kill-in-save", type=int,
+                   help="SIGKILL inside the save of this step (default 200; 40 with --small)")
+    p.add_argument("--kill-at", type=int, help="then SIGKILL after this step (default 250; 50 with --small)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--lease-ttl", type=float, default=5.0)
     p.add_argument("--timeout", type=float, default=240.0, help="seconds allowed per child")
@@ -61,6 +62,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-overhead", action="store_true", help="skip the training-overhead benchmark")
     p.add_argument("--overhead-steps", type=int, default=200, help="steps per overhead configuration")
     args = p.parse_args(argv)
+    # --small runs 3 epochs of 20 steps: the kill points must fall inside them.
+    for name, full, small in (("steps", 300, 60), ("save_every", 100, 20), ("kill_in_save", 200, 40),
+                              ("kill_at", 250, 50)):
+        if getattr(args, name) is None:
+            setattr(args, name, small if args.small else full)
     if args.device.startswith("cuda"):
         import torch
 
