@@ -7,9 +7,8 @@ verifying bytes belong to ``ckptsdk.datacache``.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from pydantic import Field, JsonValue
 
@@ -89,18 +88,18 @@ class CacheEntry(Document):
 
 def parse_entry(data: bytes, key: str) -> CacheEntry:
     """A meta object or sidecar, by the version rule; the two older unversioned forms too."""
-    try:
-        obj = json.loads(data)
-    except (ValueError, RecursionError):
-        obj = None  # parse_document says what is wrong
-    if isinstance(obj, dict) and (obj.get("format") == 1 or ("format" not in obj and "digest" in obj)):
+
+    def legacy(obj: dict[str, Any]) -> dict[str, Any] | None:
         # Before format 1.0: meta said "format": 1 (an int), sidecars said nothing. Same fields.
-        data = json.dumps({**obj, "format": CACHE_FORMAT}).encode()
+        if obj.get("format") == 1 or ("format" not in obj and "digest" in obj):
+            return {**obj, "format": CACHE_FORMAT}
+        return None
 
-    def error(message: str, step: int | None) -> CkptError:
-        return DataError(message)
+    return parse_document(data, CacheEntry, key=key, error=_data_error, legacy=legacy)
 
-    return parse_document(data, CacheEntry, key=key, error=error)
+
+def _data_error(message: str, step: int | None) -> CkptError:
+    return DataError(message)
 
 
 class DataRecord(Document):
@@ -118,18 +117,17 @@ class DataRecord(Document):
 
 def parse_record(data: bytes, key: str) -> dict[str, JsonValue]:
     """The caller's record from a stored one, by the version rule; a bare pre-1.0 dict too."""
-    try:
-        obj = json.loads(data)
-    except (ValueError, RecursionError):
-        obj = None  # parse_document says what is wrong
-    fmt = obj.get("format") if isinstance(obj, dict) else None
-    if isinstance(obj, dict) and not (isinstance(fmt, str) and fmt.startswith("ckptsdk.datarecord/")):
-        return obj  # before 1.0: the caller's dict itself (which may hold a "format" of its own)
+
+    def legacy(obj: dict[str, Any]) -> dict[str, Any] | None:
+        # Before 1.0 the caller's dict was stored itself (and may hold a "format" of its own).
+        fmt = obj.get("format")
+        return None if isinstance(fmt, str) and fmt.startswith("ckptsdk.datarecord/") else \
+            {"format": RECORD_FORMAT, "record": obj}
 
     def error(message: str, step: int | None) -> CkptError:
         return DataError(f"{message}; delete {key!r} from the cache to record it again")
 
-    return parse_document(data, DataRecord, key=key, error=error).record
+    return parse_document(data, DataRecord, key=key, error=error, legacy=legacy).record
 
 
 @dataclass(frozen=True)

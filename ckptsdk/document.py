@@ -282,7 +282,8 @@ D = TypeVar("D", bound=Document)
 
 def parse_document(data: bytes | bytearray | memoryview | str, model: type[D], *, key: str = "", url: str | None = None,
                    error: Callable[[str, int | None], CkptError] | None = None,
-                   damaged: str = "it is not used") -> D:
+                   damaged: str = "it is not used",
+                   legacy: Callable[[dict[str, Any]], dict[str, Any] | None] | None = None) -> D:
     """Parse and validate one JSON document by the version rule (module docstring).
 
     Args:
@@ -293,6 +294,9 @@ def parse_document(data: bytes | bytearray | memoryview | str, model: type[D], *
         error: builds the error to raise from (message, step or None); by default a
             ``ManifestError`` carrying ``key`` and ``step``.
         damaged: what the caller does with a document whose checksum fails, for the message.
+        legacy: given the decoded object, returns it in the current form if it is one the
+            previous ckptsdk wrote before this document had its ``format`` (else None); it is
+            then read as that.
 
     Raises:
         ManifestError (or what ``error`` builds): not JSON, not an object, no or a foreign or
@@ -321,6 +325,8 @@ def parse_document(data: bytes | bytearray | memoryview | str, model: type[D], *
                     f"{expected} document", None) from exc
     if not isinstance(obj, dict):
         raise error(f"{where}expected a JSON object, got {type(obj).__name__}", None)
+    if legacy is not None:
+        obj = legacy(obj) or obj
     step = obj.get("step") if type(obj.get("step")) is int else None
     if "format" not in obj:
         raise error(f"{where}no 'format' field; not a {expected} document", step)

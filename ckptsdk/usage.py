@@ -8,10 +8,9 @@ Deciding what to delete is rotation's business, not this module's.
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from pydantic import Field
 
@@ -54,17 +53,13 @@ class TrashTotal(Document):
 
 
 def _parse_total(data: bytes, key: str) -> TrashTotal:
-    try:
-        obj = json.loads(data)
-    except (ValueError, RecursionError):
-        obj = None  # parse_document says what is wrong
-    if isinstance(obj, dict) and "format" not in obj:  # the previous ckptsdk's unversioned form
-        data = json.dumps({**obj, "format": TRASH_FORMAT}).encode()
-
     def error(message: str, step: int | None) -> CkptError:
         return DataError(message)
 
-    return parse_document(data, TrashTotal, key=key, error=error)
+    def legacy(obj: dict[str, Any]) -> dict[str, Any] | None:  # the previous ckptsdk's unversioned form
+        return {**obj, "format": TRASH_FORMAT} if "format" not in obj else None
+
+    return parse_document(data, TrashTotal, key=key, error=error, legacy=legacy)
 
 
 @dataclass(frozen=True)

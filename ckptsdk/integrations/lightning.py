@@ -9,7 +9,6 @@ stored and when is Lightning's business.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
@@ -279,15 +278,14 @@ class CkptsdkCheckpointIO(CheckpointIO):
         try:
             with fs.open(path, "rb") as f:
                 raw = f.read(1 << 16)
-            doc = json.loads(raw)
-        except (OSError, ValueError, UnicodeDecodeError) as exc:
-            raise ConfigError(
-                f"{path} is not a checkpoint pointer written by CkptsdkCheckpointIO ({exc}); a torch.save "
-                "checkpoint can be brought in with `ckptsdk import FILE URL`") from exc
-        if isinstance(doc, dict) and doc.get("format") == _LEGACY_POINTER_FORMAT:
-            raw = json.dumps({**doc, "format": "ckptsdk.lightning_pointer/1.0"}).encode()
+        except OSError as exc:
+            raise ConfigError(f"{path} cannot be read as a checkpoint pointer ({exc})") from exc
 
         def error(message: str, step: int | None) -> ConfigError:
-            return ConfigError(f"{message}; it cannot be loaded by CkptsdkCheckpointIO")
+            return ConfigError(f"{message}; it is not a checkpoint pointer written by CkptsdkCheckpointIO, "
+                               "and a torch.save checkpoint can be brought in with `ckptsdk import FILE URL`")
 
-        return parse_document(raw, Pointer, key=path, error=error)
+        def legacy(doc: dict[str, Any]) -> dict[str, Any] | None:
+            return {**doc, "format": POINTER_FORMAT} if doc.get("format") == _LEGACY_POINTER_FORMAT else None
+
+        return parse_document(raw, Pointer, key=path, error=error, legacy=legacy)
