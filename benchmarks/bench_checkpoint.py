@@ -44,8 +44,8 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from ckptsdk import open_backend  # noqa: E402
-from ckptsdk.staging import Stager  # noqa: E402
-from ckptsdk.tensorfile import read_tensorfile, write_tensorfile  # noqa: E402
+from ckptsdk.checkpoint.staging import Stager  # noqa: E402
+from ckptsdk.format.tensorfile import read_tensorfile, write_tensorfile  # noqa: E402
 
 try:  # the manager rows need the lead's CheckpointManager and C's TrainState
     from ckptsdk.manager import CheckpointManager
@@ -445,7 +445,7 @@ def measure_memory(state: str, large_mb: int, with_manager: bool, parent: str | 
 
 def gcs_rows(job: Job, reps: int, warmup: int) -> dict[str, list[float]]:
     """Upload/download through the GCS emulator: raw bytes (the limit) vs ckptsdk."""
-    from tests.gcs_emulator import start_emulator
+    from ckptsdk.testing.gcs_server import start_emulator
 
     times: dict[str, list[float]] = {}
     tensors = job.tensors()

@@ -239,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _tensors(state: TrainState) -> list[torch.Tensor]:
-    from ckptsdk import codec
+    from ckptsdk.format import codec
 
     return list(codec.encode(state.state_dict())[0].values())
 

@@ -5,7 +5,7 @@ Part 1, per backend (local disk, a Drive folder, GCS on the patched emulator at 
 and reopened cleanly; prints the bytes held at the end against keep_last x checkpoint size, and
 the bytes each restart wrote before training on (the anchor). Part 2: the story's schedule
 (7,800 steps, a save every 100, keep_last=3) on the simulated Drive mount in both retention
-modes, counting what the files' changes would send to Drive's trash (tests/drive_mount_sim.py), scaled
+modes, counting what the files' changes would send to Drive's trash (ckptsdk/testing/drive_sim.py), scaled
 to the story's 89.5 MB checkpoint. Not a test: it prints numbers; nothing fails on a target.
 
     python -m benchmarks.footprint [--no-gcs] [--json-out FILE]
@@ -29,14 +29,14 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.footprint_child import state  # noqa: E402
 from ckptsdk import CheckpointManager  # noqa: E402
 from ckptsdk.backends import open_backend  # noqa: E402
-from ckptsdk.catalog import TENSORS  # noqa: E402
+from ckptsdk.checkpoint.catalog import TENSORS  # noqa: E402
+from ckptsdk.checkpoint.usage import usage  # noqa: E402
 from ckptsdk.manager import Simulation  # noqa: E402
-from ckptsdk.usage import usage  # noqa: E402
-from tests._footprint_child import state  # noqa: E402
-from tests.drive_mount_sim import DriveSim  # noqa: E402
-from tests.test_leftovers import _line  # noqa: E402
+from ckptsdk.testing.drive_sim import DriveSim  # noqa: E402
+from tests.stories.test_leftovers import _line  # noqa: E402
 
 KEEP_LAST = 3
 SAVES = 40
@@ -63,7 +63,7 @@ def kill_run(kind: str, url: str, env: dict[str, str], root: Path | None, mode: 
     rng = random.Random(seed)
     child_env = {**os.environ, "PYTHONPATH": str(REPO), **env}
     zygote = subprocess.Popen(
-        [sys.executable, "-m", "tests._footprint_child", "zygote", url, str(KEEP_LAST), str(GRACE_S),
+        [sys.executable, "-m", "benchmarks.footprint_child", "zygote", url, str(KEEP_LAST), str(GRACE_S),
          mode or "default"], cwd=REPO, env=child_env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL, bufsize=0)
     assert zygote.stdin is not None and zygote.stdout is not None
@@ -160,7 +160,7 @@ def main() -> None:
         ]
         emulator = None
         if not args.no_gcs:
-            from tests.gcs_emulator import start_emulator
+            from ckptsdk.testing.gcs_server import start_emulator
 
             emulator = start_emulator()
             bucket = f"ckpt-{uuid.uuid4().hex[:12]}"

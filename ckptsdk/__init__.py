@@ -1,7 +1,7 @@
 """ckptsdk: checkpoints for PyTorch training on runtimes that disappear.
 
-The curated public surface (``__all__``, locked by tests/test_public_api.py); everything else
-lives in submodules users do not need (``ckptsdk.codec``, ``ckptsdk.tensorfile``...).
+The curated public surface (``__all__``, locked by tests/project/test_public_api.py); everything else
+lives in submodules users do not need (``ckptsdk.format.codec``, ``ckptsdk.format.tensorfile``...).
 
 Example (``memory://`` here; a job passes a path, ``drive://runs/r18`` or ``gs://bucket/run``):
     >>> import torch, ckptsdk
@@ -22,10 +22,11 @@ Example (``memory://`` here; a job passes a path, ``drive://runs/r18`` or ``gs:/
 
 from typing import TYPE_CHECKING, Any
 
-from .backends import open_backend
+from ckptsdk._version import __version__ as __version__  # the one home: ckptsdk/_version.py
+from ckptsdk.backends import open_backend
 
 # Every error of the tree (errors.py): whatever a public call raises can be caught as ckptsdk.X.
-from .errors import (
+from ckptsdk.errors import (
     AllSourcesFailedError,
     BackendError,
     CheckpointError,
@@ -66,12 +67,12 @@ _LAZY = {
 }
 
 if TYPE_CHECKING:
-    from .audit import AuditReport
-    from .catalog import CheckpointInfo
-    from .datacache import DataCache
-    from .manager import CheckpointManager, GcReport
-    from .reader import ResumePoint
-    from .state import TrainState
+    from ckptsdk.checkpoint.catalog import CheckpointInfo
+    from ckptsdk.checkpoint.reader import ResumePoint
+    from ckptsdk.data.cache import DataCache
+    from ckptsdk.manager import CheckpointManager, GcReport
+    from ckptsdk.runlog.audit import AuditReport
+    from ckptsdk.state import TrainState
 
 
 def __getattr__(name: str) -> Any:
@@ -85,7 +86,6 @@ def __getattr__(name: str) -> Any:
     return value
 
 
-__version__ = "0.1.0"
 
 __all__ = [
     "AllSourcesFailedError",

@@ -2,10 +2,10 @@
 
 It holds the configuration, acquires the writer lease, restores (recording where this writer's
 lineage starts, and anchoring the resume point after a takeover) and fronts the step log. Reading
-(listing, picking, verified reads, verify) is :mod:`ckptsdk.reader`'s; the save pipeline
+(listing, picking, verified reads, verify) is :mod:`ckptsdk.checkpoint.reader`'s; the save pipeline
 (snapshot, write, the lease renewals before the write and right before the commit, fencing,
-lineage) is :mod:`ckptsdk.saving`'s; rotation and gc, which delete only after a commit and only
-while the lease still checks out, are :mod:`ckptsdk.rotation`'s. This module wires them together.
+lineage) is :mod:`ckptsdk.checkpoint.saving`'s; rotation and gc, which delete only after a commit and only
+while the lease still checks out, are :mod:`ckptsdk.checkpoint.rotation`'s. This module wires them together.
 """
 
 from __future__ import annotations
@@ -23,22 +23,22 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from .backends import open_backend
-from .backends.base import Backend
-from .catalog import CheckpointInfo
-from .errors import BackendError, CheckpointError, ConfigError, LeaseLostError, NoValidCheckpointError
-from .lease import Lease
-from .manifest import FileEntry, Position
-from .preemption import DEFAULT_DEADLINE, Preemption
-from .reader import CheckpointReader, ResumePoint, resume_point
-from .rotation import LEFTOVER_GRACE_S, RETENTION_MODES, GcReport, Rotation
-from .runlog import RunLog
-from .saving import SavePipeline
-from .state import Restorable, Stateful, TrainState, preflight
-from .userfield import user_fields
+from ckptsdk.backends import open_backend
+from ckptsdk.backends.base import Backend
+from ckptsdk.checkpoint.catalog import CheckpointInfo
+from ckptsdk.checkpoint.reader import CheckpointReader, ResumePoint, resume_point
+from ckptsdk.checkpoint.rotation import LEFTOVER_GRACE_S, RETENTION_MODES, GcReport, Rotation
+from ckptsdk.checkpoint.saving import SavePipeline
+from ckptsdk.errors import BackendError, CheckpointError, ConfigError, LeaseLostError, NoValidCheckpointError
+from ckptsdk.format.manifest import FileEntry, Position
+from ckptsdk.format.userfield import user_fields
+from ckptsdk.lease.acquire import Lease
+from ckptsdk.preemption import DEFAULT_DEADLINE, Preemption
+from ckptsdk.runlog.writer import RunLog
+from ckptsdk.state import Restorable, Stateful, TrainState, preflight
 
 if TYPE_CHECKING:
-    from .audit import AuditReport
+    from ckptsdk.runlog.audit import AuditReport
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ class CheckpointManager(CheckpointReader):
     Opening a manager for writing acquires the root's writer lease (waiting for, or taking over
     from, a previous writer as the lease rules say); ``read_only=True`` never touches the lease.
     The read API (``list``, ``latest``, ``load``, ``load_manifest``, ``verify``) is
-    :class:`~ckptsdk.reader.CheckpointReader`'s.
+    :class:`~ckptsdk.checkpoint.reader.CheckpointReader`'s.
 
     Args:
         url: the root: a path, ``file://``, ``drive://REL``, ``gs://bucket/prefix``, ``memory://name``.
@@ -83,7 +83,7 @@ class CheckpointManager(CheckpointReader):
         keep_every: also keep, forever, every checkpoint whose step is a multiple of this.
         save_every: ``should_save(step)`` is true every this many steps.
         lease_ttl: seconds a silent lease must stay unchanged before a newcomer takes over.
-            None: 60 s on local disk and GCS, 300 s on Drive (see :mod:`ckptsdk.lease`).
+            None: 60 s on local disk and GCS, 300 s on Drive (see :mod:`ckptsdk.lease.acquire`).
         lease_wait: seconds to wait for a live holder before ``LeaseHeldError`` (None: five ttls).
         lease_settle: on backends without compare-and-swap (Drive): seconds between writing the
             lease and reading it back to confirm it is ours. Must exceed the time another VM's
@@ -236,8 +236,8 @@ class CheckpointManager(CheckpointReader):
         return self.preempted or save_due(step, self.save_every)
 
     def audit(self, tolerance: float = 0.0) -> AuditReport:
-        """Compare the steps run by several attempts (see :func:`ckptsdk.audit.audit`)."""
-        from .audit import audit
+        """Compare the steps run by several attempts (see :func:`ckptsdk.runlog.audit.audit`)."""
+        from ckptsdk.runlog.audit import audit
 
         if self.runlog is not None:
             self.runlog.flush()
@@ -416,7 +416,7 @@ class CheckpointManager(CheckpointReader):
     def gc(self, *, keep_last: int | None = None, dry_run: bool = False, grace: float = 3600.0) -> GcReport:
         """Remove orphans of superseded writers, torn checkpoints and rotated-out checkpoints.
 
-        See :meth:`ckptsdk.rotation.Rotation.gc`: works without the lease, keeps the newest
+        See :meth:`ckptsdk.checkpoint.rotation.Rotation.gc`: works without the lease, keeps the newest
         ``keep_last`` steps, sweeps temp files older than ``grace`` seconds.
         """
         return self._rotation.gc(self._scan(), keep_last=keep_last, dry_run=dry_run, grace=grace)

@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  attempts: {len(report.attempts)}; steps run twice: {report.overlap_steps}; "
           f"max |loss diff|: {loss.max_abs_diff if loss is not None and report.overlap_steps else 'n/a'}")
     if args.plot:
-        from ckptsdk.plot import plot_audit
+        from ckptsdk.runlog.plot import plot_audit
 
         print(f"  loss plot: {plot_audit(report, args.plot)}")
     if diffs:

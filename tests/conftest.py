@@ -2,7 +2,7 @@
 
 Fixtures (all storage is fresh per test and lives under ``tmp_path`` or in the emulator):
 
-- ``gcs_emulator`` (session): the running ``tests.gcs_emulator.Emulator`` (patched), started on
+- ``gcs_emulator`` (session): the running ``ckptsdk.testing.gcs_server.Emulator`` (patched), started on
   first use and stopped at the end of the session (one per pytest-xdist worker, each on its own
   free port).
 - ``backend_url`` (parametrized, ids ``memory``/``local``/``drive``/``gcs``; the gcs one is marked
@@ -30,13 +30,13 @@ from typing import Any
 
 import pytest
 
-import tests.hypothesis_profiles  # noqa: F401  (registers the ci/deep profiles: --hypothesis-profile=deep)
+import tests.support.hypothesis_profiles  # noqa: F401  (registers the ci/deep profiles: --hypothesis-profile=deep)
 from ckptsdk.backends import open_backend
 from ckptsdk.backends.memory import MemoryBackend
 
-# The local HTTP server and CIFAR fixtures (tests/cifar_fixtures.py), shared here so test files
+# The local HTTP server and CIFAR fixtures (tests/support/cifar_fixtures.py), shared here so test files
 # take them by argument name without importing names their arguments then shadow (ruff F811).
-from tests.cifar_fixtures import cifar_files, cifar_server, http_server, small_cifar  # noqa: F401
+from tests.support.cifar_fixtures import cifar_files, cifar_server, http_server, small_cifar  # noqa: F401
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -100,7 +100,7 @@ def gcs_emulator() -> Iterator[Any]:
     # Both come with the dev extra: skipped without it, a failure under CKPTSDK_REQUIRE_ALL=1.
     pytest.importorskip("gcp_storage_emulator")
     pytest.importorskip("gcsfs")
-    from tests.gcs_emulator import start_emulator
+    from ckptsdk.testing.gcs_server import start_emulator
 
     emulator = start_emulator()
     try:

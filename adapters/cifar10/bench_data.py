@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.verbose:
         logging.basicConfig(level=logging.INFO, format="%(relativeCreated)8.0f ms %(name)s: %(message)s")
-    from tests.http_server import FileServer  # the loopback server the tests use
+    from ckptsdk.testing.http_server import FileServer  # the loopback server the tests use
 
     work = args.workdir or tempfile.mkdtemp(prefix="ckptsdk-bench-data-")
     results: dict[str, object] = {"n_train": args.n_train, "n_test": args.n_test}

@@ -21,8 +21,8 @@ import numpy as np
 import torch
 import xxhash
 
-from ckptsdk.archive import safe_extract
-from ckptsdk.datacache import DataCache
+from ckptsdk.data.archive import safe_extract
+from ckptsdk.data.cache import DataCache
 from ckptsdk.errors import AllSourcesFailedError, DataError, DatasetMismatchError
 
 from . import sources as src

@@ -1,7 +1,7 @@
 """The kill-and-resume harness: run the CIFAR-10 job as child processes, SIGKILL them at chosen steps.
 
 Used by the demo (``python -m examples.kill_and_resume``), ``examples/gpu_check.py`` and
-tests/test_cifar_job.py: child command lines and environment, one attempt run and killed at a
+tests/adapters/test_cifar_job.py: child command lines and environment, one attempt run and killed at a
 marker line (also inside a save), kill plans, and the comparison of the final state trees. The
 training job itself is ``train.py``; argument parsing and printing belong to the examples.
 """

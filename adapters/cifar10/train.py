@@ -481,7 +481,7 @@ def run_job(
 
 
 def describe_audit(report: Any) -> str:
-    """One line from an :class:`~ckptsdk.audit.AuditReport`: verdict, attempts, overlap, max diff."""
+    """One line from an :class:`~ckptsdk.runlog.audit.AuditReport`: verdict, attempts, overlap, max diff."""
     loss = report.scalars.get("loss")
     diff = f", max |loss diff| {loss.max_abs_diff:g}" if loss is not None and report.overlap_steps else ""
     return (

@@ -11,8 +11,8 @@ import importlib
 import os
 from typing import Any
 
-from ..errors import ConfigError, MissingDependencyError, UnknownSchemeError
-from .base import Backend, Capabilities, ObjectInfo, check_key
+from ckptsdk.backends.base import Backend, Capabilities, ObjectInfo, check_key
+from ckptsdk.errors import ConfigError, MissingDependencyError, UnknownSchemeError
 
 __all__ = ["Backend", "Capabilities", "ObjectInfo", "open_backend", "check_key", "DRIVE_MOUNT"]
 

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import BinaryIO, Protocol, TypeAlias, runtime_checkable
 
-from ..errors import InvalidKey
+from ckptsdk.errors import InvalidKey
 
 # What ``write``/``create``/``replace`` accept: one bytes-like object, or an iterable of them
 # streamed in order (lets a checkpoint go from tensor memory to storage without a joined copy).

@@ -27,10 +27,10 @@ from __future__ import annotations
 import logging
 import os
 
-from ..errors import BackendError, StorageUnavailable
-from .base import Capabilities, Data, ObjectInfo, iter_chunks
-from .local import LocalBackend
-from .posix import fsync_dir, prune, stamp, version_of
+from ckptsdk.backends.base import Capabilities, Data, ObjectInfo, iter_chunks
+from ckptsdk.backends.local import LocalBackend
+from ckptsdk.backends.posix import fsync_dir, prune, stamp, version_of
+from ckptsdk.errors import BackendError, StorageUnavailable
 
 logger = logging.getLogger(__name__)
 
@@ -166,7 +166,7 @@ class DriveBackend(LocalBackend):
 
 def _mount_point(root: str) -> str:
     """The folder whose absence means "Drive is not mounted" for ``root``."""
-    from . import drive_root  # the registry owns $CKPTSDK_DRIVE_ROOT's meaning
+    from ckptsdk.backends import drive_root  # the registry owns $CKPTSDK_DRIVE_ROOT's meaning
 
     configured = os.path.abspath(drive_root())
     if root == configured or root.startswith(configured.rstrip(os.sep) + os.sep):

@@ -21,16 +21,16 @@ from collections.abc import Callable, Iterable
 from typing import Any, BinaryIO
 from urllib.parse import quote
 
-from ..errors import (
+from ckptsdk.backends.base import Capabilities, Data, ObjectInfo, check_key, check_prefix
+from ckptsdk.backends.gcs_payload import RangeReader, b64crc, chain, crc32c, persisted, rechunk, rfc3339, slices
+from ckptsdk.backends.gcs_transport import JsonApiTransport, Reply
+from ckptsdk.errors import (
     BackendError,
     ConfigError,
     ObjectNotFound,
     PreconditionFailed,
     StorageUnavailable,
 )
-from .base import Capabilities, Data, ObjectInfo, check_key, check_prefix
-from .gcs_payload import RangeReader, b64crc, chain, crc32c, persisted, rechunk, rfc3339, slices
-from .gcs_transport import JsonApiTransport, Reply
 
 logger = logging.getLogger(__name__)
 

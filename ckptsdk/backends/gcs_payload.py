@@ -14,7 +14,7 @@ from typing import Any
 
 import google_crc32c  # gcsfs -> google-cloud-storage dependency
 
-from ..errors import BackendError
+from ckptsdk.errors import BackendError
 
 _MiB = 1 << 20
 

@@ -29,7 +29,7 @@ import aiohttp  # noqa: E402  (gcsfs dependency)
 import fsspec.asyn  # noqa: E402
 from gcsfs.core import GCSFileSystem  # noqa: E402
 
-from ..errors import BackendError, MissingDependencyError  # noqa: E402
+from ckptsdk.errors import BackendError, MissingDependencyError  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ MIN_AIOHTTP = (3, 12)
 # Retry jitter from a generator of our own: a draw from the global ``random`` would move the
 # training job's Python RNG stream (a save must not draw from it: what restore brings back is
 # the state at save(), and a retry during training would change the run). Found by
-# tests/test_faults_gcs.py: restores after retried requests were not exact.
+# tests/stories/test_faults_gcs.py: restores after retried requests were not exact.
 _JITTER = random.Random()
 
 

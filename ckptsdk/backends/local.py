@@ -18,15 +18,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import BinaryIO
 
-from ..errors import (
-    BackendError,
-    InvalidKey,
-    ObjectNotFound,
-    PreconditionFailed,
-    StorageUnavailable,
-)
-from .base import Capabilities, Data, ObjectInfo, check_key, check_prefix, iter_chunks
-from .posix import (
+from ckptsdk.backends.base import Capabilities, Data, ObjectInfo, check_key, check_prefix, iter_chunks
+from ckptsdk.backends.posix import (
     LOCK_NAME,
     LOCK_TIMEOUT_S,
     NO_FLOCK_ERRNOS,
@@ -45,6 +38,13 @@ from .posix import (
     thread_lock,
     version_of,
     write_temp,
+)
+from ckptsdk.errors import (
+    BackendError,
+    InvalidKey,
+    ObjectNotFound,
+    PreconditionFailed,
+    StorageUnavailable,
 )
 
 logger = logging.getLogger(__name__)

@@ -15,8 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import BinaryIO
 
-from ..errors import ObjectNotFound, PreconditionFailed
-from .base import Capabilities, Data, ObjectInfo, check_key, check_prefix, iter_chunks
+from ckptsdk.backends.base import Capabilities, Data, ObjectInfo, check_key, check_prefix, iter_chunks
+from ckptsdk.errors import ObjectNotFound, PreconditionFailed
 
 
 @dataclass

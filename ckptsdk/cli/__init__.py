@@ -26,16 +26,8 @@ import sys
 import time
 from collections.abc import Sequence
 
-from ..errors import (
-    BackendError,
-    CheckpointError,
-    CkptError,
-    ConfigError,
-    LeaseError,
-    MissingDependencyError,
-)
-from . import admin, attempts, checkpoints, porting
-from .common import (
+from ckptsdk.cli import admin, attempts, checkpoints, porting
+from ckptsdk.cli.common import (
     EXIT_BROKEN_PIPE,
     EXIT_CHECKPOINT,
     EXIT_FAILED,
@@ -46,6 +38,14 @@ from .common import (
     Failed,
     UsageError,
     emit_json,
+)
+from ckptsdk.errors import (
+    BackendError,
+    CheckpointError,
+    CkptError,
+    ConfigError,
+    LeaseError,
+    MissingDependencyError,
 )
 
 logger = logging.getLogger(__name__)

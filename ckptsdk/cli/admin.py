@@ -1,8 +1,8 @@
 """``ckptsdk lease`` and ``gc``: the two commands that can change a root (``--break``, deletes).
 
 ``lease`` shows the writer lease and, confirmed, breaks it; ``gc`` removes what retention and
-the lineage let go (``--dry-run`` only lists it). The rules themselves are :mod:`ckptsdk.lease`'s
-and :mod:`ckptsdk.rotation`'s; this module parses, calls and formats.
+the lineage let go (``--dry-run`` only lists it). The rules themselves are :mod:`ckptsdk.lease.acquire`'s
+and :mod:`ckptsdk.checkpoint.rotation`'s; this module parses, calls and formats.
 """
 
 from __future__ import annotations
@@ -14,11 +14,21 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
-from ..errors import LeaseError
-from .common import EXIT_OK, UsageError, backend, emit_json, human_size, manager, parse_wall, require_root, table
+from ckptsdk.cli.common import (
+    EXIT_OK,
+    UsageError,
+    backend,
+    emit_json,
+    human_size,
+    manager,
+    parse_wall,
+    require_root,
+    table,
+)
+from ckptsdk.errors import LeaseError
 
 if TYPE_CHECKING:
-    from ..lease import LeaseRecord
+    from ckptsdk.lease.acquire import LeaseRecord
 
 __all__ = ["cmd_gc", "cmd_lease", "register"]
 
@@ -36,7 +46,7 @@ def _lease_doc(record: LeaseRecord) -> dict[str, Any]:
 
 
 def cmd_lease(args: argparse.Namespace) -> int:
-    from ..lease import Lease, read_lease
+    from ckptsdk.lease.acquire import Lease, read_lease
 
     if args.break_lease and not args.yes_i_am_sure:
         raise UsageError(
@@ -114,7 +124,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
     print(table([[k, human_size(sizes.get(k)), reasons.get(k, "")] for k in deleted], ["KEY", "SIZE", "WHY"]))
     print(f"\n{verb} {len(deleted)} item(s) under {args.url}" + (" (dry run: nothing deleted)" if args.dry_run else ""))
     if report.trash_bytes is not None:
-        from .. import usage
+        from ckptsdk.checkpoint import usage
 
         print(usage.trash_note(report.trash_bytes, mgr.backend))
     return EXIT_OK

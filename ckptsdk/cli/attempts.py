@@ -1,6 +1,6 @@
 """``ckptsdk audit``: did a resumed run continue the same run? Compares the steps attempts logged.
 
-The comparison is :func:`ckptsdk.audit.audit`'s and the plot :mod:`ckptsdk.plot`'s; this module
+The comparison is :func:`ckptsdk.runlog.audit.audit`'s and the plot :mod:`ckptsdk.runlog.plot`'s; this module
 parses, calls and formats (``--strict`` turns a DIVERGED verdict into exit 1).
 """
 
@@ -12,7 +12,7 @@ import logging
 import math
 from collections.abc import Callable
 
-from .common import EXIT_OK, Failed, UsageError, backend, emit_json, fmt_float, require_root, table
+from ckptsdk.cli.common import EXIT_OK, Failed, UsageError, backend, emit_json, fmt_float, require_root, table
 
 logger = logging.getLogger("ckptsdk.cli")
 
@@ -20,7 +20,7 @@ __all__ = ["cmd_audit", "register"]
 
 
 def cmd_audit(args: argparse.Namespace) -> int:
-    from ..audit import audit
+    from ckptsdk.runlog.audit import audit
 
     if args.tolerance < 0 or not math.isfinite(args.tolerance):
         raise UsageError(f"--tolerance must be a finite number >= 0, got {args.tolerance}")
@@ -29,7 +29,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
     report = audit(store, tolerance=args.tolerance)
     plot_path = None
     if args.plot:
-        from ..plot import plot_audit
+        from ckptsdk.runlog.plot import plot_audit
 
         if report.series:
             plot_path = plot_audit(report, args.plot)

@@ -2,7 +2,7 @@
 
 Each prints a human table, or one JSON document with ``--json``; none takes the writer lease.
 Which checkpoint is valid and the re-hash of its files are the library's
-(:class:`ckptsdk.reader.CheckpointReader`); this module only formats them.
+(:class:`ckptsdk.checkpoint.reader.CheckpointReader`); this module only formats them.
 """
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ import json
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ..errors import CorruptCheckpointError, NoValidCheckpointError, ObjectNotFound
-from .common import EXIT_OK, Failed, emit_json, human_size, manager, require_root, short_time, table
+from ckptsdk.cli.common import EXIT_OK, Failed, emit_json, human_size, manager, require_root, short_time, table
+from ckptsdk.errors import CorruptCheckpointError, NoValidCheckpointError, ObjectNotFound
 
 if TYPE_CHECKING:
-    from ..catalog import CheckpointInfo
+    from ckptsdk.checkpoint.catalog import CheckpointInfo
 
 __all__ = ["cmd_du", "cmd_ls", "cmd_show", "cmd_verify", "register"]
 
@@ -80,7 +80,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 def _tensor_rows(mgr: Any, key: str) -> list[dict[str, Any]]:
     """Tensor name, dtype, shape and byte size from a tensor file's header (bounded, checked)."""
-    from ..tensorfile import read_header  # the one header parser (torch: only when showing tensors)
+    from ckptsdk.format.tensorfile import read_header  # the one header parser (torch: only when showing tensors)
 
     rows = [{"name": e.name, "dtype": e.code, "shape": e.shape, "bytes": e.nbytes}
             for e in read_header(mgr.backend, key)]
@@ -88,7 +88,7 @@ def _tensor_rows(mgr: Any, key: str) -> list[dict[str, Any]]:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    from ..catalog import TENSORS
+    from ckptsdk.checkpoint.catalog import TENSORS
 
     mgr = manager(args)
     info = mgr.pick(args.step)
@@ -177,8 +177,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_du(args: argparse.Namespace) -> int:
-    from .. import usage
-    from .common import backend
+    from ckptsdk.checkpoint import usage
+    from ckptsdk.cli.common import backend
 
     u = usage.usage(backend(args))
     if args.json:

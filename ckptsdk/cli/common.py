@@ -14,12 +14,12 @@ from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
-from ..document import parse_utc
-from ..errors import NoCheckpointRootError
+from ckptsdk.errors import NoCheckpointRootError
+from ckptsdk.format.document import parse_utc
 
 if TYPE_CHECKING:  # both import torch or fsspec: commands import them when they run
-    from ..backends.base import Backend
-    from ..manager import CheckpointManager
+    from ckptsdk.backends.base import Backend
+    from ckptsdk.manager import CheckpointManager
 
 __all__ = ["EXIT_BROKEN_PIPE", "EXIT_CHECKPOINT", "EXIT_FAILED", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_STORAGE",
            "EXIT_USAGE", "Failed", "UsageError", "backend", "emit_json", "fmt_float", "human_size", "manager",
@@ -60,21 +60,21 @@ def storage_options(pairs: Sequence[str] | None) -> dict[str, Any]:
 
 def manager(args: argparse.Namespace) -> CheckpointManager:
     """A read-only manager of ``args.url`` (never the lease)."""
-    from ..manager import CheckpointManager  # imports torch: only for commands that need it
+    from ckptsdk.manager import CheckpointManager  # imports torch: only for commands that need it
 
     return CheckpointManager(args.url, read_only=True, storage_options=storage_options(args.storage_option))
 
 
 def backend(args: argparse.Namespace) -> Backend:
     """The store of ``args.url``, opened without torch."""
-    from ..backends import open_backend
+    from ckptsdk.backends import open_backend
 
     return open_backend(args.url, **storage_options(args.storage_option))
 
 
 def require_root(store: Backend, url: str) -> None:
     """Exit 4 on a URL where nothing is stored: a typo must not read as "no checkpoints", exit 0."""
-    from ..lease import LEASE_KEY
+    from ckptsdk.lease.acquire import LEASE_KEY
 
     if store.exists(LEASE_KEY) or store.list(""):
         return

@@ -1,6 +1,6 @@
 """``ckptsdk import FILE.pt URL`` and ``ckptsdk export URL[@STEP] OUT.safetensors``: the doors.
 
-The logic is :mod:`ckptsdk.legacy_import`'s and :mod:`ckptsdk.export`'s, each imported only when
+The logic is :mod:`ckptsdk.porting.torch_import`'s and :mod:`ckptsdk.porting.export`'s, each imported only when
 its command runs: nothing else in the CLI ever imports the ``torch.load`` door.
 """
 
@@ -10,14 +10,14 @@ import argparse
 import json
 from typing import Any
 
-from .common import EXIT_OK, UsageError, emit_json, storage_options
+from ckptsdk.cli.common import EXIT_OK, UsageError, emit_json, storage_options
 
 __all__ = ["cmd_export", "cmd_import", "register"]
 
 
 def cmd_import(args: argparse.Namespace) -> int:
-    """``ckptsdk import FILE.pt URL``: see :func:`ckptsdk.legacy_import.import_torch_checkpoint`."""
-    from ..legacy_import import import_torch_checkpoint
+    """``ckptsdk import FILE.pt URL``: see :func:`ckptsdk.porting.torch_import.import_torch_checkpoint`."""
+    from ckptsdk.porting.torch_import import import_torch_checkpoint
 
     info = import_torch_checkpoint(
         args.file, args.url, allow_numpy_rng=args.allow_numpy_rng, step=args.step, drop=args.drop or (),
@@ -31,8 +31,8 @@ def cmd_import(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    """``ckptsdk export URL[@STEP] OUT.safetensors``: see :func:`ckptsdk.export.export_safetensors`."""
-    from ..export import export_safetensors
+    """``ckptsdk export URL[@STEP] OUT.safetensors``: see :func:`ckptsdk.porting.export.export_safetensors`."""
+    from ckptsdk.porting.export import export_safetensors
 
     url, step = args.url, None
     head, sep, tail = url.rpartition("@")

@@ -2,7 +2,7 @@
 
 Reads a checkpoint that :class:`~ckptsdk.distributed.DistributedCheckpointManager` committed (any
 number of ranks), in one process, verified, and writes every tensor at its full (unsharded)
-size. ``ckptsdk export`` (through :func:`ckptsdk.export.export_safetensors`) calls this; the CLI
+size. ``ckptsdk export`` (through :func:`ckptsdk.porting.export.export_safetensors`) calls this; the CLI
 itself lives in ``ckptsdk/cli/``.
 """
 
@@ -16,16 +16,16 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from .. import codec
-from ..backends import open_backend
-from ..backends.base import Backend
-from ..catalog import CheckpointInfo
-from ..errors import NoValidCheckpointError
-from ..manager import CheckpointManager
-from ..tensorfile import write_tensorfile
-from .manager import file_table, load_quietly, read_payload
-from .metadata import metadata_from_json
-from .storage import CkptStorageReader
+from ckptsdk.backends import open_backend
+from ckptsdk.backends.base import Backend
+from ckptsdk.checkpoint.catalog import CheckpointInfo
+from ckptsdk.distributed.manager import file_table, load_quietly, read_payload
+from ckptsdk.distributed.metadata import metadata_from_json
+from ckptsdk.distributed.storage import CkptStorageReader
+from ckptsdk.errors import NoValidCheckpointError
+from ckptsdk.format import codec
+from ckptsdk.format.tensorfile import write_tensorfile
+from ckptsdk.manager import CheckpointManager
 
 __all__ = ["export_consolidated", "load_consolidated"]
 
@@ -99,7 +99,7 @@ def export_consolidated(
     Returns:
         The step exported.
 
-    Example (a root a DistributedCheckpointManager wrote; tests/test_distributed_dcp.py runs one)::
+    Example (a root a DistributedCheckpointManager wrote; tests/distributed/test_distributed_dcp.py runs one)::
 
         export_consolidated("gs://bucket/run", "model.safetensors")
         safetensors.torch.load_file("model.safetensors")["app.model.weight"]

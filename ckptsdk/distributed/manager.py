@@ -23,56 +23,29 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 
-from .. import catalog as _catalog
-from .. import codec, errors
-from ..backends import open_backend
-from ..backends.base import Backend
-from ..catalog import CheckpointInfo, checkpoint_dir, writer_tag
-from ..digest import DEFAULT as DIGEST_ALGORITHM
-from ..errors import CkptError, ConfigError, CorruptCheckpointError, StateMismatchError
-from ..export import DISTRIBUTED_FORMAT
-from ..manager import CheckpointManager, ResumePoint, Simulation, save_due
-from ..manifest import FileEntry, Manifest
-from ..state import capture_rng, restore_rng
-from ..tensorfile import read_tensorfile, write_tensorfile
-from .collective import all_min, broadcast_json, gather_json
-from .metadata import metadata_from_json
-from .storage import CkptStorageReader, CkptStorageWriter, JsonLoadPlanner, JsonSavePlanner, unwrap
+from ckptsdk import errors
+from ckptsdk.backends import open_backend
+from ckptsdk.backends.base import Backend
+from ckptsdk.checkpoint import catalog as _catalog
+from ckptsdk.checkpoint.catalog import CheckpointInfo, checkpoint_dir, writer_tag
+from ckptsdk.distributed.collective import all_min, broadcast_json, gather_json
+from ckptsdk.distributed.metadata import metadata_from_json
+from ckptsdk.distributed.payload import PAYLOAD_FORMAT, file_table, local_file, read_payload
+from ckptsdk.distributed.storage import CkptStorageReader, CkptStorageWriter, JsonLoadPlanner, JsonSavePlanner, unwrap
+from ckptsdk.errors import CkptError, ConfigError, CorruptCheckpointError, StateMismatchError
+from ckptsdk.format import codec
+from ckptsdk.format.digest import DEFAULT as DIGEST_ALGORITHM
+from ckptsdk.format.manifest import FileEntry
+from ckptsdk.format.tensorfile import read_tensorfile, write_tensorfile
+from ckptsdk.manager import CheckpointManager, ResumePoint, Simulation, save_due
+from ckptsdk.rng import capture_rng, restore_rng
 
 if TYPE_CHECKING:
-    from ..audit import AuditReport
+    from ckptsdk.runlog.audit import AuditReport
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DistributedCheckpointManager", "PAYLOAD_FORMAT", "file_table", "load_quietly", "read_payload"]
-
-#: The ``format`` of the JSON tree a distributed checkpoint's manifest holds.
-PAYLOAD_FORMAT = DISTRIBUTED_FORMAT  # one home: ckptsdk/export.py (the CLI detects it there)
-
-
-def local_file(rank: int) -> str:
-    """The file of one rank's own state (RNG states, ``local`` extras) in a checkpoint folder."""
-    return f"local-{rank:05d}.safetensors"
-
-
-def read_payload(tree: Any, *, where: str = "") -> dict[str, Any]:
-    """The distributed payload of a manifest tree, checked; CorruptCheckpointError if it is none."""
-    payload = codec.decode(tree, {}) if not _is_payload(tree) else tree
-    if not _is_payload(payload):
-        raise CorruptCheckpointError(
-            f"{where}: not a distributed checkpoint (no {PAYLOAD_FORMAT} payload); open it with "
-            "ckptsdk.CheckpointManager instead", key=where or None)
-    return payload
-
-
-def _is_payload(tree: Any) -> bool:
-    return isinstance(tree, dict) and tree.get("format") == PAYLOAD_FORMAT
-
-
-def file_table(manifest: Manifest) -> dict[str, dict[str, Any]]:
-    """``{name: {"size", "digest", "algorithm"}}`` of a manifest's files (what the reader checks)."""
-    return {f.name: {"size": f.size, "digest": f.digest, "algorithm": f.algorithm} for f in manifest.files}
-
+__all__ = ["DistributedCheckpointManager", "load_quietly"]
 
 class _Capture:
     """What the core manager's ``restore`` loads into on rank 0: the payload, nothing else.

@@ -22,9 +22,9 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from .. import codec
-from ..document import Document, Strict, check_format
-from ..errors import ManifestError, UnsupportedStateError
+from ckptsdk.errors import ManifestError, UnsupportedStateError
+from ckptsdk.format import codec
+from ckptsdk.format.document import Document, Strict, check_format
 
 __all__ = ["FORMAT", "DcpMetadata", "metadata_to_json", "metadata_from_json", "dtype_name", "dtype_of"]
 
@@ -131,7 +131,7 @@ def metadata_from_json(doc: object, *, where: str = "") -> Metadata:
     """Rebuild the DCP ``Metadata`` that :func:`metadata_to_json` described.
 
     ``storage_data`` maps each ``MetadataIndex`` to ``{"file": ..., "name": ...}``. The
-    document's format is checked first, by the version rule (``ckptsdk.document``).
+    document's format is checked first, by the version rule (``ckptsdk.format.document``).
 
     Raises:
         ManifestError: not a ``ckptsdk.dcp/1`` document (a newer major: upgrade ckptsdk), or

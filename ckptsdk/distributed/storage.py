@@ -33,12 +33,12 @@ from torch.distributed.checkpoint.planner import LoadItemType, ReadItem, WriteIt
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from .. import codec
-from ..backends.base import Backend
-from ..digest import DEFAULT as DIGEST_ALGORITHM
-from ..errors import CkptError, CorruptCheckpointError, UnsupportedStateError
-from ..tensorfile import read_tensorfile, write_tensorfile
-from .metadata import metadata_to_json
+from ckptsdk.backends.base import Backend
+from ckptsdk.distributed.metadata import metadata_to_json
+from ckptsdk.errors import CkptError, CorruptCheckpointError, UnsupportedStateError
+from ckptsdk.format import codec
+from ckptsdk.format.digest import DEFAULT as DIGEST_ALGORITHM
+from ckptsdk.format.tensorfile import read_tensorfile, write_tensorfile
 
 logger = logging.getLogger(__name__)
 

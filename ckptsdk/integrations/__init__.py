@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-from ..errors import MissingDependencyError
+from ckptsdk.errors import MissingDependencyError
 
 __all__ = ["require"]
 

@@ -15,14 +15,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from . import require
+from ckptsdk.integrations import require
 
 require("accelerate", "accelerate")
 
-from ..catalog import CheckpointInfo  # noqa: E402
-from ..errors import ConfigError  # noqa: E402
-from ..manager import CheckpointManager, ResumePoint  # noqa: E402
-from ..state import TrainState  # noqa: E402
+from ckptsdk.checkpoint.catalog import CheckpointInfo  # noqa: E402
+from ckptsdk.errors import ConfigError  # noqa: E402
+from ckptsdk.manager import CheckpointManager, ResumePoint  # noqa: E402
+from ckptsdk.state import TrainState  # noqa: E402
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -76,7 +76,7 @@ class AcceleratorCheckpoints:
         ConfigError: more than one process: each rank's RNG states would need a committer
             that gathers them (ckptsdk's distributed layer), which this wrapper is not.
 
-    Example (a training loop, not a doctest: tests/_integration_jobs.py runs one)::
+    Example (a training loop, not a doctest: tests/support/_integration_jobs.py runs one)::
 
         model, opt, loader, sched = accelerator.prepare(model, opt, loader, sched)
         ckpt = AcceleratorCheckpoints(accelerator, "gs://bucket/run", save_every=500)

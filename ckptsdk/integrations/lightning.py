@@ -20,16 +20,16 @@ from typing import Any, ClassVar
 from fsspec.implementations.local import LocalFileSystem
 from pydantic import Field
 
-from . import require
+from ckptsdk.integrations import require
 
 require("lightning", "lightning")
 from lightning.fabric.plugins import CheckpointIO  # noqa: E402
 from lightning.fabric.utilities.cloud_io import get_filesystem  # noqa: E402
 from lightning.fabric.utilities.rank_zero import rank_zero_only  # noqa: E402
 
-from ..document import Document, parse_document  # noqa: E402
-from ..errors import ConfigError, UnsupportedStateError  # noqa: E402
-from ..state import capture_rng, restore_rng  # noqa: E402
+from ckptsdk.errors import ConfigError, UnsupportedStateError  # noqa: E402
+from ckptsdk.format.document import Document, parse_document  # noqa: E402
+from ckptsdk.rng import capture_rng, restore_rng  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +87,7 @@ class CkptsdkCheckpointIO(CheckpointIO):
         restore_rng: put back torch/CUDA/numpy/Python RNG states when a checkpoint is loaded
             (Lightning's own checkpoints do not hold them; ckptsdk's resume is bit-exact with them).
 
-    Example (a training run, not a doctest: tests/test_integration_lightning.py runs one)::
+    Example (a training run, not a doctest: tests/integrations/test_integration_lightning.py runs one)::
 
         io = CkptsdkCheckpointIO("drive://runs/r18")
         trainer = L.Trainer(plugins=[io], default_root_dir="/content/drive/MyDrive/runs/r18",
@@ -116,7 +116,7 @@ class CkptsdkCheckpointIO(CheckpointIO):
     # ------------------------------------------------------------------ the manager
 
     def _manager(self) -> Any:
-        from ..manager import CheckpointManager
+        from ckptsdk.manager import CheckpointManager
 
         if self._mgr is None:
             # Lightning saves on global rank 0 only; other ranks read, and must not take the lease.
@@ -155,7 +155,7 @@ class CkptsdkCheckpointIO(CheckpointIO):
         Returns:
             The pointer's path, or None when the root holds no checkpoint (a fresh run).
         """
-        from ..manager import CheckpointManager
+        from ckptsdk.manager import CheckpointManager
 
         with CheckpointManager(self.url, read_only=True, storage_options=self.storage_options) as mgr:
             info = mgr.latest()

@@ -17,16 +17,17 @@ import tempfile
 from collections.abc import Mapping
 from typing import Any
 
-from . import require
+from ckptsdk.integrations import require
 
 require("transformers", "transformers")
 from transformers import Trainer  # noqa: E402
 from transformers.trainer_callback import ExportableState  # noqa: E402
 from transformers.trainer_utils import TrainOutput  # noqa: E402
 
-from ..errors import ConfigError, StateMismatchError  # noqa: E402
-from ..manager import CheckpointManager  # noqa: E402
-from ..state import TrainState, restore_rng  # noqa: E402
+from ckptsdk.errors import ConfigError, StateMismatchError  # noqa: E402
+from ckptsdk.manager import CheckpointManager  # noqa: E402
+from ckptsdk.rng import restore_rng  # noqa: E402
+from ckptsdk.state import TrainState  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +84,7 @@ class CkptsdkTrainer(Trainer):
         ConfigError: more than one process, or ``load_best_model_at_end`` (both need folders
             or gathering this subclass does not do).
 
-    Example (a training run, not a doctest: tests/test_integration_hf.py runs one)::
+    Example (a training run, not a doctest: tests/integrations/test_integration_hf.py runs one)::
 
         trainer = CkptsdkTrainer(model=model, args=TrainingArguments("out", save_steps=500),
                                  train_dataset=ds, ckpt_url="drive://runs/gpt")

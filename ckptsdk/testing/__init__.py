@@ -8,6 +8,6 @@
 
 from __future__ import annotations
 
-from .faulty import OPS, FailOn, FaultyBackend, SimulatedCrash, fail_nth
+from ckptsdk.testing.faulty import OPS, FailOn, FaultyBackend, SimulatedCrash, fail_nth
 
 __all__ = ["FaultyBackend", "SimulatedCrash", "fail_nth", "FailOn", "OPS"]

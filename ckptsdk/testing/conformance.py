@@ -3,7 +3,7 @@
 Subclass :class:`BackendConformance` in a test file and override its ``backend`` and ``reopen``
 fixtures; pytest then runs every contract test of ``ckptsdk/backends/base.py`` against your
 backend. Needs pytest (a test dependency, not one of ckptsdk's). ckptsdk runs it against its own
-backends in tests/test_backends.py. What only one backend has belongs in that backend's tests.
+backends in tests/backends/test_backends.py. What only one backend has belongs in that backend's tests.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from typing import cast
 
 import pytest
 
-from ..backends.base import Backend, Capabilities, Data, ObjectInfo
-from ..errors import BackendError, InvalidKey, ObjectNotFound, PreconditionFailed
+from ckptsdk.backends.base import Backend, Capabilities, Data, ObjectInfo
+from ckptsdk.errors import BackendError, InvalidKey, ObjectNotFound, PreconditionFailed
 
 __all__ = ["BackendConformance"]
 

@@ -13,8 +13,8 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 from typing import BinaryIO, TypeVar
 
-from ..backends.base import Backend, Capabilities, Data, ObjectInfo
-from ..errors import BackendError
+from ckptsdk.backends.base import Backend, Capabilities, Data, ObjectInfo
+from ckptsdk.errors import BackendError
 
 _T = TypeVar("_T")
 

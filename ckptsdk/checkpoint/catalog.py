@@ -1,0 +1,445 @@
+"""What a checkpoint root holds: committed checkpoints, their validity, lineage and orphans.
+
+Read-only and cheap (one listing plus the small JSON objects): it decides which checkpoints are
+restorable without reading tensor data. Writing, leasing and digest checks of tensor files belong
+to the manager.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Callable, Iterable, MutableMapping
+from dataclasses import dataclass, field, replace
+
+from ckptsdk.backends.base import Backend, ObjectInfo
+from ckptsdk.errors import BackendError, LeaseError, ManifestError, ObjectNotFound
+from ckptsdk.format.manifest import LineageRecord, Manifest, parse_lineage, parse_manifest
+from ckptsdk.lease.record import LEASE_KEY, LeaseRecord, parse_lease
+
+logger = logging.getLogger(__name__)
+
+CKPT_PREFIX = "step-"
+MANIFEST = "manifest.json"
+TENSORS = "tensors.safetensors"
+LINEAGE_PREFIX = "lineage/"
+
+_DIR_RE = re.compile(r"^step-(\d{10,})\.e(\d+)(?:\.([0-9a-f]{8}))?$")
+_LINEAGE_RE = re.compile(r"^lineage/epoch-(\d+)(?:\.([0-9a-f]{8}))?\.json$")
+
+# A writer's rank: its lease epoch, then its tag. On stores with compare-and-swap every epoch
+# has one writer and the tag is "". Where exclusion is only advisory (Drive), two VMs can both
+# believe they took the same epoch; the tag (the first 8 hex digits of the lease nonce) keeps
+# their names apart and orders them: the lower rank is superseded, exactly like a lower epoch.
+Rank = tuple[int, str]
+
+#: Hex digits of the lease nonce that make a writer's tag (and order writers of one epoch).
+TAG_DIGITS = 8
+
+
+def writer_tag(nonce: str, *, compare_and_swap: bool) -> str:
+    """The tag a writer carries in its names: empty where compare-and-swap makes every epoch
+    exclusive, else the first ``TAG_DIGITS`` hex digits of its lease nonce (see ``Rank``)."""
+    return "" if compare_and_swap else nonce[:TAG_DIGITS]
+
+
+def checkpoint_dir(step: int, epoch: int, tag: str = "") -> str:
+    """The folder of one checkpoint: unique per (step, writer), so two writers never collide."""
+    return f"step-{step:010d}.e{epoch}" + (f".{tag}" if tag else "")
+
+
+def folder_rank(key: str) -> tuple[int, Rank] | None:
+    """(step, writer rank) of the checkpoint folder ``key`` lies in, or None if it is not in one."""
+    m = _DIR_RE.match(key.partition("/")[0])
+    return None if m is None else (int(m.group(1)), (int(m.group(2)), m.group(3) or ""))
+
+
+def lineage_key(epoch: int, tag: str = "") -> str:
+    """Where the takeover record of the writer (``epoch``, ``tag``) lives."""
+    return f"lineage/epoch-{epoch:06d}" + (f".{tag}" if tag else "") + ".json"
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """One checkpoint folder as the catalog sees it.
+
+    Attributes:
+        step: training step saved.
+        epoch: the lease epoch of the writer (the ``.eN`` in the folder name).
+        key: the folder, relative to the root (``step-0000005700.e1``).
+        size: bytes stored in the folder.
+        committed: the manifest is published (a checkpoint exists only then).
+        valid: committed, readable manifest, files present with the sizes it lists, not orphaned.
+            Digests are checked only when the data is read (restore, verify).
+        reason: why it is not valid, or ``None``.
+        orphan: written by a superseded writer past the point a newer epoch resumed from.
+        manifest: the parsed manifest, when it could be read.
+        tag: the writer's tag (the nonce prefix in the folder name on Drive; "" elsewhere).
+        mtime: the store's time of the folder's newest object (see ``ObjectInfo.mtime``).
+        anchor: the writer re-committed the checkpoint it resumed from under its own name.
+        copies: the other folders of the same step (set only on :meth:`Catalog.rows`' rows).
+    """
+
+    step: int
+    epoch: int
+    key: str
+    size: int
+    committed: bool
+    valid: bool
+    reason: str | None = None
+    orphan: bool = False
+    manifest: Manifest | None = field(default=None, repr=False, compare=False)
+    tag: str = ""
+    mtime: float | None = field(default=None, compare=False)
+    anchor: bool = False
+    copies: tuple[str, ...] = ()
+
+    @property
+    def attempt(self) -> int | None:
+        return self.manifest.writer.attempt if self.manifest else None
+
+    @property
+    def rank(self) -> Rank:
+        """The writer's (lease epoch, tag): higher ranks supersede lower ones."""
+        return (self.epoch, self.tag)
+
+
+@dataclass(frozen=True)
+class Catalog:
+    """A snapshot of a root: every checkpoint folder, lineage records, and the highest writer seen."""
+
+    checkpoints: list[CheckpointInfo]
+    lineage: dict[Rank, LineageRecord]
+    resume_points: dict[Rank, int | None]
+    max_rank: Rank
+    #: lineage records not believed, and why (see ``_resume_points``)
+    ignored_lineage: dict[Rank, str] = field(default_factory=dict)
+    #: the highest epoch any name uses, believed or not: a new writer takes one above it
+    epoch_floor: int = 0
+    lineage_mtimes: list[float] = field(default_factory=list, repr=False)
+
+    @property
+    def max_epoch(self) -> int:
+        return self.max_rank[0]
+
+    def restorable(self) -> list[CheckpointInfo]:
+        """Valid checkpoints, newest first (higher step, then higher writer rank)."""
+        good = [c for c in self.checkpoints if c.valid]
+        return sorted(good, key=lambda c: (c.step, c.rank), reverse=True)
+
+    def rows(self) -> list[CheckpointInfo]:
+        """One row per step, oldest first: the highest writer's valid folder of that step (else
+        the highest writer's folder), with the other folders of the step in ``copies``.
+
+        A takeover's anchor and the checkpoint it copies are one step, and ``keep_last`` counts
+        steps, so a listing shows each step once."""
+        by_step: dict[int, list[CheckpointInfo]] = {}
+        for c in self.checkpoints:
+            by_step.setdefault(c.step, []).append(c)
+        out = []
+        for step in sorted(by_step):
+            folders = sorted(by_step[step], key=lambda c: (c.valid, c.rank), reverse=True)
+            best = folders[0]
+            out.append(replace(best, copies=tuple(c.key for c in folders[1:])))
+        return out
+
+    def store_now(self) -> float | None:
+        """The newest object time listed: the store's own "now", as near as a listing tells.
+
+        Ages of leftovers are measured against this, never against this machine's clock, so a
+        drifting VM clock cannot make a fresh upload look old. It lags the true time when
+        nothing was written lately, which only makes leftovers look younger (kept longer)."""
+        times = [c.mtime for c in self.checkpoints if c.mtime is not None] + self.lineage_mtimes
+        return max(times, default=None)
+
+    def leftovers(
+        self, *, rank: Rank | None, grace: float, exclusive: bool, now: float | None = None,
+        busy: Iterable[str] = (),
+    ) -> list[tuple[CheckpointInfo, str]]:
+        """Uncommitted folders that can never commit and may go now, each with why.
+
+        A folder without a manifest can never commit when its writer is superseded (a lower
+        rank than the live writer ``rank``) or is the live writer itself with no save of that
+        folder in flight (``busy``): an earlier save of this writer that failed. The live
+        writer's own may go at once (only it writes its names, from this machine). A lower
+        writer's may go at once when ``exclusive`` (the caller holds a compare-and-swap lease:
+        that writer's commit would fail its own renewal); otherwise only once the folder's
+        newest object is ``grace`` seconds older than ``now`` (store time; default
+        :meth:`store_now`), because on Drive another VM's upload of it may still be in flight.
+        ``rank=None`` (gc without the lease): every uncommitted folder, after the grace only.
+        A higher writer's folder is never returned.
+        """
+        now = self.store_now() if now is None else now
+        busy = set(busy)
+        out = []
+        for c in self.checkpoints:
+            if c.committed or c.key in busy:
+                continue
+            if rank is not None and c.rank > rank:
+                continue
+            age = None if now is None or c.mtime is None else max(0.0, now - c.mtime)
+            if rank is not None and c.rank == rank:
+                out.append((c, "uncommitted: this writer's own failed save"))
+            elif exclusive and rank is not None:
+                out.append((c, "uncommitted: a superseded writer's save that can never commit"))
+            elif age is not None and age >= grace:
+                who = "a superseded writer's" if rank is not None else "a save"
+                out.append((c, f"uncommitted: {who} folder, silent for {age:.0f} s (grace {grace:.0f} s)"))
+        return out
+
+    def find(self, step: int) -> list[CheckpointInfo]:
+        """Every checkpoint folder of ``step`` (several writers may have written it), newest writer first."""
+        return sorted((c for c in self.checkpoints if c.step == step), key=lambda c: c.rank, reverse=True)
+
+
+def _read_json_object(backend: Backend, key: str) -> bytes | None:
+    try:
+        return backend.read(key)
+    except ObjectNotFound:
+        return None  # deleted between list and read: treat as never seen
+
+
+def scan(backend: Backend, *, cache: MutableMapping[tuple[str, str], object] | None = None) -> Catalog:
+    """List the root and classify every checkpoint folder.
+
+    Args:
+        backend: the checkpoint root.
+        cache: optional memo of parsed manifests/lineage records keyed by (key, version); a
+            manager passes one so that repeated scans read only what changed.
+    """
+    memo: MutableMapping[tuple[str, str], object] = cache if cache is not None else {}
+    folders: dict[str, dict[str, ObjectInfo]] = {}
+    for obj in backend.list(CKPT_PREFIX):
+        folder, _, name = obj.key.partition("/")
+        if _DIR_RE.match(folder) and name and "/" not in name:
+            folders.setdefault(folder, {})[name] = obj
+
+    lineage: dict[Rank, LineageRecord] = {}
+    lineage_mtimes: list[float] = []
+    max_rank: Rank = (0, "")
+    lineage_objs = backend.list(LINEAGE_PREFIX)
+    for obj in lineage_objs:
+        m = _LINEAGE_RE.match(obj.key)
+        if not m:
+            continue
+        if obj.mtime is not None:
+            lineage_mtimes.append(obj.mtime)
+        rank = (int(m.group(1)), m.group(2) or "")
+        cached = memo.get((obj.key, obj.version))
+        record = cached if isinstance(cached, LineageRecord) else None
+        if record is None:
+            raw = _read_json_object(backend, obj.key)
+            if raw is None:
+                continue
+            try:
+                record = parse_lineage(raw, key=obj.key)
+            except ManifestError as exc:
+                logger.warning("ignoring unreadable lineage record %s: %s", obj.key, exc)
+                continue
+            memo[(obj.key, obj.version)] = record
+        if record.epoch != rank[0]:
+            logger.warning("ignoring lineage record %s: it says epoch %s", obj.key, record.epoch)
+            continue
+        lineage[rank] = record
+
+    # First pass: manifests (commit markers) and sizes.
+    parsed: list[tuple[int, Rank, str, dict[str, ObjectInfo], Manifest | None, str | None]] = []
+    for folder, files in sorted(folders.items()):
+        m = _DIR_RE.match(folder)
+        assert m is not None
+        step, epoch = int(m.group(1)), int(m.group(2))
+        rank = (epoch, m.group(3) or "")
+        max_rank = max(max_rank, rank)
+        manifest: Manifest | None = None
+        reason: str | None = None
+        mobj = files.get(MANIFEST)
+        if mobj is None:
+            reason = "uncommitted: no manifest (a save in progress, or one that crashed)"
+        else:
+            key = f"{folder}/{MANIFEST}"
+            cached = memo.get((key, mobj.version))
+            if isinstance(cached, Manifest):
+                manifest = cached
+            else:
+                raw = _read_json_object(backend, key)
+                if raw is None:
+                    reason = "manifest vanished while listing (being deleted)"
+                else:
+                    try:
+                        manifest = parse_manifest(raw, key=key)
+                        memo[(key, mobj.version)] = manifest
+                    except ManifestError as exc:
+                        reason = f"bad manifest: {exc}"
+            if manifest is not None:
+                reason = _check_files(manifest, files, step, epoch)
+        parsed.append((step, rank, folder, files, manifest, reason))
+
+    # The memo holds what a root holds now, not everything it ever held: a manager that saves
+    # every few seconds for days must not keep each deleted checkpoint's manifest alive.
+    if cache is not None:
+        listed = {(f"{folder}/{name}", obj.version) for folder, files in folders.items()
+                  for name, obj in files.items()}
+        listed |= {(obj.key, obj.version) for obj in lineage_objs}
+        for stale in [k for k in memo if k not in listed]:
+            del memo[stale]
+    resume_points, ignored = _resume_points(lineage, parsed, lambda: _read_lease(backend),
+                                            exclusive=backend.capabilities.compare_and_swap)
+    # Only believed records count as a newer writer: a stray record must not fence the live
+    # writer. Every record's epoch is used up, though: a new writer never takes it.
+    epoch_floor = max([max_rank[0], *(r[0] for r in lineage)])
+    max_rank = max([max_rank, *(r for r in lineage if r not in ignored)])
+
+    checkpoints = []
+    for step, rank, folder, files, manifest, reason in parsed:
+        orphan_of = _superseded_by(step, rank, resume_points)
+        orphan = orphan_of is not None
+        if reason is None and orphan_of is not None:
+            newer, point = orphan_of
+            where = "a fresh start" if point is None else f"step {point}"
+            reason = (
+                f"orphan: written by {_name(rank)} after {_name(newer)} took over from {where}; "
+                "never restored (`ckptsdk gc` removes it)"
+            )
+        checkpoints.append(
+            CheckpointInfo(
+                step=step,
+                epoch=rank[0],
+                tag=rank[1],
+                key=folder,
+                size=sum(o.size for o in files.values()),
+                committed=MANIFEST in files,
+                valid=reason is None,
+                reason=reason,
+                orphan=orphan,
+                manifest=manifest,
+                mtime=max((o.mtime for o in files.values() if o.mtime is not None), default=None),
+                anchor=manifest is not None and resume_points.get(rank) == step,
+            )
+        )
+    return Catalog(checkpoints=checkpoints, lineage=lineage, resume_points=resume_points, max_rank=max_rank,
+                   ignored_lineage=ignored, epoch_floor=epoch_floor, lineage_mtimes=lineage_mtimes)
+
+
+_TOLD: set[tuple[Rank, str]] = set()
+
+
+def _read_lease(backend: Backend) -> LeaseRecord | None:
+    try:
+        return parse_lease(backend.read(LEASE_KEY), url=backend.url)
+    except (ObjectNotFound, LeaseError, BackendError):
+        return None  # no lease, or one nobody can vouch for: it corroborates nothing
+
+
+def _resume_points(
+    lineage: dict[Rank, LineageRecord],
+    parsed: list[tuple[int, Rank, str, dict[str, ObjectInfo], Manifest | None, str | None]],
+    lease: Callable[[], LeaseRecord | None], *, exclusive: bool,
+) -> tuple[dict[Rank, int | None], dict[Rank, str]]:
+    """Where each writer resumed from, and the lineage records that are not believed (and why).
+
+    A writer's manifests say where it resumed from; its lineage record says it first (on Drive
+    the record may arrive before or after the manifests). When both exist and differ, the
+    manifests win: each one is what the writer used for a commit. A record is what turns a
+    lower-ranked writer's checkpoints into orphans, so one record alone must not be able to erase
+    a run's progress. A record that would orphan committed checkpoints is believed only when its
+    writer left a checkpoint folder (a takeover re-commits its resume point at once), or when
+    LEASE.json names its writer (same epoch, attempt, run, host and pid: the writer holds the
+    lease or released it last). Where the lease is only advisory (Drive: a zombie's late write
+    can put an older record back), an epoch one above everything seen is believed too. Anything
+    else (``epoch-000999`` next to a lease at epoch 2) is ignored, loudly. The price: a takeover
+    that crashed before its first save, taken over in turn, no longer hides the checkpoints its
+    zombie predecessor committed meanwhile; those are real states of the run, and restorable.
+    """
+    lease_seen: list[LeaseRecord | None] = []
+
+    def vouched(rank: Rank, record: LineageRecord) -> bool:
+        """Whether the lease vouches for ``record`` (read LEASE.json only when asked: rarely)."""
+        if not lease_seen:
+            lease_seen.append(lease())
+        held = lease_seen[0]
+        if held is not None and (held.epoch, held.attempt, held.run_id, held.holder.host, held.holder.pid) == (
+                record.epoch, record.attempt, record.run_id, record.host, record.pid) and rank[1] in (
+                "", held.holder.nonce[:8]):
+            return True  # its writer holds (or last held) the lease
+        # Where a zombie's late write can put an older lease back (Drive), the lease cannot
+        # vouch; an epoch one above everything seen is then plausible, and believed.
+        known = max([held.epoch if held is not None else 0, *(r[0] for r in used)])
+        return not exclusive and rank[0] <= known + 1
+
+    from_manifests: dict[Rank, set[int | None]] = {}
+    for _step, rank, _folder, _files, manifest, _reason in parsed:
+        if manifest is not None:
+            from_manifests.setdefault(rank, set()).add(manifest.writer.resumed_from_step)
+    used = {rank for _step, rank, _folder, _files, _manifest, _reason in parsed}
+    committed = [(step, rank) for step, rank, _folder, files, _manifest, _reason in parsed if MANIFEST in files]
+    points: dict[Rank, int | None] = {}
+    ignored: dict[Rank, str] = {}
+    for rank, record in sorted(lineage.items()):
+        point = record.resumed_from_step
+        said = from_manifests.get(rank)
+        if said is not None and said != {point}:
+            logger.warning(
+                "lineage record of %s says it resumed from %s but its checkpoints say %s; "
+                "believing the checkpoints", _name(rank), _where(point), " / ".join(map(_where, said)))
+            continue  # taken from the manifests below
+        if rank in used:
+            points[rank] = point
+            continue
+        erased = sorted({s for s, r in committed if r < rank and (point is None or s > point)})
+        if not erased or vouched(rank, record):
+            points[rank] = point  # harmless (it orphans nothing committed), or its writer is known
+            continue
+        why = (f"it says {_name(rank)} took over from {_where(point)}, which would discard committed "
+               f"step(s) {erased[:5]}{' ...' if len(erased) > 5 else ''}, but no writer of {_name(rank)} "
+               "wrote any checkpoint and LEASE.json does not name it; a stray or forged record cannot "
+               "erase a run's progress")
+        ignored[rank] = why
+        if (rank, why) in _TOLD:
+            continue  # every scan would say it again (a save scans): once per process is loud enough
+        _TOLD.add((rank, why))
+        logger.warning("ignoring lineage record %s: %s. Remove it if no such writer exists", lineage_key(*rank), why)
+    for rank, said in from_manifests.items():
+        if rank not in points and len(said) == 1:
+            points[rank] = next(iter(said))
+        elif rank not in points:  # its own manifests disagree: take the most conservative point
+            points[rank] = max((p for p in said if p is not None), default=None)
+    return points, ignored
+
+
+def _where(point: int | None) -> str:
+    return "a fresh start" if point is None else f"step {point}"
+
+
+def _name(rank: Rank) -> str:
+    return f"epoch {rank[0]}" + (f" (writer {rank[1]})" if rank[1] else "")
+
+
+def _check_files(manifest: Manifest, files: dict[str, ObjectInfo], step: int, epoch: int) -> str | None:
+    if manifest.step != step or manifest.writer.lease_epoch != epoch:
+        return (
+            f"manifest says step {manifest.step} epoch {manifest.writer.lease_epoch} but lives in "
+            f"the folder of step {step} epoch {epoch}"
+        )
+    from ckptsdk.format.digest import CHECKPOINT_ALGORITHMS as ALGORITHMS  # what a checkpoint's files may name
+
+    for entry in manifest.files:
+        if entry.algorithm not in ALGORITHMS:
+            return (f"{entry.name}: unknown digest algorithm {entry.algorithm!r} (this ckptsdk knows "
+                    f"{', '.join(ALGORITHMS)}); written by a newer ckptsdk? upgrade to read it")
+        obj = files.get(entry.name)
+        if obj is None:
+            return f"torn: {entry.name} is missing"
+        if obj.size != entry.size:
+            return f"torn: {entry.name} has {obj.size} bytes, the manifest says {entry.size}"
+    return None
+
+
+def _superseded_by(step: int, rank: Rank, resume_points: dict[Rank, int | None]) -> tuple[Rank, int | None] | None:
+    """The newer writer that makes (step, rank) an orphan, and where it resumed from; else None."""
+    for newer in sorted(resume_points, reverse=True):
+        if newer <= rank:
+            break
+        point = resume_points[newer]
+        if point is None or step > point:
+            return newer, point
+    return None

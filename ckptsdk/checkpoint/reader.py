@@ -1,0 +1,284 @@
+"""Reading a checkpoint root: which checkpoint a step names, its tree (verified), verify, ResumePoint.
+
+:class:`CheckpointReader` is the read half of :class:`~ckptsdk.CheckpointManager` (all a
+``read_only`` manager does): the listing, the newest restorable checkpoint with fallback past
+damage, and the one re-hash of a checkpoint's files that ``verify()`` and ``ckptsdk verify`` both
+use (:meth:`CheckpointReader.check`). The lease, saving and restore's lineage live elsewhere.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import JsonValue
+
+from ckptsdk.backends.base import Backend
+from ckptsdk.checkpoint import catalog as _catalog
+from ckptsdk.checkpoint.catalog import MANIFEST, TENSORS, CheckpointInfo
+from ckptsdk.errors import CorruptCheckpointError, ManifestError, NoValidCheckpointError
+from ckptsdk.format import codec
+from ckptsdk.format.manifest import Manifest
+from ckptsdk.format.skeleton import tensor_paths
+from ckptsdk.format.tensorfile import read_tensorfile, verify_file
+from ckptsdk.rng import check_rng
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["CheckpointReader", "MetricValue", "ResumePoint", "Verdict", "resume_point"]
+
+#: What :meth:`CheckpointReader.check` found in one checkpoint folder.
+Status = Literal["ok", "orphan", "uncommitted", "CORRUPT"]
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """One checkpoint folder after :meth:`CheckpointReader.check`.
+
+    Attributes:
+        status: ``"ok"``; ``"orphan"`` (intact, of a superseded writer: never restored, ``gc``
+            removes it); ``"uncommitted"`` (a save in progress or killed: not a checkpoint, never
+            a failure); ``"CORRUPT"`` (torn, unreadable manifest, or a file failing its digest).
+        reason: why it is not ``"ok"`` (None when it is).
+        rehashed: whether its bytes were read and hashed (a torn folder is judged by its listing).
+    """
+
+    status: Status
+    reason: str | None
+    rehashed: bool
+
+
+#: A metric as the manifest keeps it (a 0-d tensor or numpy scalar is stored as its value).
+MetricValue = bool | int | float | str | None
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where a restored run continues: what ``restore()`` returns.
+
+    Attributes:
+        step: the saved step (the next step to run is ``step + 1``).
+        epoch: the training epoch saved with it, if any.
+        batch_idx: the batch index within that epoch, if any.
+        extra: free-form position fields the job saved.
+        metrics: metrics saved with the checkpoint.
+        tags: string tags saved with the checkpoint (e.g. a dataset hash).
+        key: the checkpoint folder restored from.
+        lease_epoch: the lease epoch that wrote it.
+    """
+
+    step: int
+    epoch: int | None
+    batch_idx: int | None
+    extra: dict[str, JsonValue]
+    metrics: dict[str, MetricValue]
+    tags: dict[str, str]
+    key: str
+    lease_epoch: int
+
+
+def resume_point(info: CheckpointInfo) -> ResumePoint:
+    """The :class:`ResumePoint` of a checkpoint whose manifest was read."""
+    manifest = info.manifest
+    assert manifest is not None
+    pos = manifest.position
+    return ResumePoint(
+        step=manifest.step, epoch=pos.epoch, batch_idx=pos.batch_idx, extra=dict(pos.extra),
+        metrics=dict(manifest.metrics), tags=dict(manifest.tags), key=info.key, lease_epoch=info.epoch,
+    )
+
+
+class CheckpointReader:
+    """The checkpoints under one root, read-only: listing, picking, reading verified, verifying.
+
+    Args:
+        backend: the opened root.
+    """
+
+    def __init__(self, backend: Backend) -> None:
+        self._backend = backend
+        self.url = backend.url
+        # Parsed manifests by (key, version): a rescan re-reads only what changed.
+        self._memo: dict[tuple[str, str], object] = {}
+
+    @property
+    def backend(self) -> Backend:
+        """The storage of the root."""
+        return self._backend
+
+    def _scan(self) -> _catalog.Catalog:
+        return _catalog.scan(self.backend, cache=self._memo)
+
+    # ------------------------------------------------------------------ the read API
+
+    def list(self) -> list[CheckpointInfo]:
+        """One row per step, oldest first (valid or not, with why): the highest writer's folder
+        of the step, its other folders in ``copies``, a takeover's re-commit marked ``anchor``."""
+        return self._scan().rows()
+
+    def latest(self) -> CheckpointInfo | None:
+        """The newest restorable checkpoint (sizes checked, digests not yet), or None."""
+        good = self._scan().restorable()
+        return good[0] if good else None
+
+    def load_manifest(self, step: int | None = None) -> Manifest:
+        """The manifest of ``step`` (newest restorable if None)."""
+        return self.pick(step).manifest  # type: ignore[return-value]  # pick never returns one without
+
+    def load(self, step: int | None = None) -> Any:
+        """The raw state tree of a checkpoint (newest restorable one if ``step`` is None), verified.
+
+        Returns:
+            The decoded tree (nested dicts, lists, tensors and JSON values, as it was saved).
+
+        Raises:
+            NoValidCheckpointError: no checkpoint of that step (or none at all) can be read.
+            CorruptCheckpointError: a given ``step`` fails its digest check.
+        """
+        if step is not None:
+            return self.read_tree(self.pick(step))
+        return self._read_newest()[0]
+
+    def verify(self, step: int | None = None, *, key: str | None = None) -> CheckpointInfo:
+        """Re-hash a checkpoint's files against its manifest; raise ``CorruptCheckpointError``.
+
+        Args:
+            step: the step to check (the newest restorable one if None and no ``key``).
+            key: one checkpoint folder (``step-0000000040.e2``), when several lease epochs hold
+                the same step (a takeover re-commits its resume point under its own epoch).
+
+        Returns:
+            The checkpoint checked.
+        """
+        info = self.pick(step, key=key)
+        self._rehash(info)
+        return info
+
+    def check(self, info: CheckpointInfo) -> Verdict:
+        """The verdict on one checkpoint folder of :meth:`list` (``ckptsdk verify`` prints these).
+
+        A committed folder is re-hashed (an orphan too: it says whether ``gc`` removes an intact
+        one); a torn one is CORRUPT by its listing; an uncommitted one is never a failure.
+        """
+        if not info.committed:
+            return Verdict("uncommitted", info.reason, rehashed=False)
+        if info.manifest is None or (not info.valid and not info.orphan):
+            return Verdict("CORRUPT", info.reason or "invalid", rehashed=False)
+        try:
+            self._rehash(info)
+        except (CorruptCheckpointError, ManifestError) as exc:
+            return Verdict("CORRUPT", str(exc), rehashed=True)
+        if info.orphan:
+            return Verdict("orphan", info.reason, rehashed=True)
+        return Verdict("ok", None, rehashed=True)
+
+    def _rehash(self, info: CheckpointInfo) -> None:
+        """The one re-hash of a checkpoint: every file its manifest lists, size and digest."""
+        assert info.manifest is not None
+        for entry in info.manifest.files:
+            verify_file(self.backend, f"{info.key}/{entry.name}", size=entry.size, digest=entry.digest,
+                        algorithm=entry.algorithm)
+
+    # ------------------------------------------------------------------ picking and reading
+
+    def pick(self, step: int | None, *, key: str | None = None) -> CheckpointInfo:
+        """The checkpoint a ``key``, a ``step`` or (both None) "the newest restorable" names.
+
+        Returns:
+            A checkpoint whose manifest could be read (``manifest`` is set).
+
+        Raises:
+            NoValidCheckpointError: nothing readable of that key or step (lists each and why).
+        """
+        cat = self._scan()
+        if key is not None:
+            match = next((c for c in cat.checkpoints if c.key == key.rstrip("/")), None)
+            if match is None or match.manifest is None:
+                why = match.reason if match is not None else "no such checkpoint folder"
+                raise NoValidCheckpointError(f"cannot read checkpoint {self.url}/{key}: {why}",
+                                             url=self.url, tried={key: why or ""})
+            return match
+        if step is None:
+            good = cat.restorable()
+            if not good:
+                raise NoValidCheckpointError(f"no valid checkpoint under {self.url}", url=self.url,
+                                             tried={c.key: c.reason or "" for c in cat.checkpoints})
+            return good[0]
+        found = cat.find(step)
+        usable = [c for c in found if c.manifest is not None and not c.orphan]
+        if not usable:
+            why = "; ".join(f"{c.key}: {c.reason}" for c in found) or "no such step"
+            raise NoValidCheckpointError(
+                f"no readable checkpoint of step {step} under {self.url} ({why}); "
+                "`ckptsdk ls URL` lists the steps", url=self.url,
+                tried={c.key: c.reason or "" for c in found},
+            )
+        return usable[0]
+
+    def _read_newest(self) -> tuple[Any, CheckpointInfo]:
+        """The newest checkpoint that reads back whole, skipping (and naming) damaged ones.
+
+        Raises:
+            NoValidCheckpointError: with ``tried`` empty when the root holds no committed
+                checkpoint of the live lineage (a fresh start), else listing each and why.
+        """
+        cat = self._scan()
+        tried: dict[str, str] = {}
+        newest_first = sorted(cat.checkpoints, key=lambda c: (c.step, c.rank), reverse=True)
+        for info in newest_first:
+            if not info.valid:
+                tried[info.key] = info.reason or ""
+                if info.committed and not info.orphan:
+                    logger.warning("skipping checkpoint %s/%s: %s", self.url, info.key, info.reason)
+                else:  # a save in progress, or a superseded writer's leftover: expected
+                    logger.info("not restoring %s/%s: %s", self.url, info.key, info.reason)
+                continue
+            try:
+                return self.read_tree(info), info
+            except (CorruptCheckpointError, ManifestError) as exc:
+                logger.warning("skipping checkpoint %s/%s: %s", self.url, info.key, exc)
+                tried[info.key] = str(exc)
+        # Only committed checkpoints of the live lineage count: a root holding nothing but an
+        # interrupted first save (or a superseded writer's orphans) is a fresh start.
+        blocking = {c.key for c in cat.checkpoints if c.committed and not c.orphan}
+        if not blocking:
+            tried = {}
+        listing = "; ".join(f"{k}: {v}" for k, v in sorted(tried.items())) or "none"
+        raise NoValidCheckpointError(
+            f"no valid checkpoint under {self.url}: tried {len(tried)} ({listing}). "
+            "Inspect with `ckptsdk ls URL` / `ckptsdk verify URL`; restore a copy, or start a new root",
+            url=self.url, tried=tried,
+        )
+
+    def read_tree(self, info: CheckpointInfo) -> Any:
+        """The state tree of one checkpoint (from :meth:`pick` or :meth:`list`), its tensor file
+        verified; never a part of it.
+
+        Raises:
+            CorruptCheckpointError: a file fails its check, or the tree does not match the tensors.
+            ManifestError: the manifest lists no tensor file.
+        """
+        manifest = info.manifest
+        assert manifest is not None
+        entry = next((f for f in manifest.files if f.name == TENSORS), None)
+        if entry is None:
+            raise ManifestError(f"{info.key}/{MANIFEST} lists no {TENSORS}", url=self.url, step=info.step)
+        tensors = read_tensorfile(
+            self.backend, f"{info.key}/{TENSORS}", size=entry.size, digest=entry.digest,
+            algorithm=entry.algorithm,
+        )
+        try:
+            tree = codec.decode(manifest.tree, tensors)
+            unused = set(tensors) - set(tensor_paths(manifest.tree))
+            if unused:  # the tree lost a leaf (a momentum buffer): never restore part of a state
+                raise ValueError(f"the tensor file holds {sorted(unused)[:3]} that the tree never uses")
+        except (KeyError, ValueError, TypeError) as exc:
+            raise CorruptCheckpointError(
+                f"checkpoint {self.url}/{info.key}: its manifest tree does not match its tensors "
+                f"({exc}); it cannot be restored", url=self.url, step=info.step, key=info.key,
+            ) from exc
+        if isinstance(tree, Mapping) and isinstance(tree.get("rng"), Mapping):
+            check_rng(tree["rng"])  # an impossible RNG state is damage: fall back, not fail later
+        return tree

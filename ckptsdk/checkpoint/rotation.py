@@ -1,0 +1,305 @@
+"""Rotation and garbage collection of checkpoints under one root: what retention lets go, and deleting it.
+
+A writer rotates its own lineage after each commit (never while fenced, never a newer writer's
+checkpoints), removes uncommitted folders that can never commit, and on Drive may instead recycle
+its oldest checkpoint's file for the next save (no trash); ``gc`` cleans orphans, torn
+checkpoints, leftovers and temp files without the lease. Which steps to keep is
+:mod:`ckptsdk.checkpoint.retention`'s pure decision; saving and the lease live elsewhere.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from ckptsdk.backends.base import Backend
+from ckptsdk.checkpoint import retention
+from ckptsdk.checkpoint.catalog import MANIFEST, Catalog, CheckpointInfo, Rank, folder_rank
+from ckptsdk.checkpoint.usage import record_trash
+from ckptsdk.errors import LeaseLostError, ObjectNotFound
+from ckptsdk.lease.acquire import Lease
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["GcReport", "Rotation", "RETENTION_MODES", "LEFTOVER_GRACE_S"]
+
+# "delete": rotated-out checkpoints are deleted. "recycle": the writer's oldest rotated-out
+# checkpoint gives its tensor file to the next save (renamed, rewritten in place), so a store
+# whose deletes go to a trash (Drive) receives no full-size file in the steady state.
+RETENTION_MODES = ("delete", "recycle")
+# Without compare-and-swap (Drive), an uncommitted folder of another writer may still be receiving
+# an upload from a VM whose writes reach us late: it goes only once the store's own times say it
+# has been silent this long.
+LEFTOVER_GRACE_S = 3600.0
+
+
+@dataclass(frozen=True)
+class GcReport:
+    """What ``gc`` removed (or would remove, with ``dry_run``), each with why."""
+
+    deleted: list[str] = field(default_factory=list)
+    reasons: dict[str, str] = field(default_factory=dict)
+    dry_run: bool = False
+    sizes: dict[str, int] = field(default_factory=dict)
+    trash_bytes: int | None = None  # what these deletes send to the store's trash (Drive), else None
+
+
+class Rotation:
+    """Applies retention to one root and deletes checkpoints, manifest first.
+
+    Args:
+        backend: the checkpoint root.
+        keep_last: committed steps to keep.
+        keep_every: also keep every step that is a multiple of this.
+        mode: one of ``RETENTION_MODES``; ``"recycle"`` acts only where the store can rewrite in
+            place (``capabilities.rewrite_in_place``), else it deletes.
+        leftover_grace: seconds of silence (by the store's times) after which an uncommitted
+            folder of another writer goes, where the store has no compare-and-swap.
+    """
+
+    def __init__(self, backend: Backend, *, keep_last: int, keep_every: int | None,
+                 mode: str = "delete", leftover_grace: float = LEFTOVER_GRACE_S) -> None:
+        if mode not in RETENTION_MODES:
+            raise ValueError(f"retention mode must be one of {RETENTION_MODES}, got {mode!r}")
+        self.backend = backend
+        self.url = backend.url
+        self.keep_last = keep_last
+        self.keep_every = keep_every
+        self.mode = mode
+        self.leftover_grace = leftover_grace
+        self.trashed_bytes = 0  # what this writer sent to the trash (stores with one)
+        self.trashed_files = 0
+        self.recycled_bytes = 0  # what it rewrote in place instead
+        self._trash_warned = False
+        self._ledger_rank: Rank | None = None
+
+    @property
+    def late(self) -> int:
+        """Saves by which retention runs late: 1 where writes reach the cloud late (Drive)."""
+        return 0 if self.backend.capabilities.immediately_consistent else 1
+
+    @property
+    def recycles(self) -> bool:
+        """Whether rotated-out checkpoints are recycled rather than deleted on this store."""
+        return (self.mode == "recycle" and self.backend.capabilities.rewrite_in_place
+                and callable(getattr(self.backend, "move", None))
+                and callable(getattr(self.backend, "overwrite", None)))
+
+    def rotate(self, lease: Lease, rank: Rank, scan: Callable[[], Catalog],
+               resumed_from: CheckpointInfo | None) -> None:
+        """Delete what retention allows, of this lineage only, unless fenced.
+
+        The lease was renewed just before the manifest was published (and the heartbeat keeps
+        watching); a fresh listing (``scan()``) then shows any newer writer. Safety does not rest on
+        this check's timing: a takeover anchors its resume point under its own rank, which no
+        lower-ranked writer ever deletes.
+        """
+        try:
+            lease.check()
+        except LeaseLostError:
+            logger.warning("lease lost after a commit under %s: rotation deletes nothing", self.url)
+            return
+        cat = scan()
+        if cat.max_rank > rank:
+            lease.fence(f"saw epoch {cat.max_epoch} under {self.url}", cat.max_epoch)
+            logger.warning("a newer writer (epoch %d) exists under %s: rotation deletes nothing",
+                           cat.max_epoch, self.url)
+            return
+        mine = [c for c in cat.checkpoints if c.valid and c.rank <= rank]
+        # Where writes reach the cloud late and out of order (Drive), a rotation's small deletes
+        # can arrive long before the new checkpoint's tensor file: rotate one save late, so the
+        # newest checkpoint has a whole save interval to upload before its predecessor goes.
+        protected = self._protected(mine, rank, resumed_from)
+        self._ledger_rank = rank
+        doomed = self.beyond_retention(mine, self.keep_last + self.late, protected)
+        for c in doomed:
+            lease.check()
+            self.delete(c)
+        gone = {c.key for c in doomed}
+        self.drop_copies(lease, rank, [c for c in mine if c.key not in gone])
+        # Leftovers of saves that can never commit. Under compare-and-swap the renewal that
+        # preceded this rotation proves no lower writer can still commit (its own renewal would
+        # fail): they go at once. Elsewhere only after the grace, by the store's own clock.
+        exclusive = self.backend.capabilities.compare_and_swap
+        for c, why in cat.leftovers(rank=rank, grace=self.leftover_grace, exclusive=exclusive):
+            lease.check()
+            logger.info("removing %s/%s (%s, %d bytes)", self.url, c.key, why, c.size)
+            self.delete(c)
+        # A save killed mid-write leaves a full-size temp file (invisible to listings) in its
+        # folder. Those of this writer's lineage go by the same rule; never a higher writer's.
+        def ours(key: str) -> bool:
+            found = folder_rank(key)
+            return found is not None and found[1] <= rank
+
+        lease.check()
+        for key in self.backend.sweep(0.0 if exclusive else self.leftover_grace, only=ours):
+            logger.info("removed %s/%s: temp file of a killed save", self.url, key)
+        self._flush_ledger()
+
+    def drop_copies(self, lease: Lease, rank: Rank, kept: list[CheckpointInfo]) -> None:
+        """Keep one folder per step: a takeover's anchor replaces the folders it re-committed.
+
+        Only where the store is immediately consistent (local disk, GCS): there an anchor is
+        durable and visible the moment it is published, so the lower writers' copies of its step
+        protect nothing, and restarts that die before their first save no longer stack one copy
+        per restart on the resume step. Only steps older than this writer's newest: the folder an
+        anchor was made from may still be being read by the restore that made it (other ranks of
+        a distributed job) until this writer has saved again. On Drive the anchor may still be
+        uploading when a delete of the original arrives, so copies wait for rotation to let the
+        step go.
+        """
+        if not self.backend.capabilities.immediately_consistent:
+            return
+        own = [c.step for c in kept if c.rank == rank]
+        if not own:
+            return
+        newest = max(own)
+        by_step: dict[int, list[CheckpointInfo]] = {}
+        for c in kept:
+            if c.step < newest:
+                by_step.setdefault(c.step, []).append(c)
+        for step, folders in by_step.items():
+            best = max(folders, key=lambda c: c.rank)
+            for c in folders:
+                if c is not best:
+                    lease.check()
+                    logger.info("step %d under %s: %s replaces %s", step, self.url, best.key, c.key)
+                    self.delete(c)
+
+    def _protected(self, mine: list[CheckpointInfo], rank: Rank,
+                   resumed_from: CheckpointInfo | None) -> list[int]:
+        """The resume point stays until this writer has committed a newer step."""
+        if resumed_from is None:
+            return []
+        newer_own = any(c.rank == rank and c.step > resumed_from.step for c in mine)
+        return [] if newer_own else [resumed_from.step]
+
+    def recycle_source(self, lease: Lease, rank: Rank, cat: Catalog, step: int,
+                       resumed_from: CheckpointInfo | None) -> CheckpointInfo | None:
+        """Make room for the save of ``step`` by recycling: which own checkpoint gives its file.
+
+        Retention is applied as if ``step`` were committed already (one save late on Drive, so
+        the same steps stay as with deletion); the oldest rotated-out step that has a folder of
+        this writer's own rank loses its manifest here (it stops existing: manifest first, as
+        always) and that folder is returned, its tensor file for the caller to move and rewrite.
+        Only this writer's own files are recycled: a lower writer may be a zombie whose late
+        delete of that file (by its Drive identity) would then hit our new checkpoint.
+        Returns None when nothing is due (the caller writes a new file).
+        """
+        if not self.recycles or cat.max_rank > rank:
+            return None
+        lease.check()
+        mine = [c for c in cat.checkpoints if c.valid and c.rank <= rank]
+        probe = CheckpointInfo(step=step, epoch=rank[0], tag=rank[1], key="", size=0, committed=True, valid=True)
+        doomed = self.beyond_retention(mine + [probe], self.keep_last + self.late,
+                                       self._protected(mine, rank, resumed_from))
+        own = sorted((c for c in doomed if c.rank == rank and c.step != step), key=lambda c: c.step)
+        if not own:
+            return None
+        source = own[0]
+        self._ledger_rank = rank
+        try:
+            self.backend.delete(f"{source.key}/{MANIFEST}")
+        except ObjectNotFound:
+            return None  # someone else is cleaning it: write a new file
+        self._trashed(0, 1)  # the manifest: a few KB
+        return source
+
+    def recycled(self, source: CheckpointInfo, folder: str, size: int) -> None:
+        """Account a recycle that went through (the save log shows what the trash was spared)."""
+        self.recycled_bytes += size
+        logger.info("recycled %s/%s into %s by a rewrite in place: %.1f MB kept out of the trash "
+                    "(%.1f MB by this run so far; %.1f MB sent there)", self.url, source.key, folder,
+                    size / 1e6, self.recycled_bytes / 1e6, self.trashed_bytes / 1e6)
+
+    def beyond_retention(
+        self, checkpoints: list[CheckpointInfo], keep_last: int, protected: Sequence[int] = ()
+    ) -> list[CheckpointInfo]:
+        """The checkpoints retention lets go: keep_last steps, keep_every milestones, protected
+        steps kept. Every folder of a step (several writers may hold one) shares its fate."""
+        by_step: dict[int, list[CheckpointInfo]] = {}
+        for c in checkpoints:
+            by_step.setdefault(c.step, []).append(c)
+        policies = [retention.keep_last(keep_last)]
+        if self.keep_every:
+            policies.append(retention.keep_every(self.keep_every))
+        if protected:
+            policies.append(retention.protect(protected))
+        _kept, doomed = retention.plan(by_step, policies)
+        return [c for step in doomed for c in by_step[step]]
+
+    def delete(self, info: CheckpointInfo) -> None:
+        """Manifest first (the checkpoint stops existing), then the data."""
+        keys = [f"{info.key}/{MANIFEST}"] + [
+            o.key for o in self.backend.list(info.key + "/") if not o.key.endswith("/" + MANIFEST)
+        ]
+        deleted = 0
+        for key in keys:
+            try:
+                self.backend.delete(key)
+                deleted += 1
+            except ObjectNotFound:
+                pass  # already gone (another cleaner); deletion is idempotent
+        logger.info("rotated out %s/%s", self.url, info.key)
+        if self.backend.capabilities.trash_on_delete and deleted:
+            self._trashed(info.size, deleted)
+            # Drive moves deleted files to its trash, which counts against the quota for 30 days.
+            log = logger.warning if not self._trash_warned else logger.info
+            self._trash_warned = True
+            hint = ("" if self.recycles else " Use retention_mode='recycle' (see docs/DRIVE.md), empty the "
+                    "Drive trash, or raise save_every / lower keep_last")
+            log("%s keeps deleted checkpoints in its trash for 30 days, counting against your quota: "
+                "%.1f MB sent there by this run so far.%s", self.url, self.trashed_bytes / 1e6, hint)
+
+    def _trashed(self, size: int, files: int) -> None:
+        if self.backend.capabilities.trash_on_delete:
+            self.trashed_bytes += size
+            self.trashed_files += files
+
+    def _flush_ledger(self) -> None:
+        """Publish this writer's trash total where ``ckptsdk du`` finds it (Drive only)."""
+        if self.backend.capabilities.trash_on_delete and self._ledger_rank is not None and self.trashed_files:
+            record_trash(self.backend, self._ledger_rank, total_bytes=self.trashed_bytes,
+                         files=self.trashed_files)
+
+    def gc(self, cat: Catalog, *, keep_last: int | None = None, dry_run: bool = False,
+           grace: float = 3600.0) -> GcReport:
+        """Remove orphans of superseded writers, torn checkpoints and rotated-out checkpoints.
+
+        Works without the lease, so a running writer is not disturbed: orphans are never
+        restorable, retention keeps the newest ``keep_last`` steps (one more where rotation runs
+        a save late, on Drive), uncommitted folders go once the store's own times say they have
+        been silent for ``grace`` seconds (a save in progress writes all the time), and temp
+        files of crashed writes are swept when older than ``grace``. Where writes reach other
+        hosts late (Drive), a checkpoint that looks torn here may still be uploading from the VM
+        that wrote it, so gc keeps torn checkpoints there (delete them by hand once no VM is
+        writing). On a store with a trash, the report says how many bytes these deletes send there.
+        """
+        keep = (keep_last or self.keep_last) + self.late
+        reasons: dict[str, str] = {}
+        settled = self.backend.capabilities.immediately_consistent
+        for c in cat.checkpoints:
+            if c.orphan:
+                reasons[c.key] = c.reason or "orphan"
+            elif c.committed and not c.valid:
+                if settled:
+                    reasons[c.key] = c.reason or "invalid"
+                else:
+                    logger.info("gc keeps %s/%s (%s): it may still be uploading from another VM",
+                                self.url, c.key, c.reason)
+        for c, why in cat.leftovers(rank=None, grace=grace, exclusive=False):
+            reasons[c.key] = f"{why}, {c.size} bytes" + ("; and an orphan" if c.key in reasons else "")
+        late = f" (+{self.late}: on this store rotation runs one save late)" if self.late else ""
+        for c in self.beyond_retention([c for c in cat.checkpoints if c.valid], keep):
+            reasons[c.key] = f"beyond keep_last={keep - self.late}{late}"
+        sizes = {c.key: c.size for c in cat.checkpoints if c.key in reasons}
+        trash = sum(sizes.values()) if self.backend.capabilities.trash_on_delete else None
+        if not dry_run:
+            for c in cat.checkpoints:
+                if c.key in reasons:
+                    self.delete(c)
+            for key in self.backend.sweep(grace):
+                reasons[key] = f"temp file of a crashed write, older than {grace:.0f} s"
+        return GcReport(deleted=sorted(reasons), reasons=reasons, dry_run=dry_run, sizes=sizes,
+                        trash_bytes=trash)

@@ -1,0 +1,294 @@
+"""The models of a checkpoint's manifest.json (its commit marker) and lineage records, and their parsers.
+
+They follow document.py's rule: ``format`` checked first (a newer major version gives a clear
+error), then the ``checksum``, so that no flipped byte is ever trusted. What metrics and extra may
+hold is userfield.py's; the state skeleton's rules are skeleton.py's; storage does not belong
+here. Regenerate the schema with
+``python -m ckptsdk.format.manifest --schema > docs/manifest.schema.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import os
+import platform
+import re
+import socket
+import sys
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from pydantic import Field, JsonValue, field_serializer, field_validator
+from pydantic.json_schema import models_json_schema
+
+from ckptsdk._version import __version__
+from ckptsdk.errors import ManifestError
+from ckptsdk.format.document import (
+    CHECKSUM_FIELD,
+    D,
+    Document,
+    Strict,
+    UtcTime,
+    parse_document,
+    utc_now,
+)
+from ckptsdk.format.skeleton import skeleton_schema, tensor_paths
+from ckptsdk.format.userfield import Metric, decode_extra, encode_extra
+
+if TYPE_CHECKING:
+    from torch import device as TorchDevice  # not "torch": Environment has a field of that name
+
+__all__ = [
+    "FORMAT", "LINEAGE_FORMAT", "Environment", "FileEntry", "LineageRecord", "Manifest", "Position", "Writer",
+    "json_schema", "parse_lineage", "parse_manifest", "schema_text",
+]
+
+#: What this code writes; it reads any ``/1.x`` (fields of a newer minor version are ignored).
+#: 1.1 added the ``checksum`` field; a 1.0 document (written before it) is read with a warning.
+FORMAT = "ckptsdk.checkpoint/1.1"
+LINEAGE_FORMAT = "ckptsdk.lineage/1.1"
+#: The first minor version of both that always carries a checksum.
+_CHECKSUM_MINOR = 1
+# Rules the JSON Schema states too, one home each (tests/format/test_manifest.py checks that the schema
+# and the parser agree): a relative file name without '.'/'..' components.
+_FILE_NAME = r"^(?!\.\.?(/|$))[A-Za-z0-9_.-]+(/(?!\.\.?(/|$))[A-Za-z0-9_.-]+)*$"
+_NODE_REF = "#/$defs/SkeletonNode"
+
+
+def _check_finite_json(value: Any, where: str) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{where} holds {value}; JSON has no nan/inf")
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _check_finite_json(v, f"{where}.{k}")
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            _check_finite_json(v, f"{where}[{i}]")
+    return value
+
+
+class FileEntry(Strict):
+    """One file of a checkpoint, with what a reader verifies before using it."""
+
+    name: str = Field(json_schema_extra={"pattern": _FILE_NAME},
+                      description="relative to the checkpoint folder; no '.' or '..' component")
+    size: int = Field(ge=0)
+    digest: str = Field(pattern=r"^[0-9a-f]+$", description="lowercase hex")
+    algorithm: str = Field(min_length=1, description='e.g. "xxh3-128"')
+
+    @field_validator("name")
+    @classmethod
+    def _no_dot_dirs(cls, value: str) -> str:
+        if not re.fullmatch(_FILE_NAME, value):
+            raise ValueError(f"file name {value!r} is not a relative name of [A-Za-z0-9_.-] parts "
+                             "without '.' or '..' components")
+        return value
+
+
+class Position(Strict):
+    """Where in the data the job was: epoch, batch index, and anything the job adds."""
+
+    epoch: int | None = Field(default=None, ge=0)
+    batch_idx: int | None = Field(default=None, ge=0)
+    extra: dict[str, JsonValue] = Field(
+        default_factory=dict,
+        description="JSON; a non-finite or negative-zero float is {\"$float\": ...} as in metrics")
+
+    @field_validator("extra", mode="before")
+    @classmethod
+    def _tagged_floats(cls, value: Any) -> Any:
+        return decode_extra(value)
+
+    @field_serializer("extra", when_used="json")
+    def _extra_json(self, value: dict[str, Any]) -> object:
+        return encode_extra(value)
+
+
+class Writer(Strict):
+    """Who wrote a checkpoint: run, attempt, lease epoch (the fencing token), host, pid."""
+
+    run_id: str = Field(min_length=1)
+    attempt: int = Field(ge=0)
+    lease_epoch: int = Field(ge=0)
+    host: str
+    pid: int = Field(ge=0)
+    resumed_from_step: int | None = Field(default=None, ge=0)
+
+
+class Environment(Strict):
+    """Versions and device of the process that wrote a checkpoint (informational)."""
+
+    python: str
+    torch: str
+    numpy: str
+    ckptsdk: str
+    platform: str
+    device: str
+    cuda: str | None = Field(description="the CUDA version torch was built with, if any")
+
+    @classmethod
+    def current(cls, device: TorchDevice | str | None = None) -> Environment:
+        """Describe this process. Never initialises CUDA.
+
+        Args:
+            device: the training device (``torch.device`` or str); default: the current CUDA
+                device when this process initialised CUDA, else ``"cpu"``.
+        """
+        import numpy
+        import torch
+
+        if device is None:
+            if torch.cuda.is_available() and torch.cuda.is_initialized():
+                index = torch.cuda.current_device()
+                device = f"cuda:{index} ({torch.cuda.get_device_name(index)})"
+            else:
+                device = "cpu"
+        return cls(
+            python=platform.python_version(), torch=torch.__version__, numpy=numpy.__version__,
+            ckptsdk=__version__, platform=_platform(), device=str(device),
+            cuda=torch.version.cuda,
+        )
+
+
+@functools.lru_cache(maxsize=1)
+def _platform() -> str:
+    return platform.platform()  # reads the interpreter binary to find libc: once is enough
+
+
+class Manifest(Document):
+    """A checkpoint's manifest.json: published last, it is what makes a checkpoint exist."""
+
+    FORMAT: ClassVar[str] = FORMAT
+    CHECKSUM_SINCE: ClassVar[int | None] = _CHECKSUM_MINOR
+
+    format: str = Field(default=FORMAT, pattern=r"^ckptsdk\.checkpoint/1(\.[0-9]+)?$")
+    step: int = Field(ge=0)
+    position: Position = Field(default_factory=Position)
+    created_at: UtcTime = Field(default_factory=utc_now)
+    writer: Writer
+    files: list[FileEntry] = Field(json_schema_extra={
+        "description": "unique names (JSON Schema cannot say so in general: readers check); at "
+                       "most one tensors.safetensors",
+        "uniqueItems": True,
+        "contains": {"properties": {"name": {"const": "tensors.safetensors"}}, "required": ["name"]},
+        "minContains": 0, "maxContains": 1,
+    })
+    tree: JsonValue = Field(description="the codec skeleton of the state tree (docs/FORMAT.md)")
+    metrics: dict[str, Metric] = Field(default_factory=dict)
+    environment: Environment
+    tags: dict[str, str] = Field(default_factory=dict)
+
+
+
+    @field_validator("tree")
+    @classmethod
+    def _finite_tree(cls, value: Any) -> Any:
+        # pydantic would write a bare nan as null; the codec tags them, so one here is a bug.
+        return _check_finite_json(value, "tree")
+
+    @field_validator("files")
+    @classmethod
+    def _unique_names(cls, value: list[FileEntry]) -> list[FileEntry]:
+        names = [f.name for f in value]
+        if len(set(names)) != len(names):
+            raise ValueError(f"file names repeat: {names}")
+        return value
+
+
+
+class LineageRecord(Document):
+    """lineage/epoch-NNNNNN.json: written once per lease takeover, says where it resumed from."""
+
+    FORMAT: ClassVar[str] = LINEAGE_FORMAT
+    CHECKSUM_SINCE: ClassVar[int | None] = _CHECKSUM_MINOR
+
+    format: str = Field(default=LINEAGE_FORMAT, pattern=r"^ckptsdk\.lineage/1(\.[0-9]+)?$")
+    epoch: int = Field(ge=0)
+    attempt: int = Field(ge=0)
+    run_id: str = Field(min_length=1)
+    resumed_from_step: int | None = Field(default=None, ge=0)
+    resumed_from_epoch: int | None = Field(default=None, ge=0)
+    host: str = Field(default_factory=socket.gethostname)
+    pid: int = Field(default_factory=os.getpid, ge=0)
+    created_at: UtcTime = Field(default_factory=utc_now)
+
+
+
+
+def _parse(data: bytes, model: type[D], key: str) -> D:
+    return parse_document(data, model, key=key,
+                          damaged="it is not used (restore falls back to an earlier checkpoint)")
+
+
+def parse_manifest(data: bytes, *, key: str = "") -> Manifest:
+    """Parse and validate a manifest.json.
+
+    Args:
+        data: the file's bytes.
+        key: where it came from, for error messages.
+
+    Raises:
+        ManifestError: not JSON, wrong or missing fields, an unknown format (a newer major
+            version says "upgrade"), or a state skeleton that is malformed. ``.key`` is ``key``.
+    """
+    manifest = _parse(data, Manifest, key)
+    try:
+        tensor_paths(manifest.tree)
+    except ManifestError as exc:
+        raise ManifestError(f"{key + ': ' if key else ''}{exc}", key=key or None,
+                            step=manifest.step) from exc
+    return manifest
+
+
+def parse_lineage(data: bytes, *, key: str = "") -> LineageRecord:
+    """Parse and validate a lineage record (same rules and errors as ``parse_manifest``)."""
+    return _parse(data, LineageRecord, key)
+
+
+def json_schema() -> dict[str, Any]:
+    """The JSON Schema of manifest.json and lineage records (docs/manifest.schema.json)."""
+    _, top = models_json_schema([(Manifest, "validation"), (LineageRecord, "validation")],
+                                title="ckptsdk manifest and lineage record")
+    top["$defs"]["SkeletonNode"] = skeleton_schema(_NODE_REF)
+    tree = top["$defs"]["Manifest"]["properties"]["tree"]
+    top["$defs"]["Manifest"]["properties"]["tree"] = {"$ref": _NODE_REF, "description": tree["description"]}
+    for name in ("Manifest", "LineageRecord"):  # the parser refuses a document without one
+        model = top["$defs"][name]
+        model["required"] = ["format", *[f for f in model.get("required", []) if f != "format"]]
+        # The checksum is not a model field (it is checked and removed before validation).
+        model["properties"][CHECKSUM_FIELD] = {
+            "type": "string", "pattern": "^sha256:[0-9a-f]{64}$",
+            "description": "sha256 of the document without this field, as JSON with sorted keys, "
+                           "no spaces, ASCII escapes (required from minor version 1 on)"}
+    return {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "title": top.pop("title"),
+        "description": "A checkpoint's manifest.json (format ckptsdk.checkpoint/1.1) or a lineage "
+                       "record (format ckptsdk.lineage/1.1). Generated by python -m ckptsdk.format.manifest "
+                       "--schema; see docs/FORMAT.md.",
+        "oneOf": [{"$ref": "#/$defs/Manifest"}, {"$ref": "#/$defs/LineageRecord"}],
+        **top,
+    }
+
+
+def schema_text() -> str:
+    """``json_schema()`` as the exact text of docs/manifest.schema.json."""
+    return json.dumps(json_schema(), indent=2, sort_keys=True) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m ckptsdk.format.manifest --schema``: print the JSON Schema."""
+    parser = argparse.ArgumentParser(prog="python -m ckptsdk.format.manifest", description=main.__doc__)
+    parser.add_argument("--schema", action="store_true", help="print docs/manifest.schema.json")
+    args = parser.parse_args(argv)
+    if not args.schema:
+        parser.print_help()
+        return 2
+    sys.stdout.write(schema_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

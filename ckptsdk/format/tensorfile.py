@@ -1,0 +1,357 @@
+"""Tensor files: reading a safetensors file back verified, and the one parser of its header.
+
+A checkpoint's tensors are one safetensors file (written by tensorwriter.py, re-exported here so
+that ``ckptsdk.format.tensorfile`` is the whole API), plus a content digest of the whole file that every
+read checks. Nothing here knows about manifests, state trees or leases; the dtype table is
+dtype.py's and the digest table digest.py's.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import os
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import BinaryIO
+
+import torch
+
+from ckptsdk.backends.base import Backend
+from ckptsdk.errors import ConfigError, CorruptCheckpointError, ObjectNotFound
+from ckptsdk.format.digest import CHECKPOINT_ALGORITHMS, DEFAULT, new_hasher
+from ckptsdk.format.dtype import BY_CODE, byte_view, to_torch
+from ckptsdk.format.tensorwriter import write_tensorfile
+
+__all__ = ["HeaderEntry", "read_header", "read_tensorfile", "verify_file", "write_tensorfile"]
+
+# Reads go in chunks of this size: big enough for one syscall (or one ranged GET) to be cheap,
+# small enough that each chunk is hashed while it is still in the CPU cache.
+_READ_CHUNK = 8 << 20
+# Tensors at least this big are read straight into their own memory; smaller ones share one read.
+_SMALL_TENSOR = 64 << 10
+# safetensors refuses headers larger than this; so do we (a torn length prefix must not make us
+# try to parse gigabytes as JSON).
+_MAX_HEADER = 100_000_000
+# Bounds on what a header may describe, whatever the file: torch's own limits on dimensions, and
+# sizes whose int64 arithmetic cannot overflow.
+_MAX_DIMS = 64
+_MAX_NBYTES = 1 << 62
+
+
+def _corrupt(backend: Backend, key: str, why: str) -> CorruptCheckpointError:
+    return CorruptCheckpointError(
+        f"tensor file {key!r} at {backend.url} is corrupt: {why}. Restore an earlier checkpoint "
+        "(CheckpointManager.restore skips corrupt ones) or re-save it",
+        url=backend.url, key=key,
+    )
+
+
+def _open(backend: Backend, key: str) -> BinaryIO:
+    try:
+        f = backend.open(key)
+    except ObjectNotFound as exc:
+        raise _corrupt(backend, key, "the file is missing") from exc
+    try:
+        # Tell the kernel the whole file is wanted in order: doubles readahead on Linux.
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
+    except (AttributeError, OSError, ValueError):
+        pass  # not a local file (GCS, memory): nothing to advise
+    return f
+
+
+class _Reader:
+    """Sequential reads of one file through a hasher, checking its size and digest at the end."""
+
+    def __init__(self, backend: Backend, key: str, f: BinaryIO, size: int, digest: str, algorithm: str) -> None:
+        self.backend, self.key, self.f = backend, key, f
+        self.size, self.digest, self.algorithm = size, digest, algorithm
+        self.hasher = new_hasher(algorithm, among=CHECKPOINT_ALGORITHMS)
+        self.pos = 0
+        self._scratch: memoryview | None = None
+
+    def scratch(self, n: int) -> memoryview:
+        """A reusable uninitialised buffer of at least ``n`` bytes (n <= _READ_CHUNK)."""
+        if self._scratch is None:
+            self._scratch = torch.empty(max(1, min(self.size, _READ_CHUNK)), dtype=torch.uint8).numpy().data
+        return self._scratch[:n]
+
+    def read_into(self, dest: memoryview) -> None:
+        """Fill ``dest`` from the file in chunks, hashing each chunk as it arrives."""
+        total = len(dest)
+        if self.pos + total > self.size:
+            raise _corrupt(self.backend, self.key, f"the header points past the {self.size} bytes of the file")
+        done = 0
+        while done < total:
+            window = dest[done : done + min(_READ_CHUNK, total - done)]
+            # Backend.open promises readinto (backends/base.py); typing.BinaryIO does not declare it.
+            got = self.f.readinto(window)  # type: ignore[attr-defined]
+            if not got:
+                raise _corrupt(self.backend, self.key,
+                               f"truncated: {self.pos + done} bytes where the manifest says {self.size}")
+            self.hasher.update(window[:got])
+            done += got
+        self.pos += total
+
+    def read_bytes(self, n: int) -> bytes:
+        out = bytearray(n)
+        self.read_into(memoryview(out))
+        return bytes(out)
+
+    def finish(self) -> None:
+        """Hash whatever is left, then check the size and the digest."""
+        while self.pos < self.size:
+            self.read_into(self.scratch(min(_READ_CHUNK, self.size - self.pos)))
+        if self.f.read(1):
+            raise _corrupt(self.backend, self.key, f"longer than the {self.size} bytes the manifest records")
+        actual = self.hasher.hexdigest()
+        if actual != self.digest.lower():
+            raise _corrupt(self.backend, self.key,
+                           f"{self.algorithm} digest {actual} differs from the recorded {self.digest}")
+
+
+def verify_file(backend: Backend, key: str, *, size: int, digest: str, algorithm: str = DEFAULT) -> None:
+    """Check that ``key`` has exactly ``size`` bytes with the given digest, reading it once.
+
+    Args:
+        backend: where the file is.
+        key: the object key.
+        size: the size recorded in the manifest.
+        digest: the hex digest recorded in the manifest.
+        algorithm: one of ``digest.CHECKPOINT_ALGORITHMS`` (``"xxh3-128"``, ``"sha256"``), as
+            the manifest names it.
+
+    Raises:
+        CorruptCheckpointError: missing, truncated, too long, or a different digest.
+        ConfigError: a digest algorithm a checkpoint file may not name (md5 included).
+        BackendError: the storage failed while reading.
+
+    Example:
+        >>> import torch
+        >>> from ckptsdk import open_backend
+        >>> b = open_backend("memory://verify-demo")
+        >>> size, digest = write_tensorfile(b, "t.safetensors", {"w": torch.ones(2)})
+        >>> verify_file(b, "t.safetensors", size=size, digest=digest)
+    """
+    new_hasher(algorithm, among=CHECKPOINT_ALGORITHMS)  # reject an unknown algorithm before any I/O
+    with _open(backend, key) as f:
+        _Reader(backend, key, f, size, digest, algorithm).finish()
+
+
+@dataclass(frozen=True, slots=True)
+class HeaderEntry:
+    """One tensor as a tensor file's header describes it (checked against the file's size).
+
+    Attributes:
+        name: the tensor's key in the file.
+        dtype: its torch dtype.
+        code: its safetensors dtype code (``"F32"``).
+        shape: its shape.
+        begin: where its bytes start, counted from the end of the header.
+        end: where they end (exclusive).
+    """
+
+    name: str
+    dtype: torch.dtype
+    code: str
+    shape: list[int]
+    begin: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        """The tensor's size in bytes."""
+        return self.end - self.begin
+
+
+def _header(backend: Backend, key: str, size: int, read: Callable[[int], bytes]) -> list[HeaderEntry]:
+    """The one safetensors header parser: its length, bounded, then its entries.
+
+    ``size`` is the file's real size and ``read(n)`` returns exactly the next ``n`` bytes (or
+    raises): nothing a header says can make a reader allocate more than the file holds.
+    """
+    if size < 8:
+        raise _corrupt(backend, key, f"only {size} bytes, shorter than the 8-byte header length")
+    (hlen,) = struct.unpack("<Q", read(8))
+    if hlen > min(_MAX_HEADER, size - 8):
+        raise _corrupt(backend, key, f"header length {hlen} exceeds the file ({size} bytes)")
+    return _entries(backend, key, read(hlen), size - 8 - hlen)
+
+
+def _entries(backend: Backend, key: str, raw: bytes, data_len: int) -> list[HeaderEntry]:
+    """The header's tensors in file order, checked to tile the ``data_len`` data bytes exactly."""
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise _corrupt(backend, key, f"the header is not valid JSON ({str(exc)[:200]})") from exc
+    if not isinstance(header, dict):
+        raise _corrupt(backend, key, "the header is not a JSON object")
+    header.pop("__metadata__", None)
+    entries: list[HeaderEntry] = []
+    for name, entry in header.items():
+        try:
+            code = entry["dtype"]
+            dtype = to_torch(BY_CODE[code])
+            if dtype is None:
+                raise _corrupt(backend, key, f"tensor {name!r} is {BY_CODE[code].name}, which torch "
+                               f"{torch.__version__} lacks; upgrade torch to read this file")
+            shape = entry["shape"]
+            begin, end = entry["data_offsets"]
+            if not isinstance(shape, list) or len(shape) > _MAX_DIMS:
+                raise ValueError(f"shape must be a list of at most {_MAX_DIMS} dimensions")
+            if not all(type(v) is int and v >= 0 for v in [*shape, begin, end]):
+                raise ValueError("negative or non-integer shape/offset")
+            # Zero-element tensors allocate nothing but their sizes must not overflow torch's
+            # int64 size arithmetic either.
+            if math.prod(d for d in shape if d) * dtype.itemsize > _MAX_NBYTES:
+                raise ValueError("dimensions too large")
+        except (KeyError, TypeError, ValueError) as exc:
+            raise _corrupt(backend, key, f"malformed header entry for {name!r}: {str(entry)[:200]}") from exc
+        nbytes = math.prod(shape) * dtype.itemsize
+        if end - begin != nbytes or end > data_len:
+            raise _corrupt(backend, key, f"tensor {name!r} spans bytes [{begin}, {end}) of {data_len}, "
+                           f"but {entry['dtype']}{shape} needs {nbytes}")
+        entries.append(HeaderEntry(name, dtype, code, shape, begin, end))
+    entries.sort(key=lambda e: (e.begin, e.end))
+    pos = 0
+    for e in entries:
+        if e.begin != pos:
+            raise _corrupt(backend, key, f"tensor {e.name!r} starts at byte {e.begin}, expected {pos} (gap or overlap)")
+        pos = e.end
+    if pos != data_len:
+        raise _corrupt(backend, key, f"the header covers {pos} data bytes but the file has {data_len}")
+    return entries
+
+
+def _read_entries(reader: _Reader, entries: list[HeaderEntry]) -> dict[str, torch.Tensor]:
+    """Read the data section straight into one fresh tensor per entry, in file order."""
+    out: dict[str, torch.Tensor] = {}
+    views: list[tuple[memoryview, int]] = []  # small tensors waiting for one shared read
+    pending = 0
+
+    def flush() -> None:
+        nonlocal pending
+        if not views:
+            return
+        buf = reader.scratch(pending)
+        reader.read_into(buf)
+        at = 0
+        for view, n in views:
+            view[:] = buf[at : at + n]
+            at += n
+        views.clear()
+        pending = 0
+
+    for e in entries:
+        # torch.empty per tensor: no zero-fill pass, each tensor owns aligned memory at offset 0
+        # (torch.set_rng_state segfaults on a view at a non-zero storage offset), and dropping
+        # one tensor frees it without keeping a whole-file buffer alive.
+        t = torch.empty(e.shape, dtype=e.dtype)
+        out[e.name] = t
+        n = e.nbytes
+        if n == 0:
+            continue
+        view = byte_view(t)
+        if n >= _SMALL_TENSOR:
+            flush()
+            reader.read_into(view)  # large sequential reads straight into the tensor's memory
+        else:
+            if pending + n > _READ_CHUNK:
+                flush()
+            views.append((view, n))
+            pending += n
+    flush()
+    return out
+
+
+def _size_of(backend: Backend, key: str, f: BinaryIO) -> int:
+    """The size of the open object ``f`` as the storage has it (not as a manifest says)."""
+    try:
+        return os.fstat(f.fileno()).st_size
+    except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
+        pass
+    try:
+        end = f.seek(0, os.SEEK_END)
+        f.seek(0)
+        return int(end)
+    except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
+        return backend.stat(key).size
+
+
+def read_header(backend: Backend, key: str) -> list[HeaderEntry]:
+    """The tensors a tensor file holds (name, dtype, shape, bytes), reading only its header.
+
+    The same checks as :func:`read_tensorfile` (header length and every entry bounded by the
+    file's real size, entries tiling the data exactly); the data is not read or hashed.
+
+    Raises:
+        CorruptCheckpointError: missing, too short, or a malformed or inconsistent header.
+        BackendError: the storage failed while reading.
+    """
+    with _open(backend, key) as f:
+        def read(n: int) -> bytes:
+            data = f.read(n)
+            if len(data) != n:
+                raise _corrupt(backend, key, f"truncated header: {len(data)} of {n} bytes")
+            return data
+
+        return _header(backend, key, _size_of(backend, key, f), read)
+
+
+def read_tensorfile(
+    backend: Backend, key: str, *, size: int, digest: str, algorithm: str = DEFAULT
+) -> dict[str, torch.Tensor]:
+    """Read and verify a tensor file, returning its tensors (on the CPU, independent of the file).
+
+    The data is read with large sequential reads straight into each tensor's uninitialised
+    memory and hashed chunk by chunk as it arrives; nothing is mapped, and nothing is returned
+    unless the size and the digest of the whole file match.
+
+    Args:
+        backend: where the file is.
+        key: the object key.
+        size: the size recorded in the manifest.
+        digest: the hex digest recorded in the manifest.
+        algorithm: ``"xxh3-128"`` (what ``write_tensorfile`` produces) or ``"sha256"``
+            (``digest.CHECKPOINT_ALGORITHMS``).
+
+    Returns:
+        name -> tensor, in file order; each tensor owns its memory.
+
+    Raises:
+        CorruptCheckpointError: missing, truncated, too long, different digest or a malformed
+            header; the message names the key and why.
+        ConfigError: a digest algorithm a checkpoint file may not name, or a negative size.
+        BackendError: the storage failed while reading.
+
+    Example:
+        >>> import torch
+        >>> from ckptsdk import open_backend
+        >>> b = open_backend("memory://read-demo")
+        >>> size, digest = write_tensorfile(b, "t.safetensors", {"w": torch.arange(3)})
+        >>> read_tensorfile(b, "t.safetensors", size=size, digest=digest)
+        {'w': tensor([0, 1, 2])}
+    """
+    new_hasher(algorithm, among=CHECKPOINT_ALGORITHMS)
+    if type(size) is not int or size < 0:
+        raise ConfigError(f"size for {key!r} must be a non-negative int, got {size!r}")
+    with _open(backend, key) as f:
+        actual = _size_of(backend, key, f)
+        if actual != size:
+            # Before anything is read or allocated: the header is then bounded by a real size.
+            raise _corrupt(backend, key, f"truncated: {actual} bytes where the manifest says {size}"
+                           if actual < size else f"longer than the {size} bytes the manifest records "
+                           f"(it has {actual})")
+        reader = _Reader(backend, key, f, size, digest, algorithm)
+        try:
+            entries = _header(backend, key, size, reader.read_bytes)
+        except CorruptCheckpointError:
+            # A damaged header is usually a damaged file: report the digest if that differs,
+            # and the header's own problem only for a file that is what was written.
+            reader.finish()
+            raise
+        tensors = _read_entries(reader, entries)
+        reader.finish()
+    return tensors

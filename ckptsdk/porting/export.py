@@ -1,0 +1,151 @@
+"""The door out: export one checkpoint's model weights to a standard safetensors file.
+
+Tied weights are handled as ``safetensors.torch.save_model`` does. Reads through a read-only
+CheckpointManager (verified, pickle-free); importing ``torch.save`` files is legacy_import.py's job,
+the ``ckptsdk export`` command ckptsdk/cli/porting.py's.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterable, Mapping
+from typing import Any, TypedDict
+
+import torch
+
+from ckptsdk.distributed.payload import is_payload
+from ckptsdk.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["MODEL_PATHS", "ExportReport", "export_safetensors"]
+
+class ExportReport(TypedDict):
+    """What :func:`export_safetensors` wrote."""
+
+    step: int
+    object: str
+    tensors: int | None
+    removed: dict[str, str]
+    out: str
+
+
+#: Where the model's state dict sits in the trees ckptsdk and its integrations write, in order.
+MODEL_PATHS = ("objects/model", "objects/model_0", "lightning/state_dict")
+
+
+def _at(tree: Any, path: str) -> Any:
+    node = tree
+    for part in path.split("/"):
+        if not isinstance(node, Mapping) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+def _storage_groups(model: torch.nn.Module) -> list[list[str]]:
+    """Names of the model's state dict that are one tensor (tied), as save_model finds them."""
+    groups: dict[tuple[Any, ...], list[str]] = {}
+    for name, t in model.state_dict(keep_vars=False).items():
+        if isinstance(t, torch.Tensor) and t.device.type != "meta":
+            key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+            groups.setdefault(key, []).append(name)
+    return [sorted(g) for g in groups.values() if len(g) > 1]
+
+
+def export_safetensors(
+    url: str, out: str | os.PathLike[str], *, step: int | None = None, object_path: str | None = None,
+    model: torch.nn.Module | None = None, tied: Iterable[tuple[str, str]] = (),
+    storage_options: Mapping[str, object] | None = None,
+) -> ExportReport:
+    """Write one checkpoint's model weights to a standard safetensors file.
+
+    Tied weights are written once, as ``safetensors.torch.save_model`` does: the first name of
+    each tied group (sorted) is kept, the others are left out and recorded in the file's metadata
+    as ``{removed: kept}``; ``safetensors.torch.load_model(model, OUT)`` restores them. Checkpoints
+    do not record which weights were tied, so ties come from ``model`` (a live instance of the
+    architecture) or from ``tied`` pairs; without either, every tensor is written. A checkpoint
+    of :mod:`ckptsdk.distributed` (sharded over rank files) is written consolidated, every entry
+    at full size under its DCP name (see :func:`ckptsdk.distributed.export_consolidated`).
+
+    Args:
+        url: the checkpoint root (opened read-only: no lease is taken; listed once).
+        out: the ``.safetensors`` file to write (atomically: a temp name, then a rename).
+        step: which checkpoint (the newest valid one by default).
+        object_path: where the state dict sits in the tree (default: the first of
+            ``objects/model``, ``objects/model_0``, ``lightning/state_dict`` that exists).
+        model: a live model whose shared tensors define the tied groups.
+        tied: ``(removed, kept)`` name pairs declared tied.
+        storage_options: fsspec options for ``gs://``.
+
+    Returns:
+        ``{"step", "object", "tensors", "removed": {removed: kept}, "out"}`` (``tensors`` is None
+        for a distributed checkpoint: all of them).
+
+    Raises:
+        ConfigError: no state dict at ``object_path``, "tied" weights whose values differ, or
+            ``object_path``/``model``/``tied`` given for a distributed checkpoint.
+        NoValidCheckpointError: no such step, or nothing restorable.
+
+    Example:
+        >>> import os, tempfile, torch
+        >>> from ckptsdk import CheckpointManager, TrainState
+        >>> with CheckpointManager("memory://to-export") as mgr:
+        ...     _ = mgr.save(TrainState(model=torch.nn.Linear(2, 2)), step=5)
+        >>> out = os.path.join(tempfile.mkdtemp(), "model.safetensors")
+        >>> report = export_safetensors("memory://to-export", out)
+        >>> report["step"], report["object"], report["tensors"]
+        (5, 'objects/model', 2)
+    """
+    import safetensors.torch
+
+    from ckptsdk.manager import CheckpointManager
+
+    tied = list(tied)
+    with CheckpointManager(url, read_only=True, storage_options=storage_options) as mgr:
+        info = mgr.pick(step)
+        assert info.manifest is not None  # pick() returns only checkpoints whose manifest reads
+        chosen = info.step
+        if is_payload(info.manifest.tree):
+            if object_path or tied or model is not None:
+                raise ConfigError("object_path, model and tied (--object, --tied) do not apply to a "
+                                  "distributed checkpoint: every entry is exported under its DCP name")
+            from ckptsdk.distributed.export import write_consolidated
+
+            write_consolidated(mgr.backend, info, out, source=url)
+            return {"step": chosen, "object": "distributed (all ranks, consolidated)", "tensors": None,
+                    "removed": {}, "out": os.fspath(out)}
+        tree = mgr.read_tree(info)
+    paths = (object_path,) if object_path else MODEL_PATHS
+    where = next((p for p in paths if isinstance(_at(tree, p), Mapping)), None)
+    if where is None:
+        raise ConfigError(f"checkpoint step {chosen} of {url} has no state dict at {' or '.join(paths)}; "
+                          "pass --object PATH (e.g. objects/NAME)")
+    state = _at(tree, where)
+    tensors = {str(k): v for k, v in state.items() if isinstance(v, torch.Tensor)}
+    skipped = sorted(str(k) for k, v in state.items() if not isinstance(v, torch.Tensor))
+    if skipped:
+        logger.warning("not exported (not tensors): %s", ", ".join(skipped))
+    pairs = [(r, k) for group in (_storage_groups(model) if model is not None else []) for r in group[1:]
+             for k in group[:1]] + list(tied)
+    removed: dict[str, str] = {}
+    for gone, kept in pairs:
+        if gone not in tensors or kept not in tensors:
+            raise ConfigError(f"tied weights {gone!r} -> {kept!r}: not both in the checkpoint's state dict")
+        if not torch.equal(tensors[gone], tensors[kept]):
+            raise ConfigError(f"{gone!r} and {kept!r} are declared tied but differ in the checkpoint; "
+                              "the model does not tie them, or the pair is wrong")
+        removed[gone] = kept
+    for gone in removed:
+        del tensors[gone]
+    out = os.fspath(out)
+    tmp = f"{out}.tmp-{os.getpid()}"
+    try:
+        safetensors.torch.save_file({k: v.contiguous() for k, v in tensors.items()}, tmp,
+                                    metadata={"format": "pt", **removed})
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return {"step": chosen, "object": where, "tensors": len(tensors), "removed": removed, "out": out}

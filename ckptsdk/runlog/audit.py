@@ -1,0 +1,393 @@
+"""The resume audit: did the resumed run really continue the same run?
+
+Reads every attempt's step log (``ckptsdk.runlog.writer``) and compares the steps logged by more than one
+attempt: identical scalars mean the resume was bit-exact. Writing the log, checkpoints and
+plotting do not belong here.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, ClassVar, Final
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from ckptsdk.backends.base import Backend
+from ckptsdk.errors import ConfigError, ManifestError, ObjectNotFound
+from ckptsdk.format.document import Document
+from ckptsdk.runlog.record import (
+    RUNLOG_PREFIX,
+    AttemptRecord,
+    LogFloat,
+    parse_attempt_record,
+    parse_chunk,
+    parse_runlog_key,
+)
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["AUDIT_FORMAT", "AttemptSummary", "OverlapRange", "ScalarDiff", "Divergence", "AuditReport",
+           "audit", "read_runlog"]
+
+#: 1.1: non-finite floats as {"$float": ...} (1.0: "NaN"/"Infinity" strings, still read).
+AUDIT_FORMAT: Final = "ckptsdk.audit/1.1"
+_READ_WORKERS = 8  # concurrent chunk reads (each a GCS/Drive round trip)
+
+
+class AttemptSummary(BaseModel):
+    """One attempt as the audit saw it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    attempt: int
+    run_id: str | None = None
+    lease_epoch: int | None = None
+    host: str | None = None
+    device: str | None = None
+    versions: dict[str, str] = Field(default_factory=dict)
+    started_at: str | None = None
+    resumed_from_step: int | None = None
+    first_step: int | None = None
+    last_step: int | None = None
+    steps: int = 0
+    chunks: int = 0
+    missing_chunks: list[int] = Field(default_factory=list)
+    closed: bool = False
+
+
+class OverlapRange(BaseModel):
+    """Steps logged by the same set of several attempts."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    attempts: list[int]
+    first_step: int
+    last_step: int
+    steps: int
+
+
+class ScalarDiff(BaseModel):
+    """For one scalar, the largest difference between attempts over the overlapping steps."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_abs_diff: LogFloat
+    at_step: int | None
+    compared_steps: int
+
+
+class Divergence(BaseModel):
+    """The first step where attempts disagree beyond the tolerance."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    step: int
+    scalar: str
+    values: dict[int, LogFloat]
+    abs_diff: LogFloat
+
+    @field_validator("values", mode="before")
+    @classmethod
+    def _attempt_keys(cls, value: Any) -> Any:
+        # JSON keys are strings: {"1": ...} is attempt 1 (read strictly, as every document is).
+        if isinstance(value, dict):
+            return {int(k) if isinstance(k, str) and k.isdigit() else k: v for k, v in value.items()}
+        return value
+
+
+class AuditReport(Document):
+    """What :func:`audit` found. ``verdict`` is "bit-exact", "within tolerance",
+    "DIVERGED at step N", or "no overlap" (no step was logged by two attempts: nothing to prove).
+
+    ``series`` (attempt -> [(step, {scalar: value})]) is kept for plotting in-process and left
+    out of the JSON form. Read a saved report with ``parse_document(data, AuditReport)``. No
+    checksum: a report is printed for people and tools, never trusted by ckptsdk itself.
+    """
+
+    FORMAT: ClassVar[str] = AUDIT_FORMAT
+
+    format: str = Field(default=AUDIT_FORMAT, pattern=r"^ckptsdk\.audit/1(\.[0-9]+)?$")
+    url: str
+    tolerance: LogFloat
+    verdict: str
+    diverged_at: int | None = None
+    attempts: list[AttemptSummary]
+    overlap_steps: int
+    overlaps: list[OverlapRange]
+    scalars: dict[str, ScalarDiff]
+    first_divergence: Divergence | None = None
+    warnings: list[str] = Field(default_factory=list)
+    # repr=False: every scalar of every step would bury the verdict in a REPL.
+    series: dict[int, list[tuple[int, dict[str, float]]]] = Field(default_factory=dict, exclude=True,
+                                                                   repr=False)
+
+
+    @property
+    def ok(self) -> bool:
+        """False only when the attempts diverged beyond the tolerance."""
+        return self.diverged_at is None
+
+    def __str__(self) -> str:
+        """One line: the verdict, how many attempts and shared steps, each scalar's max |diff|.
+
+        Example:
+            ``audit of /tmp/run: bit-exact: 2 attempts, 5 steps run by more than one; max |loss
+            diff| 0``
+        """
+        text = (f"audit of {self.url}: {self.verdict}: {len(self.attempts)} attempt"
+                f"{'' if len(self.attempts) == 1 else 's'}, {self.overlap_steps} step"
+                f"{'' if self.overlap_steps == 1 else 's'} run by more than one")
+        if self.scalars:
+            text += "; " + ", ".join(f"max |{n} diff| {d.max_abs_diff:.6g}" for n, d in self.scalars.items())
+        if self.warnings:
+            text += f"; {len(self.warnings)} warning(s): see .warnings"
+        return text
+
+
+def read_runlog(
+    backend: Backend,
+) -> tuple[dict[int, AttemptSummary], dict[int, dict[int, dict[str, float]]], list[str]]:
+    """Read every attempt's log under ``runlog/``.
+
+    Chunks are read in sequence order whatever order the store lists them in; missing chunks
+    (not yet visible on Drive, or lost) and unreadable ones are reported, never fatal.
+
+    Returns:
+        (attempt -> summary, attempt -> {step: {scalar: value}}, warnings). Within one attempt a
+        step logged twice keeps the last value (later chunk, later line).
+    """
+    found: dict[int, dict[str, Any]] = {}
+    for info in backend.list(RUNLOG_PREFIX):
+        parsed = parse_runlog_key(info.key)
+        if parsed is None:
+            continue
+        entry = found.setdefault(parsed[0], {"chunks": {}, "start": None})
+        if parsed[1] is None:
+            entry["start"] = info.key
+        else:
+            entry["chunks"][parsed[1]] = info.key
+    summaries: dict[int, AttemptSummary] = {}
+    steps: dict[int, dict[int, dict[str, float]]] = {}
+    warnings: list[str] = []
+    contents = _read_all(backend, [k for e in found.values() for k in e["chunks"].values()])
+    for attempt in sorted(found):
+        entry = found[attempt]
+        record: AttemptRecord | None = None
+        newest: AttemptRecord | None = None
+        closed = False
+        rows: dict[int, dict[str, float]] = {}
+        read_chunks = 0
+        for seq in sorted(entry["chunks"]):
+            key = entry["chunks"][seq]
+            try:
+                data = contents[key]
+                if isinstance(data, BaseException):
+                    raise data
+                header, chunk_rows = parse_chunk(data, key=key)
+            except ObjectNotFound:
+                warnings.append(f"attempt {attempt}: chunk {key} was listed but is gone")
+                continue
+            except ManifestError as exc:  # parse_chunk says what is wrong with it: one bad chunk
+                warnings.append(f"attempt {attempt}: unreadable chunk {key} skipped ({_short(exc)})")
+                continue
+            read_chunks += 1
+            newest = header
+            closed = closed or header.closed
+            for row in chunk_rows:
+                rows[row.step] = dict(row.scalars)  # last wins
+        if newest is None and entry["start"] is not None:
+            try:
+                record = parse_attempt_record(backend.read(entry["start"]), key=entry["start"])
+            except (ObjectNotFound, ManifestError) as exc:
+                warnings.append(f"attempt {attempt}: unreadable {entry['start']} ({_short(exc)})")
+        rec = newest or record
+        seqs = sorted(entry["chunks"])
+        missing = sorted(set(range(0, (seqs[-1] + 1) if seqs else 0)) - set(seqs))
+        if rec is not None and rec.chunk is not None and seqs and rec.chunk > seqs[-1]:
+            missing += list(range(seqs[-1] + 1, rec.chunk + 1))
+        if missing:
+            warnings.append(
+                f"attempt {attempt}: chunks {_ranges(missing)} not found (not visible yet on an "
+                "eventually consistent store such as Drive, or lost); audited without them"
+            )
+        summaries[attempt] = AttemptSummary(
+            attempt=attempt,
+            run_id=rec.run_id if rec else None,
+            lease_epoch=rec.lease_epoch if rec else None,
+            host=rec.host if rec else None,
+            device=rec.device if rec else None,
+            versions=dict(rec.versions) if rec else {},
+            started_at=rec.started_at if rec else None,
+            resumed_from_step=rec.resumed_from_step if rec else None,
+            first_step=min(rows) if rows else None,
+            last_step=max(rows) if rows else None,
+            steps=len(rows),
+            chunks=read_chunks,
+            missing_chunks=missing,
+            closed=closed,
+        )
+        steps[attempt] = rows
+    run_ids = {s.run_id for s in summaries.values() if s.run_id is not None}
+    if len(run_ids) > 1:
+        warnings.append(f"attempts belong to different run ids {sorted(run_ids)}: one root should hold one run")
+    return summaries, steps, warnings
+
+
+def _read_all(backend: Backend, keys: list[str]) -> dict[str, bytes | BaseException]:
+    """Read many small objects; concurrently, since on GCS or Drive each read is a round trip.
+
+    A missing object maps to its ``ObjectNotFound``; any other storage error propagates.
+    """
+
+    def one(key: str) -> bytes | BaseException:
+        try:
+            return backend.read(key)
+        except ObjectNotFound as exc:
+            return exc
+
+    if len(keys) <= 2:
+        return {k: one(k) for k in keys}
+    with ThreadPoolExecutor(max_workers=min(_READ_WORKERS, len(keys)), thread_name_prefix="ckptsdk-runlog") as pool:
+        return dict(zip(keys, pool.map(one, keys), strict=True))
+
+
+def _same(a: float, b: float) -> bool:
+    """Bit-level sameness as far as a float can show it (nan equals nan; 0.0 differs from -0.0)."""
+    if math.isnan(a) or math.isnan(b):
+        return math.isnan(a) and math.isnan(b)
+    return a == b and math.copysign(1.0, a) == math.copysign(1.0, b)
+
+
+def _spread(values: Iterable[float]) -> float:
+    """The largest |a - b| over the values (inf when a nan meets a number, or +inf meets -inf)."""
+    vals = list(values)
+    nans = [v for v in vals if math.isnan(v)]
+    if nans:
+        return 0.0 if len(nans) == len(vals) else math.inf
+    lo, hi = min(vals), max(vals)
+    if lo == hi:
+        return 0.0
+    return hi - lo  # inf when an inf meets anything else: an inf loss is a divergence
+
+
+def audit(backend: Backend, *, tolerance: float = 0.0) -> AuditReport:
+    """Compare the steps logged by more than one attempt.
+
+    Args:
+        backend: the checkpoint root (its ``runlog/`` objects are read, nothing is written).
+        tolerance: the largest |difference| of any scalar at a shared step still accepted.
+
+    Returns:
+        An :class:`AuditReport`; ``verdict`` is "bit-exact" when every shared step has identical
+        scalars, "within tolerance" when differences are all <= ``tolerance``, "DIVERGED at step
+        N" at the first step where one exceeds it (a nan against a number always does), and
+        "no overlap" when no step was logged twice.
+
+    Raises:
+        ConfigError: a negative or non-finite tolerance.
+        BackendError: the root cannot be listed.
+
+    Example:
+        >>> from ckptsdk.backends import open_backend
+        >>> from ckptsdk.runlog.writer import RunLog
+        >>> root = open_backend("memory://audit-doc")
+        >>> for attempt, steps in ((1, range(0, 5)), (2, range(3, 8))):  # 2 resumed from step 3
+        ...     log = RunLog(root, run_id="r", attempt=attempt, lease_epoch=attempt, resumed_from_step=None)
+        ...     for s in steps:
+        ...         log.log_step(s, loss=1.0 / (s + 1))
+        ...     log.close()
+        >>> report = audit(root)
+        >>> report.verdict, report.overlap_steps
+        ('bit-exact', 2)
+    """
+    if not isinstance(tolerance, (int, float)) or not math.isfinite(tolerance) or tolerance < 0:
+        raise ConfigError(f"audit tolerance must be a finite number >= 0, got {tolerance!r}")
+    summaries, steps, warnings = read_runlog(backend)
+    by_step: dict[int, dict[int, dict[str, float]]] = {}
+    for attempt, rows in steps.items():
+        for step, vals in rows.items():
+            by_step.setdefault(step, {})[attempt] = vals
+    shared = sorted(s for s, per in by_step.items() if len(per) > 1)
+
+    diffs: dict[str, list[Any]] = {}  # name -> [max diff, at step, compared]
+    first_div: Divergence | None = None
+    bit_exact = True
+    for step in shared:
+        per = by_step[step]
+        names = sorted({n for vals in per.values() for n in vals})
+        for name in names:
+            by_attempt = {a: v[name] for a, v in per.items() if name in v}
+            if len(by_attempt) < 2:
+                continue  # a scalar only one attempt logged here cannot be compared
+            d = _spread(by_attempt.values())
+            first = next(iter(by_attempt.values()))
+            if not all(_same(first, v) for v in by_attempt.values()):
+                bit_exact = False
+            entry = diffs.setdefault(name, [0.0, None, 0])
+            entry[2] += 1
+            if d > entry[0]:  # at_step stays None while every difference is 0
+                entry[0], entry[1] = d, step
+            if first_div is None and d > tolerance:
+                first_div = Divergence(step=step, scalar=name, values=by_attempt, abs_diff=d)
+
+    overlaps: list[OverlapRange] = []
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for step in shared:
+        groups.setdefault(tuple(sorted(by_step[step])), []).append(step)
+    for attempts, group in sorted(groups.items(), key=lambda kv: kv[1][0]):
+        overlaps.append(OverlapRange(attempts=list(attempts), first_step=group[0], last_step=group[-1],
+                                     steps=len(group)))
+
+    if not shared:
+        verdict = "no overlap"
+    elif first_div is not None:
+        verdict = f"DIVERGED at step {first_div.step}"
+    elif bit_exact:
+        verdict = "bit-exact"
+    else:
+        verdict = "within tolerance"
+    series = {
+        a: [(s, dict(rows[s])) for s in sorted(rows)] for a, rows in steps.items()
+    }
+    report = AuditReport(
+        url=backend.url,
+        tolerance=float(tolerance),
+        verdict=verdict,
+        diverged_at=first_div.step if first_div else None,
+        attempts=[summaries[a] for a in sorted(summaries)],
+        overlap_steps=len(shared),
+        overlaps=overlaps,
+        scalars={
+            n: ScalarDiff(max_abs_diff=v[0], at_step=v[1], compared_steps=v[2]) for n, v in sorted(diffs.items())
+        },
+        first_divergence=first_div,
+        warnings=warnings,
+        series=series,
+    )
+    logger.info("audit of %s: %s (%d shared steps)", report.url, verdict, len(shared))
+    return report
+
+
+def _short(exc: BaseException) -> str:
+    text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return text[:200]
+
+
+def _ranges(nums: list[int]) -> str:
+    out: list[str] = []
+    start: int | None = None
+    prev = 0  # meaningful only once start is set
+    for n in sorted(nums):
+        if start is None:
+            start = prev = n
+        elif n == prev + 1:
+            prev = n
+        else:
+            out.append(f"{start}" if start == prev else f"{start}-{prev}")
+            start = prev = n
+    if start is not None:
+        out.append(f"{start}" if start == prev else f"{start}-{prev}")
+    return ", ".join(out)

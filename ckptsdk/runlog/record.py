@@ -1,0 +1,174 @@
+"""The run log's documents: the attempt record, the step rows, their keys, and reading them back.
+
+Writing the log (buffering, chunks, retries) is ``ckptsdk.runlog.writer``'s; comparing attempts is
+``ckptsdk.runlog.audit``'s. Format ``ckptsdk.runlog/1.1`` stores a non-finite scalar as
+``{"$float": "nan"}`` (``document``'s one encoding); 1.0 wrote the strings "NaN", "Infinity" and
+"-Infinity", which are still read.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Annotated, Any, ClassVar, Final
+
+from pydantic import BeforeValidator, Field, PlainSerializer
+
+from ckptsdk.errors import CkptError, ManifestError
+from ckptsdk.format.document import (
+    Document,
+    Strict,
+    UtcTime,
+    decode_float,
+    dumps,
+    encode_float,
+    parse_document,
+)
+
+__all__ = [
+    "RUNLOG_FORMAT",
+    "RUNLOG_PREFIX",
+    "AttemptRecord",
+    "LogFloat",
+    "StepRow",
+    "attempt_prefix",
+    "chunk_key",
+    "parse_attempt_record",
+    "parse_chunk",
+    "parse_runlog_key",
+]
+
+RUNLOG_PREFIX = "runlog/"
+#: 1.1: non-finite scalars as {"$float": ...} (1.0: "NaN"/"Infinity" strings, still read).
+RUNLOG_FORMAT: Final = "ckptsdk.runlog/1.1"
+
+_KEY_RE = re.compile(r"^runlog/attempt-(\d+)/(attempt\.json|chunk-(\d+)\.jsonl)$")
+# How format 1.0 wrote non-finite scalars; read, never written.
+_OLD_NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+
+
+def attempt_prefix(attempt: int) -> str:
+    """The folder of one attempt's objects, e.g. ``runlog/attempt-000003/``."""
+    return f"{RUNLOG_PREFIX}attempt-{attempt:06d}/"
+
+
+def chunk_key(attempt: int, seq: int) -> str:
+    """The key of one chunk, e.g. ``runlog/attempt-000003/chunk-000012.jsonl``."""
+    return f"{attempt_prefix(attempt)}chunk-{seq:06d}.jsonl"
+
+
+def parse_runlog_key(key: str) -> tuple[int, int | None] | None:
+    """(attempt, chunk sequence or None for ``attempt.json``) of a run log key, else None.
+
+    Example:
+        >>> parse_runlog_key(chunk_key(3, 12)), parse_runlog_key("runlog/attempt-000003/attempt.json")
+        ((3, 12), (3, None))
+    """
+    m = _KEY_RE.match(key)
+    if m is None:
+        return None
+    return int(m.group(1)), (int(m.group(3)) if m.group(3) is not None else None)
+
+
+def _scalar_in(value: Any) -> float:
+    # As stored: a number, {"$float": ...}, or format 1.0's "NaN"/"Infinity" strings. A boolean
+    # or any other string is refused (decode_float's ValueError).
+    if isinstance(value, str) and value in _OLD_NONFINITE:
+        return _OLD_NONFINITE[value]
+    return decode_float(value)
+
+
+#: A float as the run log and the audit store it: strict JSON, non-finite values tagged by
+#: ``document.encode_float``; reading also accepts format 1.0's "NaN"/"Infinity" strings.
+LogFloat = Annotated[float, BeforeValidator(_scalar_in), PlainSerializer(encode_float, when_used="json")]
+
+
+class AttemptRecord(Document):
+    """Who ran one attempt, on what, from where, and how far it got.
+
+    Written as ``attempt.json`` when the attempt first flushes, and repeated (with ``last_step``
+    and ``closed`` up to date) as the header line of every chunk. No checksum: every object is
+    written once with ``create`` and a damaged chunk is reported and skipped by the audit, which
+    compares the steps themselves across attempts.
+    """
+
+    FORMAT: ClassVar[str] = RUNLOG_FORMAT
+
+    format: str = Field(default=RUNLOG_FORMAT, pattern=r"^ckptsdk\.runlog/1(\.[0-9]+)?$")
+    kind: str = Field(default="attempt", pattern="^attempt$")
+    attempt: int
+    run_id: str
+    lease_epoch: int | None = None
+    host: str
+    pid: int
+    device: str
+    versions: dict[str, str] = Field(default_factory=dict)
+    started_at: UtcTime
+    resumed_from_step: int | None = None
+    last_step: int | None = None
+    steps_logged: int = 0
+    chunk: int | None = None
+    closed: bool = False
+
+
+
+
+class StepRow(Strict):
+    """One logged step, a line of a chunk after its header (versioned by that header)."""
+
+    step: int = Field(ge=0)
+    time: float = Field(description="the logging host's wall clock, seconds since the epoch")
+    scalars: dict[str, LogFloat]
+
+    def to_line(self) -> str:
+        """The row as one line of strict JSON (no newline)."""
+        return dumps(self.model_dump(mode="json")).decode().rstrip("\n")
+
+
+def _parse_error(message: str, step: int | None) -> CkptError:
+    return ManifestError(message, step=step)
+
+
+def parse_attempt_record(data: bytes | str, *, key: str = "") -> AttemptRecord:
+    """An ``attempt.json`` or chunk header line, read by the version rule (``ckptsdk.format.document``).
+
+    Raises:
+        ManifestError: not JSON, not a run log record, a newer major version (upgrade ckptsdk),
+            or invalid fields.
+    """
+    return parse_document(data, AttemptRecord, key=key, error=_parse_error)
+
+
+def parse_chunk(data: bytes, *, key: str = "") -> tuple[AttemptRecord, list[StepRow]]:
+    """A chunk's header and step rows, as :class:`RunLog` wrote them (format 1.0 or 1.1).
+
+    Raises:
+        ManifestError: an empty chunk, a bad header, or a line that is not a step row (says which).
+
+    Example:
+        >>> header = AttemptRecord(attempt=1, run_id="r", host="h", pid=1, device="cpu",
+        ...                        started_at="2026-11-30T06:10:00.123Z")
+        >>> row = StepRow(step=5, time=1.0, scalars={"loss": float("nan")})
+        >>> line = header.to_json().decode() + row.to_line()
+        >>> line.endswith('"scalars":{"loss":{"$float":"nan"}}}')
+        True
+        >>> parse_chunk(line.encode())[1][0].step
+        5
+    """
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ManifestError(f"{key}: not UTF-8 text ({exc})", key=key or None) from exc
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    if not lines:
+        raise ManifestError(f"{key}: empty chunk", key=key or None)
+    header = parse_attempt_record(lines[0], key=key)
+    rows = []
+    for n, line in enumerate(lines[1:], start=2):
+        try:
+            rows.append(StepRow.model_validate_json(line, strict=True))
+        # pydantic's ValidationError is a ValueError; a 400-digit number cannot be a float.
+        except (ValueError, OverflowError, RecursionError, TypeError) as exc:
+            raise ManifestError(f"{key}: line {n} is not a step record ({str(exc).splitlines()[0]})",
+                                key=key or None) from exc
+    return header, rows

@@ -1,0 +1,163 @@
+"""The save path: nothing touches storage on the training thread, fencing stays as strong, and a
+background failure surfaces on the next call with the previous checkpoints intact."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from ckptsdk import CheckpointManager, TrainState, open_backend
+from ckptsdk.checkpoint.catalog import MANIFEST, TENSORS, checkpoint_dir
+from ckptsdk.errors import BackendError, CheckpointError, LeaseLostError
+from ckptsdk.manager import Simulation
+from ckptsdk.testing import FaultyBackend
+
+
+def _state() -> TrainState:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(4, 8)).sum().backward()
+    opt.step()
+    return TrainState(model=model, optimizer=opt)
+
+
+class _Threads:
+    """Records the thread of every storage call."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str, str]] = []
+
+    def __call__(self, op: str, key: str, n: int) -> None:
+        self.calls.append((threading.current_thread().name, op, key))
+        return None
+
+
+@pytest.mark.parametrize("snapshot", ["pipelined", "copy"])
+def test_async_save_makes_no_storage_call_on_the_calling_thread(tmp_path, snapshot):
+    rec = _Threads()
+    backend = FaultyBackend(open_backend(str(tmp_path / "r")), fail_on=rec)
+    mgr = CheckpointManager(backend, lease_ttl=30, save_on_signal=False, snapshot=snapshot,
+                            keep_last=2)
+    state = _state()
+    mgr.restore(state)
+    me = threading.current_thread().name
+    for step in range(1, 5):  # the first save (lineage record) and later ones (rotation)
+        for i in range(3):
+            mgr.log_step(step * 10 + i, loss=0.5)
+        rec.calls.clear()
+        mgr.save(state, step=step, blocking=False)
+        on_caller = [c for c in rec.calls if c[0] == me]
+        assert on_caller == [], on_caller
+        state.objects["optimizer"].step()  # waits for a pipelined copy, never for storage
+        mgr.wait()
+        ops = {(op, key.rsplit("/", 1)[-1]) for _t, op, key in rec.calls}
+        assert ("write", MANIFEST) in ops and ("replace", "LEASE.json") in ops  # renewed, then committed
+    assert [c.step for c in mgr.list() if c.valid] == [3, 4]
+    mgr.close()
+
+
+def test_fenced_writer_commits_and_deletes_nothing_and_says_so_on_the_next_call(tmp_path):
+    url = str(tmp_path / "r")
+    state = _state()
+    zombie = CheckpointManager(url, keep_last=1, lease_ttl=30, save_on_signal=False,
+                               _simulation=Simulation(heartbeat=False))
+    zombie.save(state, step=1)
+    newcomer = CheckpointManager(url, keep_last=1, lease_ttl=30, save_on_signal=False, force=True)
+    # The zombie has not seen the takeover: its foreground reads only its (stale) flag and
+    # returns; the worker finds the newer writer before writing anything.
+    zombie.save(state, step=2, blocking=False)
+    with pytest.raises(LeaseLostError):
+        zombie.wait()
+    assert not (tmp_path / "r" / checkpoint_dir(2, 1)).exists()
+    assert (tmp_path / "r" / checkpoint_dir(1, 1) / MANIFEST).exists()  # nothing deleted
+    with pytest.raises(LeaseLostError):
+        zombie.save(state, step=3, blocking=False)
+    newcomer.close()
+    zombie.close()
+
+
+def test_takeover_during_the_write_is_caught_by_the_renewal_before_the_commit(tmp_path):
+    url = str(tmp_path / "r")
+    state = _state()
+    holder: dict[str, CheckpointManager] = {}
+
+    def take_over(op: str, key: str, n: int) -> None:
+        if op == "write" and key.endswith(TENSORS) and "new" not in holder:
+            # Another runtime takes the lease while our tensors are being written.
+            holder["new"] = CheckpointManager(url, lease_ttl=30, save_on_signal=False, force=True)
+        return None
+
+    backend = FaultyBackend(open_backend(url), fail_on=take_over)
+    zombie = CheckpointManager(backend, lease_ttl=30, save_on_signal=False, _simulation=Simulation(heartbeat=False))
+    zombie.save(state, step=5, blocking=False)
+    with pytest.raises(LeaseLostError):
+        zombie.wait()
+    assert not (tmp_path / "r" / checkpoint_dir(5, 1) / MANIFEST).exists()  # never committed
+    holder["new"].close()
+    zombie.close()
+
+
+def test_background_failure_surfaces_on_the_next_save_and_loses_nothing(tmp_path):
+    state = _state()
+    broken = {"on": False}
+
+    def disk_full(op: str, key: str, n: int) -> BaseException | None:
+        if broken["on"] and op == "write" and key.endswith(TENSORS):
+            return BackendError("No space left on device", key=key)
+        return None
+
+    backend = FaultyBackend(open_backend(str(tmp_path / "r")), fail_on=disk_full)
+    mgr = CheckpointManager(backend, keep_last=1, lease_ttl=30, save_on_signal=False)
+    mgr.save(state, step=1, blocking=False)
+    mgr.wait()
+    broken["on"] = True
+    mgr.save(state, step=2, blocking=False)  # returns: the failure happens on the worker
+    with pytest.raises(BackendError, match="No space left"):
+        mgr.save(state, step=3, blocking=False)
+    broken["on"] = False
+    assert [c.step for c in mgr.list() if c.valid] == [1]  # the previous one is intact
+    mgr.save(state, step=3, blocking=False)
+    mgr.close()
+    with CheckpointManager(str(tmp_path / "r"), read_only=True) as ro:
+        assert ro.latest().step == 3
+
+
+def test_an_abandoned_save_publishes_no_manifest(tmp_path):
+    state = _state()
+    gate = threading.Event()
+
+    def slow(op: str, key: str, n: int) -> None:
+        if op == "write" and key.endswith(TENSORS):
+            gate.wait(30)
+        return None
+
+    backend = FaultyBackend(open_backend(str(tmp_path / "r")), fail_on=slow)
+    mgr = CheckpointManager(backend, lease_ttl=30, save_on_signal=False)
+    mgr.save(state, step=1, blocking=False)
+    assert mgr.wait(0.05) is False  # still writing
+    mgr._saving.abandon()
+    gate.set()
+    with pytest.raises(CheckpointError, match="abandoned"):
+        mgr.wait()
+    assert not (tmp_path / "r" / checkpoint_dir(1, 1) / MANIFEST).exists()
+    mgr.close()
+
+
+def test_due_step_log_flushes_run_off_the_training_thread(tmp_path):
+    rec = _Threads()
+    backend = FaultyBackend(open_backend(str(tmp_path / "r")), fail_on=rec)
+    mgr = CheckpointManager(backend, lease_ttl=30, save_on_signal=False)
+    mgr.restore(_state())
+    mgr.runlog.flush_every = 5
+    rec.calls.clear()
+    for step in range(1, 21):
+        mgr.log_step(step, loss=float(step))
+    mgr.close()
+    chunks = [c for c in rec.calls if "chunk-" in c[2] and c[1] == "create"]
+    me = threading.current_thread().name
+    assert chunks and all(t != me for t, _op, key in chunks[:-1])  # only close() publishes here
+    report = CheckpointManager(str(tmp_path / "r"), read_only=True).audit()
+    assert report.attempts[0].steps == 20 and not report.attempts[0].missing_chunks

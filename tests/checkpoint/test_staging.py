@@ -1,0 +1,134 @@
+"""Staging buffers: exact copies, reused across snapshots, isolated from later training steps."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from ckptsdk import open_backend
+from ckptsdk.checkpoint.staging import Stager
+from ckptsdk.errors import ConfigError
+from ckptsdk.format.tensorfile import read_tensorfile, write_tensorfile
+
+
+def _state() -> dict[str, torch.Tensor]:
+    return {
+        "w": torch.randn(32, 16),
+        "b": torch.randn(16).to(torch.bfloat16),
+        "steps": torch.tensor(3),
+        "rng": torch.get_rng_state(),
+        "mask": torch.rand(9) > 0.5,
+        "empty": torch.zeros(0, 4),
+    }
+
+
+def test_snapshot_values_equal_and_plain_contiguous_cpu():
+    src = _state()
+    snap = Stager().snapshot(src)
+    assert list(snap) == list(src)
+    for name, t in src.items():
+        s = snap[name]
+        assert s.dtype == t.dtype and s.shape == t.shape and s.device.type == "cpu", name
+        assert s.is_contiguous() and torch.equal(s, t), name
+        assert s.data_ptr() != t.data_ptr() or t.numel() == 0, name
+
+
+def test_later_mutation_of_source_does_not_change_snapshot():
+    src = _state()
+    expected = {k: v.clone() for k, v in src.items()}
+    snap = Stager().snapshot(src)
+    src["w"].add_(1.0)
+    src["b"].mul_(-1)
+    src["steps"] += 1
+    src["mask"].logical_not_()
+    for name in snap:
+        assert torch.equal(snap[name], expected[name]), name
+
+
+def test_buffers_reused_when_names_shapes_dtypes_match():
+    stager = Stager()
+    src = _state()
+    first = stager.snapshot(src)
+    ptrs = {k: v.data_ptr() for k, v in first.items()}
+    allocated = stager.allocations
+    assert allocated == len(src)
+    src["w"].add_(5)
+    second = stager.snapshot(src)
+    assert {k: v.data_ptr() for k, v in second.items()} == ptrs
+    assert stager.allocations == allocated
+    assert torch.equal(second["w"], src["w"])
+    # The documented contract: a snapshot is valid until the next one (same memory).
+    assert torch.equal(first["w"], src["w"])
+
+
+def test_buffers_reallocated_when_shape_or_dtype_changes_and_stale_released():
+    stager = Stager()
+    src = _state()
+    first = stager.snapshot(src)
+    keep = first["b"].data_ptr()
+    changed = dict(src)
+    changed["w"] = torch.randn(8, 8)  # new shape
+    changed["steps"] = torch.tensor(3.0)  # new dtype
+    del changed["mask"]
+    second = stager.snapshot(changed)
+    assert stager.allocations == len(src) + 2
+    assert second["b"].data_ptr() == keep
+    assert torch.equal(second["w"], changed["w"]) and second["steps"].dtype == torch.float32
+    assert "mask" not in second
+    assert stager.nbytes == sum(t.numel() * t.element_size() for t in changed.values())
+    stager.release()
+    assert stager.nbytes == 0
+
+
+def test_noncontiguous_lazy_and_grad_sources():
+    param = torch.nn.Parameter(torch.randn(10, 20))
+    src = {
+        "p": param,
+        "t": torch.randn(30, 40).t(),
+        "e": torch.randn(1, 5).expand(6, 5),
+        "conj": torch.randn(4, dtype=torch.complex64).conj(),  # a lazy conjugate: not plain memory
+        "neg": torch._neg_view(torch.randn(4)),  # a contiguous lazy negation
+    }
+    snap = Stager().snapshot(src)
+    for name, t in src.items():
+        assert snap[name].is_contiguous() and torch.equal(snap[name], t.detach()), name
+    assert not snap["p"].requires_grad
+
+
+def test_non_tensor_refused():
+    with pytest.raises(ConfigError, match="cannot stage 'x'"):
+        Stager().snapshot({"x": [1.0]})
+
+
+def test_snapshot_written_in_background_while_training_continues(tmp_path):
+    """The async-save pattern: snapshot, write in a thread, keep mutating the source."""
+    backend = open_backend(str(tmp_path / "root"))
+    src = {"w": torch.randn(2_000_000), "n": torch.tensor(1)}
+    expected = {k: v.clone() for k, v in src.items()}
+    snap = Stager().snapshot(src)
+    result: dict[str, tuple[int, str]] = {}
+    writer = threading.Thread(target=lambda: result.update(r=write_tensorfile(backend, "t.safetensors", snap)))
+    writer.start()
+    for _ in range(20):  # "training": in-place updates of the live tensors
+        src["w"].mul_(1.01).add_(0.5)
+        src["n"] += 1
+    writer.join(timeout=60)
+    assert not writer.is_alive()
+    size, digest = result["r"]
+    out = read_tensorfile(backend, "t.safetensors", size=size, digest=digest)
+    assert torch.equal(out["w"], expected["w"]) and torch.equal(out["n"], expected["n"])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_sources_staged_in_pinned_memory():
+    src = {"w": torch.randn(1000, device="cuda"), "i": torch.arange(7, device="cuda")}
+    stager = Stager()
+    snap = stager.snapshot(src)
+    for name, t in src.items():
+        assert snap[name].device.type == "cpu" and snap[name].is_pinned()
+        assert torch.equal(snap[name], t.cpu()), name
+    ptr = snap["w"].data_ptr()
+    src["w"].add_(1)
+    assert stager.snapshot(src)["w"].data_ptr() == ptr and stager.allocations == 2

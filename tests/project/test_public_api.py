@@ -1,0 +1,66 @@
+"""The public surface is curated: adding or removing a name is a deliberate change here."""
+
+import ckptsdk
+
+EXPECTED = {
+    "AuditReport", "BackendError", "CheckpointInfo", "CheckpointManager", "CkptError",
+    "CorruptCheckpointError", "DataCache", "DataError", "GcReport", "LeaseHeldError",
+    "LeaseLostError", "ManifestError", "NoValidCheckpointError", "ObjectNotFound",
+    "PreconditionFailed", "ResumePoint", "StateMismatchError", "TrainState",
+    "UnsupportedStateError", "open_backend",
+    # the rest of the error tree: every error a public call raises is catchable as ckptsdk.X
+    "AllSourcesFailedError", "CheckpointError", "ConfigError", "DatasetMismatchError",
+    "DigestMismatchError", "DownloadError", "InvalidKey", "LeaseError", "MissingDependencyError",
+    "NoCheckpointRootError", "StorageUnavailable", "UnknownSchemeError", "UnsafeArchiveError",
+}
+
+
+def test_all_is_locked():
+    assert set(ckptsdk.__all__) == EXPECTED
+    for name in EXPECTED:
+        assert getattr(ckptsdk, name) is not None
+
+
+def test_audit_is_a_module_and_a_manager_method():
+    import ckptsdk.runlog.audit
+
+    assert callable(ckptsdk.runlog.audit.audit) and callable(ckptsdk.CheckpointManager.audit)
+
+
+def test_errors_refine_builtins():
+    assert issubclass(ckptsdk.ObjectNotFound, FileNotFoundError)
+    assert issubclass(ckptsdk.UnsupportedStateError, TypeError)
+    assert issubclass(ckptsdk.LeaseLostError, ckptsdk.CkptError)
+
+
+def test_every_error_of_the_tree_is_public():
+    import ckptsdk.errors
+
+    tree = {n for n, v in vars(ckptsdk.errors).items()
+            if isinstance(v, type) and issubclass(v, ckptsdk.errors.CkptError)}
+    assert tree <= set(ckptsdk.__all__), sorted(tree - set(ckptsdk.__all__))
+    for name in tree:
+        assert getattr(ckptsdk, name) is getattr(ckptsdk.errors, name)
+
+
+def test_the_errors_the_readme_names_are_catchable():
+    with __import__("pytest").raises(ckptsdk.UnknownSchemeError):
+        ckptsdk.open_backend("nope://x")
+    with __import__("pytest").raises(ckptsdk.ConfigError):
+        ckptsdk.CheckpointManager("memory://api-cfg", keep_last=0)
+
+
+def test_simulation_hooks_are_off_the_public_signatures():
+    """A job cannot turn the lease heartbeat off or fake its clock by a public keyword: tests
+    and benchmarks pass ``_simulation=ckptsdk.manager.Simulation(...)``."""
+    import inspect
+
+    from ckptsdk.distributed import DistributedCheckpointManager
+    from ckptsdk.manager import Simulation
+
+    for cls in (ckptsdk.CheckpointManager, DistributedCheckpointManager):
+        params = inspect.signature(cls).parameters
+        assert not {"heartbeat", "clock", "sleep"} & set(params), cls
+        assert params["_simulation"].kind is inspect.Parameter.KEYWORD_ONLY
+        assert params["_simulation"].default is None
+    assert Simulation().heartbeat is True
