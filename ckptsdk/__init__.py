@@ -57,12 +57,12 @@ from ckptsdk.errors import (
 # Names whose modules import torch are loaded on first use, so `import ckptsdk` (the CLI's
 # `lease` command, child processes, storage-only users) does not pay torch's start-up.
 _LAZY = {
-    "AuditReport": "audit",
-    "CheckpointInfo": "catalog",
+    "AuditReport": "runlog.audit",
+    "CheckpointInfo": "checkpoint.catalog",
     "CheckpointManager": "manager",
-    "DataCache": "datacache",
+    "DataCache": "data.cache",
     "GcReport": "manager",
-    "ResumePoint": "reader",
+    "ResumePoint": "checkpoint.reader",
     "TrainState": "state",
 }
 

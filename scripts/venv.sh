@@ -22,7 +22,7 @@ import sys, tomllib
 proj = tomllib.load(open(sys.argv[1], "rb"))["project"]
 extras = proj["optional-dependencies"]
 reqs = list(proj["dependencies"])
-for name in ("gcs", "cifar", "plot", "dev"):
+for name in ("gcs", "cifar", "plot", "s3", "loader", "dev"):
     reqs += [r for r in extras[name] if not r.startswith("ckptsdk")]
 print("\n".join(dict.fromkeys(reqs)))
 PY

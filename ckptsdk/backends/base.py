@@ -161,12 +161,6 @@ class Backend(Protocol):
         """
         ...
 
-    # Optional, present where ``capabilities.cheap_copy`` (not part of the protocol):
-    #   copy(src, dst) -> ObjectInfo: publish at ``dst`` (which must not exist: PreconditionFailed)
-    #   the object at ``src`` (ObjectNotFound if absent), inside the store.
-    #   Hint: local ``os.link`` (files are never rewritten in place, so sharing an inode is safe);
-    #   GCS ``rewriteTo`` with ``ifGenerationMatch=0``.
-
     def sweep(self, older_than: float, *,
               only: Callable[[str], bool] | None = None) -> builtins.list[str]:  # `list`: the method above
         """Remove leftovers of crashed writes (temp files) older than ``older_than`` seconds.
@@ -176,6 +170,53 @@ class Backend(Protocol):
         without temp files (GCS, memory) return ``[]``.
         """
         ...
+
+
+# Optional operations: sub-protocols a backend may also meet. Upper layers reach them only
+# through ``copier``/``rewriter``, which ask ``Capabilities`` first (a method can exist and still be
+# unusable on this store, as Drive's ``copy`` is), so no caller needs ``getattr``.
+
+
+@runtime_checkable
+class Copyable(Protocol):
+    """A store that duplicates an object without sending its bytes through this machine."""
+
+    def copy(self, src: str, dst: str) -> ObjectInfo:
+        """Publish at ``dst`` (which must not exist) the object at ``src``, inside the store.
+
+        Raises ``ObjectNotFound`` if ``src`` is absent, ``PreconditionFailed`` if ``dst`` exists.
+        Hint: local ``os.link`` (files are never rewritten in place, so sharing an inode is
+        safe); GCS ``rewriteTo`` with ``ifGenerationMatch=0``.
+        """
+        ...
+
+
+@runtime_checkable
+class Rewritable(Protocol):
+    """A store that keeps a file's identity across a rename and a rewrite (Drive: no trash)."""
+
+    def move(self, src: str, dst: str) -> ObjectInfo:
+        """Rename ``src`` to ``dst`` (which must not exist), keeping the stored file itself."""
+        ...
+
+    def overwrite(self, key: str, data: Data) -> ObjectInfo:
+        """Rewrite the existing file at ``key`` in place. **Not atomic**: only for a file no
+        committed manifest refers to."""
+        ...
+
+
+def copier(backend: Backend) -> Copyable | None:
+    """``backend`` as a :class:`Copyable` where ``capabilities.cheap_copy`` says it is one, else None."""
+    if backend.capabilities.cheap_copy and isinstance(backend, Copyable):
+        return backend
+    return None
+
+
+def rewriter(backend: Backend) -> Rewritable | None:
+    """``backend`` as a :class:`Rewritable` where ``capabilities.rewrite_in_place`` says so, else None."""
+    if backend.capabilities.rewrite_in_place and isinstance(backend, Rewritable):
+        return backend
+    return None
 
 
 def check_key(key: str, *, url: str = "", allow_empty: bool = False) -> str:

@@ -13,7 +13,7 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from ckptsdk.backends.base import Backend
+from ckptsdk.backends.base import Backend, rewriter
 from ckptsdk.checkpoint import retention
 from ckptsdk.checkpoint.catalog import MANIFEST, Catalog, CheckpointInfo, Rank, folder_rank
 from ckptsdk.checkpoint.usage import record_trash
@@ -82,9 +82,7 @@ class Rotation:
     @property
     def recycles(self) -> bool:
         """Whether rotated-out checkpoints are recycled rather than deleted on this store."""
-        return (self.mode == "recycle" and self.backend.capabilities.rewrite_in_place
-                and callable(getattr(self.backend, "move", None))
-                and callable(getattr(self.backend, "overwrite", None)))
+        return self.mode == "recycle" and rewriter(self.backend) is not None
 
     def rotate(self, lease: Lease, rank: Rank, scan: Callable[[], Catalog],
                resumed_from: CheckpointInfo | None) -> None:

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from ckptsdk.backends.base import Backend
+from ckptsdk.backends.base import Backend, Rewritable, copier, rewriter
 from ckptsdk.checkpoint.catalog import (
     MANIFEST,
     TENSORS,
@@ -248,26 +248,31 @@ class SavePipeline:
         key = f"{folder}/{TENSORS}"
         source = (self.rotation.recycle_source(self.lease, self.rank, self._scan(), step, self.resumed_from)
                   if self.rotation.recycles else None)
-        if source is not None and self._take_file(f"{source.key}/{TENSORS}", key):
+        rewriting = self._take_file(f"{source.key}/{TENSORS}", key) if source is not None else None
+        if source is not None and rewriting is not None:
             # The file this checkpoint reuses is rewritten in place (not atomic: no manifest
             # refers to it now, and a reader holding a stale one fails its digest check).
-            size, digest = write_tensorfile(_InPlace(self.backend), key, tensors)  # type: ignore[arg-type]
+            size, digest = write_tensorfile(_InPlace(rewriting, self.url), key, tensors)  # type: ignore[arg-type]
             self.rotation.recycled(source, folder, size)
         else:
             size, digest = write_tensorfile(self.backend, key, tensors)
         files = [FileEntry(name=TENSORS, size=size, digest=digest, algorithm=DIGEST_ALGORITHM), *extra_files]
         return self._publish(folder, step, files, skeleton, position, metrics, tags, device)
 
-    def _take_file(self, src: str, dst: str) -> bool:
-        """Move ``src`` to ``dst`` for a rewrite in place; False (write a new file) if it cannot."""
+    def _take_file(self, src: str, dst: str) -> Rewritable | None:
+        """Move ``src`` to ``dst`` for a rewrite in place: the store to rewrite it with, or None
+        (write a new file) if it cannot."""
+        rewriting = rewriter(self.backend)
+        if rewriting is None:
+            return None
         try:
-            self.backend.move(src, dst)  # type: ignore[attr-defined]
+            rewriting.move(src, dst)
         except (ObjectNotFound, PreconditionFailed) as exc:
             # ``dst`` left by an earlier failed save of this step, or ``src`` gone: a new file it
             # is; the recycled folder, now uncommitted, is removed by rotation as a leftover.
             logger.info("cannot recycle %s into %s under %s (%s): writing a new file", src, dst, self.url, exc)
-            return False
-        return True
+            return None
+        return rewriting
 
     def _publish(
         self, folder: str, step: int, files: list[FileEntry], skeleton: Any, position: Position,
@@ -317,10 +322,11 @@ class SavePipeline:
         assert manifest is not None
         folder = checkpoint_dir(manifest.step, self.lease.epoch, self.tag)
         device = manifest.environment.device or "cpu"
-        if self.backend.capabilities.cheap_copy and callable(getattr(self.backend, "copy", None)):
+        copying = copier(self.backend)
+        if copying is not None:
             self.lease.check()
             for entry in manifest.files:  # the tensor file and any distributed ranks' files
-                self.backend.copy(f"{source.key}/{entry.name}", f"{folder}/{entry.name}")  # type: ignore[attr-defined]
+                copying.copy(f"{source.key}/{entry.name}", f"{folder}/{entry.name}")
             self._publish(folder, manifest.step, list(manifest.files), manifest.tree, manifest.position,
                           manifest.metrics, manifest.tags, device)
             return
@@ -375,12 +381,12 @@ class SavePipeline:
 class _InPlace:
     """The backend as ``write_tensorfile`` sees it when the file is rewritten in place."""
 
-    def __init__(self, backend: Backend) -> None:
+    def __init__(self, backend: Rewritable, url: str) -> None:
         self._backend = backend
-        self.url = backend.url
+        self.url = url
 
     def write(self, key: str, data: Any) -> Any:
-        return self._backend.overwrite(key, data)  # type: ignore[attr-defined]
+        return self._backend.overwrite(key, data)
 
 
 def _device_of(tensors: Mapping[str, torch.Tensor]) -> str:

@@ -13,7 +13,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 from typing import BinaryIO, TypeVar
 
-from ckptsdk.backends.base import Backend, Capabilities, Data, ObjectInfo
+from ckptsdk.backends.base import Backend, Capabilities, Copyable, Data, ObjectInfo, Rewritable
 from ckptsdk.errors import BackendError
 
 _T = TypeVar("_T")
@@ -118,13 +118,22 @@ class FaultyBackend:
 
     # The optional operations, where the wrapped backend has them (see its capabilities).
     def copy(self, src: str, dst: str) -> ObjectInfo:
-        return self._call("copy", dst, lambda: self.inner.copy(src, dst))  # type: ignore[attr-defined]  # optional op, not in the Backend protocol
+        inner = self.inner
+        if not isinstance(inner, Copyable):
+            raise _lacks(inner, "copy")
+        return self._call("copy", dst, lambda: inner.copy(src, dst))
 
     def move(self, src: str, dst: str) -> ObjectInfo:
-        return self._call("move", dst, lambda: self.inner.move(src, dst))  # type: ignore[attr-defined]  # optional op, not in the Backend protocol
+        inner = self.inner
+        if not isinstance(inner, Rewritable):
+            raise _lacks(inner, "move")
+        return self._call("move", dst, lambda: inner.move(src, dst))
 
     def overwrite(self, key: str, data: Data) -> ObjectInfo:
-        return self._call("overwrite", key, lambda: self.inner.overwrite(key, data))  # type: ignore[attr-defined]  # optional op, not in the Backend protocol
+        inner = self.inner
+        if not isinstance(inner, Rewritable):
+            raise _lacks(inner, "overwrite")
+        return self._call("overwrite", key, lambda: inner.overwrite(key, data))
 
     def _call(self, op: str, key: str, run: Callable[[], _T]) -> _T:
         with self._lock:
@@ -193,3 +202,7 @@ def fail_nth(
         return exc(message)
 
     return fail_on
+
+
+def _lacks(inner: Backend, op: str) -> BackendError:
+    return BackendError(f"{op}: the wrapped backend ({type(inner).__name__}) has no {op}", url=inner.url)

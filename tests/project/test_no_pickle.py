@@ -48,7 +48,7 @@ def test_restore_with_pickle_and_torch_load_patched_to_raise(tmp_path, monkeypat
 
 # The one exception: `ckptsdk import` reads torch.save files, with weights_only=True only
 # (tests/porting/test_import_export.py proves nothing on the restore path imports that module).
-_IMPORT_DOOR = ("legacy_import.py", "torch.load(path, map_location=\"cpu\", weights_only=True)")
+_IMPORT_DOOR = ("porting/torch_import.py", "torch.load(path, map_location=\"cpu\", weights_only=True)")
 
 
 def test_library_source_never_unpickles():

@@ -64,3 +64,14 @@ def test_simulation_hooks_are_off_the_public_signatures():
         assert params["_simulation"].kind is inspect.Parameter.KEYWORD_ONLY
         assert params["_simulation"].default is None
     assert Simulation().heartbeat is True
+
+
+def test_version_has_one_home_and_matches_pyproject():
+    import pathlib
+    import tomllib
+
+    from ckptsdk._version import __version__
+
+    pyproject = pathlib.Path(ckptsdk.__file__).resolve().parents[1] / "pyproject.toml"
+    assert ckptsdk.__version__ is __version__
+    assert tomllib.loads(pyproject.read_text())["project"]["version"] == __version__

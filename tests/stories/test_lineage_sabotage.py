@@ -50,7 +50,7 @@ def test_the_machine_catches_writers_sharing_a_rank(monkeypatch: pytest.MonkeyPa
     here), so a genuine lineage record may be ignored as stray first: [4] (see catalog.py)."""
     import dataclasses
 
-    from tests import drive_deterministic_sim as sim_drive
+    from tests.support import drive_deterministic_sim as sim_drive
 
     monkeypatch.setattr(sim_drive.SimDriveBackend, "capabilities",
                         dataclasses.replace(sim_drive.DRIVE_CAPABILITIES, compare_and_swap=True))
