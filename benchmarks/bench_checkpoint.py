@@ -211,13 +211,18 @@ class Bench:
         self.mgr = None
         if use_manager:
             self.state = TrainState(**job.objects)
-            self.mgr = CheckpointManager(str(root / "mgr"), keep_last=1000, lease_ttl=600.0,
-                                         save_on_signal=False)
+            self.mgr = CheckpointManager(str(root / "mgr"), keep_last=1000, lease_ttl=600.0, save_on_signal=False)
             # Restores go through a reader: a writer restores once, before its first save.
             self.reader = CheckpointManager(str(root / "mgr"), read_only=True)
-            self.slow = {lat: CheckpointManager(_slow_backend(root / f"mgr-{int(lat * 1000)}ms", lat),
-                                                keep_last=2, lease_ttl=600.0, save_on_signal=False)
-                         for lat in LATENCIES}
+            self.slow = {
+                lat: CheckpointManager(
+                    _slow_backend(root / f"mgr-{int(lat * 1000)}ms", lat),
+                    keep_last=2,
+                    lease_ttl=600.0,
+                    save_on_signal=False,
+                )
+                for lat in LATENCIES
+            }
         self.raw_bytes = _safetensors_bytes(job.tensors())
 
     def record(self, row: str, seconds: float, keep: bool) -> None:
@@ -290,7 +295,8 @@ class Bench:
         def begin() -> threading.Thread:
             snap = self.stager.snapshot(tensors)
             t = threading.Thread(
-                target=lambda: result.update(out=write_tensorfile(self.direct, f"rep{r}/async.safetensors", snap)))
+                target=lambda: result.update(out=write_tensorfile(self.direct, f"rep{r}/async.safetensors", snap))
+            )
             t.start()
             return t
 
@@ -432,8 +438,17 @@ def memory_child(state: str, large_mb: int, root: Path, with_manager: bool) -> d
 def measure_memory(state: str, large_mb: int, with_manager: bool, parent: str | None, timeout: float) -> dict[str, Any]:
     """Run :func:`memory_child` in a fresh interpreter (no allocator history from the timings)."""
     with tempfile.TemporaryDirectory(prefix="ckpt-bench-mem-", dir=parent) as tmp:
-        cmd = [sys.executable, "-m", "benchmarks.bench_checkpoint", "--_mem", state,
-               "--large-mb", str(large_mb), "--dir", tmp] + ([] if with_manager else ["--no-manager"])
+        cmd = [
+            sys.executable,
+            "-m",
+            "benchmarks.bench_checkpoint",
+            "--_mem",
+            state,
+            "--large-mb",
+            str(large_mb),
+            "--dir",
+            tmp,
+        ] + ([] if with_manager else ["--no-manager"])
         proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         return {"all": {"error": proc.stderr.strip().splitlines()[-1:] or [f"exit {proc.returncode}"]}}
@@ -456,10 +471,12 @@ def gcs_rows(job: Job, reps: int, warmup: int) -> dict[str, list[float]]:
         mgr = None
         if CheckpointManager is not None:
             state = TrainState(**job.objects)
-            mgr = CheckpointManager(emu.url("bench", "mgr"), storage_options=emu.storage_options,
-                                    keep_last=2, lease_ttl=600.0)
-            reader = CheckpointManager(emu.url("bench", "mgr"), storage_options=emu.storage_options,
-                                       read_only=True)  # a writer restores once, before saving
+            mgr = CheckpointManager(
+                emu.url("bench", "mgr"), storage_options=emu.storage_options, keep_last=2, lease_ttl=600.0
+            )
+            reader = CheckpointManager(
+                emu.url("bench", "mgr"), storage_options=emu.storage_options, read_only=True
+            )  # a writer restores once, before saving
         step = 0
         for r in range(warmup + reps):
             keep = r >= warmup
@@ -468,10 +485,12 @@ def gcs_rows(job: Job, reps: int, warmup: int) -> dict[str, list[float]]:
                 ("gcs ckptsdk save (direct)", lambda: write_tensorfile(backend, "t.safetensors", tensors)),
             ]
             if mgr is not None:
+
                 def mgr_save() -> None:
                     nonlocal step
                     step += 1
                     mgr.save(state, step=step, blocking=True)
+
                 rows.append(("gcs ckptsdk save (manager)", mgr_save))
             for row, fn in rows:
                 seconds, out = timed(fn)
@@ -483,8 +502,12 @@ def gcs_rows(job: Job, reps: int, warmup: int) -> dict[str, list[float]]:
             digest = xxhash.xxh3_128(data).hexdigest()
             reads: list[tuple[str, Callable[[], Any]]] = [
                 ("gcs raw download", lambda: backend.read("raw.bin")),
-                ("gcs ckptsdk restore (direct)",
-                 lambda size=size, digest=digest: read_tensorfile(backend, "t.safetensors", size=size, digest=digest)),
+                (
+                    "gcs ckptsdk restore (direct)",
+                    lambda size=size, digest=digest: read_tensorfile(
+                        backend, "t.safetensors", size=size, digest=digest
+                    ),
+                ),
             ]
             if mgr is not None:
                 reads.append(("gcs ckptsdk restore (manager)", lambda: reader.restore(state)))
@@ -502,21 +525,37 @@ def gcs_rows(job: Job, reps: int, warmup: int) -> dict[str, list[float]]:
 
 
 ROW_ORDER = [
-    "raw write+fsync", "backend publish, same bytes", "torch.save+fsync", "DCP save", "ckptsdk save (direct, sync)",
+    "raw write+fsync",
+    "backend publish, same bytes",
+    "torch.save+fsync",
+    "DCP save",
+    "ckptsdk save (direct, sync)",
     "ckptsdk save (manager, sync)",
-    "ckptsdk async stall (direct)", "ckptsdk async total (direct)", "ckptsdk async stall (manager)",
-    "ckptsdk async total (manager)", "ckptsdk async stall (manager, +20 ms/call)",
-    "ckptsdk async stall (manager, +50 ms/call)", "raw cold read", "torch.load (cold)",
+    "ckptsdk async stall (direct)",
+    "ckptsdk async total (direct)",
+    "ckptsdk async stall (manager)",
+    "ckptsdk async total (manager)",
+    "ckptsdk async stall (manager, +20 ms/call)",
+    "ckptsdk async stall (manager, +50 ms/call)",
+    "raw cold read",
+    "torch.load (cold)",
     "ckptsdk restore (direct, verified)",
-    "ckptsdk restore (manager, verified)", "gcs raw upload", "gcs ckptsdk save (direct)", "gcs ckptsdk save (manager)",
-    "gcs raw download", "gcs ckptsdk restore (direct)", "gcs ckptsdk restore (manager)",
+    "ckptsdk restore (manager, verified)",
+    "gcs raw upload",
+    "gcs ckptsdk save (direct)",
+    "gcs ckptsdk save (manager)",
+    "gcs raw download",
+    "gcs ckptsdk restore (direct)",
+    "gcs ckptsdk restore (manager)",
 ]
 
 
 def summarise(times: dict[str, list[float]]) -> dict[str, dict[str, float]]:
     rows = sorted(times, key=lambda r: ROW_ORDER.index(r) if r in ROW_ORDER else len(ROW_ORDER))
-    return {r: {"median": statistics.median(times[r]), "min": min(times[r]), "max": max(times[r]), "n": len(times[r])}
-            for r in rows}
+    return {
+        r: {"median": statistics.median(times[r]), "min": min(times[r]), "max": max(times[r]), "n": len(times[r])}
+        for r in rows
+    }
 
 
 def ratios(summary: dict[str, dict[str, float]], times: dict[str, list[float]]) -> dict[str, Any]:
@@ -547,8 +586,9 @@ def ratios(summary: dict[str, dict[str, float]], times: dict[str, list[float]]) 
     return out
 
 
-def print_table(title: str, summary: dict[str, dict[str, float]], rat: dict[str, Any], mem: dict[str, Any],
-                state_bytes: int) -> None:
+def print_table(
+    title: str, summary: dict[str, dict[str, float]], rat: dict[str, Any], mem: dict[str, Any], state_bytes: int
+) -> None:
     print(f"\n== {title}: {state_bytes / 1e6:.1f} MB of tensors ==")
     print(f"{'row':40s} {'median s':>9s} {'min–max s':>17s} {'× limit':>8s}  target")
     for row, s in summary.items():
@@ -567,16 +607,20 @@ def print_table(title: str, summary: dict[str, dict[str, float]], rat: dict[str,
     if len(stalls) > 1:
         spread = max(stalls.values()) - min(stalls.values())
         ok = "ok" if spread <= STALL_SPREAD_TARGET else "MISSED"
-        print(f"async stall at 0/20/50 ms per storage call: spread {spread * 1000:.1f} ms "
-              f"(target ≤{STALL_SPREAD_TARGET * 1000:.0f} ms {ok})")
+        print(
+            f"async stall at 0/20/50 ms per storage call: spread {spread * 1000:.1f} ms "
+            f"(target ≤{STALL_SPREAD_TARGET * 1000:.0f} ms {ok})"
+        )
     for method, m in mem.items():
         if "error" in m:
             print(f"peak extra memory, {method:14s}: failed: {m['error']}")
             continue
         ratio = m["extra_bytes"] / m["state_bytes"]
         ok = "" if not method.startswith(("direct", "manager")) else (" ok" if ratio <= 1.1 else " MISSED")
-        print(f"peak extra memory, {method:14s}: {m['extra_bytes'] / 1e6:8.1f} MB = {ratio:.2f}× state"
-              f"{' (target ≤1.10' + ok + ')' if ok else ''}{'' if m['hwm_reset'] else ' [VmHWM not resettable]'}")
+        print(
+            f"peak extra memory, {method:14s}: {m['extra_bytes'] / 1e6:8.1f} MB = {ratio:.2f}× state"
+            f"{' (target ≤1.10' + ok + ')' if ok else ''}{'' if m['hwm_reset'] else ' [VmHWM not resettable]'}"
+        )
 
 
 def loadavg() -> list[float]:
@@ -608,8 +652,12 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_manager and CheckpointManager is None:
         print(f"manager rows skipped: {_MANAGER_MISSING}")
     report: dict[str, Any] = {
-        "reps": args.reps, "warmup": args.warmup, "torch": torch.__version__, "cpus": os.cpu_count(),
-        "loadavg_start": loadavg(), "states": {},
+        "reps": args.reps,
+        "warmup": args.warmup,
+        "torch": torch.__version__,
+        "cpus": os.cpu_count(),
+        "loadavg_start": loadavg(),
+        "states": {},
     }
     t_start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="ckpt-bench-", dir=args.dir) as tmp:
@@ -629,7 +677,9 @@ def main(argv: list[str] | None = None) -> int:
             b.close()
             summary = summarise(b.times)
             report["states"][b.job.name] = {
-                "state_bytes": b.job.nbytes(), "times": b.times, "summary": summary,
+                "state_bytes": b.job.nbytes(),
+                "times": b.times,
+                "summary": summary,
                 "ratios": ratios(summary, b.times),
             }
         del benches
@@ -639,8 +689,9 @@ def main(argv: list[str] | None = None) -> int:
     for job in jobs:
         entry = report["states"][job.name]
         state = "resnet" if job.name == "resnet18" else "large"
-        entry["memory"] = ({} if args.no_memory
-                           else measure_memory(state, args.large_mb, use_manager, args.dir, timeout=600))
+        entry["memory"] = (
+            {} if args.no_memory else measure_memory(state, args.large_mb, use_manager, args.dir, timeout=600)
+        )
     if args.gcs:
         g = gcs_rows(jobs[0], args.reps, args.warmup)
         report["gcs"] = {"times": g, "summary": summarise(g), "ratios": ratios(summarise(g), g)}
@@ -652,8 +703,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.gcs:
         g = report["gcs"]
         print_table("GCS emulator, " + jobs[0].name, g["summary"], g["ratios"], {}, jobs[0].nbytes())
-    print(f"\nload average: start {report['loadavg_start']}, end {report['loadavg_end']}; "
-          f"wall {report['wall_s']:.0f} s; ratios are median/median of the reference row in the same run")
+    print(
+        f"\nload average: start {report['loadavg_start']}, end {report['loadavg_end']}; "
+        f"wall {report['wall_s']:.0f} s; ratios are median/median of the reference row in the same run"
+    )
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(report, indent=2))
     return 0

@@ -96,15 +96,29 @@ def worker(cfg: dict[str, Any]) -> None:
                     folder = base / f"{method}-{step}"
                     # dcp-rank0: the same, but every replicated tensor written by rank 0 alone.
                     planner = dcp.DefaultSavePlanner(dedup_save_to_lowest_rank=method == "dcp-rank0")
-                    save = timed(lambda folder=folder, planner=planner: dcp.save(
-                        state, storage_writer=dcp.FileSystemWriter(str(folder)), planner=planner))
-                    load = timed(lambda folder=folder: dcp.load(
-                        state, storage_reader=dcp.FileSystemReader(str(folder))))
+                    save = timed(
+                        lambda folder=folder, planner=planner: dcp.save(
+                            state, storage_writer=dcp.FileSystemWriter(str(folder)), planner=planner
+                        )
+                    )
+                    load = timed(
+                        lambda folder=folder: dcp.load(state, storage_reader=dcp.FileSystemReader(str(folder)))
+                    )
                 dist.barrier()
                 if rank == 0 and rep >= 0:
                     per_file = {f.name: f.stat().st_size for f in sorted(folder.iterdir())}
-                    rows.append({"world": world, "method": method, "rep": rep, "save_s": save,
-                                 "total_s": total, "restore_s": load, "bytes": _size(folder), "files": per_file})
+                    rows.append(
+                        {
+                            "world": world,
+                            "method": method,
+                            "rep": rep,
+                            "save_s": save,
+                            "total_s": total,
+                            "restore_s": load,
+                            "bytes": _size(folder),
+                            "files": per_file,
+                        }
+                    )
                 dist.barrier()
                 if rank == 0 and method != "ckptsdk":
                     shutil.rmtree(folder)
@@ -118,11 +132,23 @@ def run_world(world: int, args: argparse.Namespace, run: int) -> list[dict[str, 
     work = Path(tempfile.mkdtemp(prefix=f"bench-dist-{world}-", dir=args.dir))
     try:
         out = work / "rows.json"
-        cfg = {"world": world, "mb": args.mb, "kind": args.kind, "reps": args.reps, "dir": str(work),
-               "rank0_row": args.rank0_row, "async_row": args.async_row,
-               "init": str(work / "store"), "out": str(out)}
-        procs = [subprocess.Popen([sys.executable, "-m", "benchmarks.bench_distributed", "--worker",
-                                   json.dumps({**cfg, "rank": r})]) for r in range(world)]
+        cfg = {
+            "world": world,
+            "mb": args.mb,
+            "kind": args.kind,
+            "reps": args.reps,
+            "dir": str(work),
+            "rank0_row": args.rank0_row,
+            "async_row": args.async_row,
+            "init": str(work / "store"),
+            "out": str(out),
+        }
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-m", "benchmarks.bench_distributed", "--worker", json.dumps({**cfg, "rank": r})]
+            )
+            for r in range(world)
+        ]
         codes = [p.wait(1800) for p in procs]
         if codes != [0] * world:
             raise SystemExit(f"world {world}: ranks exited with {codes}")
@@ -147,10 +173,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=3, help="measured repetitions per run")
     parser.add_argument("--runs", type=int, default=2, help="fresh sets of processes per world size")
     parser.add_argument("--dir", default=None, help="where to write (a real disk; default: the temp dir)")
-    parser.add_argument("--rank0-row", action="store_true",
-                        help="add plain DCP with replicated tensors all written by rank 0 (dedup_save_to_lowest_rank)")
-    parser.add_argument("--async-row", action="store_true",
-                        help="add ckptsdk's save(blocking=False): the stall as save, the time to commit as total")
+    parser.add_argument(
+        "--rank0-row",
+        action="store_true",
+        help="add plain DCP with replicated tensors all written by rank 0 (dedup_save_to_lowest_rank)",
+    )
+    parser.add_argument(
+        "--async-row",
+        action="store_true",
+        help="add ckptsdk's save(blocking=False): the stall as save, the time to commit as total",
+    )
     parser.add_argument("--json-out", default=None)
     args = parser.parse_args(argv)
     if args.worker:
@@ -162,10 +194,14 @@ def main(argv: list[str] | None = None) -> int:
         for world in args.worlds:
             rows += run_world(world, args, run)
     load_after = os.getloadavg()
-    print(f"state: {args.mb} MiB {args.kind} in {N_TENSORS} float32 tensors; {args.reps} reps x {args.runs} runs; "
-          f"load average before {load_before[0]:.2f} after {load_after[0]:.2f}")
-    print("world  method    save s: median (min-max)   restore s: median (min-max)   bytes/checkpoint"
-          "   per-rank data files")
+    print(
+        f"state: {args.mb} MiB {args.kind} in {N_TENSORS} float32 tensors; {args.reps} reps x {args.runs} runs; "
+        f"load average before {load_before[0]:.2f} after {load_after[0]:.2f}"
+    )
+    print(
+        "world  method    save s: median (min-max)   restore s: median (min-max)   bytes/checkpoint"
+        "   per-rank data files"
+    )
     for world in args.worlds:
         for method in ("ckptsdk", "ckptsdk-async", "dcp", "dcp-rank0"):
             sel = [r for r in rows if r["world"] == world and r["method"] == method]
@@ -173,13 +209,16 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             files = sel[-1]["files"]
             data = {k: v for k, v in files.items() if k.startswith(("rank-", "__"))}
-            print(f"{world:5d}  {method:8s}  {_stat([r['save_s'] for r in sel])}       "
-                  f"{_stat([r['restore_s'] for r in sel])}        {sel[-1]['bytes']:>12,d}   "
-                  + " ".join(f"{k}={v / 2**20:.1f}M" for k, v in data.items())
-                  + (f"   total (until committed) {_stat([r['total_s'] for r in sel])}" if sel[-1]["total_s"] else ""))
+            print(
+                f"{world:5d}  {method:8s}  {_stat([r['save_s'] for r in sel])}       "
+                f"{_stat([r['restore_s'] for r in sel])}        {sel[-1]['bytes']:>12,d}   "
+                + " ".join(f"{k}={v / 2**20:.1f}M" for k, v in data.items())
+                + (f"   total (until committed) {_stat([r['total_s'] for r in sel])}" if sel[-1]["total_s"] else "")
+            )
     if args.json_out:
-        Path(args.json_out).write_text(json.dumps({"args": vars(args), "load": [load_before, load_after],
-                                                   "rows": rows}, indent=1))
+        Path(args.json_out).write_text(
+            json.dumps({"args": vars(args), "load": [load_before, load_after], "rows": rows}, indent=1)
+        )
     return 0
 
 

@@ -50,6 +50,7 @@ OVERHEAD_TARGET = 0.01  # saving every 10 steps
 
 def slow_backend(root: Path, latency: float) -> Any:
     """A local root whose every storage call first sleeps ``latency`` seconds."""
+
     def sleep(_op: str, _key: str, _n: int) -> None:
         time.sleep(latency)
         return None
@@ -60,14 +61,14 @@ def slow_backend(root: Path, latency: float) -> Any:
 class Job:
     """The CIFAR job's model, optimizer, schedule and step, on synthetic images."""
 
-    def __init__(self, width: int, batch_size: int, total_steps: int, seed: int = 0, *,
-                 device: str = "cpu", amp: bool = False) -> None:
+    def __init__(
+        self, width: int, batch_size: int, total_steps: int, seed: int = 0, *, device: str = "cpu", amp: bool = False
+    ) -> None:
         torch.manual_seed(seed)
         self.device = torch.device(device)
         self.amp = amp and self.device.type == "cuda"  # fp16 autocast + GradScaler, as the job on CUDA
         self.model = build_model(width=width).to(self.device)
-        self.opt = torch.optim.SGD(self.model.parameters(), lr=0.1, momentum=0.9, nesterov=True,
-                                   weight_decay=5e-4)
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=0.1, momentum=0.9, nesterov=True, weight_decay=5e-4)
         self.sched = torch.optim.lr_scheduler.OneCycleLR(self.opt, max_lr=0.1, total_steps=total_steps + 10)
         self.scaler = torch.amp.GradScaler(self.device.type)
         self.state = TrainState(model=self.model, optimizer=self.opt, scheduler=self.sched, scaler=self.scaler)
@@ -79,11 +80,11 @@ class Job:
     def step(self, i: int) -> torch.Tensor:
         b = self.batch_size
         lo = (i % 4) * b
-        x = self.x[lo:lo + b]
+        x = self.x[lo : lo + b]
         if i % 2:
             x = x.flip(3)  # the job's random flip, made deterministic
         with torch.autocast(self.device.type, dtype=torch.float16, enabled=self.amp):
-            loss = torch.nn.functional.cross_entropy(self.model(x), self.y[lo:lo + b])
+            loss = torch.nn.functional.cross_entropy(self.model(x), self.y[lo : lo + b])
         self.opt.zero_grad(set_to_none=True)
         self.scaler.scale(loss).backward()
         self.scaler.step(self.opt)
@@ -94,8 +95,9 @@ class Job:
         return loss.detach()
 
 
-def run_block(job: Job, steps: int, every: int | None, mgr: CheckpointManager | None, start: int,
-              res: dict[str, Any]) -> None:
+def run_block(
+    job: Job, steps: int, every: int | None, mgr: CheckpointManager | None, start: int, res: dict[str, Any]
+) -> None:
     """``steps`` steps (global ``start+1 ..``), saving every ``every``. Timed: the steps, the
     saves, and waiting for a background write still running at the end of the block (so what a
     save costs is counted even when it outlasts the block; conservative)."""
@@ -142,9 +144,22 @@ def sigterm_child(args: argparse.Namespace) -> None:
 
 def measure_sigterm(args: argparse.Namespace, latency: float, tmp: Path) -> dict[str, Any]:
     root = tmp / f"sigterm-{int(latency * 1000)}ms"
-    cmd = [sys.executable, "-m", "benchmarks.bench_overhead", "--_child", "--root", str(root),
-           "--latency", str(latency), "--width", str(args.width), "--batch-size", str(args.batch_size),
-           "--device", args.device] + (["--amp"] if args.amp else [])
+    cmd = [
+        sys.executable,
+        "-m",
+        "benchmarks.bench_overhead",
+        "--_child",
+        "--root",
+        str(root),
+        "--latency",
+        str(latency),
+        "--width",
+        str(args.width),
+        "--batch-size",
+        str(args.batch_size),
+        "--device",
+        args.device,
+    ] + (["--amp"] if args.amp else [])
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     at = random.Random(int(latency * 1000)).randint(3, 8)
     assert proc.stdout is not None
@@ -162,7 +177,9 @@ def measure_sigterm(args: argparse.Namespace, latency: float, tmp: Path) -> dict
         return {"error": f"no checkpoint after SIGTERM (exit {proc.returncode}): {err[-500:]}"}
     manifest = root / info.key / "manifest.json"
     return {
-        "signal_at_step": at, "saved_step": info.step, "exit_code": proc.returncode,
+        "signal_at_step": at,
+        "saved_step": info.step,
+        "exit_code": proc.returncode,
         "signal_to_commit_s": manifest.stat().st_mtime - sent,
         "signal_to_exit_s": exited - sent,
         "save_started_after_s": float(saving[-1][2]) - sent,
@@ -173,8 +190,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=100, help="steps per configuration (default 100)")
     ap.add_argument("--reps", type=int, default=1, help="repetitions of the whole schedule (default 1)")
-    ap.add_argument("--block", type=int, default=10,
-                    help="steps a configuration runs before the next takes over (default 10)")
+    ap.add_argument(
+        "--block", type=int, default=10, help="steps a configuration runs before the next takes over (default 10)"
+    )
     ap.add_argument("--width", type=int, default=16, help="first-stage channels (64 = ResNet-18 proper; default 16)")
     ap.add_argument("--batch-size", type=int, default=32, help="images per step (default 32)")
     ap.add_argument("--latency-ms", type=float, default=50.0, help="added to every storage call (default 50)")
@@ -193,17 +211,29 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     latency = args.latency_ms / 1000.0
-    report: dict[str, Any] = {"args": vars(args), "torch": torch.__version__, "cpus": os.cpu_count(),
-                              "loadavg_start": os.getloadavg(), "runs": {}}
+    report: dict[str, Any] = {
+        "args": vars(args),
+        "torch": torch.__version__,
+        "cpus": os.cpu_count(),
+        "loadavg_start": os.getloadavg(),
+        "runs": {},
+    }
     t_start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="ckpt-overhead-", dir=args.dir) as tmp:
         job = Job(args.width, args.batch_size, args.reps * 7 * args.steps + 20, device=args.device, amp=args.amp)
         state_mb = sum(t.numel() * t.element_size() for t in _tensors(job.state)) / 1e6
-        storages = {"local": lambda name: str(Path(tmp) / name),
-                    f"local+{args.latency_ms:.0f}ms": lambda name: slow_backend(Path(tmp) / name, latency)}
+        storages = {
+            "local": lambda name: str(Path(tmp) / name),
+            f"local+{args.latency_ms:.0f}ms": lambda name: slow_backend(Path(tmp) / name, latency),
+        }
         saving: list[tuple[str, int | None]] = [(s, e) for s in storages for e in EVERY]
-        mgrs = {s: {e: CheckpointManager(storages[s](f"{s}-{e}"), keep_last=2, lease_ttl=600.0,
-                                         save_on_signal=False) for e in EVERY} for s in storages}
+        mgrs = {
+            s: {
+                e: CheckpointManager(storages[s](f"{s}-{e}"), keep_last=2, lease_ttl=600.0, save_on_signal=False)
+                for e in EVERY
+            }
+            for s in storages
+        }
         for m in (m for per in mgrs.values() for m in per.values()):
             m.restore(job.state)
         for i in range(3):  # warm-up: allocator, kernels
@@ -211,12 +241,13 @@ def main(argv: list[str] | None = None) -> int:
         # Round-robin in blocks: each configuration runs --block steps in turn, so the load of a
         # shared machine drifts over all of them alike (order rotated every round).
         configs: list[tuple[str, int | None]] = [("-", None)] + saving
-        runs = {f"{s}/{e or 'never'}": {"seconds": 0.0, "thread_cpu": 0.0, "stalls": [], "blocks": []}
-                for s, e in configs}
+        runs = {
+            f"{s}/{e or 'never'}": {"seconds": 0.0, "thread_cpu": 0.0, "stalls": [], "blocks": []} for s, e in configs
+        }
         counters = {key: 0 for key in runs}
         rounds = max(1, args.steps // args.block) * args.reps
         for r in range(rounds):
-            order = configs[r % len(configs):] + configs[:r % len(configs)]
+            order = configs[r % len(configs) :] + configs[: r % len(configs)]
             for storage, every in order:
                 key = f"{storage}/{every or 'never'}"
                 mgr = None if every is None else mgrs[storage][every]
@@ -228,8 +259,10 @@ def main(argv: list[str] | None = None) -> int:
                 m.close()
         report["state_mb"] = state_mb
         if not args.no_sigterm:
-            report["sigterm"] = {name: measure_sigterm(args, lat, Path(tmp))
-                                 for name, lat in (("local", 0.0), (f"local+{args.latency_ms:.0f}ms", latency))}
+            report["sigterm"] = {
+                name: measure_sigterm(args, lat, Path(tmp))
+                for name, lat in (("local", 0.0), (f"local+{args.latency_ms:.0f}ms", latency))
+            }
     report["loadavg_end"] = os.getloadavg()
     report["wall_s"] = time.perf_counter() - t_start
     print_report(report, args)
@@ -248,13 +281,17 @@ def print_report(report: dict[str, Any], args: argparse.Namespace) -> None:
     runs = report["runs"]
     base, base_cpu = runs["-/never"]["seconds"], runs["-/never"]["thread_cpu"]
     steps = args.steps * args.reps
-    print(f"\n== CIFAR ResNet-18 job on {args.device}{' (AMP fp16)' if args.amp else ''}, width "
-          f"{args.width}, batch {args.batch_size}: state {report['state_mb']:.1f} MB, {steps} steps "
-          f"per configuration in blocks of {args.block} ==")
+    print(
+        f"\n== CIFAR ResNet-18 job on {args.device}{' (AMP fp16)' if args.amp else ''}, width "
+        f"{args.width}, batch {args.batch_size}: state {report['state_mb']:.1f} MB, {steps} steps "
+        f"per configuration in blocks of {args.block} =="
+    )
     print(f"never saving: {base:.2f} s for {steps} steps ({base / steps * 1000:.0f} ms/step)")
     base_block = statistics.median(runs["-/never"]["blocks"])
-    print(f"{'storage / save every':24s} {'overhead':>9s} {'(median block)':>15s} {'(thread CPU)':>12s} "
-          f"{'saves':>6s} {'stall median':>13s} {'stall p99':>10s}  target (median block)")
+    print(
+        f"{'storage / save every':24s} {'overhead':>9s} {'(median block)':>15s} {'(thread CPU)':>12s} "
+        f"{'saves':>6s} {'stall median':>13s} {'stall p99':>10s}  target (median block)"
+    )
     for key, r in runs.items():
         if key == "-/never":
             continue
@@ -274,12 +311,16 @@ def print_report(report: dict[str, Any], args: argparse.Namespace) -> None:
         if "error" in s:
             print(f"SIGTERM ({name}): {s['error']}")
             continue
-        print(f"SIGTERM ({name}) at step {s['signal_at_step']}: committed step {s['saved_step']} "
-              f"{s['signal_to_commit_s']:.2f} s after the signal (save began after "
-              f"{s['save_started_after_s']:.2f} s: the step in flight), exit {s['exit_code']} after "
-              f"{s['signal_to_exit_s']:.2f} s")
-    print(f"\nload average: start {tuple(round(x, 2) for x in report['loadavg_start'])}, end "
-          f"{tuple(round(x, 2) for x in report['loadavg_end'])}; wall {report['wall_s']:.0f} s")
+        print(
+            f"SIGTERM ({name}) at step {s['signal_at_step']}: committed step {s['saved_step']} "
+            f"{s['signal_to_commit_s']:.2f} s after the signal (save began after "
+            f"{s['save_started_after_s']:.2f} s: the step in flight), exit {s['exit_code']} after "
+            f"{s['signal_to_exit_s']:.2f} s"
+        )
+    print(
+        f"\nload average: start {tuple(round(x, 2) for x in report['loadavg_start'])}, end "
+        f"{tuple(round(x, 2) for x in report['loadavg_end'])}; wall {report['wall_s']:.0f} s"
+    )
 
 
 if __name__ == "__main__":

@@ -57,15 +57,30 @@ def _held(backend: Any, root: Path | None) -> int:
 GRACE_S = 0.2
 
 
-def kill_run(kind: str, url: str, env: dict[str, str], root: Path | None, mode: str | None,
-             seed: int = 0) -> dict[str, Any]:
+def kill_run(
+    kind: str, url: str, env: dict[str, str], root: Path | None, mode: str | None, seed: int = 0
+) -> dict[str, Any]:
     """The 40-save run of part 1 on one backend; returns its numbers."""
     rng = random.Random(seed)
     child_env = {**os.environ, "PYTHONPATH": str(REPO), **env}
     zygote = subprocess.Popen(
-        [sys.executable, "-m", "benchmarks.footprint_child", "zygote", url, str(KEEP_LAST), str(GRACE_S),
-         mode or "default"], cwd=REPO, env=child_env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL, bufsize=0)
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.footprint_child",
+            "zygote",
+            url,
+            str(KEEP_LAST),
+            str(GRACE_S),
+            mode or "default",
+        ],
+        cwd=REPO,
+        env=child_env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        bufsize=0,
+    )
     assert zygote.stdin is not None and zygote.stdout is not None
     saved = 0
     restarts: list[dict[str, Any]] = []
@@ -103,11 +118,18 @@ def kill_run(kind: str, url: str, env: dict[str, str], root: Path | None, mode: 
     rows = [c for c in CheckpointManager(backend, read_only=True).list() if c.valid]
     ckpt = rows[-1].size
     return {
-        "kind": kind, "mode": mode or "default", "saves": saved, "kills": SCHEDULE.count("kill"),
-        "clean_restarts": SCHEDULE[:-1].count("clean"), "steps_kept": [c.step for c in rows],
-        "checkpoint_bytes": ckpt, "keep_last_x_size": KEEP_LAST * ckpt,
-        "held_checkpoint_folders": u.total, "held_everything": _held(backend, root),
-        "uncommitted_bytes": u.uncommitted, "restarts": restarts,
+        "kind": kind,
+        "mode": mode or "default",
+        "saves": saved,
+        "kills": SCHEDULE.count("kill"),
+        "clean_restarts": SCHEDULE[:-1].count("clean"),
+        "steps_kept": [c.step for c in rows],
+        "checkpoint_bytes": ckpt,
+        "keep_last_x_size": KEEP_LAST * ckpt,
+        "held_checkpoint_folders": u.total,
+        "held_everything": _held(backend, root),
+        "uncommitted_bytes": u.uncommitted,
+        "restarts": restarts,
         "trash_bytes_ledger": u.trash_bytes,
     }
 
@@ -118,9 +140,14 @@ def story_trash(tmp: Path, mode: str, *, steps: int = 7800, every: int = 100, si
     backend = sim.backend("vm1", "run")
     sim.account()  # the starting point
     s = state(size)
-    with CheckpointManager(backend, keep_last=KEEP_LAST, lease_ttl=600, lease_settle=0,
-                           _simulation=Simulation(heartbeat=False),
-                           retention_mode=mode) as mgr:
+    with CheckpointManager(
+        backend,
+        keep_last=KEEP_LAST,
+        lease_ttl=600,
+        lease_settle=0,
+        _simulation=Simulation(heartbeat=False),
+        retention_mode=mode,
+    ) as mgr:
         mgr.restore(s)
         for step in range(every, steps + 1, every):
             mgr.save(s, step=step)
@@ -130,9 +157,13 @@ def story_trash(tmp: Path, mode: str, *, steps: int = 7800, every: int = 100, si
     scale = STORY_CKPT_BYTES / ckpt
     tensor_trash = sim.trashed_by_name.get(TENSORS, 0)
     return {
-        "mode": mode, "saves": steps // every, "tensor_file_bytes": ckpt,
-        "trashed_files": sim.trashed_files, "trashed_bytes": sim.trashed_bytes,
-        "revision_bytes": sim.revision_bytes, "moved_files": sim.moved_files,
+        "mode": mode,
+        "saves": steps // every,
+        "tensor_file_bytes": ckpt,
+        "trashed_files": sim.trashed_files,
+        "trashed_bytes": sim.trashed_bytes,
+        "revision_bytes": sim.revision_bytes,
+        "moved_files": sim.moved_files,
         "replaced_bytes": sim.replaced_bytes,
         "trashed_tensor_file_bytes": tensor_trash,
         # Tensor files scale with the checkpoint; manifests, lease and logs do not.
@@ -172,12 +203,16 @@ def main() -> None:
                 r = kill_run(kind, url, env, root, mode)
                 out["runs"].append(r)
                 mib = 1 << 20
-                print(f"{kind:5} {r['mode']:8} {r['saves']} saves, {r['kills']} kills, {r['clean_restarts']} clean "
-                      f"restarts; kept steps {r['steps_kept']}")
-                print(f"      held at the end: {r['held_checkpoint_folders'] / mib:.2f} MiB in checkpoint folders, "
-                      f"{r['held_everything'] / mib:.2f} MiB in all; keep_last x checkpoint = "
-                      f"{r['keep_last_x_size'] / mib:.2f} MiB (checkpoint {r['checkpoint_bytes'] / mib:.2f} MiB); "
-                      f"uncommitted {r['uncommitted_bytes']} B")
+                print(
+                    f"{kind:5} {r['mode']:8} {r['saves']} saves, {r['kills']} kills, {r['clean_restarts']} clean "
+                    f"restarts; kept steps {r['steps_kept']}"
+                )
+                print(
+                    f"      held at the end: {r['held_checkpoint_folders'] / mib:.2f} MiB in checkpoint folders, "
+                    f"{r['held_everything'] / mib:.2f} MiB in all; keep_last x checkpoint = "
+                    f"{r['keep_last_x_size'] / mib:.2f} MiB (checkpoint {r['checkpoint_bytes'] / mib:.2f} MiB); "
+                    f"uncommitted {r['uncommitted_bytes']} B"
+                )
                 per = ", ".join(f"{x['after']}->{x['bytes_written'] / mib:.2f}" for x in r["restarts"])
                 print(f"      bytes written by each restart's restore (MiB, after kill/clean): {per}")
                 if r["trash_bytes_ledger"] is not None:
@@ -188,12 +223,14 @@ def main() -> None:
         for mode in ("delete", "recycle"):
             t = story_trash(tmp, mode)
             out["story"].append(t)
-            print(f"story on simulated Drive, mode {mode:7}: {t['saves']} saves; to the trash {t['trashed_files']} "
-                  f"files, {t['trashed_bytes'] / 1e6:.2f} MB ({t['trashed_tensor_file_bytes'] / 1e6:.2f} MB of tensor "
-                  f"files; = {t['trashed_bytes_at_89_5_MB'] / 1e9:.2f} GB with the story's 89.5 MB checkpoint); "
-                  f"rewritten in place {t['revision_bytes'] / 1e6:.2f} MB "
-                  f"(= {t['revision_bytes_at_89_5_MB'] / 1e9:.2f} GB, "
-                  f"kept as old revisions: quota cost undocumented); renamed {t['moved_files']} files")
+            print(
+                f"story on simulated Drive, mode {mode:7}: {t['saves']} saves; to the trash {t['trashed_files']} "
+                f"files, {t['trashed_bytes'] / 1e6:.2f} MB ({t['trashed_tensor_file_bytes'] / 1e6:.2f} MB of tensor "
+                f"files; = {t['trashed_bytes_at_89_5_MB'] / 1e9:.2f} GB with the story's 89.5 MB checkpoint); "
+                f"rewritten in place {t['revision_bytes'] / 1e6:.2f} MB "
+                f"(= {t['revision_bytes_at_89_5_MB'] / 1e9:.2f} GB, "
+                f"kept as old revisions: quota cost undocumented); renamed {t['moved_files']} files"
+            )
     print(f"load average at start: {out['load_average']}")
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(out, indent=2))

@@ -39,8 +39,15 @@ def state(size: int = 724) -> TrainState:
 
 def writer(url: str, keep_last: int, grace: float, *, saves: int, mode: str | None, size: int) -> None:
     counting = CountingBackend(open_backend(url))
-    mgr = CheckpointManager(counting, keep_last=keep_last, lease_ttl=5, lease_settle=0, force=True,
-                            leftover_grace=grace, retention_mode=mode)
+    mgr = CheckpointManager(
+        counting,
+        keep_last=keep_last,
+        lease_ttl=5,
+        lease_settle=0,
+        force=True,
+        leftover_grace=grace,
+        retention_mode=mode,
+    )
     s = state(size)
     pos = mgr.restore(s)
     _say(f"restored {pos.step if pos else 0} {counting.bytes_written}")

@@ -86,7 +86,6 @@ def __getattr__(name: str) -> Any:
     return value
 
 
-
 __all__ = [
     "AllSourcesFailedError",
     "AuditReport",

@@ -122,7 +122,12 @@ class LeaseLostError(LeaseError):
     """This writer was fenced (a newer epoch took over); it must stop writing."""
 
     def __init__(
-        self, message: str, *, url: str = "", holder: Any = None, epoch: int | None = None,
+        self,
+        message: str,
+        *,
+        url: str = "",
+        holder: Any = None,
+        epoch: int | None = None,
         newer_epoch: int | None = None,
     ) -> None:
         super().__init__(message, url=url, holder=holder)
@@ -133,9 +138,7 @@ class LeaseLostError(LeaseError):
 class CheckpointError(CkptError):
     """Problems with a stored checkpoint. ``url`` is the root, ``step`` the checkpoint's step."""
 
-    def __init__(
-        self, message: str, *, url: str = "", step: int | None = None, key: str | None = None
-    ) -> None:
+    def __init__(self, message: str, *, url: str = "", step: int | None = None, key: str | None = None) -> None:
         super().__init__(message)
         self.url = url
         self.step = step
@@ -165,8 +168,9 @@ class NoCheckpointRootError(CheckpointError):
 class StateMismatchError(CheckpointError, ValueError):
     """The saved state does not fit the live objects (missing/unexpected keys, shapes)."""
 
-    def __init__(self, message: str, *, url: str = "", step: int | None = None,
-                 mismatches: list[str] | None = None) -> None:
+    def __init__(
+        self, message: str, *, url: str = "", step: int | None = None, mismatches: list[str] | None = None
+    ) -> None:
         super().__init__(message, url=url, step=step)
         self.mismatches = list(mismatches or [])
 

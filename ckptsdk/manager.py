@@ -44,6 +44,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["CheckpointManager", "GcReport", "ResumePoint", "Simulation", "save_due"]
 
+
 @dataclass(frozen=True)
 class Simulation:
     """Time and the lease heartbeat under a test's or benchmark's control; never for a real job.
@@ -158,8 +159,10 @@ class CheckpointManager(CheckpointReader):
             raise ConfigError(f"snapshot must be 'pipelined' or 'copy', got {snapshot!r}")
         main = threading.current_thread() is threading.main_thread()
         if save_on_signal and not main:
-            raise ConfigError("save_on_signal=True needs the manager to be created in the main "
-                              "thread (Python delivers signals only there); pass save_on_signal=False")
+            raise ConfigError(
+                "save_on_signal=True needs the manager to be created in the main "
+                "thread (Python delivers signals only there); pass save_on_signal=False"
+            )
         if isinstance(url, (str, os.PathLike)):
             super().__init__(open_backend(os.fspath(url), **dict(storage_options or {})))
             self.url = os.fspath(url)
@@ -180,26 +183,40 @@ class CheckpointManager(CheckpointReader):
             retention_mode = "recycle" if caps.trash_on_delete and caps.rewrite_in_place else "delete"
         if retention_mode not in RETENTION_MODES:
             raise ConfigError(f"retention_mode must be one of {RETENTION_MODES}, got {retention_mode!r}")
-        self._rotation = Rotation(self.backend, keep_last=keep_last, keep_every=keep_every,
-                                  mode=retention_mode, leftover_grace=leftover_grace)
+        self._rotation = Rotation(
+            self.backend, keep_last=keep_last, keep_every=keep_every, mode=retention_mode, leftover_grace=leftover_grace
+        )
         self._saving: SavePipeline | None = None
         self.resumed_from: CheckpointInfo | None = None
         self.lease: Lease | None = None
         self.runlog: RunLog | None = None
         if read_only:
             return
-        self.lease = Lease(self.backend, ttl=lease_ttl, force=force, run_id=run_id, wait_timeout=lease_wait,
-                           settle=lease_settle, clock=sim.clock, sleep=sim.sleep)
+        self.lease = Lease(
+            self.backend,
+            ttl=lease_ttl,
+            force=force,
+            run_id=run_id,
+            wait_timeout=lease_wait,
+            settle=lease_settle,
+            clock=sim.clock,
+            sleep=sim.sleep,
+        )
         # Epochs never go back, even on a root whose LEASE.json was lost: names stay unique.
         self.lease.acquire(min_epoch=self._scan().epoch_floor + 1)
         if sim.heartbeat:
             self.lease.start_heartbeat()
         self.runlog = RunLog(
-            self.backend, run_id=self.lease.run_id, attempt=self.lease.attempt,
-            lease_epoch=self.lease.epoch, resumed_from_step=None, background=True,
+            self.backend,
+            run_id=self.lease.run_id,
+            attempt=self.lease.attempt,
+            lease_epoch=self.lease.epoch,
+            resumed_from_step=None,
+            background=True,
         )
-        self._saving = SavePipeline(self.backend, self.lease, runlog=self.runlog, rotation=self._rotation,
-                                    scan=self._scan, memo=self._memo)
+        self._saving = SavePipeline(
+            self.backend, self.lease, runlog=self.runlog, rotation=self._rotation, scan=self._scan, memo=self._memo
+        )
         # An interpreter exit with a save in flight waits for it (or says it abandons it).
         atexit.register(_close_at_exit, weakref.ref(self))
         if save_on_signal or (save_on_signal is None and main):
@@ -208,7 +225,10 @@ class CheckpointManager(CheckpointReader):
                 self._preemption = preemption
         logger.info(
             "writer of %s: run %s, attempt %d, lease epoch %d",
-            self.url, self.lease.run_id, self.lease.attempt, self.lease.epoch,
+            self.url,
+            self.lease.run_id,
+            self.lease.attempt,
+            self.lease.epoch,
         )
 
     @property
@@ -372,15 +392,31 @@ class CheckpointManager(CheckpointReader):
         blocking = (not self.async_save) if blocking is None else blocking
         position = Position(epoch=epoch, batch_idx=batch_idx, extra=dict(extra or {}))
         if self.preempted:
-            return self._save_and_stop(state, step=step, position=position, metrics=metrics, tags=tags,
-                                       extra_files=extra_files)
+            return self._save_and_stop(
+                state, step=step, position=position, metrics=metrics, tags=tags, extra_files=extra_files
+            )
         with self._lock:
-            return self._saving.save(state, step=step, position=position, metrics=metrics, tags=tags,
-                                     blocking=blocking, snapshot=self.snapshot, extra_files=extra_files)
+            return self._saving.save(
+                state,
+                step=step,
+                position=position,
+                metrics=metrics,
+                tags=tags,
+                blocking=blocking,
+                snapshot=self.snapshot,
+                extra_files=extra_files,
+            )
 
-    def _save_and_stop(self, state: TrainState | Stateful | Mapping[str, Any], *, step: int,
-                       position: Position, metrics: Mapping[str, Any] | None, tags: Mapping[str, str] | None,
-                       extra_files: Sequence[FileEntry] = ()) -> CheckpointInfo:
+    def _save_and_stop(
+        self,
+        state: TrainState | Stateful | Mapping[str, Any],
+        *,
+        step: int,
+        position: Position,
+        metrics: Mapping[str, Any] | None,
+        tags: Mapping[str, str] | None,
+        extra_files: Sequence[FileEntry] = (),
+    ) -> CheckpointInfo:
         """The last save after a stop signal: commit within the deadline, close, then let the
         signal act (this returns only if a chained handler returns)."""
         assert self._preemption is not None and self._saving is not None
@@ -391,14 +427,27 @@ class CheckpointManager(CheckpointReader):
             with self._lock:
                 # A save already in flight finishes first (its failure surfaces here).
                 if self._saving.wait(deadline):
-                    self._saving.save(state, step=step, position=position, metrics=metrics, tags=tags,
-                                      blocking=False, snapshot="copy", extra_files=extra_files)
+                    self._saving.save(
+                        state,
+                        step=step,
+                        position=position,
+                        metrics=metrics,
+                        tags=tags,
+                        blocking=False,
+                        snapshot="copy",
+                        extra_files=extra_files,
+                    )
                     finished = self._saving.wait(max(0.0, end - time.monotonic()))
             if finished:
                 logger.warning("stop signal: committed step %d under %s; stopping", step, self.url)
             else:
-                logger.error("stop signal: the save of step %d under %s took over %.0f s; abandoned "
-                             "(the previous committed checkpoint stands)", step, self.url, deadline)
+                logger.error(
+                    "stop signal: the save of step %d under %s took over %.0f s; abandoned "
+                    "(the previous committed checkpoint stands)",
+                    step,
+                    self.url,
+                    deadline,
+                )
         finally:
             if not finished:
                 self._saving.abandon()
@@ -406,8 +455,14 @@ class CheckpointManager(CheckpointReader):
         self._preemption.deliver()
         # Only a chained handler that returns brings us here: the job goes on, without a writer.
         return self._saving.last_committed or CheckpointInfo(
-            step=step, epoch=self._saving.rank[0], key="", size=0, committed=False, valid=False,
-            reason="abandoned after a stop signal")
+            step=step,
+            epoch=self._saving.rank[0],
+            key="",
+            size=0,
+            committed=False,
+            valid=False,
+            reason="abandoned after a stop signal",
+        )
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait for a background save; re-raise its failure. False if it is still running."""
@@ -481,6 +536,4 @@ def _close_at_exit(ref: weakref.ReferenceType[CheckpointManager]) -> None:
     except CheckpointError as exc:
         logger.error("interpreter exit: the last save under %s failed: %s", mgr.url, exc)
     except (BackendError, LeaseLostError) as exc:
-        logger.error("interpreter exit: closing %s failed: %s (the last committed checkpoint is intact)",
-                     mgr.url, exc)
-
+        logger.error("interpreter exit: closing %s failed: %s (the last committed checkpoint is intact)", mgr.url, exc)

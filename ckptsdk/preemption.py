@@ -44,8 +44,9 @@ class Preemption:
         >>> p.uninstall()
     """
 
-    def __init__(self, signals: Iterable[int] = (signal.SIGTERM, signal.SIGINT), *,
-                 deadline: float = DEFAULT_DEADLINE) -> None:
+    def __init__(
+        self, signals: Iterable[int] = (signal.SIGTERM, signal.SIGINT), *, deadline: float = DEFAULT_DEADLINE
+    ) -> None:
         self.signals = tuple(signals)
         self.deadline = deadline
         self.signum: int | None = None  # the first signal received
@@ -83,11 +84,15 @@ class Preemption:
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.signum is None:
             self.signum, self._frame = signum, frame
-            logger.warning("received %s: saving a checkpoint at the next step boundary, then "
-                           "stopping (send it again to stop at once)", signal.Signals(signum).name)
+            logger.warning(
+                "received %s: saving a checkpoint at the next step boundary, then "
+                "stopping (send it again to stop at once)",
+                signal.Signals(signum).name,
+            )
             return
-        logger.warning("received %s again: stopping at once (the last committed checkpoint stands)",
-                       signal.Signals(signum).name)
+        logger.warning(
+            "received %s again: stopping at once (the last committed checkpoint stands)", signal.Signals(signum).name
+        )
         self.deliver(signum, frame)
 
     def deliver(self, signum: int | None = None, frame: FrameType | None = None) -> None:

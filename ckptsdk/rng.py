@@ -55,8 +55,9 @@ def restore_rng(tree: Mapping[str, Any]) -> None:
     """
     problems = check_rng(tree)
     if problems:
-        raise StateMismatchError(problem_message("the saved RNG state cannot be restored", problems),
-                                 mismatches=problems)
+        raise StateMismatchError(
+            problem_message("the saved RNG state cannot be restored", problems), mismatches=problems
+        )
     # clone(): set_rng_state crashes on a view at a storage offset (a tensor read from a file
     # into a shared buffer); a fresh, contiguous copy of a few KiB is always safe.
     torch.set_rng_state(tree["torch"].cpu().clone())
@@ -67,13 +68,15 @@ def restore_rng(tree: Mapping[str, Any]) -> None:
             logger.warning(
                 "checkpoint holds CUDA RNG states for %d device(s), this machine has %d: "
                 "restoring the first %d; GPU randomness may differ from the original run",
-                len(cuda), live, min(live, len(cuda)))
+                len(cuda),
+                live,
+                min(live, len(cuda)),
+            )
         for i, state in enumerate(cuda[:live]):
             try:
                 torch.cuda.set_rng_state(state.cpu().clone(), i)
             except RuntimeError as exc:  # checked only here: no CUDA generator to ask before
-                raise CorruptCheckpointError(f"the saved CUDA RNG state of device {i} is "
-                                             f"impossible: {exc}") from exc
+                raise CorruptCheckpointError(f"the saved CUDA RNG state of device {i} is impossible: {exc}") from exc
     np.random.set_state(tree["numpy"])
     random.setstate(tree["python"])
 
@@ -95,22 +98,28 @@ def check_rng(tree: Any) -> list[str]:
     if not isinstance(t, torch.Tensor) or t.dtype != torch.uint8:
         problems.append("rng/torch: expected a uint8 tensor")
     cuda = tree.get("cuda")
-    if cuda is not None and not (isinstance(cuda, list) and all(
-            isinstance(c, torch.Tensor) and c.dtype == torch.uint8 for c in cuda)):
+    if cuda is not None and not (
+        isinstance(cuda, list) and all(isinstance(c, torch.Tensor) and c.dtype == torch.uint8 for c in cuda)
+    ):
         problems.append("rng/cuda: expected a list of uint8 tensors or None")
     if not isinstance(tree["numpy"], (Mapping, tuple)):
         problems.append("rng/numpy: expected np.random.get_state()'s dict or tuple")
     py = tree["python"]
     if not (isinstance(py, tuple) and len(py) == 3 and isinstance(py[1], tuple)):
-        problems.append("rng/python: expected random.getstate()'s tuple (a list? then the tree "
-                        "went through plain JSON instead of the codec)")
+        problems.append(
+            "rng/python: expected random.getstate()'s tuple (a list? then the tree "
+            "went through plain JSON instead of the codec)"
+        )
     if problems:
         return problems
     impossible = _rng_values(t, cuda, tree["numpy"], py)
     if impossible:
-        raise CorruptCheckpointError(problem_message("the saved RNG state is impossible (the checkpoint "
-                                              "is damaged; restore falls back to an earlier one)",
-                                              impossible))
+        raise CorruptCheckpointError(
+            problem_message(
+                "the saved RNG state is impossible (the checkpoint is damaged; restore falls back to an earlier one)",
+                impossible,
+            )
+        )
     return []
 
 
@@ -138,20 +147,33 @@ def _rng_values(t: torch.Tensor, cuda: list[torch.Tensor] | None, npstate: Any, 
         gauss = tuple(rest)
     if name != "MT19937":
         problems.append(f"rng/numpy: bit generator {str(name)[:40]!r}, np.random's global one is 'MT19937'")
-    if not (isinstance(key, np.ndarray) and key.dtype.kind in "iu" and key.shape == (_MT_WORDS,)
-            and int(key.min()) >= 0 and int(key.max()) < 2**32):
+    if not (
+        isinstance(key, np.ndarray)
+        and key.dtype.kind in "iu"
+        and key.shape == (_MT_WORDS,)
+        and int(key.min()) >= 0
+        and int(key.max()) < 2**32
+    ):
         problems.append(f"rng/numpy: the key must be {_MT_WORDS} words in [0, 2**32)")
     if not (isinstance(pos, (int, np.integer)) and not isinstance(pos, bool) and 0 <= pos <= _MT_WORDS):
         problems.append(f"rng/numpy: position {str(pos)[:40]} is not in [0, {_MT_WORDS}]")
-    if not (isinstance(gauss[0], (int, np.integer)) and gauss[0] in (0, 1)
-            and isinstance(gauss[1], (float, int, np.floating, np.integer))):
+    if not (
+        isinstance(gauss[0], (int, np.integer))
+        and gauss[0] in (0, 1)
+        and isinstance(gauss[1], (float, int, np.floating, np.integer))
+    ):
         problems.append(f"rng/numpy: has_gauss/gauss {str(gauss)[:60]} are not 0|1 and a float")
     version, words, gauss_next = py
     if version != 3 or len(words) != _MT_WORDS + 1:
-        problems.append(f"rng/python: version {str(version)[:20]} with {len(words)} words; random "
-                        f"uses version 3 with {_MT_WORDS + 1}")
-    elif not (all(type(w) is int and 0 <= w < 2**32 for w in words[:-1])
-              and type(words[-1]) is int and 0 <= words[-1] <= _MT_WORDS):
+        problems.append(
+            f"rng/python: version {str(version)[:20]} with {len(words)} words; random "
+            f"uses version 3 with {_MT_WORDS + 1}"
+        )
+    elif not (
+        all(type(w) is int and 0 <= w < 2**32 for w in words[:-1])
+        and type(words[-1]) is int
+        and 0 <= words[-1] <= _MT_WORDS
+    ):
         problems.append(f"rng/python: words must be in [0, 2**32) and the position in [0, {_MT_WORDS}]")
     if not (gauss_next is None or type(gauss_next) is float):
         problems.append(f"rng/python: gauss_next {str(gauss_next)[:40]} is not None or a float")

@@ -24,14 +24,30 @@ logger = logging.getLogger(__name__)
 __all__ = ["Restorable", "Stateful", "TrainState", "preflight", "torch_class"]
 
 # What TrainState wraps: passed bare to save()/restore(), they are refused with a hint.
-_BARE = (torch.nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler,
-         *((torch.amp.GradScaler,) if hasattr(torch.amp, "GradScaler") else ()))
+_BARE = (
+    torch.nn.Module,
+    torch.optim.Optimizer,
+    torch.optim.lr_scheduler.LRScheduler,
+    *((torch.amp.GradScaler,) if hasattr(torch.amp, "GradScaler") else ()),
+)
 
 # Optimizer state entries that have the shape of their parameter (torch.optim's built-ins).
-_PARAM_SHAPED = frozenset({
-    "momentum_buffer", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "square_avg", "acc_delta",
-    "sum", "grad_avg", "exp_inf", "prev", "ax", "mu_product_buf",
-})
+_PARAM_SHAPED = frozenset(
+    {
+        "momentum_buffer",
+        "exp_avg",
+        "exp_avg_sq",
+        "max_exp_avg_sq",
+        "square_avg",
+        "acc_delta",
+        "sum",
+        "grad_avg",
+        "exp_inf",
+        "prev",
+        "ax",
+        "mu_product_buf",
+    }
+)
 
 
 @runtime_checkable
@@ -80,7 +96,8 @@ def preflight(state: Any, call: str, *, encode: bool = True) -> None:
         raise ConfigError(
             f"{call}() got a bare {kind}; it takes a TrainState, which names each object and "
             f"carries the RNG states: {call}(TrainState(model=model, optimizer=opt, ...)), with the "
-            "same names at save() and restore()")
+            "same names at save() and restore()"
+        )
     if encode and isinstance(state, TrainState):
         codec.check(state.state_dict())
 
@@ -108,11 +125,11 @@ class TrainState:
 
     def __init__(self, **objects: Stateful) -> None:
         for name, obj in objects.items():
-            if not (callable(getattr(obj, "state_dict", None))
-                    and callable(getattr(obj, "load_state_dict", None))):
+            if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
                 raise ConfigError(
                     f"TrainState({name}=...) got a {type(obj).__name__}, which has no "
-                    "state_dict()/load_state_dict(); wrap it in an object that has both")
+                    "state_dict()/load_state_dict(); wrap it in an object that has both"
+                )
         self.objects: dict[str, Any] = dict(objects)  # Any: each is used as its own class
         # A pipelined save copies parameters and optimizer state while the next forward and
         # backward run; each optimizer's next step() first waits for that copy (see hold_steps).
@@ -183,13 +200,21 @@ class TrainState:
             was = types.get(name) if isinstance(types, Mapping) else None  # None: older checkpoint
             now = torch_class(obj)
             if was is not None and now is not None and was != now:
-                problems.append(f"{name}: the checkpoint holds the state of a {was}, the live object "
-                                f"is a {now}; build the same class as when it was saved")
+                problems.append(
+                    f"{name}: the checkpoint holds the state of a {was}, the live object "
+                    f"is a {now}; build the same class as when it was saved"
+                )
         if strict:
-            problems += [f"objects: {n!r} is in this TrainState but not in the checkpoint"
-                         for n in self.objects if n not in saved]
-            problems += [f"objects: {n!r} is in the checkpoint but not in this TrainState"
-                         for n in saved if n not in self.objects]
+            problems += [
+                f"objects: {n!r} is in this TrainState but not in the checkpoint"
+                for n in self.objects
+                if n not in saved
+            ]
+            problems += [
+                f"objects: {n!r} is in the checkpoint but not in this TrainState"
+                for n in saved
+                if n not in self.objects
+            ]
         for name, obj in self.objects.items():
             if name in saved:
                 problems += _object_mismatches(name, obj, saved[name], strict=strict)
@@ -211,8 +236,8 @@ class TrainState:
         problems = self.mismatches(tree, strict=strict)
         if problems:
             raise StateMismatchError(
-                problem_message("the checkpoint does not fit the live training state", problems),
-                mismatches=problems)
+                problem_message("the checkpoint does not fit the live training state", problems), mismatches=problems
+            )
         for name, obj in self.objects.items():
             if name not in tree["objects"]:
                 continue
@@ -225,9 +250,13 @@ class TrainState:
                 # Earlier objects are already loaded: say so, the caller must not train on.
                 problem = f"{name}: load_state_dict failed: {exc}"
                 raise StateMismatchError(
-                    problem_message(f"loading {name!r} failed (objects before it were already "
-                             "loaded; rebuild the objects before retrying)", [problem]),
-                    mismatches=[problem]) from exc
+                    problem_message(
+                        f"loading {name!r} failed (objects before it were already "
+                        "loaded; rebuild the objects before retrying)",
+                        [problem],
+                    ),
+                    mismatches=[problem],
+                ) from exc
         restore_rng(tree["rng"])
 
 
@@ -246,11 +275,20 @@ def _copied_in(module: torch.nn.Module, saved: Mapping[str, Any]) -> Mapping[str
     with torch.no_grad():
         for key, live in module.state_dict(keep_vars=True).items():
             src = saved.get(key)
-            if (isinstance(src, torch.Tensor) and isinstance(live, torch.Tensor) and src is not live
-                    and src.device.type == "cpu" and live.device.type == "cpu"
-                    and src.dtype == live.dtype and src.shape == live.shape
-                    and src.is_contiguous() and live.is_contiguous() and not live.is_conj()
-                    and src.layout == torch.strided and live.layout == torch.strided):
+            if (
+                isinstance(src, torch.Tensor)
+                and isinstance(live, torch.Tensor)
+                and src is not live
+                and src.device.type == "cpu"
+                and live.device.type == "cpu"
+                and src.dtype == live.dtype
+                and src.shape == live.shape
+                and src.is_contiguous()
+                and live.is_contiguous()
+                and not live.is_conj()
+                and src.layout == torch.strided
+                and live.layout == torch.strided
+            ):
                 memcpy(live.detach(), src)
                 out[key] = live.detach()
     if hasattr(saved, "_metadata"):  # per-module versions (BatchNorm's num_batches_tracked rule)
@@ -276,25 +314,32 @@ def _module_mismatches(name: str, module: torch.nn.Module, saved: Any, *, strict
     live = module.state_dict()
     problems = []
     if strict:
-        problems += [f"{name}: missing key {k!r} (in the live model, not in the checkpoint)"
-                     for k in live if k not in saved]
-        problems += [f"{name}: unexpected key {k!r} (in the checkpoint, not in the live model)"
-                     for k in saved if k not in live]
+        problems += [
+            f"{name}: missing key {k!r} (in the live model, not in the checkpoint)" for k in live if k not in saved
+        ]
+        problems += [
+            f"{name}: unexpected key {k!r} (in the checkpoint, not in the live model)" for k in saved if k not in live
+        ]
     for key, value in live.items():
         if key in saved and _shape(saved[key]) != _shape(value):
-            problems.append(f"{name}: {key!r} has shape {_shape(saved[key])} in the checkpoint, "
-                            f"{_shape(value)} in the live model")
+            problems.append(
+                f"{name}: {key!r} has shape {_shape(saved[key])} in the checkpoint, {_shape(value)} in the live model"
+            )
     return problems
 
 
 def _optimizer_mismatches(name: str, opt: torch.optim.Optimizer, saved: Any) -> list[str]:
-    if not (isinstance(saved, Mapping) and isinstance(saved.get("param_groups"), list)
-            and isinstance(saved.get("state"), Mapping)):
+    if not (
+        isinstance(saved, Mapping)
+        and isinstance(saved.get("param_groups"), list)
+        and isinstance(saved.get("state"), Mapping)
+    ):
         return [f"{name}: expected an optimizer state dict with 'state' and 'param_groups'"]
     groups = saved["param_groups"]
     if len(groups) != len(opt.param_groups):
-        return [f"{name}: {len(groups)} param group(s) in the checkpoint, "
-                f"{len(opt.param_groups)} in the live optimizer"]
+        return [
+            f"{name}: {len(groups)} param group(s) in the checkpoint, {len(opt.param_groups)} in the live optimizer"
+        ]
     problems = []
     params: dict[Any, torch.Tensor] = {}
     for i, (group, live_group) in enumerate(zip(groups, opt.param_groups, strict=True)):
@@ -303,8 +348,10 @@ def _optimizer_mismatches(name: str, opt: torch.optim.Optimizer, saved: Any) -> 
             problems.append(f"{name}: param group {i} has no 'params' list")
             continue
         if len(ids) != len(live_group["params"]):
-            problems.append(f"{name}: param group {i} has {len(ids)} params in the checkpoint, "
-                            f"{len(live_group['params'])} in the live optimizer")
+            problems.append(
+                f"{name}: param group {i} has {len(ids)} params in the checkpoint, "
+                f"{len(live_group['params'])} in the live optimizer"
+            )
             continue
         params.update(zip(ids, live_group["params"], strict=True))
     if problems:
@@ -318,8 +365,10 @@ def _optimizer_mismatches(name: str, opt: torch.optim.Optimizer, saved: Any) -> 
         want = list(params[pid].shape)
         for key, value in entry.items():
             if key in _PARAM_SHAPED and _shape(value) is not None and _shape(value) != want:
-                problems.append(f"{name}: state[{pid!r}][{key!r}] has shape {_shape(value)} in "
-                                f"the checkpoint, the live param has {want}")
+                problems.append(
+                    f"{name}: state[{pid!r}][{key!r}] has shape {_shape(value)} in "
+                    f"the checkpoint, the live param has {want}"
+                )
     return problems
 
 

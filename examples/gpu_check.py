@@ -31,14 +31,43 @@ from adapters.cifar10.kill_resume import audit, child_env, compare_states, final
 
 def _command(root: str, result_json: str, args: argparse.Namespace) -> list[str]:
     cmd = [
-        sys.executable, "-m", "examples.train_cifar10", "--ckpt", root, "--data", "synthetic",
-        "--preset", "full", "--max-steps", str(args.steps), "--save-every", str(args.save_every),
-        "--device", args.device, "--lease-ttl", str(args.lease_ttl), "--no-progress", "--events",
-        "--result-json", result_json,
+        sys.executable,
+        "-m",
+        "examples.train_cifar10",
+        "--ckpt",
+        root,
+        "--data",
+        "synthetic",
+        "--preset",
+        "full",
+        "--max-steps",
+        str(args.steps),
+        "--save-every",
+        str(args.save_every),
+        "--device",
+        args.device,
+        "--lease-ttl",
+        str(args.lease_ttl),
+        "--no-progress",
+        "--events",
+        "--result-json",
+        result_json,
     ]
     if args.small:  # a CPU smoke test of this script's logic, not a measurement
-        cmd += ["--width", "8", "--batch-size", "32", "--n-train", "640", "--n-test", "100",
-                "--epochs", "3", "--threads", "1"]
+        cmd += [
+            "--width",
+            "8",
+            "--batch-size",
+            "32",
+            "--n-train",
+            "640",
+            "--n-test",
+            "100",
+            "--epochs",
+            "3",
+            "--threads",
+            "1",
+        ]
     return cmd
 
 
@@ -51,8 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, help="global steps of the run (default 300; 60 with --small)")
     p.add_argument("--save-every", type=int, help="default 100; 20 with --small")
-    p.add_argument("--kill-in-save", type=int,
-                   help="SIGKILL inside the save of this step (default 200; 40 with --small)")
+    p.add_argument(
+        "--kill-in-save", type=int, help="SIGKILL inside the save of this step (default 200; 40 with --small)"
+    )
     p.add_argument("--kill-at", type=int, help="then SIGKILL after this step (default 250; 50 with --small)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--lease-ttl", type=float, default=5.0)
@@ -63,16 +93,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--overhead-steps", type=int, default=200, help="steps per overhead configuration")
     args = p.parse_args(argv)
     # --small runs 3 epochs of 20 steps: the kill points must fall inside them.
-    for name, full, small in (("steps", 300, 60), ("save_every", 100, 20), ("kill_in_save", 200, 40),
-                              ("kill_at", 250, 50)):
+    for name, full, small in (
+        ("steps", 300, 60),
+        ("save_every", 100, 20),
+        ("kill_in_save", 200, 40),
+        ("kill_at", 250, 50),
+    ):
         if getattr(args, name) is None:
             setattr(args, name, small if args.small else full)
     if args.device.startswith("cuda"):
         import torch
 
         if not torch.cuda.is_available():
-            print("error: no CUDA device here; this check needs a GPU (--device cpu --small to smoke-test)",
-                  file=sys.stderr)
+            print(
+                "error: no CUDA device here; this check needs a GPU (--device cpu --small to smoke-test)",
+                file=sys.stderr,
+            )
             return 2
         gpu = torch.cuda.get_device_name(0)
     else:
@@ -87,21 +123,20 @@ def main(argv: list[str] | None = None) -> int:
 
     def attempt(number: int, root: str, kill: tuple[str, int] | None) -> dict:
         out = os.path.join(work, f"{os.path.basename(root)}-{number}.json")
-        att = run_attempt(number, _command(root, out, args), env=env, kill=kill, local_root=root,
-                          timeout=args.timeout)
+        att = run_attempt(number, _command(root, out, args), env=env, kill=kill, local_root=root, timeout=args.timeout)
         tail = " | ".join(att.lines[-6:])
         if kill is not None:
             if not att.killed:
                 raise SystemExit(f"attempt {number} ended (exit {att.returncode}) before its kill: {tail}")
-            lines.append(f"attempt {number}: SIGKILLed {'in the save of' if kill[0] == 'saving' else 'after'} "
-                         f"step {kill[1]} after {att.seconds:.1f} s"
-                         + (f": {att.save_state}" if att.save_state else ""))
+            lines.append(
+                f"attempt {number}: SIGKILLed {'in the save of' if kill[0] == 'saving' else 'after'} "
+                f"step {kill[1]} after {att.seconds:.1f} s" + (f": {att.save_state}" if att.save_state else "")
+            )
             return {}
         if att.returncode != 0:
             raise SystemExit(f"attempt {number} failed (exit {att.returncode}): {tail}")
         figures = _figures(out)
-        lines.append(f"attempt {number}: finished, resumed from step {figures['start_step']} "
-                     f"after {att.seconds:.1f} s")
+        lines.append(f"attempt {number}: finished, resumed from step {figures['start_step']} after {att.seconds:.1f} s")
         return figures
 
     try:
@@ -128,17 +163,27 @@ def main(argv: list[str] | None = None) -> int:
     loss = report.scalars.get("loss")
     print(f"GPU check: {gpu}, full preset, {steps} steps, save every {args.save_every}")
     print("\n".join(f"  {ln}" for ln in lines))
-    print(f"  step time (uninterrupted, incl. saves and one evaluation): "
-          f"{1000 * ref['train_seconds'] / max(1, steps):.1f} ms")
-    print(f"  checkpoint: {size / 2**20:.1f} MiB; save {statistics.mean(saves):.3f} s mean, "
-          f"{max(saves):.3f} s max over {len(saves)}")
-    print(f"  restore (read + verify + load): {last['restore_seconds']:.3f} s; lease taken over in "
-          f"{last['lease_seconds']:.1f} s (ttl {args.lease_ttl:g} s)")
-    print(f"  audit: {report.verdict}; attempts {len(report.attempts)}; steps run twice "
-          f"{report.overlap_steps}; max |loss diff| "
-          f"{loss.max_abs_diff if loss is not None and report.overlap_steps else 'n/a'}")
-    print(f"  final weights and optimizer state vs uninterrupted: "
-          f"{'EQUAL byte for byte' if not diffs else f'{len(diffs)} differences, e.g. {diffs[:3]}'}")
+    print(
+        f"  step time (uninterrupted, incl. saves and one evaluation): "
+        f"{1000 * ref['train_seconds'] / max(1, steps):.1f} ms"
+    )
+    print(
+        f"  checkpoint: {size / 2**20:.1f} MiB; save {statistics.mean(saves):.3f} s mean, "
+        f"{max(saves):.3f} s max over {len(saves)}"
+    )
+    print(
+        f"  restore (read + verify + load): {last['restore_seconds']:.3f} s; lease taken over in "
+        f"{last['lease_seconds']:.1f} s (ttl {args.lease_ttl:g} s)"
+    )
+    print(
+        f"  audit: {report.verdict}; attempts {len(report.attempts)}; steps run twice "
+        f"{report.overlap_steps}; max |loss diff| "
+        f"{loss.max_abs_diff if loss is not None and report.overlap_steps else 'n/a'}"
+    )
+    print(
+        f"  final weights and optimizer state vs uninterrupted: "
+        f"{'EQUAL byte for byte' if not diffs else f'{len(diffs)} differences, e.g. {diffs[:3]}'}"
+    )
     print(f"  total {time.monotonic() - t0:.0f} s")
     if not args.no_overhead:
         _overhead(args)
@@ -149,8 +194,15 @@ def _overhead(args: argparse.Namespace) -> None:
     """The training-overhead benchmark on this device, at full width with AMP (or small on CPU)."""
     import subprocess
 
-    cmd = [sys.executable, "-m", "benchmarks.bench_overhead", "--device", args.device,
-           "--steps", str(args.overhead_steps)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "benchmarks.bench_overhead",
+        "--device",
+        args.device,
+        "--steps",
+        str(args.overhead_steps),
+    ]
     if args.small:
         cmd += ["--width", "8", "--batch-size", "16", "--steps", "20"]
     else:

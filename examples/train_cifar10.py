@@ -43,46 +43,61 @@ def _preset(field: str, what: str) -> str:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=_Help)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=_Help)
     # Defaults shown by the formatter are the real ones; preset-derived ones say each preset's.
     p.add_argument("--ckpt", required=True, help="checkpoint root URL: /path, drive://REL, gs://bucket/prefix")
-    p.add_argument("--data", choices=["cifar10", "synthetic"], default="cifar10",
-                   help="CIFAR-10 itself (downloaded once, verified) or synthetic images of the same format")
-    p.add_argument("--data-cache",
-                   help="URL of the verified data cache, e.g. drive://datacache (cifar10 only; default: none)")
-    p.add_argument("--data-dir", default=os.path.expanduser("~/.cache/ckptsdk/cifar10"),
-                   help="local folder for the decoded data set (cifar10 only)")
+    p.add_argument(
+        "--data",
+        choices=["cifar10", "synthetic"],
+        default="cifar10",
+        help="CIFAR-10 itself (downloaded once, verified) or synthetic images of the same format",
+    )
+    p.add_argument(
+        "--data-cache", help="URL of the verified data cache, e.g. drive://datacache (cifar10 only; default: none)"
+    )
+    p.add_argument(
+        "--data-dir",
+        default=os.path.expanduser("~/.cache/ckptsdk/cifar10"),
+        help="local folder for the decoded data set (cifar10 only)",
+    )
     p.add_argument("--data-seed", type=int, default=0, help="seed of the synthetic data set")
-    p.add_argument("--preset", choices=sorted(PRESETS), default="full",
-                   help="full: the story's ResNet-18 job; quick: a small one for CPUs")
+    p.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        default="full",
+        help="full: the story's ResNet-18 job; quick: a small one for CPUs",
+    )
     p.add_argument("--epochs", type=int, help=_preset("epochs", "epochs"))
-    p.add_argument("--max-steps", type=int,
-                   help="stop (with a checkpoint) after this global step (default: all epochs)")
+    p.add_argument(
+        "--max-steps", type=int, help="stop (with a checkpoint) after this global step (default: all epochs)"
+    )
     p.add_argument("--batch-size", type=int, help=_preset("batch_size", "images per step"))
-    p.add_argument("--width", type=int,
-                   help=_preset("width", "channels of the first ResNet stage (64 = ResNet-18)"))
-    p.add_argument("--n-train", type=int,
-                   help=_preset("n_train", "synthetic training images (multiple of 5)"))
+    p.add_argument("--width", type=int, help=_preset("width", "channels of the first ResNet stage (64 = ResNet-18)"))
+    p.add_argument("--n-train", type=int, help=_preset("n_train", "synthetic training images (multiple of 5)"))
     p.add_argument("--n-test", type=int, help=_preset("n_test", "synthetic test images"))
-    p.add_argument("--save-every", type=int,
-                   help=_preset("save_every", "checkpoint every this many steps, and at each epoch end"))
-    p.add_argument("--seed", type=int,
-                   help=_preset("seed", "seed of the model, the shuffle and the augmentation"))
-    p.add_argument("--amp", choices=["auto", "off", "fp16", "bf16"],
-                   help=_preset("amp", "mixed precision; auto = fp16 + GradScaler on CUDA, off on CPU"))
+    p.add_argument(
+        "--save-every", type=int, help=_preset("save_every", "checkpoint every this many steps, and at each epoch end")
+    )
+    p.add_argument("--seed", type=int, help=_preset("seed", "seed of the model, the shuffle and the augmentation"))
+    p.add_argument(
+        "--amp",
+        choices=["auto", "off", "fp16", "bf16"],
+        help=_preset("amp", "mixed precision; auto = fp16 + GradScaler on CUDA, off on CPU"),
+    )
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="where to train")
-    p.add_argument("--threads", type=int,
-                   help="CPU threads for torch (default: torch's choice)")
-    p.add_argument("--lease-ttl", type=float,
-                   help="seconds a dead writer's lease must stay silent before this run takes over "
-                        "(default: 60 on local disk and GCS, 300 on Drive)")
+    p.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's choice)")
+    p.add_argument(
+        "--lease-ttl",
+        type=float,
+        help="seconds a dead writer's lease must stay silent before this run takes over "
+        "(default: 60 on local disk and GCS, 300 on Drive)",
+    )
     p.add_argument("--force", action="store_true", help="break the lease now (the old writer is surely gone)")
     p.add_argument("--no-progress", action="store_true", help="no tqdm bar")
-    p.add_argument("--result-json",
-                   help="write this attempt's figures (steps, save/restore times, audit) to this file")
-    p.add_argument("--events", action="store_true",
-                   help="print '@@ NAME STEP' marker lines (step/saving/saved) for test harnesses")
+    p.add_argument("--result-json", help="write this attempt's figures (steps, save/restore times, audit) to this file")
+    p.add_argument(
+        "--events", action="store_true", help="print '@@ NAME STEP' marker lines (step/saving/saved) for test harnesses"
+    )
     return p.parse_args(argv)
 
 
@@ -101,8 +116,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     cfg = PRESETS[args.preset].replace(
-        epochs=args.epochs, max_steps=args.max_steps, batch_size=args.batch_size, width=args.width,
-        n_train=args.n_train, n_test=args.n_test, save_every=args.save_every, seed=args.seed,
+        epochs=args.epochs,
+        max_steps=args.max_steps,
+        batch_size=args.batch_size,
+        width=args.width,
+        n_train=args.n_train,
+        n_test=args.n_test,
+        save_every=args.save_every,
+        seed=args.seed,
         amp=args.amp,
     )
 
@@ -120,8 +141,15 @@ def main(argv: list[str] | None = None) -> int:
             f"test images, ready in {data.seconds:.1f} s (tensor hash {str(data.tensor_hash)[:16]})"
         )
         result = run_job(
-            cfg, data, args.ckpt, device=args.device, lease_ttl=args.lease_ttl, force=args.force,
-            echo=echo, progress=not args.no_progress, on_event=on_event if args.events else None,
+            cfg,
+            data,
+            args.ckpt,
+            device=args.device,
+            lease_ttl=args.lease_ttl,
+            force=args.force,
+            echo=echo,
+            progress=not args.no_progress,
+            on_event=on_event if args.events else None,
         )
     except CkptError as exc:
         print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)

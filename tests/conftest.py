@@ -77,8 +77,9 @@ class BackendTarget(str):
     options: dict[str, Any]
     env: dict[str, str]
 
-    def __new__(cls, url: str, *, kind: str, options: dict[str, Any] | None = None,
-                env: dict[str, str] | None = None) -> BackendTarget:
+    def __new__(
+        cls, url: str, *, kind: str, options: dict[str, Any] | None = None, env: dict[str, str] | None = None
+    ) -> BackendTarget:
         self = super().__new__(cls, url)
         self.kind = kind
         self.options = dict(options or {})
@@ -132,8 +133,9 @@ def make_backend_target(
             emulator = request.getfixturevalue("gcs_emulator")
             bucket = f"ckpt-{uuid.uuid4().hex[:16]}"
             emulator.make_bucket(bucket)
-            return BackendTarget(emulator.url(bucket, name), kind=kind,
-                                 options=emulator.storage_options, env=emulator.env)
+            return BackendTarget(
+                emulator.url(bucket, name), kind=kind, options=emulator.storage_options, env=emulator.env
+            )
         raise ValueError(f"unknown backend kind {kind!r}; kinds are {KINDS}")
 
     yield make
@@ -141,9 +143,14 @@ def make_backend_target(
         MemoryBackend.discard_store(store)
 
 
-@pytest.fixture(params=[
-    "memory", "local", "drive", pytest.param("gcs", marks=pytest.mark.gcs),
-])
+@pytest.fixture(
+    params=[
+        "memory",
+        "local",
+        "drive",
+        pytest.param("gcs", marks=pytest.mark.gcs),
+    ]
+)
 def backend_url(request: pytest.FixtureRequest, make_backend_target: Callable[..., BackendTarget]) -> BackendTarget:
     """Fresh storage of each kind: a str URL with ``.url``, ``.kind``, ``.options``, ``.env``."""
     return make_backend_target(request.param)

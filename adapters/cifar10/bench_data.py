@@ -20,9 +20,11 @@ import time
 from .data import load_cifar10
 from .synthetic import synthetic_cifar10, write_both
 
-_FILES = (("/hf/plain_text/train-00000-of-00001.parquet", "hf_train"),
-          ("/hf/plain_text/test-00000-of-00001.parquet", "hf_test"),
-          ("/tv/cifar-10-python.tar.gz", "tarball"))
+_FILES = (
+    ("/hf/plain_text/train-00000-of-00001.parquet", "hf_train"),
+    ("/hf/plain_text/test-00000-of-00001.parquet", "hf_test"),
+    ("/tv/cifar-10-python.tar.gz", "tarball"),
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -63,14 +65,22 @@ def main(argv: list[str] | None = None) -> int:
             timings = {}
             for expect, cache, local, hf, tv in runs:
                 before, cpu = downloads(), time.process_time()
-                got = load_cifar10(cache=os.path.join(work, cache), local=os.path.join(work, local),
-                                   hf_base=hf, tv_url=tv, progress=False)
+                got = load_cifar10(
+                    cache=os.path.join(work, cache),
+                    local=os.path.join(work, local),
+                    hf_base=hf,
+                    tv_url=tv,
+                    progress=False,
+                )
                 if got.source != expect or got.tensor_hash != data.tensor_hash:
                     raise SystemExit(f"unexpected result: {got.source} {got.tensor_hash}, wanted {expect}")
                 # CPU seconds of this process (the HTTP server threads included): on a shared box
                 # the wall time is inflated by other load, the CPU time much less so.
-                timings[expect] = {"seconds": round(got.seconds, 2), "cpu_s": round(time.process_time() - cpu, 2),
-                                   "downloads": downloads() - before}
+                timings[expect] = {
+                    "seconds": round(got.seconds, 2),
+                    "cpu_s": round(time.process_time() - cpu, 2),
+                    "downloads": downloads() - before,
+                }
             results["time_to_ready"] = timings
             results["tensor_hash"] = data.tensor_hash
     finally:

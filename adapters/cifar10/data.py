@@ -77,7 +77,7 @@ def tensor_hash(images: torch.Tensor | Sequence[torch.Tensor], labels: torch.Ten
     """
     h = xxhash.xxh3_128()
     for group in (images, labels):
-        for t in ([group] if isinstance(group, torch.Tensor) else list(group)):
+        for t in [group] if isinstance(group, torch.Tensor) else list(group):
             t = t.detach().cpu().contiguous()
             h.update(f"{str(t.dtype).removeprefix('torch.')}{tuple(t.shape)};".encode())
             h.update(t.numpy().data.cast("B") if t.numel() else b"")
@@ -86,8 +86,7 @@ def tensor_hash(images: torch.Tensor | Sequence[torch.Tensor], labels: torch.Ten
 
 def _to_data(arrays: src.Arrays, source: str, start: float) -> CifarData:
     t = [torch.from_numpy(np.ascontiguousarray(a)) for a in arrays]
-    return CifarData(t[0], t[1], t[2], t[3], source, time.monotonic() - start,
-                     tensor_hash([t[0], t[2]], [t[1], t[3]]))
+    return CifarData(t[0], t[1], t[2], t[3], source, time.monotonic() - start, tensor_hash([t[0], t[2]], [t[1], t[3]]))
 
 
 def _record_path(local: str) -> str:
@@ -120,19 +119,27 @@ class _Expectation:
             f"CIFAR-10 from {origin} decodes to tensors with hash {data.tensor_hash}, but the expected "
             f"hash is {self.hash} ({self.where}). Refusing to train on different data. If the source "
             "legitimately changed, delete that record (and the cached canonical file) and run again",
-            source=origin, expected=self.hash or "", actual=data.tensor_hash,
+            source=origin,
+            expected=self.hash or "",
+            actual=data.tensor_hash,
         )
 
     def check(self, data: CifarData, origin: str) -> None:
         """Raise DatasetMismatchError unless ``data`` matches; record the hash where it is missing."""
         if self.hash is None:
-            logger.info("no tensor hash known for CIFAR-10 yet: trusting %s on first use (%s)",
-                        origin, data.tensor_hash)
+            logger.info(
+                "no tensor hash known for CIFAR-10 yet: trusting %s on first use (%s)", origin, data.tensor_hash
+            )
             self.hash, self.where = data.tensor_hash, f"first verified source {origin}"
         if data.tensor_hash != self.hash:
             raise self._mismatch(data, origin)
-        record = {"tensor_hash": data.tensor_hash, "source": origin, "recorded_at": time.time(),
-                  "n_train": len(data.train_labels), "n_test": len(data.test_labels)}
+        record = {
+            "tensor_hash": data.tensor_hash,
+            "source": origin,
+            "recorded_at": time.time(),
+            "n_train": len(data.train_labels),
+            "n_test": len(data.test_labels),
+        }
         if self.cache.backend is not None and not self.in_cache:
             # Create-if-absent: a runtime racing us with other data loses here, not later.
             standing = self.cache.record_once(RECORD_NAME, record)
@@ -165,15 +172,23 @@ def _save_canonical(data: CifarData, cache: DataCache, local: str) -> None:
     path = os.path.join(local, *CANONICAL_NAME.split("/"))
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = f"{path}.ckptsdk-tmp.{os.getpid()}"
-    save_file({"train_images": data.train_images, "train_labels": data.train_labels,
-               "test_images": data.test_images, "test_labels": data.test_labels}, tmp,
-              metadata={"tensor_hash": data.tensor_hash})  # one key: safetensors does not order metadata
+    save_file(
+        {
+            "train_images": data.train_images,
+            "train_labels": data.train_labels,
+            "test_images": data.test_images,
+            "test_labels": data.test_labels,
+        },
+        tmp,
+        metadata={"tensor_hash": data.tensor_hash},
+    )  # one key: safetensors does not order metadata
     os.replace(tmp, path)
     cache.adopt(CANONICAL_NAME, local_dir=local, algorithm=HASH_ALGORITHM, source=data.source)
 
 
-def load_cifar10(*, cache: str | None, local: str, hf_base: str | None = None, tv_url: str | None = None,
-                 progress: bool = True) -> CifarData:
+def load_cifar10(
+    *, cache: str | None, local: str, hf_base: str | None = None, tv_url: str | None = None, progress: bool = True
+) -> CifarData:
     """CIFAR-10 as verified canonical tensors, from the fastest source that has it.
 
     Tries: the canonical tensor file in ``local``; an extracted ``cifar-10-batches-py`` in
@@ -216,10 +231,23 @@ def load_cifar10(*, cache: str | None, local: str, hf_base: str | None = None, t
         expect.check(data, origin)
         if store:
             _save_canonical(data, dc, local)
-        data = CifarData(data.train_images, data.train_labels, data.test_images, data.test_labels, source,
-                         time.monotonic() - start, data.tensor_hash)
-        logger.info("CIFAR-10 ready from %s in %.2f s (%d train, %d test), tensor hash %s",
-                    origin, data.seconds, len(data.train_labels), len(data.test_labels), data.tensor_hash)
+        data = CifarData(
+            data.train_images,
+            data.train_labels,
+            data.test_images,
+            data.test_labels,
+            source,
+            time.monotonic() - start,
+            data.tensor_hash,
+        )
+        logger.info(
+            "CIFAR-10 ready from %s in %.2f s (%d train, %d test), tensor hash %s",
+            origin,
+            data.seconds,
+            len(data.train_labels),
+            len(data.test_labels),
+            data.tensor_hash,
+        )
         return data
 
     # 1 + 3. The canonical file: local copy, else the cache (DataCache verifies its digest).
@@ -246,10 +274,12 @@ def load_cifar10(*, cache: str | None, local: str, hf_base: str | None = None, t
 
     # 4. Hugging Face parquet.
     try:
-        train = dc.fetch("cifar10/hf/" + src.HF_TRAIN_FILE, local_dir=local, publish=False,
-                         sources=[hf_base + src.HF_TRAIN_FILE])
-        test = dc.fetch("cifar10/hf/" + src.HF_TEST_FILE, local_dir=local, publish=False,
-                        sources=[hf_base + src.HF_TEST_FILE])
+        train = dc.fetch(
+            "cifar10/hf/" + src.HF_TRAIN_FILE, local_dir=local, publish=False, sources=[hf_base + src.HF_TRAIN_FILE]
+        )
+        test = dc.fetch(
+            "cifar10/hf/" + src.HF_TEST_FILE, local_dir=local, publish=False, sources=[hf_base + src.HF_TEST_FILE]
+        )
         return finish(src.read_hf_parquet(train.path, test.path), "huggingface", hf_base, store=True)
     except DatasetMismatchError:
         raise
@@ -260,8 +290,14 @@ def load_cifar10(*, cache: str | None, local: str, hf_base: str | None = None, t
     # 5. The torchvision tarball (md5 pinned only for the default URL).
     try:
         pinned = src.TV_MD5 if tv_url == src.TV_URL_DEFAULT else None
-        tar = dc.fetch("cifar10/cifar-10-python.tar.gz", local_dir=local, publish=False, sources=[tv_url],
-                       digest=pinned, algorithm="md5" if pinned else "sha256")
+        tar = dc.fetch(
+            "cifar10/cifar-10-python.tar.gz",
+            local_dir=local,
+            publish=False,
+            sources=[tv_url],
+            digest=pinned,
+            algorithm="md5" if pinned else "sha256",
+        )
         safe_extract(tar.path, local)
         return finish(src.read_torchvision_dir(tv_dir), "torchvision", tv_url, store=True)
     except DatasetMismatchError:
@@ -274,14 +310,17 @@ def load_cifar10(*, cache: str | None, local: str, hf_base: str | None = None, t
     raise AllSourcesFailedError(
         f"could not prepare CIFAR-10 in {local!r}; every source failed:\n{lines}\n"
         "Check the network, or pass --hf-base/--tv-url for a mirror",
-        name="cifar10", failures=failures,
+        name="cifar10",
+        failures=failures,
     )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m adapters.cifar10.data --cache URL --local DIR [--hf-base URL] [--tv-url URL] [--json]``."""
-    p = argparse.ArgumentParser(prog="python -m adapters.cifar10.data",
-                                description="Prepare CIFAR-10 (verified, cached) and report where it came from.")
+    p = argparse.ArgumentParser(
+        prog="python -m adapters.cifar10.data",
+        description="Prepare CIFAR-10 (verified, cached) and report where it came from.",
+    )
     p.add_argument("--cache", default=None, help="data cache URL (gs://, drive://, path, memory://); omit for none")
     p.add_argument("--local", required=True, help="local folder for the prepared data")
     p.add_argument("--hf-base", default=None, help="prefix holding plain_text/{train,test}-00000-of-00001.parquet")
@@ -291,24 +330,34 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
     try:
-        data = load_cifar10(cache=args.cache, local=args.local, hf_base=args.hf_base, tv_url=args.tv_url,
-                            progress=not args.no_progress)
+        data = load_cifar10(
+            cache=args.cache, local=args.local, hf_base=args.hf_base, tv_url=args.tv_url, progress=not args.no_progress
+        )
     except DataError as exc:
         if args.json:
             sys.stdout.write(json.dumps({"ok": False, "error": type(exc).__name__, "message": str(exc)}) + "\n")
         else:
             sys.stderr.write(f"error: {exc}\n")
         return 1
-    report = {"ok": True, "source": data.source, "seconds": round(data.seconds, 3), "tensor_hash": data.tensor_hash,
-              "n_train": len(data.train_labels), "n_test": len(data.test_labels), "local": args.local,
-              "cache": args.cache,
-              # Which source first defined "CIFAR-10" for this cache (trust on first use).
-              "record": DataCache(args.cache).get_record(RECORD_NAME) if args.cache else None}
+    report = {
+        "ok": True,
+        "source": data.source,
+        "seconds": round(data.seconds, 3),
+        "tensor_hash": data.tensor_hash,
+        "n_train": len(data.train_labels),
+        "n_test": len(data.test_labels),
+        "local": args.local,
+        "cache": args.cache,
+        # Which source first defined "CIFAR-10" for this cache (trust on first use).
+        "record": DataCache(args.cache).get_record(RECORD_NAME) if args.cache else None,
+    }
     if args.json:
         sys.stdout.write(json.dumps(report) + "\n")
     else:
-        sys.stdout.write(f"CIFAR-10 ready from {data.source} in {data.seconds:.2f} s "
-                         f"({report['n_train']} train, {report['n_test']} test); tensor hash {data.tensor_hash}\n")
+        sys.stdout.write(
+            f"CIFAR-10 ready from {data.source} in {data.seconds:.2f} s "
+            f"({report['n_train']} train, {report['n_test']} test); tensor hash {data.tensor_hash}\n"
+        )
     return 0
 
 

@@ -50,9 +50,22 @@ class Attempt:
 def child_command(ckpt: str, *, lease_ttl: float, threads: int = 1, extra: Sequence[str] = ()) -> list[str]:
     """The command line of one attempt of the quick job on synthetic data."""
     return [
-        sys.executable, "-m", "examples.train_cifar10", "--ckpt", ckpt, "--data", "synthetic",
-        "--preset", "quick", "--threads", str(threads), "--lease-ttl", str(lease_ttl),
-        "--no-progress", "--events", *extra,
+        sys.executable,
+        "-m",
+        "examples.train_cifar10",
+        "--ckpt",
+        ckpt,
+        "--data",
+        "synthetic",
+        "--preset",
+        "quick",
+        "--threads",
+        str(threads),
+        "--lease-ttl",
+        str(lease_ttl),
+        "--no-progress",
+        "--events",
+        *extra,
     ]
 
 
@@ -105,8 +118,13 @@ def run_attempt(
     att = Attempt(number=number, kill=kill)
     start = time.monotonic()
     proc = subprocess.Popen(
-        list(cmd), cwd=REPO, env=dict(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True, bufsize=1,
+        list(cmd),
+        cwd=REPO,
+        env=dict(env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        bufsize=1,
     )
     lines: queue.Queue[str | None] = queue.Queue()
 
@@ -154,8 +172,9 @@ def run_attempt(
     return att
 
 
-def plan_kills(*, total_steps: int, save_every: int, steps_per_epoch: int, count: int,
-               rng: random.Random) -> list[tuple[str, int]]:
+def plan_kills(
+    *, total_steps: int, save_every: int, steps_per_epoch: int, count: int, rng: random.Random
+) -> list[tuple[str, int]]:
     """``count`` kill points at strictly increasing steps, the middle one inside a save.
 
     Increasing steps guarantee each attempt reaches its kill point: it resumes from a checkpoint
@@ -192,8 +211,13 @@ def compare_states(a: Any, b: Any, path: str = "") -> list[str]:
         same = torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
         return [] if same else [f"{path}: tensor bytes differ"]
     if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
-        same = (isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and a.dtype == b.dtype
-                and a.shape == b.shape and a.tobytes() == b.tobytes())
+        same = (
+            isinstance(a, np.ndarray)
+            and isinstance(b, np.ndarray)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and a.tobytes() == b.tobytes()
+        )
         return [] if same else [f"{path}: arrays differ"]
     if isinstance(a, dict) and isinstance(b, dict):
         if set(a) != set(b):

@@ -82,4 +82,3 @@ def build_model(*, width: int = 64, num_classes: int = 10) -> nn.Module:
     else:
         model = _NarrowResNet18(width, num_classes)
     return _cifar_stem(model, width)
-

@@ -23,9 +23,21 @@ from ckptsdk.errors import DataError
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "HF_BASE_DEFAULT", "HF_COMMIT", "HF_TEST_FILE", "HF_TRAIN_BATCH_ORDER", "HF_TRAIN_FILE", "LABEL_NAMES",
-    "TV_DIRNAME", "TV_MD5", "TV_URL_DEFAULT", "Arrays", "UnsafePickleError", "hf_to_torchvision_order",
-    "read_hf_parquet", "read_torchvision_dir", "restricted_loads",
+    "HF_BASE_DEFAULT",
+    "HF_COMMIT",
+    "HF_TEST_FILE",
+    "HF_TRAIN_BATCH_ORDER",
+    "HF_TRAIN_FILE",
+    "LABEL_NAMES",
+    "TV_DIRNAME",
+    "TV_MD5",
+    "TV_URL_DEFAULT",
+    "Arrays",
+    "UnsafePickleError",
+    "hf_to_torchvision_order",
+    "read_hf_parquet",
+    "read_torchvision_dir",
+    "restricted_loads",
 ]
 
 HF_COMMIT = "0b2714987fa478483af9968de7c934580d0bb9a2"
@@ -79,12 +91,16 @@ def _bounded_nbytes(shape: Any, dtype: Any, limit: int, where: str) -> None:
         itemsize = np.dtype(dtype).itemsize if not isinstance(dtype, bytes) else 1
         nbytes = math.prod(int(d) for d in dims) * max(itemsize, 1)
     except (TypeError, ValueError) as exc:
-        raise DataError(f"{where}: an array with shape {str(shape)[:60]} and dtype {str(dtype)[:60]} "
-                        f"is not something a batch file holds ({exc})") from exc
+        raise DataError(
+            f"{where}: an array with shape {str(shape)[:60]} and dtype {str(dtype)[:60]} "
+            f"is not something a batch file holds ({exc})"
+        ) from exc
     if any(int(d) < 0 for d in dims) or nbytes > limit:
-        raise DataError(f"{where}: the pickle declares an array of {nbytes} bytes in a file of "
-                        f"{limit}; a batch file holds its data, so it is corrupt or malicious "
-                        "(nothing was allocated)")
+        raise DataError(
+            f"{where}: the pickle declares an array of {nbytes} bytes in a file of "
+            f"{limit}; a batch file holds its data, so it is corrupt or malicious "
+            "(nothing was allocated)"
+        )
 
 
 class _RestrictedUnpickler(pickle._Unpickler):
@@ -108,7 +124,8 @@ class _RestrictedUnpickler(pickle._Unpickler):
                 f"{self.where}: the pickle asks for {module}.{name}, which a CIFAR batch file never needs; "
                 "refusing to load it (nothing was executed). The file is corrupt or malicious: "
                 "delete it and fetch the data again",
-                where=self.where, global_name=f"{module}.{name}",
+                where=self.where,
+                global_name=f"{module}.{name}",
             )
         return factory()
 
@@ -136,8 +153,11 @@ def _reconstruct_guard(limit: int, where: str) -> Any:
 
     def reconstruct(subtype: Any, shape: Any, dtype: Any) -> np.ndarray:
         if not isinstance(subtype, _NdarrayClass):
-            raise UnsafePickleError(f"{where}: _reconstruct of {str(subtype)[:60]}, not numpy.ndarray",
-                                    where=where, global_name="numpy.core.multiarray._reconstruct")
+            raise UnsafePickleError(
+                f"{where}: _reconstruct of {str(subtype)[:60]}, not numpy.ndarray",
+                where=where,
+                global_name="numpy.core.multiarray._reconstruct",
+            )
         _bounded_nbytes(shape, dtype, limit, where)
         return real(np.ndarray, shape, dtype)
 
@@ -167,8 +187,10 @@ def _parse_batch(data: bytes, *, where: str) -> tuple[np.ndarray, np.ndarray]:
         raise DataError(f"{where}: expected a dict with b'data' and b'labels', got {type(d).__name__}")
     rows, labels = d[b"data"], d[b"labels"]
     if not (isinstance(rows, np.ndarray) and rows.dtype == np.uint8 and rows.ndim == 2 and rows.shape[1] == 3072):
-        raise DataError(f"{where}: b'data' must be a uint8 array of N x 3072, got "
-                        f"{type(rows).__name__} {getattr(rows, 'dtype', '')} {getattr(rows, 'shape', '')}")
+        raise DataError(
+            f"{where}: b'data' must be a uint8 array of N x 3072, got "
+            f"{type(rows).__name__} {getattr(rows, 'dtype', '')} {getattr(rows, 'shape', '')}"
+        )
     lab = np.asarray(labels, dtype=np.int64)
     if lab.shape != (rows.shape[0],) or (lab.size and (lab.min() < 0 or lab.max() > 9)):
         raise DataError(f"{where}: b'labels' must be {rows.shape[0]} integers in 0..9")
@@ -243,8 +265,7 @@ def _decode_parquet(path: str) -> tuple[np.ndarray, np.ndarray]:
     return images, labels
 
 
-def read_hf_parquet(train_path: str, test_path: str, *,
-                    batch_order: Sequence[int] = HF_TRAIN_BATCH_ORDER) -> Arrays:
+def read_hf_parquet(train_path: str, test_path: str, *, batch_order: Sequence[int] = HF_TRAIN_BATCH_ORDER) -> Arrays:
     """Decode the Hub's parquet pair into canonical arrays, train rows in torchvision order.
 
     Args:

@@ -28,8 +28,18 @@ __all__ = ["synthetic_cifar10", "write_hf_parquet", "write_torchvision_tarball",
 
 # One base colour per class, so a small model can learn the synthetic labels (demo runs).
 _CLASS_RGB = np.array(
-    [[200, 40, 40], [40, 200, 40], [40, 40, 200], [200, 200, 40], [200, 40, 200],
-     [40, 200, 200], [120, 120, 120], [230, 150, 60], [60, 150, 230], [150, 60, 110]],
+    [
+        [200, 40, 40],
+        [40, 200, 40],
+        [40, 40, 200],
+        [200, 200, 40],
+        [200, 40, 200],
+        [40, 200, 200],
+        [120, 120, 120],
+        [230, 150, 60],
+        [60, 150, 230],
+        [150, 60, 110],
+    ],
     dtype=np.int16,
 )
 
@@ -72,8 +82,7 @@ def synthetic_cifar10(*, n_train: int = 50_000, n_test: int = 10_000, seed: int 
     train = torch.from_numpy(_images(rng, train_labels))
     test = torch.from_numpy(_images(rng, test_labels))
     tl, sl = torch.from_numpy(train_labels), torch.from_numpy(test_labels)
-    return CifarData(train, tl, test, sl, "synthetic", time.monotonic() - start,
-                     tensor_hash([train, test], [tl, sl]))
+    return CifarData(train, tl, test, sl, "synthetic", time.monotonic() - start, tensor_hash([train, test], [tl, sl]))
 
 
 # ------------------------------------------------------------------------ torchvision layout
@@ -87,6 +96,7 @@ class _Py2Pickler(pickle._Pickler):  # the pure-Python pickler is overridable
     dispatch = pickle._Pickler.dispatch.copy()
 
     if TYPE_CHECKING:  # the pure-Python pickler's own methods, which typeshed leaves out
+
         def write(self, data: bytes) -> None: ...
         def memoize(self, obj: object) -> None: ...
         def _base_save_global(self, obj: object, name: str | None = None) -> None: ...
@@ -121,8 +131,9 @@ def _py2_pickle(obj: object) -> bytes:
 def _per_batch(data: CifarData) -> int:
     n = len(data.train_labels)
     if n % 5:
-        raise ConfigError(f"the published layouts split the train set into 5 equal data_batch parts; "
-                          f"{n} is not a multiple of 5")
+        raise ConfigError(
+            f"the published layouts split the train set into 5 equal data_batch parts; {n} is not a multiple of 5"
+        )
     return n // 5
 
 
@@ -152,13 +163,27 @@ def write_torchvision_tarball(data: CifarData, path: str, *, compresslevel: int 
     members: list[tuple[str, bytes]] = []
     for b in range(5):
         sl = slice(b * per, (b + 1) * per)
-        members.append((f"data_batch_{b + 1}", _py2_pickle(
-            _batch_dict(imgs[sl], labels[sl], f"training batch {b + 1} of 5".encode(), b * per))))
-    members.append(("test_batch", _py2_pickle(_batch_dict(
-        data.test_images.numpy(), data.test_labels.numpy(), b"testing batch 1 of 1", 0))))
-    members.append(("batches.meta", _py2_pickle({
-        b"num_cases_per_batch": per, b"label_names": [n.encode() for n in LABEL_NAMES], b"num_vis": 3072})))
-    members.append(("readme.html", b"<meta HTTP-EQUIV=\"REFRESH\" content=\"0; url=synthetic\">\n"))
+        members.append(
+            (
+                f"data_batch_{b + 1}",
+                _py2_pickle(_batch_dict(imgs[sl], labels[sl], f"training batch {b + 1} of 5".encode(), b * per)),
+            )
+        )
+    members.append(
+        (
+            "test_batch",
+            _py2_pickle(_batch_dict(data.test_images.numpy(), data.test_labels.numpy(), b"testing batch 1 of 1", 0)),
+        )
+    )
+    members.append(
+        (
+            "batches.meta",
+            _py2_pickle(
+                {b"num_cases_per_batch": per, b"label_names": [n.encode() for n in LABEL_NAMES], b"num_vis": 3072}
+            ),
+        )
+    )
+    members.append(("readme.html", b'<meta HTTP-EQUIV="REFRESH" content="0; url=synthetic">\n'))
     tmp = path + ".tmp"
     with tarfile.open(tmp, "w:gz", compresslevel=compresslevel) as tar:
         d = tarfile.TarInfo(TV_DIRNAME)
@@ -188,11 +213,15 @@ def _parquet(images: np.ndarray, labels: np.ndarray, path: str) -> None:
     import pyarrow.parquet as pq
 
     # The datasets library's Image feature is struct<bytes: binary, path: string>; ClassLabel is int64.
-    img = pa.array([{"bytes": _png(x), "path": None} for x in images],
-                   type=pa.struct([("bytes", pa.binary()), ("path", pa.string())]))
+    img = pa.array(
+        [{"bytes": _png(x), "path": None} for x in images],
+        type=pa.struct([("bytes", pa.binary()), ("path", pa.string())]),
+    )
     features = {"img": {"_type": "Image"}, "label": {"names": list(LABEL_NAMES), "_type": "ClassLabel"}}
-    schema = pa.schema([("img", img.type), ("label", pa.int64())],
-                       metadata={b"huggingface": json.dumps({"info": {"features": features}}).encode()})
+    schema = pa.schema(
+        [("img", img.type), ("label", pa.int64())],
+        metadata={b"huggingface": json.dumps({"info": {"features": features}}).encode()},
+    )
     table = pa.Table.from_arrays([img, pa.array(labels, type=pa.int64())], schema=schema)
     tmp = path + ".tmp"
     pq.write_table(table, tmp, row_group_size=1000)

@@ -33,8 +33,7 @@ from .model import build_model
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TrainConfig", "PRESETS", "JobResult", "run_job", "set_deterministic", "resolve_amp",
-           "describe_audit"]
+__all__ = ["TrainConfig", "PRESETS", "JobResult", "run_job", "set_deterministic", "resolve_amp", "describe_audit"]
 
 # Per-channel statistics of the CIFAR-10 training set (the usual published figures).
 _MEAN = (0.4914, 0.4822, 0.4465)
@@ -43,7 +42,15 @@ _STD = (0.2470, 0.2435, 0.2616)
 # Fields that shape the trajectory: a resume with any of them changed would silently train a
 # different run, so it is refused. max_steps, save_every, keep_last may change between attempts.
 _TRAJECTORY_FIELDS = (
-    "epochs", "batch_size", "lr", "momentum", "nesterov", "weight_decay", "width", "seed", "pct_start",
+    "epochs",
+    "batch_size",
+    "lr",
+    "momentum",
+    "nesterov",
+    "weight_decay",
+    "width",
+    "seed",
+    "pct_start",
 )
 
 
@@ -100,7 +107,13 @@ PRESETS: dict[str, TrainConfig] = {
     # A few seconds per epoch on 2 CPU cores: a 16-wide ResNet-18 on 640 synthetic images, 5
     # epochs of 10 steps; same code path and checkpoint layout as the full job, only smaller.
     "quick": TrainConfig(
-        epochs=5, batch_size=64, lr=0.05, width=16, save_every=4, n_train=640, n_test=250,
+        epochs=5,
+        batch_size=64,
+        lr=0.05,
+        width=16,
+        save_every=4,
+        n_train=640,
+        n_test=250,
         eval_batch_size=250,
     ),
 }
@@ -183,8 +196,13 @@ class _ScalerSlot:
             return self.scaler.state_dict()
         # A disabled GradScaler keeps no fields; these are its constructor defaults, what an
         # enabled one saves before its first step.
-        return {"scale": 65536.0, "growth_factor": 2.0, "backoff_factor": 0.5,
-                "growth_interval": 2000, "_growth_tracker": 0}
+        return {
+            "scale": 65536.0,
+            "growth_factor": 2.0,
+            "backoff_factor": 0.5,
+            "growth_interval": 2000,
+            "_growth_tracker": 0,
+        }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         if self.scaler.is_enabled():
@@ -248,11 +266,13 @@ class _DeviceData:
 def _evaluate(model: nn.Module, dd: _DeviceData, cfg: TrainConfig, amp_dtype: torch.dtype | None) -> float:
     model.eval()
     correct = 0
-    with torch.no_grad(), torch.autocast(dd.test_x.device.type, dtype=amp_dtype or torch.float32,
-                                         enabled=amp_dtype is not None):
+    with (
+        torch.no_grad(),
+        torch.autocast(dd.test_x.device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None),
+    ):
         for i in range(0, dd.test_x.shape[0], cfg.eval_batch_size):
-            logits = model(dd.normalise(dd.test_x[i:i + cfg.eval_batch_size]))
-            correct += int((logits.argmax(dim=1) == dd.test_y[i:i + cfg.eval_batch_size]).sum())
+            logits = model(dd.normalise(dd.test_x[i : i + cfg.eval_batch_size]))
+            correct += int((logits.argmax(dim=1) == dd.test_y[i : i + cfg.eval_batch_size]).sum())
     model.train()
     return correct / max(1, dd.test_x.shape[0])
 
@@ -266,7 +286,9 @@ def _check_resume(pos: Any, cfg: TrainConfig, data_hash: str, steps_per_epoch: i
             f"{saved_hash}, but the data loaded now hashes to {data_hash}: resuming would train on "
             "different data. Load the same data set (same source/seed), or start a new run under "
             "another --ckpt root.",
-            source=url, expected=saved_hash, actual=data_hash,
+            source=url,
+            expected=saved_hash,
+            actual=data_hash,
         )
     saved = pos.extra.get("config") or {}
     diff = {k: (saved[k], v) for k, v in cfg.trajectory().items() if k in saved and saved[k] != v}
@@ -351,16 +373,25 @@ def run_job(
     torch.manual_seed(cfg.seed)
     model = build_model(width=cfg.width).to(dev)
     optimizer = torch.optim.SGD(
-        model.parameters(), lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov,
+        model.parameters(),
+        lr=cfg.lr,
+        momentum=cfg.momentum,
+        nesterov=cfg.nesterov,
         weight_decay=cfg.weight_decay,
     )
     scheduler = torch.optim.lr_scheduler.OneCycleLR(
-        optimizer, max_lr=cfg.lr, total_steps=total_steps, pct_start=cfg.pct_start,
+        optimizer,
+        max_lr=cfg.lr,
+        total_steps=total_steps,
+        pct_start=cfg.pct_start,
     )
     # Enabled only for fp16 on CUDA (bf16 has fp32's range); in the state either way.
     scaler = torch.amp.GradScaler("cuda", enabled=amp_dtype == torch.float16 and dev.type == "cuda")
     state = ckptsdk.TrainState(
-        model=model, optimizer=optimizer, scheduler=scheduler, scaler=_ScalerSlot(scaler),
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        scaler=_ScalerSlot(scaler),
     )
     dd = _DeviceData(data, dev)
     result = JobResult()
@@ -369,8 +400,13 @@ def run_job(
 
     t0 = time.perf_counter()
     with ckptsdk.CheckpointManager(
-        ckpt_url, keep_last=cfg.keep_last, save_every=cfg.save_every, lease_ttl=lease_ttl,
-        force=force, storage_options=storage_options, save_on_signal=save_on_signal,
+        ckpt_url,
+        keep_last=cfg.keep_last,
+        save_every=cfg.save_every,
+        lease_ttl=lease_ttl,
+        force=force,
+        storage_options=storage_options,
+        save_on_signal=save_on_signal,
     ) as mgr:
         # Opening takes the writer lease: after a crash that means waiting out the dead
         # writer's ttl, which is why it is timed apart from the restore itself.
@@ -393,8 +429,7 @@ def run_job(
         def save(epoch: int, batch_idx: int, metrics: dict[str, float]) -> None:
             emit("saving", step)
             t = time.perf_counter()
-            mgr.save(state, step=step, epoch=epoch, batch_idx=batch_idx, metrics=metrics,
-                     extra=extra, tags=tags)
+            mgr.save(state, step=step, epoch=epoch, batch_idx=batch_idx, metrics=metrics, extra=extra, tags=tags)
             result.save_seconds.append(time.perf_counter() - t)
             emit("saved", step)
 
@@ -414,11 +449,10 @@ def run_job(
                 shuffle = torch.Generator().manual_seed(_derived_seed(cfg.seed, "shuffle", epoch))
                 order = torch.randperm(n_train, generator=shuffle).to(dev)
                 while batch_idx < steps_per_epoch and step < end_step:
-                    idx = order[batch_idx * cfg.batch_size:(batch_idx + 1) * cfg.batch_size]
+                    idx = order[batch_idx * cfg.batch_size : (batch_idx + 1) * cfg.batch_size]
                     x = dd.normalise(_augment(dd.train_x[idx], cfg.seed, step + 1))
                     lr = scheduler.get_last_lr()[0]
-                    with torch.autocast(dev.type, dtype=amp_dtype or torch.float32,
-                                        enabled=amp_dtype is not None):
+                    with torch.autocast(dev.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
                         loss = _cross_entropy(model(x), dd.train_y[idx])
                     optimizer.zero_grad(set_to_none=True)
                     scaler.scale(loss).backward()
@@ -453,7 +487,8 @@ def run_job(
                 result.test_accuracy[epoch] = acc
                 peak = (
                     f", peak GPU memory {torch.cuda.max_memory_allocated(dev) / 2**30:.2f} GiB"
-                    if dev.type == "cuda" else ""
+                    if dev.type == "cuda"
+                    else ""
                 )
                 echo(
                     f"epoch {epoch + 1}/{cfg.epochs}: steps {step - epoch_steps + 1}-{step}, "
@@ -484,7 +519,4 @@ def describe_audit(report: Any) -> str:
     """One line from an :class:`~ckptsdk.runlog.audit.AuditReport`: verdict, attempts, overlap, max diff."""
     loss = report.scalars.get("loss")
     diff = f", max |loss diff| {loss.max_abs_diff:g}" if loss is not None and report.overlap_steps else ""
-    return (
-        f"{report.verdict}: {len(report.attempts)} attempts, "
-        f"{report.overlap_steps} steps run by more than one{diff}"
-    )
+    return f"{report.verdict}: {len(report.attempts)} attempts, {report.overlap_steps} steps run by more than one{diff}"

@@ -83,12 +83,12 @@ def open_backend(url: str, **storage_options: Any) -> Backend:
         # "" would silently mean the current directory (LEASE.json written where the job runs).
         raise ConfigError(
             f"empty storage URL {url!r}: give the checkpoint root explicitly, e.g. './runs/r18', "
-            "'/content/drive/MyDrive/runs/r18', 'drive://runs/r18' or 'gs://bucket/runs/r18'")
+            "'/content/drive/MyDrive/runs/r18', 'drive://runs/r18' or 'gs://bucket/runs/r18'"
+        )
     if scheme not in _REGISTRY:
         known = ", ".join(f"{s}://" for s in sorted(_REGISTRY))
         raise UnknownSchemeError(
-            f"no storage backend for {url!r}: unknown scheme {scheme + '://'!r}. "
-            f"Use a plain path or one of {known}",
+            f"no storage backend for {url!r}: unknown scheme {scheme + '://'!r}. Use a plain path or one of {known}",
             url=url,
         )
     if scheme == "file":

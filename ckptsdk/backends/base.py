@@ -161,8 +161,9 @@ class Backend(Protocol):
         """
         ...
 
-    def sweep(self, older_than: float, *,
-              only: Callable[[str], bool] | None = None) -> builtins.list[str]:  # `list`: the method above
+    def sweep(
+        self, older_than: float, *, only: Callable[[str], bool] | None = None
+    ) -> builtins.list[str]:  # `list`: the method above
         """Remove leftovers of crashed writes (temp files) older than ``older_than`` seconds.
 
         ``only(key)``, given, limits the sweep to temp files of the objects it accepts (``key`` is

@@ -94,7 +94,8 @@ class DriveBackend(LocalBackend):
         raise BackendError(
             f"copy of {src!r} to {dst!r} under {self.url}: the Drive mount has no cheap copy "
             "(capabilities.cheap_copy is False); read and write the bytes instead",
-            url=self.url, key=dst,
+            url=self.url,
+            key=dst,
         )
 
     def move(self, src: str, dst: str) -> ObjectInfo:

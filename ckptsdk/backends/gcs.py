@@ -97,11 +97,13 @@ class GCSBackend(JsonApiTransport):
         self._bucket_seen = False
         if "token" not in options and self.credentials_method == "anon":
             # gcsfs falls back to anonymous access silently; a checkpoint root needs writes.
-            logger.warning("no Google credentials found for %s: anonymous access reads public "
-                           "buckets only and cannot write checkpoints; run `gcloud auth "
-                           "application-default login`, set GOOGLE_APPLICATION_CREDENTIALS, or pass "
-                           "storage_options token=... (STORAGE_EMULATOR_HOST for a local emulator)",
-                           self.url)
+            logger.warning(
+                "no Google credentials found for %s: anonymous access reads public "
+                "buckets only and cannot write checkpoints; run `gcloud auth "
+                "application-default login`, set GOOGLE_APPLICATION_CREDENTIALS, or pass "
+                "storage_options token=... (STORAGE_EMULATOR_HOST for a local emulator)",
+                self.url,
+            )
 
     def __repr__(self) -> str:
         return f"GCSBackend({self.url!r}, endpoint={self.endpoint!r})"
@@ -125,7 +127,8 @@ class GCSBackend(JsonApiTransport):
             f"GCS bucket {self.bucket!r} does not exist (at {self.endpoint}), so {self.url} "
             f"cannot be used: create the bucket (gcloud storage buckets create gs://{self.bucket}) "
             "or fix the URL",
-            url=self.url, key=key,
+            url=self.url,
+            key=key,
         )
 
     def _not_found(self, key: str, doing: str) -> BackendError:
@@ -138,12 +141,14 @@ class GCSBackend(JsonApiTransport):
             self._bucket_seen = reply.status == 200  # 403 and such: cannot tell, do not cache
         return ObjectNotFound(
             f"no object {key!r} in {self.url} ({doing}); it was never written or has been deleted",
-            url=self.url, key=key,
+            url=self.url,
+            key=key,
         )
 
     def _info(self, key: str, meta: dict[str, Any]) -> ObjectInfo:
-        return ObjectInfo(key=key, size=int(meta["size"]), version=str(meta["generation"]),
-                          mtime=rfc3339(meta.get("updated")))
+        return ObjectInfo(
+            key=key, size=int(meta["size"]), version=str(meta["generation"]), mtime=rfc3339(meta.get("updated"))
+        )
 
     def _current_generation(self, key: str) -> str | None:
         try:
@@ -196,19 +201,23 @@ class GCSBackend(JsonApiTransport):
 
         def fetch(offset: int, n: int) -> bytes:
             reply = self._request(
-                "GET", url, key=key, params={"alt": "media", "generation": generation},
+                "GET",
+                url,
+                key=key,
+                params={"alt": "media", "generation": generation},
                 headers={"Range": f"bytes={offset}-{offset + n - 1}"},
             )
             if reply.status == 404:
                 raise ObjectNotFound(
                     f"{key!r} in {self.url} was replaced or deleted while being read "
                     f"(generation {generation} is gone); open it again",
-                    url=self.url, key=key,
+                    url=self.url,
+                    key=key,
                 )
             if reply.status not in (200, 206):
                 raise self._fail(reply, "GET", url, key, "read")
             # 200: the server ignored Range and sent everything.
-            return reply.body[offset:offset + n] if reply.status == 200 else reply.body
+            return reply.body[offset : offset + n] if reply.status == 200 else reply.body
 
         raw = RangeReader(fetch, int(meta["size"]), url=self.url, key=key)
         return io.BufferedReader(raw, buffer_size=self.read_block)
@@ -232,7 +241,7 @@ class GCSBackend(JsonApiTransport):
                 name = item["name"]
                 if name.endswith("/"):  # folder placeholders made by consoles, not objects of ours
                     continue
-                out.append(self._info(name[len(root):], item))
+                out.append(self._info(name[len(root) :], item))
             token = page.get("nextPageToken")
             if not token:
                 break
@@ -256,7 +265,10 @@ class GCSBackend(JsonApiTransport):
             raise PreconditionFailed(
                 f"cannot replace {key!r} in {self.url}: {version!r} is not a GCS generation "
                 "(use the version returned by stat/write/create)",
-                url=self.url, key=key, expected=str(version), actual=self._current_generation(key),
+                url=self.url,
+                key=key,
+                expected=str(version),
+                actual=self._current_generation(key),
             )
         return self._upload(key, data, version)
 
@@ -285,29 +297,43 @@ class GCSBackend(JsonApiTransport):
         crc = crc32c(0, view)
         meta = json.dumps({"name": name, "crc32c": b64crc(crc)}).encode()
         boundary = "ckptsdk-" + secrets.token_hex(16)
-        body = b"".join([
-            f"--{boundary}\r\nContent-Type: application/json; charset=UTF-8\r\n\r\n".encode(),
-            meta,
-            f"\r\n--{boundary}\r\nContent-Type: application/octet-stream\r\n\r\n".encode(),
-            view,
-            f"\r\n--{boundary}--\r\n".encode(),
-        ])
+        body = b"".join(
+            [
+                f"--{boundary}\r\nContent-Type: application/json; charset=UTF-8\r\n\r\n".encode(),
+                meta,
+                f"\r\n--{boundary}\r\nContent-Type: application/octet-stream\r\n\r\n".encode(),
+                view,
+                f"\r\n--{boundary}--\r\n".encode(),
+            ]
+        )
         url = self._upload_url()
         reply = self._request(
-            "POST", url, key=key, params={"uploadType": "multipart", **params}, data=body,
+            "POST",
+            url,
+            key=key,
+            params={"uploadType": "multipart", **params},
+            data=body,
             headers={"Content-Type": f'multipart/related; boundary="{boundary}"'},
         )
         del body
         return self._finished(reply, "POST", url, key, if_generation, view.nbytes, crc, view)
 
     def _resumable(
-        self, key: str, name: str, pieces: Iterable[tuple[Any, bool]], params: dict[str, str],
-        if_generation: str | None, view: memoryview | None,
+        self,
+        key: str,
+        name: str,
+        pieces: Iterable[tuple[Any, bool]],
+        params: dict[str, str],
+        if_generation: str | None,
+        view: memoryview | None,
     ) -> ObjectInfo:
         """Upload ``pieces`` (chunk, is_last) through one resumable session."""
         url = self._upload_url()
         reply = self._request(
-            "POST", url, key=key, params={"uploadType": "resumable", "name": name, **params},
+            "POST",
+            url,
+            key=key,
+            params={"uploadType": "resumable", "name": name, **params},
             data=json.dumps({"name": name}).encode(),
             headers={"Content-Type": "application/json", "X-Upload-Content-Type": "application/octet-stream"},
         )
@@ -336,9 +362,7 @@ class GCSBackend(JsonApiTransport):
                 logger.warning("could not cancel upload session for %r in %s: %s", key, self.url, exc)
             raise
 
-    def _put_chunk(
-        self, key: str, location: str, chunk: bytes, offset: int, total: int | None, crc: int
-    ) -> Reply:
+    def _put_chunk(self, key: str, location: str, chunk: bytes, offset: int, total: int | None, crc: int) -> Reply:
         """PUT ``chunk`` at ``offset``; after a lost reply ask the server how far it got and resume."""
         end = offset + len(chunk)
         size = "*" if total is None else str(total)
@@ -349,9 +373,7 @@ class GCSBackend(JsonApiTransport):
         sent_from = offset
         for attempt in range(self.max_attempts):
             if attempt:
-                status = self._request(
-                    "PUT", location, key=key, headers={"Content-Range": f"bytes */{size}"}
-                )
+                status = self._request("PUT", location, key=key, headers={"Content-Range": f"bytes */{size}"})
                 if status.status in (200, 201, 412):  # finished (or refused) at finalisation
                     return Reply(status.status, status.headers, status.body, True)
                 if status.status != 308:
@@ -360,17 +382,23 @@ class GCSBackend(JsonApiTransport):
                 if not offset <= sent_from <= end:
                     raise BackendError(
                         f"upload of {key!r} to {self.url}: server holds {sent_from} bytes, "
-                        f"expected {offset}..{end}; retry the write", url=self.url, key=key,
+                        f"expected {offset}..{end}; retry the write",
+                        url=self.url,
+                        key=key,
                     )
                 if sent_from == end and total is None:
                     return status
-            part = chunk[sent_from - offset:]
+            part = chunk[sent_from - offset :]
             last = sent_from + len(part) - 1
             crange = f"bytes {sent_from}-{last}/{size}" if part else f"bytes */{size}"
             try:
                 reply = self._request(
-                    "PUT", location, key=key, headers={**headers, "Content-Range": crange},
-                    data=part, attempts=1,
+                    "PUT",
+                    location,
+                    key=key,
+                    headers={**headers, "Content-Range": crange},
+                    data=part,
+                    attempts=1,
                 )
             except BackendError:
                 ambiguous = True  # maybe (partly) stored: ask the server before resending
@@ -382,12 +410,21 @@ class GCSBackend(JsonApiTransport):
             return reply
         raise BackendError(
             f"upload of {key!r} to {self.url} made no progress after {self.max_attempts} attempts; "
-            "check the network and retry the write", url=self.url, key=key,
+            "check the network and retry the write",
+            url=self.url,
+            key=key,
         )
 
     def _finished(
-        self, reply: Reply, method: str, url: str, key: str, if_generation: str | None,
-        size: int, crc: int, view: memoryview | None,
+        self,
+        reply: Reply,
+        method: str,
+        url: str,
+        key: str,
+        if_generation: str | None,
+        size: int,
+        crc: int,
+        view: memoryview | None,
     ) -> ObjectInfo:
         """Turn the answer to the request that finished an upload into ObjectInfo or an error."""
         if reply.status in (200, 201):
@@ -420,13 +457,17 @@ class GCSBackend(JsonApiTransport):
     def _precondition(self, key: str, if_generation: str | None) -> PreconditionFailed:
         actual = self._current_generation(key)
         if if_generation == "0":
-            msg = (f"{key!r} already exists in {self.url} (generation {actual}); "
-                   "create() publishes only new keys")
+            msg = f"{key!r} already exists in {self.url} (generation {actual}); create() publishes only new keys"
         else:
-            msg = (f"{key!r} in {self.url} is no longer generation {if_generation} "
-                   f"(now {actual or 'absent'}): another writer changed it; re-read and decide")
+            msg = (
+                f"{key!r} in {self.url} is no longer generation {if_generation} "
+                f"(now {actual or 'absent'}): another writer changed it; re-read and decide"
+            )
         return PreconditionFailed(
-            msg, url=self.url, key=key, expected=None if if_generation == "0" else if_generation,
+            msg,
+            url=self.url,
+            key=key,
+            expected=None if if_generation == "0" else if_generation,
             actual=actual,
         )
 
@@ -440,8 +481,7 @@ class GCSBackend(JsonApiTransport):
             PreconditionFailed: ``dst`` exists already.
         """
         src_name, dst_name = self._name(src), self._name(dst)
-        url = (f"{self._object_url(src_name)}/rewriteTo/b/{quote(self.bucket, safe='')}"
-               f"/o/{quote(dst_name, safe='')}")
+        url = f"{self._object_url(src_name)}/rewriteTo/b/{quote(self.bucket, safe='')}/o/{quote(dst_name, safe='')}"
         params = {"ifGenerationMatch": "0"}
         for _ in range(10_000):  # one call per rewritten chunk; bounded so a server cannot loop us
             reply = self._request("POST", url, key=dst, params=params)
@@ -482,9 +522,8 @@ class GCSBackend(JsonApiTransport):
             raise self._precondition(key, version)
         raise self._fail(reply, "DELETE", url, key, "delete")
 
-    def sweep(self, older_than: float, *,
-              only: Callable[[str], bool] | None = None) -> builtins.list[str]:  # `list`: the method above
+    def sweep(
+        self, older_than: float, *, only: Callable[[str], bool] | None = None
+    ) -> builtins.list[str]:  # `list`: the method above
         """Nothing to sweep: an unfinished GCS upload is never an object."""
         return []
-
-

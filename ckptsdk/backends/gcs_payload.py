@@ -56,7 +56,9 @@ class RangeReader(io.RawIOBase):
         if n == 0:
             raise BackendError(
                 f"GCS returned no bytes for {self._key!r} at offset {self._pos} of {self._size} "
-                f"in {self._url}; retry the read", url=self._url, key=self._key,
+                f"in {self._url}; retry the read",
+                url=self._url,
+                key=self._key,
             )
         out[:n] = data[:n]
         self._pos += n
@@ -72,7 +74,7 @@ def chain(first: bytearray, rest: Iterator[Any]) -> Iterator[memoryview]:
 def slices(view: memoryview, step: int) -> Iterator[tuple[memoryview, bool]]:
     """(slice, is_last) of one buffer, without copying."""
     for i in range(0, view.nbytes, step):
-        yield view[i:i + step], i + step >= view.nbytes
+        yield view[i : i + step], i + step >= view.nbytes
 
 
 def rechunk(pieces: Iterator[memoryview], step: int) -> Iterator[tuple[bytes, bool]]:
@@ -106,7 +108,7 @@ def crc32c(crc: int, data: Any) -> int:
         return google_crc32c.extend(crc, data)
     view = memoryview(data).cast("B")
     for i in range(0, view.nbytes, 8 * _MiB):
-        crc = google_crc32c.extend(crc, bytes(view[i:i + 8 * _MiB]))
+        crc = google_crc32c.extend(crc, bytes(view[i : i + 8 * _MiB]))
     return crc
 
 

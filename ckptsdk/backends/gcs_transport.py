@@ -189,8 +189,13 @@ class JsonApiTransport:
         return self._session
 
     async def _send_async(
-        self, method: str, url: str, params: dict[str, str] | None, headers: dict[str, str],
-        data: Any, total: float,
+        self,
+        method: str,
+        url: str,
+        params: dict[str, str] | None,
+        headers: dict[str, str],
+        data: Any,
+        total: float,
     ) -> tuple[int, dict[str, str], bytes]:
         session = await self._session_async()
         if isinstance(data, (bytes, bytearray, memoryview)) and len(data) > _STREAM_OVER:
@@ -201,19 +206,29 @@ class JsonApiTransport:
             data = _aslices(view, _STREAM_OVER)
         # sock_read alone never fires while *we* are sending (a frozen server stops reading, the
         # socket buffer fills, the write waits forever): total bounds the whole exchange.
-        timeout = aiohttp.ClientTimeout(
-            total=total, sock_connect=self.connect_timeout_s, sock_read=self.read_timeout_s
-        )
+        timeout = aiohttp.ClientTimeout(total=total, sock_connect=self.connect_timeout_s, sock_read=self.read_timeout_s)
         async with session.request(
-            method, url, params=params, headers=headers, data=data,
-            timeout=timeout, allow_redirects=False,  # a resumable 308 is not a redirect
+            method,
+            url,
+            params=params,
+            headers=headers,
+            data=data,
+            timeout=timeout,
+            allow_redirects=False,  # a resumable 308 is not a redirect
         ) as resp:
             body = await resp.read()
             return resp.status, dict(resp.headers), body
 
     def _request(
-        self, method: str, url: str, *, key: str | None, params: dict[str, str] | None = None,
-        headers: dict[str, str] | None = None, data: Any = None, attempts: int | None = None,
+        self,
+        method: str,
+        url: str,
+        *,
+        key: str | None,
+        params: dict[str, str] | None = None,
+        headers: dict[str, str] | None = None,
+        data: Any = None,
+        attempts: int | None = None,
     ) -> Reply:
         """Send one request, retrying transport failures and 408/429/5xx a bounded number of times.
 
@@ -236,8 +251,14 @@ class JsonApiTransport:
             tried += 1
             try:
                 status, rheaders, body = fsspec.asyn.sync(
-                    fsspec.asyn.get_loop(), self._send_async, method, url, params,
-                    self._headers(headers), data, remaining,
+                    fsspec.asyn.get_loop(),
+                    self._send_async,
+                    method,
+                    url,
+                    params,
+                    self._headers(headers),
+                    data,
+                    remaining,
                 )
             except aiohttp.ClientConnectorError as exc:  # never reached the server: not applied
                 last = exc
@@ -249,27 +270,36 @@ class JsonApiTransport:
                 ambiguous = ambiguous or status >= 500
                 last = HTTPStatusError(method, url, status, body)
             logger.warning(
-                "GCS %s %s: attempt %d/%d failed: %r", method, url.split("?")[0], attempt + 1,
-                attempts, last,
+                "GCS %s %s: attempt %d/%d failed: %r",
+                method,
+                url.split("?")[0],
+                attempt + 1,
+                attempts,
+                last,
             )
         if isinstance(last, aiohttp.ClientConnectorError):
             # Never reached a server (DNS, refused): say what a first-time user is missing.
             raise BackendError(
                 f"cannot reach GCS at {self.endpoint} for {self.url} (key {key!r}): "
                 f"{getattr(last, 'os_error', None) or last} ({tried} tries). {self._setup_hint()}",
-                url=self.url, key=key,
+                url=self.url,
+                key=key,
             ) from last
         within = f" within its {allowance:.0f} s deadline" if tried < attempts else ""
         raise BackendError(
             f"GCS request {method} for {self.url} (key {key!r}) failed {tried} times{within}, last: "
             f"{last!r}. Check the network and {self.endpoint}, then retry",
-            url=self.url, key=key,
+            url=self.url,
+            key=key,
         ) from last
 
     def _setup_hint(self) -> str:
         method = self.credentials_method
-        creds = ("no Google credentials were found (anonymous access: public buckets only)"
-                 if method == "anon" else f"credentials: {method or 'unknown'}")
+        creds = (
+            "no Google credentials were found (anonymous access: public buckets only)"
+            if method == "anon"
+            else f"credentials: {method or 'unknown'}"
+        )
         return (
             f"Check, in order: the network reaches {self.endpoint}; {creds}: run `gcloud auth "
             "application-default login`, set GOOGLE_APPLICATION_CREDENTIALS=key.json, or pass "
@@ -286,7 +316,8 @@ class JsonApiTransport:
             hint = "see the message from GCS"
         err = BackendError(
             f"GCS refused to {what} {key!r} in {self.url}: HTTP {reply.status} {cause.message}; {hint}",
-            url=self.url, key=key,
+            url=self.url,
+            key=key,
         )
         err.__cause__ = cause
         return err
@@ -294,4 +325,4 @@ class JsonApiTransport:
 
 async def _aslices(view: memoryview, step: int) -> AsyncIterator[memoryview]:
     for i in range(0, view.nbytes, step):
-        yield view[i:i + step]
+        yield view[i : i + step]

@@ -52,6 +52,7 @@ logger = logging.getLogger(__name__)
 # Importable from here as before (tests, drive.py): the names a file backend puts on disk.
 __all__ = ["LocalBackend", "LOCK_NAME", "RESERVED_PREFIX", "TMP_PREFIX", "version_of"]
 
+
 class LocalBackend:
     """Objects as files under a folder on this machine.
 
@@ -235,8 +236,9 @@ class LocalBackend:
                 fsync_dir(folder)
                 prune(self.root, folder)
 
-    def sweep(self, older_than: float, *,
-              only: Callable[[str], bool] | None = None) -> builtins.list[str]:  # `list`: the method above
+    def sweep(
+        self, older_than: float, *, only: Callable[[str], bool] | None = None
+    ) -> builtins.list[str]:  # `list`: the method above
         """Remove temp files of crashed writes last modified more than ``older_than`` seconds ago.
 
         ``only(key)``: sweep only temp files that were to publish ``key`` (see ``Backend.sweep``).
@@ -359,7 +361,8 @@ class LocalBackend:
                     self._told_no_flock = True
                     logger.warning(
                         "no flock on %s (%s): create/replace exclude only this process's threads",
-                        self.root, exc.strerror,
+                        self.root,
+                        exc.strerror,
                     )
                 return False
             raise self._translate(exc, op, key) from exc
@@ -403,8 +406,7 @@ class LocalBackend:
             return
         except NotADirectoryError as exc:
             raise StorageUnavailable(
-                f"storage root {self.root} (for {self.url}) is inside a file, not a folder: "
-                "choose another path",
+                f"storage root {self.root} (for {self.url}) is inside a file, not a folder: choose another path",
                 url=self.url,
             ) from exc
         except OSError as exc:

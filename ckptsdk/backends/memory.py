@@ -49,8 +49,7 @@ class MemoryBackend:
     """
 
     # Atomic and conditional within the process; gone when the process dies.
-    capabilities = Capabilities(exclusive_create=True, compare_and_swap=True, durable_on_return=False,
-                                cheap_copy=True)
+    capabilities = Capabilities(exclusive_create=True, compare_and_swap=True, durable_on_return=False, cheap_copy=True)
 
     def __init__(self, name: str, *, url: str | None = None) -> None:
         self.name = name
@@ -105,7 +104,10 @@ class MemoryBackend:
                 raise PreconditionFailed(
                     f"create of {key!r} under {self.url} failed: it already exists (version "
                     f"{current[1]}); another writer created it first",
-                    url=self.url, key=key, expected=None, actual=current[1],
+                    url=self.url,
+                    key=key,
+                    expected=None,
+                    actual=current[1],
                 )
 
         return self._put(key, data, check)
@@ -130,8 +132,9 @@ class MemoryBackend:
                 self._check_version("delete", key, current, version)
             del self._store.objects[key]
 
-    def sweep(self, older_than: float, *,
-              only: Callable[[str], bool] | None = None) -> builtins.list[str]:  # `list`: the method above
+    def sweep(
+        self, older_than: float, *, only: Callable[[str], bool] | None = None
+    ) -> builtins.list[str]:  # `list`: the method above
         """Nothing to sweep: a memory write has no temp objects."""
         return []
 
@@ -143,9 +146,7 @@ class MemoryBackend:
             raise ObjectNotFound(f"no object {key!r} under {self.url}", url=self.url, key=key)
         return current
 
-    def _put(
-        self, key: str, data: Data, check: Callable[[tuple[bytes, str, float] | None], None]
-    ) -> ObjectInfo:
+    def _put(self, key: str, data: Data, check: Callable[[tuple[bytes, str, float] | None], None]) -> ObjectInfo:
         check_key(key, url=self.url)
         # Join outside the lock: the caller's iterable may be slow or raise (then nothing changes).
         blob = b"".join(iter_chunks(data))
@@ -163,5 +164,8 @@ class MemoryBackend:
             raise PreconditionFailed(
                 f"{op} of {key!r} under {self.url} expected version {version}, but the object "
                 f"{state}: another writer changed it; re-read it and decide again",
-                url=self.url, key=key, expected=version, actual=actual,
+                url=self.url,
+                key=key,
+                expected=version,
+                actual=actual,
             )

@@ -68,9 +68,8 @@ def version_of(st: os.stat_result) -> str:
 def published_key(temp_key: str) -> str:
     """The key a temp file (``folder/.ckptsdk-tmp.NAME.PID.HEX``) was going to publish."""
     folder, _, name = temp_key.rpartition("/")
-    target = name[len(TMP_PREFIX):].rsplit(".", 2)[0]
+    target = name[len(TMP_PREFIX) :].rsplit(".", 2)[0]
     return f"{folder}/{target}" if folder else target
-
 
 
 def open_regular(path: str) -> BinaryIO:

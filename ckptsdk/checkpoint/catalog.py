@@ -153,7 +153,12 @@ class Catalog:
         return max(times, default=None)
 
     def leftovers(
-        self, *, rank: Rank | None, grace: float, exclusive: bool, now: float | None = None,
+        self,
+        *,
+        rank: Rank | None,
+        grace: float,
+        exclusive: bool,
+        now: float | None = None,
         busy: Iterable[str] = (),
     ) -> list[tuple[CheckpointInfo, str]]:
         """Uncommitted folders that can never commit and may go now, each with why.
@@ -277,13 +282,13 @@ def scan(backend: Backend, *, cache: MutableMapping[tuple[str, str], object] | N
     # The memo holds what a root holds now, not everything it ever held: a manager that saves
     # every few seconds for days must not keep each deleted checkpoint's manifest alive.
     if cache is not None:
-        listed = {(f"{folder}/{name}", obj.version) for folder, files in folders.items()
-                  for name, obj in files.items()}
+        listed = {(f"{folder}/{name}", obj.version) for folder, files in folders.items() for name, obj in files.items()}
         listed |= {(obj.key, obj.version) for obj in lineage_objs}
         for stale in [k for k in memo if k not in listed]:
             del memo[stale]
-    resume_points, ignored = _resume_points(lineage, parsed, lambda: _read_lease(backend),
-                                            exclusive=backend.capabilities.compare_and_swap)
+    resume_points, ignored = _resume_points(
+        lineage, parsed, lambda: _read_lease(backend), exclusive=backend.capabilities.compare_and_swap
+    )
     # Only believed records count as a newer writer: a stray record must not fence the live
     # writer. Every record's epoch is used up, though: a new writer never takes it.
     epoch_floor = max([max_rank[0], *(r[0] for r in lineage)])
@@ -316,8 +321,15 @@ def scan(backend: Backend, *, cache: MutableMapping[tuple[str, str], object] | N
                 anchor=manifest is not None and resume_points.get(rank) == step,
             )
         )
-    return Catalog(checkpoints=checkpoints, lineage=lineage, resume_points=resume_points, max_rank=max_rank,
-                   ignored_lineage=ignored, epoch_floor=epoch_floor, lineage_mtimes=lineage_mtimes)
+    return Catalog(
+        checkpoints=checkpoints,
+        lineage=lineage,
+        resume_points=resume_points,
+        max_rank=max_rank,
+        ignored_lineage=ignored,
+        epoch_floor=epoch_floor,
+        lineage_mtimes=lineage_mtimes,
+    )
 
 
 _TOLD: set[tuple[Rank, str]] = set()
@@ -333,7 +345,9 @@ def _read_lease(backend: Backend) -> LeaseRecord | None:
 def _resume_points(
     lineage: dict[Rank, LineageRecord],
     parsed: list[tuple[int, Rank, str, dict[str, ObjectInfo], Manifest | None, str | None]],
-    lease: Callable[[], LeaseRecord | None], *, exclusive: bool,
+    lease: Callable[[], LeaseRecord | None],
+    *,
+    exclusive: bool,
 ) -> tuple[dict[Rank, int | None], dict[Rank, str]]:
     """Where each writer resumed from, and the lineage records that are not believed (and why).
 
@@ -357,9 +371,12 @@ def _resume_points(
         if not lease_seen:
             lease_seen.append(lease())
         held = lease_seen[0]
-        if held is not None and (held.epoch, held.attempt, held.run_id, held.holder.host, held.holder.pid) == (
-                record.epoch, record.attempt, record.run_id, record.host, record.pid) and rank[1] in (
-                "", held.holder.nonce[:8]):
+        if (
+            held is not None
+            and (held.epoch, held.attempt, held.run_id, held.holder.host, held.holder.pid)
+            == (record.epoch, record.attempt, record.run_id, record.host, record.pid)
+            and rank[1] in ("", held.holder.nonce[:8])
+        ):
             return True  # its writer holds (or last held) the lease
         # Where a zombie's late write can put an older lease back (Drive), the lease cannot
         # vouch; an epoch one above everything seen is then plausible, and believed.
@@ -379,8 +396,11 @@ def _resume_points(
         said = from_manifests.get(rank)
         if said is not None and said != {point}:
             logger.warning(
-                "lineage record of %s says it resumed from %s but its checkpoints say %s; "
-                "believing the checkpoints", _name(rank), _where(point), " / ".join(map(_where, said)))
+                "lineage record of %s says it resumed from %s but its checkpoints say %s; believing the checkpoints",
+                _name(rank),
+                _where(point),
+                " / ".join(map(_where, said)),
+            )
             continue  # taken from the manifests below
         if rank in used:
             points[rank] = point
@@ -389,10 +409,12 @@ def _resume_points(
         if not erased or vouched(rank, record):
             points[rank] = point  # harmless (it orphans nothing committed), or its writer is known
             continue
-        why = (f"it says {_name(rank)} took over from {_where(point)}, which would discard committed "
-               f"step(s) {erased[:5]}{' ...' if len(erased) > 5 else ''}, but no writer of {_name(rank)} "
-               "wrote any checkpoint and LEASE.json does not name it; a stray or forged record cannot "
-               "erase a run's progress")
+        why = (
+            f"it says {_name(rank)} took over from {_where(point)}, which would discard committed "
+            f"step(s) {erased[:5]}{' ...' if len(erased) > 5 else ''}, but no writer of {_name(rank)} "
+            "wrote any checkpoint and LEASE.json does not name it; a stray or forged record cannot "
+            "erase a run's progress"
+        )
         ignored[rank] = why
         if (rank, why) in _TOLD:
             continue  # every scan would say it again (a save scans): once per process is loud enough
@@ -424,8 +446,10 @@ def _check_files(manifest: Manifest, files: dict[str, ObjectInfo], step: int, ep
 
     for entry in manifest.files:
         if entry.algorithm not in ALGORITHMS:
-            return (f"{entry.name}: unknown digest algorithm {entry.algorithm!r} (this ckptsdk knows "
-                    f"{', '.join(ALGORITHMS)}); written by a newer ckptsdk? upgrade to read it")
+            return (
+                f"{entry.name}: unknown digest algorithm {entry.algorithm!r} (this ckptsdk knows "
+                f"{', '.join(ALGORITHMS)}); written by a newer ckptsdk? upgrade to read it"
+            )
         obj = files.get(entry.name)
         if obj is None:
             return f"torn: {entry.name} is missing"

@@ -85,8 +85,14 @@ def resume_point(info: CheckpointInfo) -> ResumePoint:
     assert manifest is not None
     pos = manifest.position
     return ResumePoint(
-        step=manifest.step, epoch=pos.epoch, batch_idx=pos.batch_idx, extra=dict(pos.extra),
-        metrics=dict(manifest.metrics), tags=dict(manifest.tags), key=info.key, lease_epoch=info.epoch,
+        step=manifest.step,
+        epoch=pos.epoch,
+        batch_idx=pos.batch_idx,
+        extra=dict(pos.extra),
+        metrics=dict(manifest.metrics),
+        tags=dict(manifest.tags),
+        key=info.key,
+        lease_epoch=info.epoch,
     )
 
 
@@ -178,8 +184,13 @@ class CheckpointReader:
         """The one re-hash of a checkpoint: every file its manifest lists, size and digest."""
         assert info.manifest is not None
         for entry in info.manifest.files:
-            verify_file(self.backend, f"{info.key}/{entry.name}", size=entry.size, digest=entry.digest,
-                        algorithm=entry.algorithm)
+            verify_file(
+                self.backend,
+                f"{info.key}/{entry.name}",
+                size=entry.size,
+                digest=entry.digest,
+                algorithm=entry.algorithm,
+            )
 
     # ------------------------------------------------------------------ picking and reading
 
@@ -197,22 +208,26 @@ class CheckpointReader:
             match = next((c for c in cat.checkpoints if c.key == key.rstrip("/")), None)
             if match is None or match.manifest is None:
                 why = match.reason if match is not None else "no such checkpoint folder"
-                raise NoValidCheckpointError(f"cannot read checkpoint {self.url}/{key}: {why}",
-                                             url=self.url, tried={key: why or ""})
+                raise NoValidCheckpointError(
+                    f"cannot read checkpoint {self.url}/{key}: {why}", url=self.url, tried={key: why or ""}
+                )
             return match
         if step is None:
             good = cat.restorable()
             if not good:
-                raise NoValidCheckpointError(f"no valid checkpoint under {self.url}", url=self.url,
-                                             tried={c.key: c.reason or "" for c in cat.checkpoints})
+                raise NoValidCheckpointError(
+                    f"no valid checkpoint under {self.url}",
+                    url=self.url,
+                    tried={c.key: c.reason or "" for c in cat.checkpoints},
+                )
             return good[0]
         found = cat.find(step)
         usable = [c for c in found if c.manifest is not None and not c.orphan]
         if not usable:
             why = "; ".join(f"{c.key}: {c.reason}" for c in found) or "no such step"
             raise NoValidCheckpointError(
-                f"no readable checkpoint of step {step} under {self.url} ({why}); "
-                "`ckptsdk ls URL` lists the steps", url=self.url,
+                f"no readable checkpoint of step {step} under {self.url} ({why}); `ckptsdk ls URL` lists the steps",
+                url=self.url,
                 tried={c.key: c.reason or "" for c in found},
             )
         return usable[0]
@@ -249,7 +264,8 @@ class CheckpointReader:
         raise NoValidCheckpointError(
             f"no valid checkpoint under {self.url}: tried {len(tried)} ({listing}). "
             "Inspect with `ckptsdk ls URL` / `ckptsdk verify URL`; restore a copy, or start a new root",
-            url=self.url, tried=tried,
+            url=self.url,
+            tried=tried,
         )
 
     def read_tree(self, info: CheckpointInfo) -> Any:
@@ -266,7 +282,10 @@ class CheckpointReader:
         if entry is None:
             raise ManifestError(f"{info.key}/{MANIFEST} lists no {TENSORS}", url=self.url, step=info.step)
         tensors = read_tensorfile(
-            self.backend, f"{info.key}/{TENSORS}", size=entry.size, digest=entry.digest,
+            self.backend,
+            f"{info.key}/{TENSORS}",
+            size=entry.size,
+            digest=entry.digest,
             algorithm=entry.algorithm,
         )
         try:
@@ -277,7 +296,10 @@ class CheckpointReader:
         except (KeyError, ValueError, TypeError) as exc:
             raise CorruptCheckpointError(
                 f"checkpoint {self.url}/{info.key}: its manifest tree does not match its tensors "
-                f"({exc}); it cannot be restored", url=self.url, step=info.step, key=info.key,
+                f"({exc}); it cannot be restored",
+                url=self.url,
+                step=info.step,
+                key=info.key,
             ) from exc
         if isinstance(tree, Mapping) and isinstance(tree.get("rng"), Mapping):
             check_rng(tree["rng"])  # an impossible RNG state is damage: fall back, not fail later

@@ -58,8 +58,15 @@ class Rotation:
             folder of another writer goes, where the store has no compare-and-swap.
     """
 
-    def __init__(self, backend: Backend, *, keep_last: int, keep_every: int | None,
-                 mode: str = "delete", leftover_grace: float = LEFTOVER_GRACE_S) -> None:
+    def __init__(
+        self,
+        backend: Backend,
+        *,
+        keep_last: int,
+        keep_every: int | None,
+        mode: str = "delete",
+        leftover_grace: float = LEFTOVER_GRACE_S,
+    ) -> None:
         if mode not in RETENTION_MODES:
             raise ValueError(f"retention mode must be one of {RETENTION_MODES}, got {mode!r}")
         self.backend = backend
@@ -84,8 +91,9 @@ class Rotation:
         """Whether rotated-out checkpoints are recycled rather than deleted on this store."""
         return self.mode == "recycle" and rewriter(self.backend) is not None
 
-    def rotate(self, lease: Lease, rank: Rank, scan: Callable[[], Catalog],
-               resumed_from: CheckpointInfo | None) -> None:
+    def rotate(
+        self, lease: Lease, rank: Rank, scan: Callable[[], Catalog], resumed_from: CheckpointInfo | None
+    ) -> None:
         """Delete what retention allows, of this lineage only, unless fenced.
 
         The lease was renewed just before the manifest was published (and the heartbeat keeps
@@ -101,8 +109,9 @@ class Rotation:
         cat = scan()
         if cat.max_rank > rank:
             lease.fence(f"saw epoch {cat.max_epoch} under {self.url}", cat.max_epoch)
-            logger.warning("a newer writer (epoch %d) exists under %s: rotation deletes nothing",
-                           cat.max_epoch, self.url)
+            logger.warning(
+                "a newer writer (epoch %d) exists under %s: rotation deletes nothing", cat.max_epoch, self.url
+            )
             return
         mine = [c for c in cat.checkpoints if c.valid and c.rank <= rank]
         # Where writes reach the cloud late and out of order (Drive), a rotation's small deletes
@@ -124,6 +133,7 @@ class Rotation:
             lease.check()
             logger.info("removing %s/%s (%s, %d bytes)", self.url, c.key, why, c.size)
             self.delete(c)
+
         # A save killed mid-write leaves a full-size temp file (invisible to listings) in its
         # folder. Those of this writer's lineage go by the same rule; never a higher writer's.
         def ours(key: str) -> bool:
@@ -165,16 +175,16 @@ class Rotation:
                     logger.info("step %d under %s: %s replaces %s", step, self.url, best.key, c.key)
                     self.delete(c)
 
-    def _protected(self, mine: list[CheckpointInfo], rank: Rank,
-                   resumed_from: CheckpointInfo | None) -> list[int]:
+    def _protected(self, mine: list[CheckpointInfo], rank: Rank, resumed_from: CheckpointInfo | None) -> list[int]:
         """The resume point stays until this writer has committed a newer step."""
         if resumed_from is None:
             return []
         newer_own = any(c.rank == rank and c.step > resumed_from.step for c in mine)
         return [] if newer_own else [resumed_from.step]
 
-    def recycle_source(self, lease: Lease, rank: Rank, cat: Catalog, step: int,
-                       resumed_from: CheckpointInfo | None) -> CheckpointInfo | None:
+    def recycle_source(
+        self, lease: Lease, rank: Rank, cat: Catalog, step: int, resumed_from: CheckpointInfo | None
+    ) -> CheckpointInfo | None:
         """Make room for the save of ``step`` by recycling: which own checkpoint gives its file.
 
         Retention is applied as if ``step`` were committed already (one save late on Drive, so
@@ -190,8 +200,9 @@ class Rotation:
         lease.check()
         mine = [c for c in cat.checkpoints if c.valid and c.rank <= rank]
         probe = CheckpointInfo(step=step, epoch=rank[0], tag=rank[1], key="", size=0, committed=True, valid=True)
-        doomed = self.beyond_retention(mine + [probe], self.keep_last + self.late,
-                                       self._protected(mine, rank, resumed_from))
+        doomed = self.beyond_retention(
+            mine + [probe], self.keep_last + self.late, self._protected(mine, rank, resumed_from)
+        )
         own = sorted((c for c in doomed if c.rank == rank and c.step != step), key=lambda c: c.step)
         if not own:
             return None
@@ -207,9 +218,16 @@ class Rotation:
     def recycled(self, source: CheckpointInfo, folder: str, size: int) -> None:
         """Account a recycle that went through (the save log shows what the trash was spared)."""
         self.recycled_bytes += size
-        logger.info("recycled %s/%s into %s by a rewrite in place: %.1f MB kept out of the trash "
-                    "(%.1f MB by this run so far; %.1f MB sent there)", self.url, source.key, folder,
-                    size / 1e6, self.recycled_bytes / 1e6, self.trashed_bytes / 1e6)
+        logger.info(
+            "recycled %s/%s into %s by a rewrite in place: %.1f MB kept out of the trash "
+            "(%.1f MB by this run so far; %.1f MB sent there)",
+            self.url,
+            source.key,
+            folder,
+            size / 1e6,
+            self.recycled_bytes / 1e6,
+            self.trashed_bytes / 1e6,
+        )
 
     def beyond_retention(
         self, checkpoints: list[CheckpointInfo], keep_last: int, protected: Sequence[int] = ()
@@ -245,10 +263,19 @@ class Rotation:
             # Drive moves deleted files to its trash, which counts against the quota for 30 days.
             log = logger.warning if not self._trash_warned else logger.info
             self._trash_warned = True
-            hint = ("" if self.recycles else " Use retention_mode='recycle' (see docs/DRIVE.md), empty the "
-                    "Drive trash, or raise save_every / lower keep_last")
-            log("%s keeps deleted checkpoints in its trash for 30 days, counting against your quota: "
-                "%.1f MB sent there by this run so far.%s", self.url, self.trashed_bytes / 1e6, hint)
+            hint = (
+                ""
+                if self.recycles
+                else " Use retention_mode='recycle' (see docs/DRIVE.md), empty the "
+                "Drive trash, or raise save_every / lower keep_last"
+            )
+            log(
+                "%s keeps deleted checkpoints in its trash for 30 days, counting against your quota: "
+                "%.1f MB sent there by this run so far.%s",
+                self.url,
+                self.trashed_bytes / 1e6,
+                hint,
+            )
 
     def _trashed(self, size: int, files: int) -> None:
         if self.backend.capabilities.trash_on_delete:
@@ -258,11 +285,11 @@ class Rotation:
     def _flush_ledger(self) -> None:
         """Publish this writer's trash total where ``ckptsdk du`` finds it (Drive only)."""
         if self.backend.capabilities.trash_on_delete and self._ledger_rank is not None and self.trashed_files:
-            record_trash(self.backend, self._ledger_rank, total_bytes=self.trashed_bytes,
-                         files=self.trashed_files)
+            record_trash(self.backend, self._ledger_rank, total_bytes=self.trashed_bytes, files=self.trashed_files)
 
-    def gc(self, cat: Catalog, *, keep_last: int | None = None, dry_run: bool = False,
-           grace: float = 3600.0) -> GcReport:
+    def gc(
+        self, cat: Catalog, *, keep_last: int | None = None, dry_run: bool = False, grace: float = 3600.0
+    ) -> GcReport:
         """Remove orphans of superseded writers, torn checkpoints and rotated-out checkpoints.
 
         Works without the lease, so a running writer is not disturbed: orphans are never
@@ -284,8 +311,9 @@ class Rotation:
                 if settled:
                     reasons[c.key] = c.reason or "invalid"
                 else:
-                    logger.info("gc keeps %s/%s (%s): it may still be uploading from another VM",
-                                self.url, c.key, c.reason)
+                    logger.info(
+                        "gc keeps %s/%s (%s): it may still be uploading from another VM", self.url, c.key, c.reason
+                    )
         for c, why in cat.leftovers(rank=None, grace=grace, exclusive=False):
             reasons[c.key] = f"{why}, {c.size} bytes" + ("; and an orphan" if c.key in reasons else "")
         late = f" (+{self.late}: on this store rotation runs one save late)" if self.late else ""
@@ -299,5 +327,4 @@ class Rotation:
                     self.delete(c)
             for key in self.backend.sweep(grace):
                 reasons[key] = f"temp file of a crashed write, older than {grace:.0f} s"
-        return GcReport(deleted=sorted(reasons), reasons=reasons, dry_run=dry_run, sizes=sizes,
-                        trash_bytes=trash)
+        return GcReport(deleted=sorted(reasons), reasons=reasons, dry_run=dry_run, sizes=sizes, trash_bytes=trash)

@@ -131,8 +131,16 @@ class SavePipeline:
         memo: the scan's memo, fed with each manifest just written.
     """
 
-    def __init__(self, backend: Backend, lease: Lease, *, runlog: RunLog | None, rotation: Rotation,
-                 scan: Callable[[], Catalog], memo: dict[tuple[str, str], object]) -> None:
+    def __init__(
+        self,
+        backend: Backend,
+        lease: Lease,
+        *,
+        runlog: RunLog | None,
+        rotation: Rotation,
+        scan: Callable[[], Catalog],
+        memo: dict[tuple[str, str], object],
+    ) -> None:
         self.backend = backend
         self.url = backend.url
         self.lease = lease
@@ -164,9 +172,18 @@ class SavePipeline:
         """No more saves: let the worker thread end after the one in flight."""
         self._bg.stop()
 
-    def save(self, state: Any, *, step: int, position: Position, metrics: Mapping[str, Any] | None,
-             tags: Mapping[str, str] | None, blocking: bool, snapshot: str = "pipelined",
-             extra_files: Sequence[FileEntry] = ()) -> CheckpointInfo:
+    def save(
+        self,
+        state: Any,
+        *,
+        step: int,
+        position: Position,
+        metrics: Mapping[str, Any] | None,
+        tags: Mapping[str, str] | None,
+        blocking: bool,
+        snapshot: str = "pipelined",
+        extra_files: Sequence[FileEntry] = (),
+    ) -> CheckpointInfo:
         """See :meth:`ckptsdk.CheckpointManager.save`.
 
         Non-blocking saves touch no storage here: the fencing check reads the flag the lease
@@ -182,8 +199,15 @@ class SavePipeline:
             return done
         tree = state.state_dict() if hasattr(state, "state_dict") else state
         tensors, skeleton = codec.encode(tree)
-        job = _Job(folder=folder, step=step, position=position, metrics=dict(metrics or {}),
-                   tags=dict(tags or {}), device=_device_of(tensors), extra_files=tuple(extra_files))
+        job = _Job(
+            folder=folder,
+            step=step,
+            position=position,
+            metrics=dict(metrics or {}),
+            tags=dict(tags or {}),
+            device=_device_of(tensors),
+            extra_files=tuple(extra_files),
+        )
         if blocking:
             return self._store(job, tensors, skeleton)
         defer: set[str] = set()
@@ -202,8 +226,15 @@ class SavePipeline:
             self._store(job, pending.tensors, skeleton)
 
         self._bg.start(work, name=f"ckptsdk-save-{step}")
-        return CheckpointInfo(step=step, epoch=self.lease.epoch, key=folder, size=0, committed=False,
-                              valid=False, reason="save in progress")
+        return CheckpointInfo(
+            step=step,
+            epoch=self.lease.epoch,
+            key=folder,
+            size=0,
+            committed=False,
+            valid=False,
+            reason="save in progress",
+        )
 
     @property
     def last_committed(self) -> CheckpointInfo | None:
@@ -232,13 +263,29 @@ class SavePipeline:
         self.write_lineage(None, None)
         if self.runlog is not None:
             self.runlog.flush()
-        return self.commit(job.folder, job.step, dict(tensors), skeleton, job.position, job.metrics,
-                           job.tags, job.device, job.extra_files)
+        return self.commit(
+            job.folder,
+            job.step,
+            dict(tensors),
+            skeleton,
+            job.position,
+            job.metrics,
+            job.tags,
+            job.device,
+            job.extra_files,
+        )
 
     def commit(
-        self, folder: str, step: int, tensors: dict[str, torch.Tensor], skeleton: Any,
-        position: Position, metrics: Mapping[str, Any] | None, tags: Mapping[str, str] | None,
-        device: str, extra_files: Sequence[FileEntry] = (),
+        self,
+        folder: str,
+        step: int,
+        tensors: dict[str, torch.Tensor],
+        skeleton: Any,
+        position: Position,
+        metrics: Mapping[str, Any] | None,
+        tags: Mapping[str, str] | None,
+        device: str,
+        extra_files: Sequence[FileEntry] = (),
     ) -> CheckpointInfo:
         """Write the tensor file, renew the lease, publish the manifest (the commit), rotate.
 
@@ -246,8 +293,11 @@ class SavePipeline:
         """
         self.lease.check()
         key = f"{folder}/{TENSORS}"
-        source = (self.rotation.recycle_source(self.lease, self.rank, self._scan(), step, self.resumed_from)
-                  if self.rotation.recycles else None)
+        source = (
+            self.rotation.recycle_source(self.lease, self.rank, self._scan(), step, self.resumed_from)
+            if self.rotation.recycles
+            else None
+        )
         rewriting = self._take_file(f"{source.key}/{TENSORS}", key) if source is not None else None
         if source is not None and rewriting is not None:
             # The file this checkpoint reuses is rewritten in place (not atomic: no manifest
@@ -275,16 +325,26 @@ class SavePipeline:
         return rewriting
 
     def _publish(
-        self, folder: str, step: int, files: list[FileEntry], skeleton: Any, position: Position,
-        metrics: Mapping[str, Any] | None, tags: Mapping[str, str] | None, device: str,
+        self,
+        folder: str,
+        step: int,
+        files: list[FileEntry],
+        skeleton: Any,
+        position: Position,
+        metrics: Mapping[str, Any] | None,
+        tags: Mapping[str, str] | None,
+        device: str,
     ) -> CheckpointInfo:
         """Publish the manifest of ``folder`` (the commit; its files are in place), then rotate."""
         manifest = Manifest(
             step=step,
             position=position,
             writer=Writer(
-                run_id=self.lease.run_id, attempt=self.lease.attempt, lease_epoch=self.lease.epoch,
-                host=socket.gethostname(), pid=os.getpid(),
+                run_id=self.lease.run_id,
+                attempt=self.lease.attempt,
+                lease_epoch=self.lease.epoch,
+                host=socket.gethostname(),
+                pid=os.getpid(),
                 resumed_from_step=self.resumed_from.step if self.resumed_from else None,
             ),
             files=files,
@@ -300,13 +360,17 @@ class SavePipeline:
             raise CheckpointError(
                 f"the save of step {step} under {self.url} was abandoned before its commit (its "
                 "deadline passed); the previous committed checkpoint is intact",
-                url=self.url, step=step, key=folder)
+                url=self.url,
+                step=step,
+                key=folder,
+            )
         published = self.backend.write(f"{folder}/{MANIFEST}", manifest.to_json())
         self._memo[(published.key, published.version)] = manifest  # the next scan need not re-read it
         size = sum(f.size for f in files)
         logger.info("committed %s/%s (%d bytes)", self.url, folder, size)
-        info = CheckpointInfo(step=step, epoch=self.lease.epoch, key=folder, size=size, committed=True,
-                              valid=True, manifest=manifest)
+        info = CheckpointInfo(
+            step=step, epoch=self.lease.epoch, key=folder, size=size, committed=True, valid=True, manifest=manifest
+        )
         self._committed = {folder: info}  # the newest only: an older one may have been rotated out
         self.rotation.rotate(self.lease, self.rank, self._scan, self.resumed_from)
         return info
@@ -327,8 +391,16 @@ class SavePipeline:
             self.lease.check()
             for entry in manifest.files:  # the tensor file and any distributed ranks' files
                 copying.copy(f"{source.key}/{entry.name}", f"{folder}/{entry.name}")
-            self._publish(folder, manifest.step, list(manifest.files), manifest.tree, manifest.position,
-                          manifest.metrics, manifest.tags, device)
+            self._publish(
+                folder,
+                manifest.step,
+                list(manifest.files),
+                manifest.tree,
+                manifest.position,
+                manifest.metrics,
+                manifest.tags,
+                device,
+            )
             return
         # Files beyond the tensor file (distributed ranks') are copied as they are, then listed.
         extra = [f for f in manifest.files if f.name != TENSORS]
@@ -336,8 +408,9 @@ class SavePipeline:
             self.lease.check()
             self.backend.write(f"{folder}/{entry.name}", self.backend.read(f"{source.key}/{entry.name}"))
         tensors, skeleton = codec.encode(tree)
-        self.commit(folder, manifest.step, tensors, skeleton, manifest.position, manifest.metrics,
-                    manifest.tags, device, extra)
+        self.commit(
+            folder, manifest.step, tensors, skeleton, manifest.position, manifest.metrics, manifest.tags, device, extra
+        )
 
     @property
     def lineage_written(self) -> bool:
@@ -349,8 +422,12 @@ class SavePipeline:
         if self._lineage_written:
             return
         record = LineageRecord(
-            epoch=self.lease.epoch, attempt=self.lease.attempt, run_id=self.lease.run_id,
-            resumed_from_step=step, resumed_from_epoch=epoch, host=socket.gethostname(),
+            epoch=self.lease.epoch,
+            attempt=self.lease.attempt,
+            run_id=self.lease.run_id,
+            resumed_from_step=step,
+            resumed_from_epoch=epoch,
+            host=socket.gethostname(),
             pid=os.getpid(),
         )
         self.lease.check()
@@ -361,7 +438,8 @@ class SavePipeline:
             self.lease.fence(f"lineage record of epoch {self.lease.epoch} already exists", None)
             raise LeaseLostError(
                 f"another writer already recorded epoch {self.lease.epoch} under {self.url}; "
-                "this writer stops (nothing was written or deleted)", url=self.url,
+                "this writer stops (nothing was written or deleted)",
+                url=self.url,
                 epoch=self.lease.epoch,
             ) from exc
         self._lineage_written = True

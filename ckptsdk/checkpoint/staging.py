@@ -29,8 +29,13 @@ class PendingSnapshot:
         tensors: name -> staging buffer (complete once :meth:`finish` returned).
     """
 
-    def __init__(self, tensors: dict[str, torch.Tensor], later: list[tuple[torch.Tensor, torch.Tensor]],
-                 events: list[Any], side_events: list[tuple[torch.device, Any]]) -> None:
+    def __init__(
+        self,
+        tensors: dict[str, torch.Tensor],
+        later: list[tuple[torch.Tensor, torch.Tensor]],
+        events: list[Any],
+        side_events: list[tuple[torch.device, Any]],
+    ) -> None:
         self.tensors = tensors
         self._later = later
         self._events = events

@@ -21,8 +21,7 @@ from ckptsdk.format.document import Document, UtcTime, parse_document, utc_now
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TRASH_DAYS", "TRASH_FORMAT", "Usage", "TrashLedger", "TrashTotal", "usage", "record_trash",
-           "read_trash"]
+__all__ = ["TRASH_DAYS", "TRASH_FORMAT", "Usage", "TrashLedger", "TrashTotal", "usage", "record_trash", "read_trash"]
 
 TRASH_PREFIX = "trash/"
 #: 1.0: the first versioned form; the previous ckptsdk wrote the same fields without "format".
@@ -48,8 +47,6 @@ class TrashTotal(Document):
     bytes: int = Field(ge=0)
     files: int = Field(ge=0)
     updated_at: UtcTime = Field(default_factory=utc_now)
-
-
 
 
 def _parse_total(data: bytes, key: str) -> TrashTotal:
@@ -131,8 +128,15 @@ class Usage:
     @property
     def total(self) -> int:
         """Bytes the store holds for the checkpoint folders (shared bytes counted once)."""
-        return (self.committed + self.anchor + self.duplicate + self.uncommitted + self.orphaned
-                + self.invalid - self.shared)
+        return (
+            self.committed
+            + self.anchor
+            + self.duplicate
+            + self.uncommitted
+            + self.orphaned
+            + self.invalid
+            - self.shared
+        )
 
 
 def usage(backend: Backend, *, catalog: Catalog | None = None) -> Usage:
@@ -170,8 +174,7 @@ def usage(backend: Backend, *, catalog: Catalog | None = None) -> Usage:
     trash_bytes = trash_files = None
     if backend.capabilities.trash_on_delete:
         now = cat.store_now()
-        recent = [t for t in read_trash(backend)
-                  if now is None or t.last is None or now - t.last < TRASH_DAYS * 86400]
+        recent = [t for t in read_trash(backend) if now is None or t.last is None or now - t.last < TRASH_DAYS * 86400]
         trash_bytes = sum(t.bytes for t in recent)
         trash_files = sum(t.files for t in recent)
     return Usage(**sizes, shared=shared, folders=folders, trash_bytes=trash_bytes, trash_files=trash_files)
@@ -184,10 +187,19 @@ def _mib(n: int) -> str:
 def as_dict(u: Usage) -> dict[str, object]:
     """A JSON-able view of ``u`` (``ckptsdk du --json``)."""
     return {
-        "bytes": {"committed": u.committed, "anchor": u.anchor, "duplicate": u.duplicate,
-                  "uncommitted": u.uncommitted, "orphaned": u.orphaned, "invalid": u.invalid,
-                  "shared": u.shared, "total": u.total},
-        "folders": u.folders, "trash_bytes": u.trash_bytes, "trash_files": u.trash_files,
+        "bytes": {
+            "committed": u.committed,
+            "anchor": u.anchor,
+            "duplicate": u.duplicate,
+            "uncommitted": u.uncommitted,
+            "orphaned": u.orphaned,
+            "invalid": u.invalid,
+            "shared": u.shared,
+            "total": u.total,
+        },
+        "folders": u.folders,
+        "trash_bytes": u.trash_bytes,
+        "trash_files": u.trash_files,
     }
 
 
@@ -200,9 +212,11 @@ def render(u: Usage, url: str) -> str:
         lines.append(f"{'(shared)':<12} {'':>7}  -{_mib(u.shared)}  hard-linked copies, held once")
     lines.append(f"{'total':<12} {'':>7}  {_mib(u.total)} under {url}")
     if u.trash_bytes is not None:
-        lines.append(f"Drive trash (estimated): {_mib(u.trash_bytes)} in {u.trash_files} files sent there "
-                     f"by ckptsdk in the last {TRASH_DAYS} days; it counts against the quota until "
-                     "emptied (a trash emptied by hand is not seen here)")
+        lines.append(
+            f"Drive trash (estimated): {_mib(u.trash_bytes)} in {u.trash_files} files sent there "
+            f"by ckptsdk in the last {TRASH_DAYS} days; it counts against the quota until "
+            "emptied (a trash emptied by hand is not seen here)"
+        )
     if u.uncommitted or u.orphaned or u.invalid:
         lines.append("`ckptsdk gc --dry-run URL` shows what can go and why")
     return "\n".join(lines)
@@ -213,14 +227,18 @@ def trash_note(gc_bytes: int, backend: Backend) -> str:
     what each retention mode sends there per 100 saves of this root's newest checkpoint."""
     cat = scan(backend)
     already = usage(backend, catalog=cat).trash_bytes or 0
-    note = (f"Drive trash: these deletes send {_mib(gc_bytes)} there (kept {TRASH_DAYS} days, on your "
-            f"quota); ckptsdk's writers already sent {_mib(already)} in the last {TRASH_DAYS} days.")
+    note = (
+        f"Drive trash: these deletes send {_mib(gc_bytes)} there (kept {TRASH_DAYS} days, on your "
+        f"quota); ckptsdk's writers already sent {_mib(already)} in the last {TRASH_DAYS} days."
+    )
     newest = next(iter(cat.restorable()), None)
     if newest is not None and newest.manifest is not None:
         data = sum(f.size for f in newest.manifest.files)
         meta = max(0, newest.size - data)
-        note += (f" Per 100 saves of this checkpoint in steady state: retention_mode='delete' sends "
-                 f"{_mib(100 * newest.size)}, 'recycle' (the default on Drive) {_mib(100 * meta)} "
-                 "(manifests only; its rewrites in place keep old revisions, whose quota cost Google "
-                 "does not document: see docs/DRIVE.md)")
+        note += (
+            f" Per 100 saves of this checkpoint in steady state: retention_mode='delete' sends "
+            f"{_mib(100 * newest.size)}, 'recycle' (the default on Drive) {_mib(100 * meta)} "
+            "(manifests only; its rewrites in place keep old revisions, whose quota cost Google "
+            "does not document: see docs/DRIVE.md)"
+        )
     return note

@@ -50,17 +50,26 @@ from ckptsdk.errors import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["main", "EXIT_OK", "EXIT_FAILED", "EXIT_USAGE", "EXIT_STORAGE", "EXIT_CHECKPOINT",
-           "EXIT_INTERRUPTED", "EXIT_BROKEN_PIPE"]
+__all__ = [
+    "main",
+    "EXIT_OK",
+    "EXIT_FAILED",
+    "EXIT_USAGE",
+    "EXIT_STORAGE",
+    "EXIT_CHECKPOINT",
+    "EXIT_INTERRUPTED",
+    "EXIT_BROKEN_PIPE",
+]
+
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="ckptsdk",
         description="Inspect, verify, audit and tidy a ckptsdk checkpoint root (a path, drive://REL, gs://BUCKET/PREFIX).",
         epilog="exit codes: 0 ok, 1 a check failed (verify, audit --strict), 2 usage, 3 storage or lease, "
-               "4 no checkpoint root or no such/valid checkpoint, 130 interrupted, 141 reader closed the pipe. "
-               "gs:// uses the ambient credentials or "
-               "STORAGE_EMULATOR_HOST; add --storage-option KEY=VALUE for gcsfs.",
+        "4 no checkpoint root or no such/valid checkpoint, 130 interrupted, 141 reader closed the pipe. "
+        "gs:// uses the ambient credentials or "
+        "STORAGE_EMULATOR_HOST; add --storage-option KEY=VALUE for gcsfs.",
     )
     p.add_argument("-v", "--verbose", action="count", default=0, help="log more (-v info, -vv debug) to stderr")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -69,8 +78,12 @@ def _parser() -> argparse.ArgumentParser:
         sp = sub.add_parser(name, help=help_, description=help_)
         sp.add_argument("url", metavar="URL", help="checkpoint root")
         sp.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
-        sp.add_argument("--storage-option", action="append", metavar="KEY=VALUE",
-                        help="fsspec/gcsfs storage option (repeatable), e.g. token=anon")
+        sp.add_argument(
+            "--storage-option",
+            action="append",
+            metavar="KEY=VALUE",
+            help="fsspec/gcsfs storage option (repeatable), e.g. token=anon",
+        )
         return sp
 
     checkpoints.register(add)  # ls, show, verify, du
@@ -94,8 +107,9 @@ def _fail(args: argparse.Namespace, code: int, kind: str, message: str) -> int:
     message = " ".join(message.split())  # one line, whatever the library wrote
     sys.stderr.write(f"ckptsdk: error: {message}\n")
     if args.json:
-        emit_json({"command": args.command, "url": args.url,
-                   "error": {"type": kind, "message": message, "exit_code": code}})
+        emit_json(
+            {"command": args.command, "url": args.url, "error": {"type": kind, "message": message, "exit_code": code}}
+        )
     return code
 
 

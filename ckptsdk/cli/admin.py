@@ -64,13 +64,18 @@ def cmd_lease(args: argparse.Namespace) -> int:
     broken: dict[str, Any] | None = None
     if args.break_lease and (unreadable or (record is not None and not record.released)):
         if not store.capabilities.immediately_consistent:
-            sys.stderr.write("ckptsdk: breaking the lease; on this store the takeover waits a settle "
-                             "time (about a minute) before it is confirmed\n")
+            sys.stderr.write(
+                "ckptsdk: breaking the lease; on this store the takeover waits a settle "
+                "time (about a minute) before it is confirmed\n"
+            )
         lease = Lease(store, force=True, run_id=record.run_id if record is not None else None)
         lease.acquire()  # a new epoch: the old holder is fenced from its next renewal on
         lease.release()  # ...and the lease is left free for the next writer
-        broken = ({"epoch": record.epoch, "holder": record.holder.model_dump(mode="json")} if record
-                  else {"epoch": None, "holder": {"host": "?", "pid": None}, "unreadable": unreadable})
+        broken = (
+            {"epoch": record.epoch, "holder": record.holder.model_dump(mode="json")}
+            if record
+            else {"epoch": None, "holder": {"host": "?", "pid": None}, "unreadable": unreadable}
+        )
         record = read_lease(store)
     doc = {"command": "lease", "url": args.url, "lease": _lease_doc(record) if record else None, "broken": broken}
     if args.json:
@@ -79,8 +84,10 @@ def cmd_lease(args: argparse.Namespace) -> int:
     if broken is not None and unreadable:
         print(f"broke an unreadable lease ({unreadable}); the lease is free")
     elif broken is not None:
-        print(f"broke the lease of host {broken['holder']['host']!r} pid {broken['holder']['pid']} (epoch "
-              f"{broken['epoch']}); it is fenced and the lease is free")
+        print(
+            f"broke the lease of host {broken['holder']['host']!r} pid {broken['holder']['pid']} (epoch "
+            f"{broken['epoch']}); it is fenced and the lease is free"
+        )
     elif args.break_lease:
         print("nothing to break: " + ("no lease" if record is None else "the lease is already released"))
     if record is None:
@@ -95,11 +102,15 @@ def cmd_lease(args: argparse.Namespace) -> int:
     print(f"  acquired  {record.acquired_at} (holder's clock)")
     print(f"  renewed   {record.renewed_at} (holder's clock), {record.renewals} renewals, ttl {record.ttl:g} s")
     if age is not None:
-        print(f"  age       {age:.0f} s since the last renewal, as this machine's clock reads it "
-              "(clocks of two machines can disagree)")
+        print(
+            f"  age       {age:.0f} s since the last renewal, as this machine's clock reads it "
+            "(clocks of two machines can disagree)"
+        )
     if d["state"] == "stale":
-        print("  the holder looks dead; a new writer takes over after watching the lease for one ttl, "
-              "or at once with `ckptsdk lease URL --break --yes-i-am-sure`")
+        print(
+            "  the holder looks dead; a new writer takes over after watching the lease for one ttl, "
+            "or at once with `ckptsdk lease URL --break --yes-i-am-sure`"
+        )
     return EXIT_OK
 
 
@@ -114,8 +125,17 @@ def cmd_gc(args: argparse.Namespace) -> int:
         report = mgr.gc(keep_last=args.keep_last, dry_run=args.dry_run)
     deleted, reasons, sizes = list(report.deleted), dict(report.reasons), dict(report.sizes)
     if args.json:
-        emit_json({"command": "gc", "url": args.url, "dry_run": args.dry_run, "deleted": deleted, "reasons": reasons,
-                   "sizes": sizes, "trash_bytes": report.trash_bytes})
+        emit_json(
+            {
+                "command": "gc",
+                "url": args.url,
+                "dry_run": args.dry_run,
+                "deleted": deleted,
+                "reasons": reasons,
+                "sizes": sizes,
+                "trash_bytes": report.trash_bytes,
+            }
+        )
         return EXIT_OK
     verb = "would delete" if args.dry_run else "deleted"
     if not deleted:
@@ -133,8 +153,12 @@ def cmd_gc(args: argparse.Namespace) -> int:
 def register(add: Callable[[str, str], argparse.ArgumentParser]) -> None:
     """Add these commands to the parser (``add(name, help)`` makes a subcommand taking URL)."""
     sp = add("lease", "show the writer lease: holder, epoch, age; --break to free it")
-    sp.add_argument("--break", dest="break_lease", action="store_true",
-                    help="take the lease over (fencing its holder) and release it")
+    sp.add_argument(
+        "--break",
+        dest="break_lease",
+        action="store_true",
+        help="take the lease over (fencing its holder) and release it",
+    )
     sp.add_argument("--yes-i-am-sure", action="store_true", help="confirm --break")
     sp.set_defaults(fn=cmd_lease)
     sp = add("gc", "delete rotated-out checkpoints, orphans of superseded writers and crashed leftovers")

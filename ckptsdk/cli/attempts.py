@@ -36,28 +36,51 @@ def cmd_audit(args: argparse.Namespace) -> int:
         else:
             logger.warning("nothing logged under %s/runlog/: no plot written", args.url)
     if args.json:
-        doc = {"command": "audit", "url": args.url, "ok": report.ok, "plot": plot_path,
-               "report": json.loads(report.model_dump_json())}
+        doc = {
+            "command": "audit",
+            "url": args.url,
+            "ok": report.ok,
+            "plot": plot_path,
+            "report": json.loads(report.model_dump_json()),
+        }
         emit_json(doc)
     else:
         print(f"audit of {args.url}: {report.verdict}")
         if report.attempts:
             print()
-            print(table(
-                [[a.attempt, a.lease_epoch, a.host, a.device, a.steps, a.first_step, a.last_step,
-                  a.resumed_from_step if a.resumed_from_step is not None else "start", "yes" if a.closed else "no"]
-                 for a in report.attempts],
-                ["ATTEMPT", "EPOCH", "HOST", "DEVICE", "STEPS", "FIRST", "LAST", "RESUMED FROM", "CLOSED"],
-            ))
+            print(
+                table(
+                    [
+                        [
+                            a.attempt,
+                            a.lease_epoch,
+                            a.host,
+                            a.device,
+                            a.steps,
+                            a.first_step,
+                            a.last_step,
+                            a.resumed_from_step if a.resumed_from_step is not None else "start",
+                            "yes" if a.closed else "no",
+                        ]
+                        for a in report.attempts
+                    ],
+                    ["ATTEMPT", "EPOCH", "HOST", "DEVICE", "STEPS", "FIRST", "LAST", "RESUMED FROM", "CLOSED"],
+                )
+            )
         print()
         if report.overlaps:
             for o in report.overlaps:
-                print(f"steps logged by attempts {', '.join(map(str, o.attempts))}: {o.first_step}..{o.last_step} "
-                      f"({o.steps} steps)")
+                print(
+                    f"steps logged by attempts {', '.join(map(str, o.attempts))}: {o.first_step}..{o.last_step} "
+                    f"({o.steps} steps)"
+                )
             print()
-            print(table([[n, fmt_float(d.max_abs_diff), d.at_step, d.compared_steps]
-                         for n, d in report.scalars.items()],
-                        ["SCALAR", "MAX |DIFF|", "AT STEP", "COMPARED"]))
+            print(
+                table(
+                    [[n, fmt_float(d.max_abs_diff), d.at_step, d.compared_steps] for n, d in report.scalars.items()],
+                    ["SCALAR", "MAX |DIFF|", "AT STEP", "COMPARED"],
+                )
+            )
             if report.first_divergence is not None:
                 d = report.first_divergence
                 vals = ", ".join(f"attempt {a}: {v!r}" for a, v in d.values.items())

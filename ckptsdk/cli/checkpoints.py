@@ -47,8 +47,14 @@ def _status(info: CheckpointInfo) -> str:
         # What the listing checked (only `verify` re-hashes the bytes); an anchor is a takeover's
         # re-commit of its resume point; copies: the other folders of the step.
         copies = len(info.copies)
-        extra = [x for x in ("anchor" if info.anchor else "",
-                             f"+{copies} cop{'y' if copies == 1 else 'ies'}" if copies else "") if x]
+        extra = [
+            x
+            for x in (
+                "anchor" if info.anchor else "",
+                f"+{copies} cop{'y' if copies == 1 else 'ies'}" if copies else "",
+            )
+            if x
+        ]
         return "sizes ok" + (f" ({', '.join(extra)})" if extra else "")
     return info.reason or "invalid"
 
@@ -65,16 +71,23 @@ def cmd_ls(args: argparse.Namespace) -> int:
         print(f"no checkpoints under {args.url}")
         return EXIT_OK
     cells = [
-        [r["step"], r["train_epoch"], human_size(r["size"]),
-         f"e{r['lease_epoch']}/a{r['attempt'] if r['attempt'] is not None else '?'}",
-         short_time(r["created_at"]), _status(i)]
+        [
+            r["step"],
+            r["train_epoch"],
+            human_size(r["size"]),
+            f"e{r['lease_epoch']}/a{r['attempt'] if r['attempt'] is not None else '?'}",
+            short_time(r["created_at"]),
+            _status(i),
+        ]
         for r, i in zip(rows, infos, strict=True)
     ]
     print(table(cells, ["STEP", "EPOCH", "SIZE", "WRITER", "CREATED", "STATUS"]))
     valid = sum(1 for r in rows if r["valid"])
-    print(f"\n{len(rows)} steps under {args.url} (one row per step, the highest writer's), {valid} "
-          "restorable by their manifest and file sizes (WRITER: lease epoch/attempt); "
-          "`ckptsdk verify URL --all` re-hashes the bytes")
+    print(
+        f"\n{len(rows)} steps under {args.url} (one row per step, the highest writer's), {valid} "
+        "restorable by their manifest and file sizes (WRITER: lease epoch/attempt); "
+        "`ckptsdk verify URL --all` re-hashes the bytes"
+    )
     return EXIT_OK
 
 
@@ -82,8 +95,9 @@ def _tensor_rows(mgr: Any, key: str) -> list[dict[str, Any]]:
     """Tensor name, dtype, shape and byte size from a tensor file's header (bounded, checked)."""
     from ckptsdk.format.tensorfile import read_header  # the one header parser (torch: only when showing tensors)
 
-    rows = [{"name": e.name, "dtype": e.code, "shape": e.shape, "bytes": e.nbytes}
-            for e in read_header(mgr.backend, key)]
+    rows = [
+        {"name": e.name, "dtype": e.code, "shape": e.shape, "bytes": e.nbytes} for e in read_header(mgr.backend, key)
+    ]
     return sorted(rows, key=lambda r: r["name"])
 
 
@@ -104,15 +118,25 @@ def cmd_show(args: argparse.Namespace) -> int:
             tensor_error = f"{exc}; `ckptsdk verify {args.url} --step {manifest.step}` checks it"
     m = json.loads(manifest.to_json())
     if args.json:
-        emit_json({"command": "show", "url": args.url, "key": info.key, "manifest": m, "tensors": tensors,
-                   "tensor_file_error": tensor_error})
+        emit_json(
+            {
+                "command": "show",
+                "url": args.url,
+                "key": info.key,
+                "manifest": m,
+                "tensors": tensors,
+                "tensor_file_error": tensor_error,
+            }
+        )
         return EXIT_OK
     w, pos = m["writer"], m["position"]
     print(f"checkpoint {args.url}/{info.key}")
     print(f"  step        {m['step']}   (epoch {pos.get('epoch')}, batch {pos.get('batch_idx')})")
     print(f"  created     {m['created_at']}")
-    print(f"  writer      run {w['run_id']}, attempt {w['attempt']}, lease epoch {w['lease_epoch']}, "
-          f"host {w['host']} pid {w['pid']}, resumed from {w.get('resumed_from_step')}")
+    print(
+        f"  writer      run {w['run_id']}, attempt {w['attempt']}, lease epoch {w['lease_epoch']}, "
+        f"host {w['host']} pid {w['pid']}, resumed from {w.get('resumed_from_step')}"
+    )
     env = m.get("environment") or {}
     if env:
         print("  environment " + ", ".join(f"{k} {v}" for k, v in env.items()))
@@ -121,15 +145,23 @@ def cmd_show(args: argparse.Namespace) -> int:
     if m.get("tags"):
         print("  tags        " + ", ".join(f"{k}={v}" for k, v in m["tags"].items()))
     print("\nfiles")
-    print(table([[f["name"], human_size(f["size"]), f"{f['algorithm']}:{f['digest']}"] for f in m["files"]],
-                ["NAME", "SIZE", "DIGEST"]))
+    print(
+        table(
+            [[f["name"], human_size(f["size"]), f"{f['algorithm']}:{f['digest']}"] for f in m["files"]],
+            ["NAME", "SIZE", "DIGEST"],
+        )
+    )
     if tensor_error:
         print(f"\ntensors: unreadable: {tensor_error}")
     if tensors:
         total = sum(t["bytes"] for t in tensors)
         print(f"\ntensors ({len(tensors)}, {human_size(total)})")
-        print(table([[t["name"], t["dtype"], "x".join(map(str, t["shape"])) or "()", t["bytes"]] for t in tensors],
-                    ["NAME", "DTYPE", "SHAPE", "BYTES"]))
+        print(
+            table(
+                [[t["name"], t["dtype"], "x".join(map(str, t["shape"])) or "()", t["bytes"]] for t in tensors],
+                ["NAME", "DTYPE", "SHAPE", "BYTES"],
+            )
+        )
     return EXIT_OK
 
 
@@ -155,20 +187,37 @@ def cmd_verify(args: argparse.Namespace) -> int:
     results = []
     for info in sorted(targets, key=lambda i: (i.step, i.epoch)):
         verdict = mgr.check(info)
-        results.append({"step": info.step, "key": info.key, "lease_epoch": info.epoch, "status": verdict.status,
-                        "rehashed": verdict.rehashed, "reason": verdict.reason})
+        results.append(
+            {
+                "step": info.step,
+                "key": info.key,
+                "lease_epoch": info.epoch,
+                "status": verdict.status,
+                "rehashed": verdict.rehashed,
+                "reason": verdict.reason,
+            }
+        )
     bad = [r for r in results if r["status"] == "CORRUPT"]
     if args.json:
         emit_json({"command": "verify", "url": args.url, "ok": not bad, "checked": results})
     elif not results:
         print(f"no committed checkpoints under {args.url}: nothing to verify")
     else:
-        print(table([[r["step"], r["key"], r["status"], "yes" if r["rehashed"] else "no", r["reason"] or ""]
-                     for r in results], ["STEP", "FOLDER", "STATUS", "REHASHED", "DETAIL"]))
+        print(
+            table(
+                [
+                    [r["step"], r["key"], r["status"], "yes" if r["rehashed"] else "no", r["reason"] or ""]
+                    for r in results
+                ],
+                ["STEP", "FOLDER", "STATUS", "REHASHED", "DETAIL"],
+            )
+        )
         print()
         if bad:
-            print(f"{len(bad)} corrupt checkpoint(s) under {args.url}: restore() skips them and uses the "
-                  "newest valid one; `ckptsdk gc URL` removes them")
+            print(
+                f"{len(bad)} corrupt checkpoint(s) under {args.url}: restore() skips them and uses the "
+                "newest valid one; `ckptsdk gc URL` removes them"
+            )
         else:
             print(f"all {len(results)} checked checkpoint(s) intact")
     if bad:
@@ -191,7 +240,8 @@ def cmd_du(args: argparse.Namespace) -> int:
 def register(add: Callable[[str, str], argparse.ArgumentParser]) -> None:
     """Add these commands to the parser (``add(name, help)`` makes a subcommand taking URL)."""
     add("ls", "list checkpoints: step, epoch, size, writer (lease epoch/attempt), valid or why not").set_defaults(
-        fn=cmd_ls)
+        fn=cmd_ls
+    )
     sp = add("show", "show a checkpoint's manifest and tensor table (newest valid one by default)")
     sp.add_argument("--step", type=int, help="which step (default: the newest valid checkpoint)")
     sp.set_defaults(fn=cmd_show)
@@ -201,5 +251,5 @@ def register(add: Callable[[str, str], argparse.ArgumentParser]) -> None:
     group.add_argument("--step", type=int, help="re-hash the checkpoint(s) of this step")
     sp.set_defaults(fn=cmd_verify)
     add("du", "bytes held: committed, anchor, duplicate, uncommitted, orphaned; Drive trash estimate").set_defaults(
-        fn=cmd_du)
-
+        fn=cmd_du
+    )

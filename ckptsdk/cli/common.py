@@ -21,9 +21,27 @@ if TYPE_CHECKING:  # both import torch or fsspec: commands import them when they
     from ckptsdk.backends.base import Backend
     from ckptsdk.manager import CheckpointManager
 
-__all__ = ["EXIT_BROKEN_PIPE", "EXIT_CHECKPOINT", "EXIT_FAILED", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_STORAGE",
-           "EXIT_USAGE", "Failed", "UsageError", "backend", "emit_json", "fmt_float", "human_size", "manager",
-           "parse_wall", "require_root", "short_time", "storage_options", "table"]
+__all__ = [
+    "EXIT_BROKEN_PIPE",
+    "EXIT_CHECKPOINT",
+    "EXIT_FAILED",
+    "EXIT_INTERRUPTED",
+    "EXIT_OK",
+    "EXIT_STORAGE",
+    "EXIT_USAGE",
+    "Failed",
+    "UsageError",
+    "backend",
+    "emit_json",
+    "fmt_float",
+    "human_size",
+    "manager",
+    "parse_wall",
+    "require_root",
+    "short_time",
+    "storage_options",
+    "table",
+]
 
 
 # The exit codes (the package docstring says when each happens; README.md lists them).
@@ -79,8 +97,8 @@ def require_root(store: Backend, url: str) -> None:
     if store.exists(LEASE_KEY) or store.list(""):
         return
     raise NoCheckpointRootError(
-        f"no checkpoint root at {url}: nothing is stored there (no {LEASE_KEY}, no checkpoint); "
-        "check the URL", url=url)
+        f"no checkpoint root at {url}: nothing is stored there (no {LEASE_KEY}, no checkpoint); check the URL", url=url
+    )
 
 
 def human_size(n: int | None) -> str:

@@ -20,13 +20,21 @@ def cmd_import(args: argparse.Namespace) -> int:
     from ckptsdk.porting.torch_import import import_torch_checkpoint
 
     info = import_torch_checkpoint(
-        args.file, args.url, allow_numpy_rng=args.allow_numpy_rng, step=args.step, drop=args.drop or (),
-        storage_options=storage_options(args.storage_option), force=args.force)
+        args.file,
+        args.url,
+        allow_numpy_rng=args.allow_numpy_rng,
+        step=args.step,
+        drop=args.drop or (),
+        storage_options=storage_options(args.storage_option),
+        force=args.force,
+    )
     if args.json:
         emit_json({"command": "import", "url": args.url, "file": args.file, "step": info.step, "key": info.key})
     else:
-        print(f"imported {args.file} as step {info.step} ({info.key}) under {args.url}; resume with "
-              "mgr.restore(TrainState(model=..., optimizer=..., scheduler=..., scaler=...))")
+        print(
+            f"imported {args.file} as step {info.step} ({info.key}) under {args.url}; resume with "
+            "mgr.restore(TrainState(model=..., optimizer=..., scheduler=..., scaler=...))"
+        )
     return EXIT_OK
 
 
@@ -45,14 +53,22 @@ def cmd_export(args: argparse.Namespace) -> int:
             raise UsageError(f"--tied expects REMOVED=KEPT, got {pair!r}")
         tied.append((gone, kept))
     # A distributed checkpoint with --object/--tied is a ConfigError: exit 2, as usage.
-    report = export_safetensors(url, args.out, step=step, object_path=args.object, tied=tied,
-                                storage_options=storage_options(args.storage_option))
+    report = export_safetensors(
+        url,
+        args.out,
+        step=step,
+        object_path=args.object,
+        tied=tied,
+        storage_options=storage_options(args.storage_option),
+    )
     if args.json:
         emit_json({"command": "export", "url": url, **report})
     else:
         count = "all" if report["tensors"] is None else report["tensors"]
-        print(f"wrote {count} tensors of step {report['step']} ({report['object']}) to {args.out}"
-              + (f"; tied, left out: {json.dumps(report['removed'])}" if report["removed"] else ""))
+        print(
+            f"wrote {count} tensors of step {report['step']} ({report['object']}) to {args.out}"
+            + (f"; tied, left out: {json.dumps(report['removed'])}" if report["removed"] else "")
+        )
     return EXIT_OK
 
 
@@ -61,12 +77,18 @@ def register(sub: Any) -> None:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--json", action="store_true", help="print one JSON document")
     common.add_argument("--storage-option", action="append", metavar="KEY=VALUE", help="fsspec/gcsfs storage option")
-    sp = sub.add_parser("import", parents=[common], help="commit a torch.save checkpoint (.pt) as a new root's first "
-                        "checkpoint, read with weights_only=True")
+    sp = sub.add_parser(
+        "import",
+        parents=[common],
+        help="commit a torch.save checkpoint (.pt) as a new root's first checkpoint, read with weights_only=True",
+    )
     sp.add_argument("file", metavar="FILE.pt")
     sp.add_argument("url", metavar="URL", help="a checkpoint root without checkpoints")
-    sp.add_argument("--allow-numpy-rng", action="store_true",
-                    help="accept the 4 numpy globals np.random.get_state() needs (nothing else)")
+    sp.add_argument(
+        "--allow-numpy-rng",
+        action="store_true",
+        help="accept the 4 numpy globals np.random.get_state() needs (nothing else)",
+    )
     sp.add_argument("--step", type=int, help="the step to record (default: the file's 'step'/'global_step')")
     sp.add_argument("--drop", action="append", metavar="KEY", help="leave this key of the file out (repeatable)")
     sp.add_argument("--force", action="store_true", help="break a live writer lease on URL")
@@ -74,8 +96,15 @@ def register(sub: Any) -> None:
     sp = sub.add_parser("export", parents=[common], help="write a checkpoint's model weights to one .safetensors file")
     sp.add_argument("url", metavar="URL[@STEP]", help="checkpoint root, optionally @STEP (default: newest valid)")
     sp.add_argument("out", metavar="OUT.safetensors")
-    sp.add_argument("--object", metavar="PATH", help="where the state dict is in the tree (default: objects/model, "
-                    "objects/model_0 or lightning/state_dict)")
-    sp.add_argument("--tied", action="append", metavar="REMOVED=KEPT",
-                    help="declare a tied weight: written once, recorded in the metadata as save_model does")
+    sp.add_argument(
+        "--object",
+        metavar="PATH",
+        help="where the state dict is in the tree (default: objects/model, objects/model_0 or lightning/state_dict)",
+    )
+    sp.add_argument(
+        "--tied",
+        action="append",
+        metavar="REMOVED=KEPT",
+        help="declare a tied weight: written once, recorded in the metadata as save_model does",
+    )
     sp.set_defaults(fn=cmd_export)

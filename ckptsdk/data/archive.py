@@ -129,6 +129,12 @@ def safe_extract(archive: str, target: str) -> list[str]:
     finally:
         shutil.rmtree(stage, ignore_errors=True)
     size = os.path.getsize(archive)
-    logger.info("extracted %s (%d members, %d bytes) into %s in %.2f s",
-                archive, len(names), size, target, time.monotonic() - start)
+    logger.info(
+        "extracted %s (%d members, %d bytes) into %s in %.2f s",
+        archive,
+        len(names),
+        size,
+        target,
+        time.monotonic() - start,
+    )
     return names

@@ -129,8 +129,9 @@ class DataCache:
         try:
             return parse_entry(raw, self._meta_key(name))
         except DataError as exc:
-            logger.warning("cache meta for %r under %s is unreadable (%s); treating the entry as absent",
-                           name, self.url, exc)
+            logger.warning(
+                "cache meta for %r under %s is unreadable (%s); treating the entry as absent", name, self.url, exc
+            )
             return None
 
     def _read_sidecar(self, local_dir: str, name: str) -> CacheEntry | None:
@@ -144,13 +145,13 @@ class DataCache:
             logger.warning("ignoring the local record %s: %s", path, exc)
             return None
 
-    def _write_sidecar(self, local_dir: str, name: str, *, algorithm: str, digest: str, size: int,
-                       source: str) -> None:
+    def _write_sidecar(self, local_dir: str, name: str, *, algorithm: str, digest: str, size: int, source: str) -> None:
         path = self._sidecar(local_dir, name)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         tmp = f"{path}{_TMP}{os.getpid()}"
-        entry = CacheEntry(name=name, size=size, algorithm=algorithm, digest=digest, source=source,
-                           stored_at=time.time())
+        entry = CacheEntry(
+            name=name, size=size, algorithm=algorithm, digest=digest, source=source, stored_at=time.time()
+        )
         with open(tmp, "wb") as f:
             f.write(entry.to_json())
         os.replace(tmp, path)
@@ -188,8 +189,9 @@ class DataCache:
             return existing if existing is not None else record
 
     # ------------------------------------------------------------- publish
-    def publish(self, name: str, path: str, *, algorithm: str | None = None, digest: str | None = None,
-                source: str = "local") -> CacheEntry:
+    def publish(
+        self, name: str, path: str, *, algorithm: str | None = None, digest: str | None = None, source: str = "local"
+    ) -> CacheEntry:
         """Copy the local file ``path`` into the cache as ``name``, read it back, verify, commit.
 
         The blob is written first (every backend publishes atomically), then read back and
@@ -228,18 +230,28 @@ class DataCache:
             raise DigestMismatchError(
                 f"the cache {self.url} returned different bytes for {name!r} right after writing them "
                 f"({algorithm} {back} != {digest}); the storage is unreliable",
-                source=self.url or "", expected=digest, actual=back,
+                source=self.url or "",
+                expected=digest,
+                actual=back,
             )
-        entry = CacheEntry(name=name, size=size, algorithm=algorithm, digest=digest, source=source,
-                           stored_at=time.time())
+        entry = CacheEntry(
+            name=name, size=size, algorithm=algorithm, digest=digest, source=source, stored_at=time.time()
+        )
         self.backend.write(self._meta_key(name), entry.to_json())
         seconds = time.monotonic() - start
-        logger.info("published %r into the cache %s: %d bytes in %.2f s (%.1f MiB/s, verified)",
-                    name, self.url, size, seconds, _speed(size, seconds))
+        logger.info(
+            "published %r into the cache %s: %d bytes in %.2f s (%.1f MiB/s, verified)",
+            name,
+            self.url,
+            size,
+            seconds,
+            _speed(size, seconds),
+        )
         return entry
 
-    def adopt(self, name: str, *, local_dir: str, algorithm: str = DEFAULT, source: str = "derived",
-              publish: bool = True) -> Fetched:
+    def adopt(
+        self, name: str, *, local_dir: str, algorithm: str = DEFAULT, source: str = "derived", publish: bool = True
+    ) -> Fetched:
         """Register a file this runtime produced at ``{local_dir}/{name}`` (e.g. decoded tensors).
 
         Records its digest (``algorithm``, by default ``digest.DEFAULT``) next to it, so the next
@@ -320,8 +332,10 @@ class DataCache:
             except BackendError as exc:
                 failures["cache"] = f"cache unreadable: {exc}"
         if entry is not None and digest is not None and (entry.algorithm, entry.digest) != (algorithm, digest):
-            failures["cache"] = (f"cache entry has {entry.algorithm} {entry.digest}, not the pinned "
-                                 f"{algorithm} {digest}; it will be replaced")
+            failures["cache"] = (
+                f"cache entry has {entry.algorithm} {entry.digest}, not the pinned "
+                f"{algorithm} {digest}; it will be replaced"
+            )
             logger.warning("data cache %s: %s", self.url, failures["cache"])
             entry = None
         # What every copy must match: pinned, else the cache's record, else this runtime's sidecar.
@@ -357,10 +371,15 @@ class DataCache:
                 logger.warning("data cache %s: %s", self.url, failures["cache"])
             else:
                 if got is None:
-                    self._write_sidecar(local_dir, name, algorithm=expect[0], digest=expect[1],
-                                        size=os.path.getsize(path), source="cache")
-                    return self._done(name, path, "cache", os.path.getsize(path), expect[0], expect[1],
-                                      start, failures)
+                    self._write_sidecar(
+                        local_dir,
+                        name,
+                        algorithm=expect[0],
+                        digest=expect[1],
+                        size=os.path.getsize(path),
+                        source="cache",
+                    )
+                    return self._done(name, path, "cache", os.path.getsize(path), expect[0], expect[1], start, failures)
                 failures["cache"] = got
         elif self.backend is not None and "cache" not in failures:
             failures["cache"] = f"not in the cache {self.url}"
@@ -369,8 +388,9 @@ class DataCache:
         for url in sources:
             tmp = f"{path}{_TMP}{xxhash.xxh64_hexdigest(url.encode())}"
             try:
-                dl = download(url, tmp, timeout=self.timeout, retries=self.retries, backoff=self.backoff,
-                              progress=self.progress)
+                dl = download(
+                    url, tmp, timeout=self.timeout, retries=self.retries, backoff=self.backoff, progress=self.progress
+                )
             except DownloadError as exc:
                 failures[url] = str(exc)
                 logger.warning("source %s failed: %s", url, exc)
@@ -381,7 +401,9 @@ class DataCache:
                 err = DigestMismatchError(
                     f"{url} gave wrong bytes for {name!r}: {alg} {actual}, expected {expect[1]} "
                     f"({dl.size} bytes); trying the next source",
-                    source=url, expected=expect[1], actual=actual,
+                    source=url,
+                    expected=expect[1],
+                    actual=actual,
                 )
                 failures[url] = str(err)
                 logger.warning("%s", err)
@@ -401,7 +423,8 @@ class DataCache:
         raise AllSourcesFailedError(
             f"could not get a verified copy of {name!r}; every source failed:\n{lines}\n"
             "Check the network and the URLs, or pass a mirror",
-            name=name, failures=failures,
+            name=name,
+            failures=failures,
         )
 
     def _try_publish(self, name: str, path: str, algorithm: str, digest: str, source: str) -> None:
@@ -420,8 +443,11 @@ class DataCache:
         size = 0
         try:
             total = self.backend.stat(self._blob_key(name)).size
-            with self.backend.open(self._blob_key(name)) as src, open(tmp, "wb") as out, \
-                    progress_bar(total, 0, os.path.basename(path), self.progress) as bar:
+            with (
+                self.backend.open(self._blob_key(name)) as src,
+                open(tmp, "wb") as out,
+                progress_bar(total, 0, os.path.basename(path), self.progress) as bar,
+            ):
                 while chunk := src.read(_CHUNK):
                     h.update(chunk)
                     out.write(chunk)
@@ -438,20 +464,43 @@ class DataCache:
         actual = h.hexdigest()
         if actual != expect[1]:
             os.remove(tmp)
-            why = (f"cache entry {self._blob_key(name)!r} is corrupt: {expect[0]} {actual} != recorded "
-                   f"{expect[1]}; it will be fetched again and repaired")
+            why = (
+                f"cache entry {self._blob_key(name)!r} is corrupt: {expect[0]} {actual} != recorded "
+                f"{expect[1]}; it will be fetched again and repaired"
+            )
             logger.warning("data cache %s: %s", self.url, why)
             return why
         os.replace(tmp, path)
         seconds = time.monotonic() - start
-        logger.info("copied %r from the cache %s: %d bytes in %.2f s (%.1f MiB/s, verified)",
-                    name, self.url, size, seconds, _speed(size, seconds))
+        logger.info(
+            "copied %r from the cache %s: %d bytes in %.2f s (%.1f MiB/s, verified)",
+            name,
+            self.url,
+            size,
+            seconds,
+            _speed(size, seconds),
+        )
         return None
 
     @staticmethod
-    def _done(name: str, path: str, source: str, size: int, algorithm: str, digest: str, start: float,
-              failures: dict[str, str]) -> Fetched:
+    def _done(
+        name: str,
+        path: str,
+        source: str,
+        size: int,
+        algorithm: str,
+        digest: str,
+        start: float,
+        failures: dict[str, str],
+    ) -> Fetched:
         seconds = time.monotonic() - start
-        logger.info("%r ready from %s: %s (%d bytes, %.2f s, %.1f MiB/s)",
-                    name, source, path, size, seconds, _speed(size, seconds))
+        logger.info(
+            "%r ready from %s: %s (%d bytes, %.2f s, %.1f MiB/s)",
+            name,
+            source,
+            path,
+            size,
+            seconds,
+            _speed(size, seconds),
+        )
         return Fetched(name, path, source, size, algorithm, digest, seconds, dict(failures))

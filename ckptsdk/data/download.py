@@ -64,8 +64,15 @@ def progress_bar(total: int | None, initial: int, desc: str, enabled: bool) -> A
     from tqdm.auto import tqdm  # late: tqdm is only needed once something is copied
 
     return tqdm(
-        total=total, initial=initial, unit="B", unit_scale=True, unit_divisor=1024,
-        desc=desc, disable=not enabled, leave=False, mininterval=0.5,
+        total=total,
+        initial=initial,
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        desc=desc,
+        disable=not enabled,
+        leave=False,
+        mininterval=0.5,
     )
 
 
@@ -167,9 +174,10 @@ def download(
                 os.remove(part)
             elif exc.code not in _RETRY_STATUS:
                 raise DownloadError(
-                    f"downloading {url} failed with HTTP {exc.code} {exc.reason}; "
-                    "check the URL (a 4xx is not retried)",
-                    url=url, status=exc.code, attempts=attempts,
+                    f"downloading {url} failed with HTTP {exc.code} {exc.reason}; check the URL (a 4xx is not retried)",
+                    url=url,
+                    status=exc.code,
+                    attempts=attempts,
                 ) from exc
         except (urllib.error.URLError, http.client.HTTPException, OSError) as exc:  # resets, timeouts too
             reason = getattr(exc, "reason", None) if isinstance(exc, urllib.error.URLError) else None
@@ -180,18 +188,29 @@ def download(
             result = Downloaded(url, path, received, seconds, attempts, kept_by_range)
             logger.info(
                 "downloaded %s: %d bytes in %.2f s (%.1f MiB/s), %d attempt(s), %d bytes resumed",
-                url, received, seconds, result.mib_per_s, attempts, kept_by_range,
+                url,
+                received,
+                seconds,
+                result.mib_per_s,
+                attempts,
+                kept_by_range,
             )
             return result
         if attempt < retries:
             delay = min(backoff * (2**attempt), 30.0)
             logger.warning(
                 "download of %s failed (%s), attempt %d of %d; retrying in %.1f s",
-                url, last_error, attempt + 1, retries + 1, delay,
+                url,
+                last_error,
+                attempt + 1,
+                retries + 1,
+                delay,
             )
             sleep(delay)
     raise DownloadError(
         f"downloading {url} failed after {attempts} attempt(s); last error: {last_error}. "
         "Check the network or use another source/mirror",
-        url=url, status=last_status, attempts=attempts,
+        url=url,
+        status=last_status,
+        attempts=attempts,
     )

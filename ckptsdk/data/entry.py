@@ -16,8 +16,17 @@ from ckptsdk.errors import CkptError, ConfigError, DataError
 from ckptsdk.format.digest import ALGORITHMS, DEFAULT, new_hasher
 from ckptsdk.format.document import Document, parse_document
 
-__all__ = ["CACHE_FORMAT", "RECORD_FORMAT", "CacheEntry", "DataRecord", "Fetched", "file_digest", "parse_entry",
-           "parse_record", "pinned_digest"]
+__all__ = [
+    "CACHE_FORMAT",
+    "RECORD_FORMAT",
+    "CacheEntry",
+    "DataRecord",
+    "Fetched",
+    "file_digest",
+    "parse_entry",
+    "parse_record",
+    "pinned_digest",
+]
 
 _CHUNK = 8 << 20
 #: 1.0: the first string format; before it, meta objects said ``"format": 1`` (an int, still read)
@@ -55,11 +64,13 @@ def pinned_digest(digest: str, algorithm: str | None = None) -> tuple[str, str]:
         if algorithm is None:
             raise ConfigError(
                 f"digest {digest!r} does not say its algorithm: write it as 'sha256:{digest}' (or "
-                f"{', '.join(repr(a + ':...') for a in ALGORITHMS if a != 'sha256')}), or pass algorithm=")
+                f"{', '.join(repr(a + ':...') for a in ALGORITHMS if a != 'sha256')}), or pass algorithm="
+            )
         named, hexpart = algorithm, digest
     elif algorithm is not None and algorithm != named:
-        raise ConfigError(f"digest {digest!r} is a {named} digest but algorithm={algorithm!r} was "
-                          "passed too; drop one of them")
+        raise ConfigError(
+            f"digest {digest!r} is a {named} digest but algorithm={algorithm!r} was passed too; drop one of them"
+        )
     new_hasher(named)  # an unknown algorithm: ConfigError listing the known ones
     return named, hexpart
 
@@ -83,7 +94,6 @@ class CacheEntry(Document):
     #: seconds since the epoch (this host's clock) when the blob was stored; None in local
     #: sidecars written before format 1.0.
     stored_at: float | None = None
-
 
 
 def parse_entry(data: bytes, key: str) -> CacheEntry:
@@ -121,8 +131,11 @@ def parse_record(data: bytes, key: str) -> dict[str, JsonValue]:
     def legacy(obj: dict[str, Any]) -> dict[str, Any] | None:
         # Before 1.0 the caller's dict was stored itself (and may hold a "format" of its own).
         fmt = obj.get("format")
-        return None if isinstance(fmt, str) and fmt.startswith("ckptsdk.datarecord/") else \
-            {"format": RECORD_FORMAT, "record": obj}
+        return (
+            None
+            if isinstance(fmt, str) and fmt.startswith("ckptsdk.datarecord/")
+            else {"format": RECORD_FORMAT, "record": obj}
+        )
 
     def error(message: str, step: int | None) -> CkptError:
         return DataError(f"{message}; delete {key!r} from the cache to record it again")

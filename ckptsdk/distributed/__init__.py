@@ -12,9 +12,14 @@ from typing import Any
 # Loaded on first use: importing ckptsdk.distributed.payload (the export's and the CLI's check for a
 # distributed checkpoint) must not import torch.distributed.checkpoint.
 _LAZY = {
-    "AppState": "state", "CkptStorageReader": "storage", "CkptStorageWriter": "storage",
-    "DistributedCheckpointManager": "manager", "JsonLoadPlanner": "storage", "JsonSavePlanner": "storage",
-    "export_consolidated": "export", "load_consolidated": "export",
+    "AppState": "state",
+    "CkptStorageReader": "storage",
+    "CkptStorageWriter": "storage",
+    "DistributedCheckpointManager": "manager",
+    "JsonLoadPlanner": "storage",
+    "JsonSavePlanner": "storage",
+    "export_consolidated": "export",
+    "load_consolidated": "export",
 }
 
 
@@ -30,6 +35,12 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "AppState", "CkptStorageReader", "CkptStorageWriter", "DistributedCheckpointManager",
-    "JsonLoadPlanner", "JsonSavePlanner", "export_consolidated", "load_consolidated",
+    "AppState",
+    "CkptStorageReader",
+    "CkptStorageWriter",
+    "DistributedCheckpointManager",
+    "JsonLoadPlanner",
+    "JsonSavePlanner",
+    "export_consolidated",
+    "load_consolidated",
 ]

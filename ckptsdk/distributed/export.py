@@ -60,7 +60,9 @@ def _choose(mgr: CheckpointManager, url: str, step: int | None) -> CheckpointInf
     if not good:
         raise NoValidCheckpointError(
             f"no valid checkpoint{'' if step is None else f' of step {step}'} under {url}; "
-            "`ckptsdk ls URL` lists the steps", url=url)
+            "`ckptsdk ls URL` lists the steps",
+            url=url,
+        )
     return max(good, key=lambda c: (c.step, c.rank))
 
 
@@ -83,7 +85,10 @@ def _load(backend: Backend, info: CheckpointInfo, *, where: str) -> tuple[dict[s
 
 
 def export_consolidated(
-    url: str, out_path: str | os.PathLike[str], step: int | None = None, *,
+    url: str,
+    out_path: str | os.PathLike[str],
+    step: int | None = None,
+    *,
     storage_options: Mapping[str, object] | None = None,
 ) -> int:
     """Write a distributed checkpoint as one safetensors file at ``out_path`` (atomically).
@@ -111,8 +116,9 @@ def export_consolidated(
     return info.step
 
 
-def write_consolidated(backend: Backend, info: CheckpointInfo, out_path: str | os.PathLike[str], *,
-                       source: str) -> None:
+def write_consolidated(
+    backend: Backend, info: CheckpointInfo, out_path: str | os.PathLike[str], *, source: str
+) -> None:
     """Write the distributed checkpoint ``info`` of ``backend`` as :func:`export_consolidated` does
     (``ckptsdk export`` calls this with the checkpoint it already picked)."""
     tensors, others = _load(backend, info, where=f"{source}/{info.key}")

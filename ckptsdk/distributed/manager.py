@@ -47,6 +47,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["DistributedCheckpointManager", "load_quietly"]
 
+
 class _Capture:
     """What the core manager's ``restore`` loads into on rank 0: the payload, nothing else.
 
@@ -103,14 +104,26 @@ class DistributedCheckpointManager:
     """
 
     def __init__(
-        self, url: str | Backend, *, group: dist.ProcessGroup | None = None, keep_last: int = 3,
-        keep_every: int | None = None, save_every: int | None = None, lease_ttl: float | None = None,
-        lease_wait: float | None = None, force: bool = False, storage_options: Mapping[str, object] | None = None,
-        run_id: str | None = None, async_save: bool = False, _simulation: Simulation | None = None,
+        self,
+        url: str | Backend,
+        *,
+        group: dist.ProcessGroup | None = None,
+        keep_last: int = 3,
+        keep_every: int | None = None,
+        save_every: int | None = None,
+        lease_ttl: float | None = None,
+        lease_wait: float | None = None,
+        force: bool = False,
+        storage_options: Mapping[str, object] | None = None,
+        run_id: str | None = None,
+        async_save: bool = False,
+        _simulation: Simulation | None = None,
     ) -> None:
         if not dist.is_initialized():
-            raise ConfigError("DistributedCheckpointManager needs torch.distributed initialised "
-                              "(dist.init_process_group); use ckptsdk.CheckpointManager in one process")
+            raise ConfigError(
+                "DistributedCheckpointManager needs torch.distributed initialised "
+                "(dist.init_process_group); use ckptsdk.CheckpointManager in one process"
+            )
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
@@ -136,12 +149,19 @@ class DistributedCheckpointManager:
         if self.rank == 0:
             try:
                 self._core = CheckpointManager(
-                    self.backend, keep_last=keep_last, keep_every=keep_every, save_every=save_every,
-                    lease_ttl=lease_ttl, lease_wait=lease_wait, force=force, run_id=run_id,
+                    self.backend,
+                    keep_last=keep_last,
+                    keep_every=keep_every,
+                    save_every=save_every,
+                    lease_ttl=lease_ttl,
+                    lease_wait=lease_wait,
+                    force=force,
+                    run_id=run_id,
                     _simulation=_simulation,
                     # Rank 0 alone would catch the signal and the other ranks would never join
                     # its last save: signals keep their default behaviour in distributed jobs.
-                    save_on_signal=False)
+                    save_on_signal=False,
+                )
             except CkptError as exc:
                 outcome, error = _describe(exc), exc
         self._agree(outcome, error)
@@ -178,9 +198,16 @@ class DistributedCheckpointManager:
     # ------------------------------------------------------------------ saving
 
     def save(
-        self, state: dict[str, Any], *, step: int, epoch: int | None = None, batch_idx: int | None = None,
-        metrics: Mapping[str, object] | None = None, extra: Mapping[str, object] | None = None,
-        tags: Mapping[str, str] | None = None, local: Mapping[str, Any] | None = None,
+        self,
+        state: dict[str, Any],
+        *,
+        step: int,
+        epoch: int | None = None,
+        batch_idx: int | None = None,
+        metrics: Mapping[str, object] | None = None,
+        extra: Mapping[str, object] | None = None,
+        tags: Mapping[str, str] | None = None,
+        local: Mapping[str, Any] | None = None,
         blocking: bool | None = None,
     ) -> str:
         """Save ``state`` (a DCP state dict; Stateful values allowed) at ``step`` on every rank.
@@ -215,11 +242,23 @@ class DistributedCheckpointManager:
         if blocking:
             return self._save(state, rng, step, epoch, batch_idx, metrics, extra, tags, local, self.group)
         if self._bg_group is None:
-            raise ConfigError("save(blocking=False) needs DistributedCheckpointManager(async_save=True), "
-                              "which sets up the process group background saves talk over")
+            raise ConfigError(
+                "save(blocking=False) needs DistributedCheckpointManager(async_save=True), "
+                "which sets up the process group background saves talk over"
+            )
         snapshot = _snapshot({k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state.items()})
-        args = (snapshot, rng, step, epoch, batch_idx, _snapshot(dict(metrics or {})), dict(extra or {}),
-                dict(tags or {}), _snapshot(dict(local or {})), self._bg_group)
+        args = (
+            snapshot,
+            rng,
+            step,
+            epoch,
+            batch_idx,
+            _snapshot(dict(metrics or {})),
+            dict(extra or {}),
+            dict(tags or {}),
+            _snapshot(dict(local or {})),
+            self._bg_group,
+        )
         assert self._pool is not None
         self._pending = self._pool.submit(self._save, *args)
         # Every rank's folder is rank 0's decision, made in the background: name what it will be.
@@ -238,9 +277,17 @@ class DistributedCheckpointManager:
         return True
 
     def _save(
-        self, state: dict[str, Any], rng: Any, step: int, epoch: int | None, batch_idx: int | None,
-        metrics: Mapping[str, Any] | None, extra: Mapping[str, Any] | None, tags: Mapping[str, str] | None,
-        local: Mapping[str, Any] | None, group: Any,
+        self,
+        state: dict[str, Any],
+        rng: Any,
+        step: int,
+        epoch: int | None,
+        batch_idx: int | None,
+        metrics: Mapping[str, Any] | None,
+        extra: Mapping[str, Any] | None,
+        tags: Mapping[str, str] | None,
+        local: Mapping[str, Any] | None,
+        group: Any,
     ) -> str:
         decision: dict[str, Any] = {"ok": True}
         error: BaseException | None = None
@@ -258,8 +305,13 @@ class DistributedCheckpointManager:
         try:
             tensors, skeleton = codec.encode({"rng": rng, "local": dict(local or {})})
             size, digest = write_tensorfile(self.backend, f"{folder}/{local_file(self.rank)}", tensors)
-            mine = {"file": local_file(self.rank), "size": size, "digest": digest,
-                    "algorithm": DIGEST_ALGORITHM, "tree": skeleton}
+            mine = {
+                "file": local_file(self.rank),
+                "size": size,
+                "digest": digest,
+                "algorithm": DIGEST_ALGORITHM,
+                "tree": skeleton,
+            }
         except CkptError as exc:  # reported to every rank below, so that none waits for this one
             mine, failed = {"error": _describe(exc)}, exc
         locals_ = gather_json(mine, group=group)
@@ -274,16 +326,31 @@ class DistributedCheckpointManager:
             assert core is not None
             for rec in locals_:
                 files[rec["file"]] = {k: rec[k] for k in ("size", "digest", "algorithm")}
-            payload = {"format": PAYLOAD_FORMAT, "world_size": self.world_size, "dcp": md,
-                       "local": [rec["tree"] for rec in locals_]}
+            payload = {
+                "format": PAYLOAD_FORMAT,
+                "world_size": self.world_size,
+                "dcp": md,
+                "local": [rec["tree"] for rec in locals_],
+            }
             # The rank files go into the manifest's file list: listing, verify and restore check them.
-            info = core.save(payload, step=step, epoch=epoch, batch_idx=batch_idx, metrics=metrics,
-                             extra=extra, tags=tags, blocking=True,
-                             extra_files=[FileEntry(name=name, **entry) for name, entry in sorted(files.items())])
+            info = core.save(
+                payload,
+                step=step,
+                epoch=epoch,
+                batch_idx=batch_idx,
+                metrics=metrics,
+                extra=extra,
+                tags=tags,
+                blocking=True,
+                extra_files=[FileEntry(name=name, **entry) for name, entry in sorted(files.items())],
+            )
             if info.key != folder:  # the core manager named the folder differently: never commit that
                 raise CorruptCheckpointError(
                     f"{self.url}: the manifest went to {info.key} but the ranks wrote {folder}; this is "
-                    "a ckptsdk bug (folder naming drifted), report it", url=self.url, key=info.key)
+                    "a ckptsdk bug (folder naming drifted), report it",
+                    url=self.url,
+                    key=info.key,
+                )
 
         writer = CkptStorageWriter(self.backend, folder, commit=commit)
         failure: BaseException | None = None
@@ -343,9 +410,14 @@ class DistributedCheckpointManager:
                 if pos is not None:
                     assert core.resumed_from is not None and core.resumed_from.manifest is not None
                     _t, point = codec.encode({k: getattr(pos, k) for k in ResumePoint.__dataclass_fields__})
-                    decision = {"ok": True, "found": True, "source": core.resumed_from.key,
-                                "payload": capture.payload, "point": point,
-                                "files": file_table(core.resumed_from.manifest)}
+                    decision = {
+                        "ok": True,
+                        "found": True,
+                        "source": core.resumed_from.key,
+                        "payload": capture.payload,
+                        "point": point,
+                        "files": file_table(core.resumed_from.manifest),
+                    }
             except CkptError as exc:
                 decision, error = _describe(exc), exc
         decision = self._agree(decision, error)
@@ -365,21 +437,28 @@ class DistributedCheckpointManager:
         point = codec.decode(decision["point"], {})
         return ResumePoint(**point)
 
-    def _load(self, state: dict[str, Any], payload: dict[str, Any], source: str,
-              files: dict[str, dict[str, Any]]) -> None:
+    def _load(
+        self, state: dict[str, Any], payload: dict[str, Any], source: str, files: dict[str, dict[str, Any]]
+    ) -> None:
         md = metadata_from_json(payload["dcp"], where=f"{self.url}/{source}")
         reader = CkptStorageReader(self.backend, source, metadata=md, files=files)
         load_quietly(state, reader)
         if payload["world_size"] != self.world_size:
-            logger.warning("%s/%s was written by %d ranks, this job has %d: RNG states and local extras "
-                           "are not restored (the run continues, but not bit-for-bit)", self.url, source,
-                           payload["world_size"], self.world_size)
+            logger.warning(
+                "%s/%s was written by %d ranks, this job has %d: RNG states and local extras "
+                "are not restored (the run continues, but not bit-for-bit)",
+                self.url,
+                source,
+                payload["world_size"],
+                self.world_size,
+            )
             self.local = None
             return
         name = local_file(self.rank)
         entry = files[name]
-        tensors = read_tensorfile(self.backend, f"{source}/{name}", size=entry["size"],
-                                  digest=entry["digest"], algorithm=entry["algorithm"])
+        tensors = read_tensorfile(
+            self.backend, f"{source}/{name}", size=entry["size"], digest=entry["digest"], algorithm=entry["algorithm"]
+        )
         mine = codec.decode(payload["local"][self.rank], tensors)
         restore_rng(mine["rng"])
         self.local = mine["local"]
@@ -429,8 +508,7 @@ def load_quietly(state: dict[str, Any], reader: CkptStorageReader, *, flatten: b
         # DCP warns that no_dist "assumes a single process"; here it is the intent.
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         try:
-            dcp.load(state, storage_reader=reader, planner=JsonLoadPlanner(flatten_state_dict=flatten),
-                     no_dist=True)
+            dcp.load(state, storage_reader=reader, planner=JsonLoadPlanner(flatten_state_dict=flatten), no_dist=True)
         except CheckpointException as exc:
             cause: BaseException = unwrap(exc)
             if isinstance(cause, CkptError):
@@ -446,7 +524,9 @@ def load_quietly(state: dict[str, Any], reader: CkptStorageReader, *, flatten: b
     raise StateMismatchError(
         f"{reader.backend.url}/{reader.folder} does not fit the state given to restore: {cause}. "
         "Build the same model/optimizer (any parallelism) as the job that saved it",
-        url=reader.backend.url, mismatches=[str(cause)]) from cause
+        url=reader.backend.url,
+        mismatches=[str(cause)],
+    ) from cause
 
 
 def _describe(exc: BaseException) -> dict[str, Any]:

@@ -104,7 +104,9 @@ def metadata_to_json(md: Metadata) -> dict[str, Any]:
     for fqn, sm in md.state_dict_metadata.items():
         if isinstance(sm, TensorStorageMetadata):
             state[fqn] = TensorEntry(
-                kind="tensor", dtype=dtype_name(sm.properties.dtype), size=list(sm.size),
+                kind="tensor",
+                dtype=dtype_name(sm.properties.dtype),
+                size=list(sm.size),
                 requires_grad=bool(sm.properties.requires_grad),
                 chunks=[TensorChunk(offsets=list(c.offsets), sizes=list(c.sizes)) for c in sm.chunks],
             )
@@ -113,16 +115,25 @@ def metadata_to_json(md: Metadata) -> dict[str, Any]:
         else:
             raise UnsupportedStateError(
                 f"DCP metadata entry {fqn!r} is a {type(sm).__name__}, which ckptsdk cannot store "
-                "as JSON; upgrade ckptsdk", path=fqn, type_name=type(sm).__name__)
+                "as JSON; upgrade ckptsdk",
+                path=fqn,
+                type_name=type(sm).__name__,
+            )
     storage = [
-        StorageEntry(fqn=index.fqn, offset=None if index.offset is None else list(index.offset),
-                     index=index.index, file=where["file"], name=where["name"])
+        StorageEntry(
+            fqn=index.fqn,
+            offset=None if index.offset is None else list(index.offset),
+            index=index.index,
+            file=where["file"],
+            name=where["name"],
+        )
         for index, where in (md.storage_data or {}).items()
     ]
     tensors, planner = codec.encode(md.planner_data)
     if tensors:  # the default planners keep only key paths here; a custom one must too
-        raise UnsupportedStateError("DCP planner_data holds tensors; ckptsdk stores it as JSON only",
-                                    path="planner_data", type_name="Tensor")
+        raise UnsupportedStateError(
+            "DCP planner_data holds tensors; ckptsdk stores it as JSON only", path="planner_data", type_name="Tensor"
+        )
     doc = DcpMetadata(version=md.version, state=state, planner_data=planner, storage=storage)
     return doc.model_dump(mode="json")
 
@@ -165,14 +176,18 @@ def metadata_from_json(doc: object, *, where: str = "") -> Metadata:
             state[fqn] = TensorStorageMetadata(
                 properties=TensorProperties(dtype=dtype_of(entry.dtype), requires_grad=entry.requires_grad),
                 size=torch.Size(entry.size),
-                chunks=[ChunkStorageMetadata(offsets=torch.Size(c.offsets), sizes=torch.Size(c.sizes))
-                        for c in entry.chunks],
+                chunks=[
+                    ChunkStorageMetadata(offsets=torch.Size(c.offsets), sizes=torch.Size(c.sizes)) for c in entry.chunks
+                ],
             )
-        storage = {
-            MetadataIndex(s.fqn, s.offset, s.index): {"file": s.file, "name": s.name} for s in parsed.storage
-        }
+        storage = {MetadataIndex(s.fqn, s.offset, s.index): {"file": s.file, "name": s.name} for s in parsed.storage}
         planner = codec.decode(parsed.planner_data, {})
     except (ValidationError, TypeError, ValueError) as exc:
         raise ManifestError(f"{where}: malformed DCP metadata ({exc!r})", key=where or None) from exc
-    return Metadata(state_dict_metadata=state, planner_data=planner, storage_data=storage,
-                    storage_meta=StorageMeta(), version=parsed.version)
+    return Metadata(
+        state_dict_metadata=state,
+        planner_data=planner,
+        storage_data=storage,
+        storage_meta=StorageMeta(),
+        version=parsed.version,
+    )

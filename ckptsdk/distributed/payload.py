@@ -30,7 +30,9 @@ def read_payload(tree: Any, *, where: str = "") -> dict[str, Any]:
     if not is_payload(payload):
         raise CorruptCheckpointError(
             f"{where}: not a distributed checkpoint (no {PAYLOAD_FORMAT} payload); open it with "
-            "ckptsdk.CheckpointManager instead", key=where or None)
+            "ckptsdk.CheckpointManager instead",
+            key=where or None,
+        )
     return payload
 
 

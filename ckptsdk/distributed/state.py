@@ -35,8 +35,13 @@ class AppState(Stateful):
         dm.save({"app": AppState(model, optimizer)}, step=step)
     """
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
-                 options: StateDictOptions | None = None) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        *,
+        options: StateDictOptions | None = None,
+    ) -> None:
         self.model = model
         self.optimizer = optimizer
         self.options = options
@@ -51,5 +56,10 @@ class AppState(Stateful):
         if self.optimizer is None:
             set_model_state_dict(self.model, state_dict["model"], options=self.options)
             return
-        set_state_dict(self.model, self.optimizer, model_state_dict=state_dict["model"],
-                       optim_state_dict=state_dict["optim"], options=self.options)
+        set_state_dict(
+            self.model,
+            self.optimizer,
+            model_state_dict=state_dict["model"],
+            optim_state_dict=state_dict["optim"],
+            options=self.options,
+        )

@@ -76,8 +76,10 @@ class JsonSavePlanner(DefaultSavePlanner):
         if tensors:
             raise UnsupportedStateError(
                 f"state entry {write_item.index.fqn!r} is a non-tensor value holding tensors; put "
-                "the tensors directly in the state dict", path=write_item.index.fqn,
-                type_name=type(object).__name__)
+                "the tensors directly in the state dict",
+                path=write_item.index.fqn,
+                type_name=type(object).__name__,
+            )
         return io.BytesIO(_JSON_MAGIC + json.dumps(skeleton, allow_nan=False).encode("utf-8"))
 
 
@@ -88,9 +90,10 @@ class JsonLoadPlanner(DefaultLoadPlanner):
         raw = value.read()
         fqn = read_item.dest_index.fqn
         if not raw.startswith(_JSON_MAGIC):
-            raise CorruptCheckpointError(f"state entry {fqn!r} is not ckptsdk JSON; refusing to "
-                                         "read it (it may be a pickle)", key=fqn)
-        obj = codec.decode(json.loads(raw[len(_JSON_MAGIC):].decode("utf-8")), {})
+            raise CorruptCheckpointError(
+                f"state entry {fqn!r} is not ckptsdk JSON; refusing to read it (it may be a pickle)", key=fqn
+            )
+        obj = codec.decode(json.loads(raw[len(_JSON_MAGIC) :].decode("utf-8")), {})
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[fqn], obj)
         else:
@@ -150,8 +153,10 @@ class CkptStorageWriter(StorageWriter):
                 if not raw.startswith(_JSON_MAGIC):
                     raise UnsupportedStateError(
                         f"state entry {fqn!r} arrived pickled; save with "
-                        "ckptsdk.distributed.JsonSavePlanner (the manager does)", path=fqn,
-                        type_name="bytes")
+                        "ckptsdk.distributed.JsonSavePlanner (the manager does)",
+                        path=fqn,
+                        type_name="bytes",
+                    )
                 t = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
             else:
                 t = cast(torch.Tensor, data).detach()
@@ -163,10 +168,19 @@ class CkptStorageWriter(StorageWriter):
         if tensors:
             size, digest = write_tensorfile(self.backend, f"{self.folder}/{name_of_file}", tensors)
             for index, name, nbytes in placed:
-                results.append(WriteResult(index=index, size_in_bytes=nbytes, storage_data={
-                    "file": name_of_file, "name": name, "size": size, "digest": digest,
-                    "algorithm": DIGEST_ALGORITHM,
-                }))
+                results.append(
+                    WriteResult(
+                        index=index,
+                        size_in_bytes=nbytes,
+                        storage_data={
+                            "file": name_of_file,
+                            "name": name,
+                            "size": size,
+                            "digest": digest,
+                            "algorithm": DIGEST_ALGORITHM,
+                        },
+                    )
+                )
         fut: Future[list[WriteResult]] = Future()  # DCP waits on torch futures
         fut.set_result(results)
         return fut
@@ -204,8 +218,9 @@ class CkptStorageReader(StorageReader):
         files: ``{file: {"size", "digest", "algorithm"}}`` from the manifest.
     """
 
-    def __init__(self, backend: Backend, folder: str, *, metadata: Metadata,
-                 files: Mapping[str, Mapping[str, Any]]) -> None:
+    def __init__(
+        self, backend: Backend, folder: str, *, metadata: Metadata, files: Mapping[str, Mapping[str, Any]]
+    ) -> None:
         super().__init__()
         self.backend = backend
         self.folder = folder
@@ -231,11 +246,19 @@ class CkptStorageReader(StorageReader):
     def _read_file(self, name: str) -> dict[str, torch.Tensor]:
         entry = self.files.get(name)
         if entry is None:
-            raise CorruptCheckpointError(f"{self.backend.url}/{self.folder}: the manifest lists no "
-                                         f"digest for {name!r}; the checkpoint cannot be verified",
-                                         url=self.backend.url, key=f"{self.folder}/{name}")
-        return read_tensorfile(self.backend, f"{self.folder}/{name}", size=entry["size"],
-                               digest=entry["digest"], algorithm=entry["algorithm"])
+            raise CorruptCheckpointError(
+                f"{self.backend.url}/{self.folder}: the manifest lists no "
+                f"digest for {name!r}; the checkpoint cannot be verified",
+                url=self.backend.url,
+                key=f"{self.folder}/{name}",
+            )
+        return read_tensorfile(
+            self.backend,
+            f"{self.folder}/{name}",
+            size=entry["size"],
+            digest=entry["digest"],
+            algorithm=entry["algorithm"],
+        )
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         per_file: dict[str, list[ReadItem]] = {}
@@ -255,7 +278,9 @@ class CkptStorageReader(StorageReader):
                     raise CorruptCheckpointError(
                         f"{self.backend.url}/{self.folder}/{name}: {req.storage_index.fqn} has shape "
                         f"{tuple(stored.size())} where {tuple(target.size())} is expected",
-                        url=self.backend.url, key=f"{self.folder}/{name}")
+                        url=self.backend.url,
+                        key=f"{self.folder}/{name}",
+                    )
                 target.copy_(stored)
                 planner.commit_tensor(req, target)
         fut: Future[None] = Future()

@@ -198,8 +198,12 @@ class _Encoder:
                 if kind is defaultdict:
                     factory = _FACTORY_NAMES.get(id(obj.default_factory))
                     if factory is None:
-                        raise _refuse(path, obj, f"its default_factory {obj.default_factory!r} is "
-                                      f"not one of {sorted(FACTORIES)}; convert it with dict(x)")
+                        raise _refuse(
+                            path,
+                            obj,
+                            f"its default_factory {obj.default_factory!r} is "
+                            f"not one of {sorted(FACTORIES)}; convert it with dict(x)",
+                        )
                     return {"$defaultdict": self.mapping(obj, path, active), "factory": factory}
                 if kind in _MAPPING_TAGS:
                     return {_MAPPING_TAGS[kind]: self.mapping(obj, path, active)}
@@ -213,15 +217,18 @@ class _Encoder:
         # Paths are unique by construction except for two distinct nan float keys in one dict.
         if key in self.tensors:
             raise UnsupportedStateError(
-                f"two tensors map to the same path {key!r} (two nan dict keys?); use distinct "
-                "str or int keys", path=key, type_name="dict")
+                f"two tensors map to the same path {key!r} (two nan dict keys?); use distinct str or int keys",
+                path=key,
+                type_name="dict",
+            )
         return key
 
     def mapping(self, obj: dict, path: tuple[str, ...], active: set[int]) -> Any:
         for key in obj:
             if not (key is None or type(key) in (str, int, bool, float)):
                 raise _refuse(
-                    path + (repr(key)[:40],), key,
+                    path + (repr(key)[:40],),
+                    key,
                     "dict keys must be str, int, bool, float or None; convert the key (e.g. "
                     "to a str) or leave this dict out of state_dict()",
                 )
@@ -232,19 +239,22 @@ class _Encoder:
 
     def tensor(self, t: torch.Tensor, path: tuple[str, ...]) -> Any:
         if type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
-            raise _refuse(path, t, "tensor subclasses are not stored; convert with torch.Tensor(t) "
-                                   "or t.as_subclass(torch.Tensor)")
+            raise _refuse(
+                path, t, "tensor subclasses are not stored; convert with torch.Tensor(t) or t.as_subclass(torch.Tensor)"
+            )
         # UninitializedTensorMixin is public in torch.nn.parameter but missing from its .pyi stub.
         if isinstance(t, torch.nn.parameter.UninitializedTensorMixin):  # type: ignore[attr-defined]
             if self.preflight:
                 return None
-            raise _refuse(path, t, "a lazy module's parameter is not materialised yet; run one "
-                                   "forward pass before saving")
+            raise _refuse(
+                path, t, "a lazy module's parameter is not materialised yet; run one forward pass before saving"
+            )
         if t.layout != torch.strided:
             raise _refuse(path, t, f"{t.layout} tensors are not stored; convert with .to_dense()")
         if t.is_quantized or t.device.type == "meta":
-            raise _refuse(path, t, "quantized and meta tensors have no plain values; dequantize "
-                                   "or materialise them first")
+            raise _refuse(
+                path, t, "quantized and meta tensors have no plain values; dequantize or materialise them first"
+            )
         entry = of_torch(t.dtype)
         if entry is None:
             hint = " (e.g. torch.view_as_real(t) for complex128)" if t.is_complex() else ""
@@ -263,8 +273,9 @@ class _Encoder:
         dtype_str = a.dtype.str
         native = a.dtype.newbyteorder("=")
         if a.dtype.kind not in "biufc" or a.dtype.hasobject:
-            raise _refuse(path, a, f"numpy arrays of dtype {a.dtype} are not stored; convert "
-                                   "it to a numeric array or a list")
+            raise _refuse(
+                path, a, f"numpy arrays of dtype {a.dtype} are not stored; convert it to a numeric array or a list"
+            )
         if not a.dtype.isnative or not a.flags.writeable or any(s < 0 for s in a.strides):
             # from_numpy refuses these (or warns for read-only arrays): copy, the only case we do.
             a = a.astype(native, order="C", copy=True)  # (ascontiguousarray turns 0-d into 1-d)
@@ -296,16 +307,20 @@ def _npscalar(x: np.generic, path: tuple[str, ...]) -> Any:
 
 def _hint_for(obj: Any) -> str:
     if callable(obj):
-        return ("functions and callables cannot be stored (no pickle); recreate it in code and "
-                "leave it out of state_dict()")
+        return (
+            "functions and callables cannot be stored (no pickle); recreate it in code and leave it out of state_dict()"
+        )
     if isinstance(obj, (set, frozenset)):
         return "convert the set to a sorted list"
     if isinstance(obj, (bytes, bytearray, memoryview)):
-        return ("convert bytes to a uint8 tensor (torch.frombuffer(bytearray(b), "
-                "dtype=torch.uint8)) or to a str (b.hex())")
+        return (
+            "convert bytes to a uint8 tensor (torch.frombuffer(bytearray(b), dtype=torch.uint8)) or to a str (b.hex())"
+        )
     if isinstance(obj, (dict, list, tuple, str, int, float)):
-        return (f"subclasses of {type(obj).__bases__[0].__name__} are not stored as such; "
-                "convert it to a plain one (dict(x), list(x), tuple(x), str(x), int(x), float(x))")
+        return (
+            f"subclasses of {type(obj).__bases__[0].__name__} are not stored as such; "
+            "convert it to a plain one (dict(x), list(x), tuple(x), str(x), int(x), float(x))"
+        )
     if isinstance(obj, np.ndarray):
         return "numpy array subclasses are not stored; convert with np.asarray(x)"
     return _HINT
@@ -409,12 +424,16 @@ def _decode_tagged(tag: str, node: dict, tensors: Mapping[str, torch.Tensor], de
     except KeyError:
         raise CorruptCheckpointError(
             f"the tensor file has no tensor {value!r} that the manifest's state tree needs; "
-            "the checkpoint is torn or was written by another tool", key=value) from None
+            "the checkpoint is torn or was written by another tool",
+            key=value,
+        ) from None
     shape = node["shape"]
     if not isinstance(shape, list) or list(t.shape) != shape:
         raise CorruptCheckpointError(
             f"tensor {value!r} has shape {list(t.shape)} in the tensor file but {shape} in the "
-            "manifest; the checkpoint is inconsistent", key=value)
+            "manifest; the checkpoint is inconsistent",
+            key=value,
+        )
     if tag == "$tensor":
         entry = BY_NAME.get(node["dtype"])
         if entry is None:
@@ -423,18 +442,23 @@ def _decode_tagged(tag: str, node: dict, tensors: Mapping[str, torch.Tensor], de
         if expected is None:
             raise ManifestError(
                 f"tensor {value!r} is {entry.name}, which torch {torch.__version__} lacks; upgrade "
-                "torch to restore this checkpoint")
+                "torch to restore this checkpoint"
+            )
         if t.dtype != expected:
             raise CorruptCheckpointError(
                 f"tensor {value!r} is {t.dtype} in the tensor file but {expected} in the "
-                "manifest; the checkpoint is inconsistent", key=value)
+                "manifest; the checkpoint is inconsistent",
+                key=value,
+            )
         return t
     dt = _numeric_dtype(node["dtype"])
     arr = t.cpu().numpy() if t.device.type != "cpu" else t.numpy()
     if arr.dtype != dt.newbyteorder("="):
         raise CorruptCheckpointError(
             f"array {value!r} is {arr.dtype} in the tensor file but {dt} in the manifest; the "
-            "checkpoint is inconsistent", key=value)
+            "checkpoint is inconsistent",
+            key=value,
+        )
     return arr if arr.dtype.str == dt.str else arr.astype(dt)
 
 

@@ -33,8 +33,20 @@ from ckptsdk.errors import CkptError, ManifestError
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "CHECKSUM_FIELD", "FLOAT_FORM", "Document", "Strict", "UtcTime", "check_format", "check_utc", "decode_float",
-    "dumps", "encode_float", "parse_document", "parse_utc", "seal", "utc_now",
+    "CHECKSUM_FIELD",
+    "FLOAT_FORM",
+    "Document",
+    "Strict",
+    "UtcTime",
+    "check_format",
+    "check_utc",
+    "decode_float",
+    "dumps",
+    "encode_float",
+    "parse_document",
+    "parse_utc",
+    "seal",
+    "utc_now",
 ]
 
 #: The field holding ``"sha256:<hex>"`` of the document's canonical JSON without that field.
@@ -43,8 +55,10 @@ _FORMAT_RE = re.compile(r"(?P<kind>[a-z0-9_.]+)/(?P<major>[0-9]+)(?:\.(?P<minor>
 
 # --- time ------------------------------------------------------------------------------------
 
-_UTC_TIME = (r"^[0-9]{4}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])T([01][0-9]|2[0-3]):[0-5][0-9]:"
-             r"[0-5][0-9](\.[0-9]{1,6})?(Z|\+00:00)$")
+_UTC_TIME = (
+    r"^[0-9]{4}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])T([01][0-9]|2[0-3]):[0-5][0-9]:"
+    r"[0-5][0-9](\.[0-9]{1,6})?(Z|\+00:00)$"
+)
 
 
 def utc_now() -> str:
@@ -60,8 +74,9 @@ def utc_now() -> str:
 def check_utc(value: str) -> str:
     """``value`` if it is a UTC ISO-8601 time (``Z`` or ``+00:00``), else ValueError saying why."""
     if not isinstance(value, str) or not re.fullmatch(_UTC_TIME, value):
-        raise ValueError(f"{value!r} is not in UTC ISO-8601 form like 2026-11-30T06:10:00.123456Z "
-                         "(it must end with 'Z' or '+00:00')")
+        raise ValueError(
+            f"{value!r} is not in UTC ISO-8601 form like 2026-11-30T06:10:00.123456Z (it must end with 'Z' or '+00:00')"
+        )
     try:
         datetime.fromisoformat(value.replace("Z", "+00:00"))
     except ValueError as exc:  # Feb 30 and the like: the pattern alone cannot tell
@@ -70,9 +85,11 @@ def check_utc(value: str) -> str:
 
 
 #: A field holding a UTC time, checked by ``check_utc`` (the JSON Schema states the pattern).
-UtcTime = Annotated[str, AfterValidator(check_utc),
-                    Field(description="UTC, ISO-8601: 2026-11-30T06:10:00.123456Z",
-                          json_schema_extra={"pattern": _UTC_TIME})]
+UtcTime = Annotated[
+    str,
+    AfterValidator(check_utc),
+    Field(description="UTC, ISO-8601: 2026-11-30T06:10:00.123456Z", json_schema_extra={"pattern": _UTC_TIME}),
+]
 
 
 def parse_utc(value: str) -> datetime:
@@ -145,6 +162,7 @@ def decode_float(value: object) -> float:
 
 # --- version ---------------------------------------------------------------------------------
 
+
 def check_format(value: object, expected: str) -> int:
     """The minor version of ``value`` if the version rule lets this ckptsdk read it.
 
@@ -169,11 +187,15 @@ def check_format(value: object, expected: str) -> int:
         raise ValueError(f"format {value!r} is not a {kind} document (expected {expected!r})")
     major = int(match["major"])
     if major > reads:
-        raise ValueError(f"format {value!r} was written by a newer ckptsdk (this one reads "
-                         f"{kind}/{reads}.x); upgrade ckptsdk to read it")
+        raise ValueError(
+            f"format {value!r} was written by a newer ckptsdk (this one reads "
+            f"{kind}/{reads}.x); upgrade ckptsdk to read it"
+        )
     if major < reads:
-        raise ValueError(f"format {value!r} is an older major version this ckptsdk cannot read; "
-                         f"read it with the ckptsdk that wrote it, or start this part afresh")
+        raise ValueError(
+            f"format {value!r} is an older major version this ckptsdk cannot read; "
+            f"read it with the ckptsdk that wrote it, or start this part afresh"
+        )
     return int(match["minor"] or 0)
 
 
@@ -254,11 +276,17 @@ def _check_checksum(obj: dict[str, Any], minor: int, since: int, expected: str, 
         if given is not None:
             # An older writer never wrote one: the format field itself was altered (one bit turns
             # "1.1" into "1.0"), so nothing in this document can be trusted.
-            return (f"it says format {obj.get('format')!r}, which has no checksum, but carries "
-                    "one: the document was altered")
-        logger.warning("%s is a %s document from before checksums (format %r): its content "
-                       "cannot be verified; re-save it with this ckptsdk", where.rstrip(": ") or
-                       "a document", expected, obj.get("format"))
+            return (
+                f"it says format {obj.get('format')!r}, which has no checksum, but carries "
+                "one: the document was altered"
+            )
+        logger.warning(
+            "%s is a %s document from before checksums (format %r): its content "
+            "cannot be verified; re-save it with this ckptsdk",
+            where.rstrip(": ") or "a document",
+            expected,
+            obj.get("format"),
+        )
         return None
     if given is None:
         return f"no {CHECKSUM_FIELD!r} field, which every {expected.split('.')[0]}.{since}+ document has"
@@ -280,10 +308,16 @@ def _reject_constant(name: str) -> Any:
 D = TypeVar("D", bound=Document)
 
 
-def parse_document(data: bytes | bytearray | memoryview | str, model: type[D], *, key: str = "", url: str | None = None,
-                   error: Callable[[str, int | None], CkptError] | None = None,
-                   damaged: str = "it is not used",
-                   legacy: Callable[[dict[str, Any]], dict[str, Any] | None] | None = None) -> D:
+def parse_document(
+    data: bytes | bytearray | memoryview | str,
+    model: type[D],
+    *,
+    key: str = "",
+    url: str | None = None,
+    error: Callable[[str, int | None], CkptError] | None = None,
+    damaged: str = "it is not used",
+    legacy: Callable[[dict[str, Any]], dict[str, Any] | None] | None = None,
+) -> D:
     """Parse and validate one JSON document by the version rule (module docstring).
 
     Args:
@@ -312,8 +346,10 @@ def parse_document(data: bytes | bytearray | memoryview | str, model: type[D], *
     """
     expected = model.FORMAT
     if error is None:
+
         def error(message: str, step: int | None) -> CkptError:
             return ManifestError(message, key=key or None, step=step)
+
     place = f"{url.rstrip('/')}/{key}" if url and key else key
     where = f"{place}: " if place else ""
     if not isinstance(data, (bytes, bytearray, memoryview, str)):
@@ -321,8 +357,7 @@ def parse_document(data: bytes | bytearray | memoryview | str, model: type[D], *
     try:
         obj = json.loads(bytes(data) if not isinstance(data, str) else data, parse_constant=_reject_constant)
     except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError included
-        raise error(f"{where}not valid JSON ({exc}); the file is torn or is not a "
-                    f"{expected} document", None) from exc
+        raise error(f"{where}not valid JSON ({exc}); the file is torn or is not a {expected} document", None) from exc
     if not isinstance(obj, dict):
         raise error(f"{where}expected a JSON object, got {type(obj).__name__}", None)
     if legacy is not None:
@@ -338,8 +373,7 @@ def parse_document(data: bytes | bytearray | memoryview | str, model: type[D], *
         # Second: nothing else in the document is looked at before its checksum holds.
         problem = _check_checksum(obj, minor, model.CHECKSUM_SINCE, expected, where)
         if problem is not None:
-            raise error(f"{where}integrity check failed: {problem}. The file was damaged or "
-                        f"edited; {damaged}", step)
+            raise error(f"{where}integrity check failed: {problem}. The file was damaged or edited; {damaged}", step)
     written = _FORMAT_RE.fullmatch(expected)
     assert written is not None
     try:

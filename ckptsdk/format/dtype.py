@@ -36,11 +36,25 @@ class DType:
 # Every dtype safetensors can hold, in the order its writer sorts tensors (its Rust Dtype enum,
 # descending; then by name): writing in this order makes our files byte-identical to its own.
 _CODES = (
-    ("U64", "uint64"), ("I64", "int64"), ("F64", "float64"), ("C64", "complex64"),
-    ("F32", "float32"), ("U32", "uint32"), ("I32", "int32"), ("BF16", "bfloat16"),
-    ("F16", "float16"), ("U16", "uint16"), ("I16", "int16"), ("F8_E5M2FNUZ", "float8_e5m2fnuz"),
-    ("F8_E4M3FNUZ", "float8_e4m3fnuz"), ("F8_E8M0", "float8_e8m0fnu"), ("F8_E4M3", "float8_e4m3fn"),
-    ("F8_E5M2", "float8_e5m2"), ("I8", "int8"), ("U8", "uint8"), ("BOOL", "bool"),
+    ("U64", "uint64"),
+    ("I64", "int64"),
+    ("F64", "float64"),
+    ("C64", "complex64"),
+    ("F32", "float32"),
+    ("U32", "uint32"),
+    ("I32", "int32"),
+    ("BF16", "bfloat16"),
+    ("F16", "float16"),
+    ("U16", "uint16"),
+    ("I16", "int16"),
+    ("F8_E5M2FNUZ", "float8_e5m2fnuz"),
+    ("F8_E4M3FNUZ", "float8_e4m3fnuz"),
+    ("F8_E8M0", "float8_e8m0fnu"),
+    ("F8_E4M3", "float8_e4m3fn"),
+    ("F8_E5M2", "float8_e5m2"),
+    ("I8", "int8"),
+    ("U8", "uint8"),
+    ("BOOL", "bool"),
 )
 #: The table, in safetensors' file order. The same whatever torch is installed (the JSON Schema
 #: lists every name); ``to_torch`` says whether this torch has a dtype.

@@ -41,8 +41,18 @@ if TYPE_CHECKING:
     from torch import device as TorchDevice  # not "torch": Environment has a field of that name
 
 __all__ = [
-    "FORMAT", "LINEAGE_FORMAT", "Environment", "FileEntry", "LineageRecord", "Manifest", "Position", "Writer",
-    "json_schema", "parse_lineage", "parse_manifest", "schema_text",
+    "FORMAT",
+    "LINEAGE_FORMAT",
+    "Environment",
+    "FileEntry",
+    "LineageRecord",
+    "Manifest",
+    "Position",
+    "Writer",
+    "json_schema",
+    "parse_lineage",
+    "parse_manifest",
+    "schema_text",
 ]
 
 #: What this code writes; it reads any ``/1.x`` (fields of a newer minor version are ignored).
@@ -72,8 +82,10 @@ def _check_finite_json(value: Any, where: str) -> Any:
 class FileEntry(Strict):
     """One file of a checkpoint, with what a reader verifies before using it."""
 
-    name: str = Field(json_schema_extra={"pattern": _FILE_NAME},
-                      description="relative to the checkpoint folder; no '.' or '..' component")
+    name: str = Field(
+        json_schema_extra={"pattern": _FILE_NAME},
+        description="relative to the checkpoint folder; no '.' or '..' component",
+    )
     size: int = Field(ge=0)
     digest: str = Field(pattern=r"^[0-9a-f]+$", description="lowercase hex")
     algorithm: str = Field(min_length=1, description='e.g. "xxh3-128"')
@@ -82,8 +94,9 @@ class FileEntry(Strict):
     @classmethod
     def _no_dot_dirs(cls, value: str) -> str:
         if not re.fullmatch(_FILE_NAME, value):
-            raise ValueError(f"file name {value!r} is not a relative name of [A-Za-z0-9_.-] parts "
-                             "without '.' or '..' components")
+            raise ValueError(
+                f"file name {value!r} is not a relative name of [A-Za-z0-9_.-] parts without '.' or '..' components"
+            )
         return value
 
 
@@ -93,8 +106,8 @@ class Position(Strict):
     epoch: int | None = Field(default=None, ge=0)
     batch_idx: int | None = Field(default=None, ge=0)
     extra: dict[str, JsonValue] = Field(
-        default_factory=dict,
-        description="JSON; a non-finite or negative-zero float is {\"$float\": ...} as in metrics")
+        default_factory=dict, description='JSON; a non-finite or negative-zero float is {"$float": ...} as in metrics'
+    )
 
     @field_validator("extra", mode="before")
     @classmethod
@@ -146,8 +159,12 @@ class Environment(Strict):
             else:
                 device = "cpu"
         return cls(
-            python=platform.python_version(), torch=torch.__version__, numpy=numpy.__version__,
-            ckptsdk=__version__, platform=_platform(), device=str(device),
+            python=platform.python_version(),
+            torch=torch.__version__,
+            numpy=numpy.__version__,
+            ckptsdk=__version__,
+            platform=_platform(),
+            device=str(device),
             cuda=torch.version.cuda,
         )
 
@@ -168,19 +185,20 @@ class Manifest(Document):
     position: Position = Field(default_factory=Position)
     created_at: UtcTime = Field(default_factory=utc_now)
     writer: Writer
-    files: list[FileEntry] = Field(json_schema_extra={
-        "description": "unique names (JSON Schema cannot say so in general: readers check); at "
-                       "most one tensors.safetensors",
-        "uniqueItems": True,
-        "contains": {"properties": {"name": {"const": "tensors.safetensors"}}, "required": ["name"]},
-        "minContains": 0, "maxContains": 1,
-    })
+    files: list[FileEntry] = Field(
+        json_schema_extra={
+            "description": "unique names (JSON Schema cannot say so in general: readers check); at "
+            "most one tensors.safetensors",
+            "uniqueItems": True,
+            "contains": {"properties": {"name": {"const": "tensors.safetensors"}}, "required": ["name"]},
+            "minContains": 0,
+            "maxContains": 1,
+        }
+    )
     tree: JsonValue = Field(description="the codec skeleton of the state tree (docs/FORMAT.md)")
     metrics: dict[str, Metric] = Field(default_factory=dict)
     environment: Environment
     tags: dict[str, str] = Field(default_factory=dict)
-
-
 
     @field_validator("tree")
     @classmethod
@@ -195,7 +213,6 @@ class Manifest(Document):
         if len(set(names)) != len(names):
             raise ValueError(f"file names repeat: {names}")
         return value
-
 
 
 class LineageRecord(Document):
@@ -215,11 +232,8 @@ class LineageRecord(Document):
     created_at: UtcTime = Field(default_factory=utc_now)
 
 
-
-
 def _parse(data: bytes, model: type[D], key: str) -> D:
-    return parse_document(data, model, key=key,
-                          damaged="it is not used (restore falls back to an earlier checkpoint)")
+    return parse_document(data, model, key=key, damaged="it is not used (restore falls back to an earlier checkpoint)")
 
 
 def parse_manifest(data: bytes, *, key: str = "") -> Manifest:
@@ -237,8 +251,7 @@ def parse_manifest(data: bytes, *, key: str = "") -> Manifest:
     try:
         tensor_paths(manifest.tree)
     except ManifestError as exc:
-        raise ManifestError(f"{key + ': ' if key else ''}{exc}", key=key or None,
-                            step=manifest.step) from exc
+        raise ManifestError(f"{key + ': ' if key else ''}{exc}", key=key or None, step=manifest.step) from exc
     return manifest
 
 
@@ -249,8 +262,9 @@ def parse_lineage(data: bytes, *, key: str = "") -> LineageRecord:
 
 def json_schema() -> dict[str, Any]:
     """The JSON Schema of manifest.json and lineage records (docs/manifest.schema.json)."""
-    _, top = models_json_schema([(Manifest, "validation"), (LineageRecord, "validation")],
-                                title="ckptsdk manifest and lineage record")
+    _, top = models_json_schema(
+        [(Manifest, "validation"), (LineageRecord, "validation")], title="ckptsdk manifest and lineage record"
+    )
     top["$defs"]["SkeletonNode"] = skeleton_schema(_NODE_REF)
     tree = top["$defs"]["Manifest"]["properties"]["tree"]
     top["$defs"]["Manifest"]["properties"]["tree"] = {"$ref": _NODE_REF, "description": tree["description"]}
@@ -259,15 +273,17 @@ def json_schema() -> dict[str, Any]:
         model["required"] = ["format", *[f for f in model.get("required", []) if f != "format"]]
         # The checksum is not a model field (it is checked and removed before validation).
         model["properties"][CHECKSUM_FIELD] = {
-            "type": "string", "pattern": "^sha256:[0-9a-f]{64}$",
+            "type": "string",
+            "pattern": "^sha256:[0-9a-f]{64}$",
             "description": "sha256 of the document without this field, as JSON with sorted keys, "
-                           "no spaces, ASCII escapes (required from minor version 1 on)"}
+            "no spaces, ASCII escapes (required from minor version 1 on)",
+        }
     return {
         "$schema": "https://json-schema.org/draft/2020-12/schema",
         "title": top.pop("title"),
         "description": "A checkpoint's manifest.json (format ckptsdk.checkpoint/1.1) or a lineage "
-                       "record (format ckptsdk.lineage/1.1). Generated by python -m ckptsdk.format.manifest "
-                       "--schema; see docs/FORMAT.md.",
+        "record (format ckptsdk.lineage/1.1). Generated by python -m ckptsdk.format.manifest "
+        "--schema; see docs/FORMAT.md.",
         "oneOf": [{"$ref": "#/$defs/Manifest"}, {"$ref": "#/$defs/LineageRecord"}],
         **top,
     }

@@ -26,21 +26,52 @@ __all__ = ["FACTORIES", "MAX_DEPTH", "TAGS", "skeleton_schema", "tag_of", "tenso
 #: recursion limit in json as well.
 MAX_DEPTH = 200
 #: Every tag a skeleton node may carry (docs/FORMAT.md, "The skeleton").
-TAGS = ("$tensor", "$ndarray", "$tuple", "$dict", "$float", "$int", "$npscalar", "$state_dict",
-        "$ordered_dict", "$counter", "$defaultdict", "$deque")
+TAGS = (
+    "$tensor",
+    "$ndarray",
+    "$tuple",
+    "$dict",
+    "$float",
+    "$int",
+    "$npscalar",
+    "$state_dict",
+    "$ordered_dict",
+    "$counter",
+    "$defaultdict",
+    "$deque",
+)
 #: The defaultdict factories a skeleton may name, by the name it stores. A factory is stored by
 #: name (never pickled), so only these are known.
 FACTORIES: dict[str, Callable[[], Any] | None] = {
-    "None": None, "int": int, "float": float, "str": str, "bool": bool, "list": list, "dict": dict,
-    "tuple": tuple, "set": set, "frozenset": frozenset, "collections.OrderedDict": OrderedDict,
-    "collections.Counter": Counter, "collections.deque": deque,
+    "None": None,
+    "int": int,
+    "float": float,
+    "str": str,
+    "bool": bool,
+    "list": list,
+    "dict": dict,
+    "tuple": tuple,
+    "set": set,
+    "frozenset": frozenset,
+    "collections.OrderedDict": OrderedDict,
+    "collections.Counter": Counter,
+    "collections.deque": deque,
 }
 
 # The plain fields each tag carries besides itself ($npscalar: "value" or "hex").
 _TAG_FIELDS: dict[str, set[str]] = {
-    "$tensor": {"dtype", "shape"}, "$ndarray": {"dtype", "shape"}, "$tuple": set(), "$dict": set(),
-    "$float": set(), "$int": set(), "$npscalar": set(), "$state_dict": {"metadata"},
-    "$ordered_dict": set(), "$counter": set(), "$defaultdict": {"factory"}, "$deque": {"maxlen"},
+    "$tensor": {"dtype", "shape"},
+    "$ndarray": {"dtype", "shape"},
+    "$tuple": set(),
+    "$dict": set(),
+    "$float": set(),
+    "$int": set(),
+    "$npscalar": set(),
+    "$state_dict": {"metadata"},
+    "$ordered_dict": set(),
+    "$counter": set(),
+    "$defaultdict": {"factory"},
+    "$deque": {"maxlen"},
 }
 # Forms of the string fields, shared by the parser and the JSON Schema (one home each).
 _NUMPY_DTYPE = r"^[<>|=][biufc][0-9]+$"  # numpy's dtype.str of a numeric dtype
@@ -118,13 +149,13 @@ def tensor_paths(skeleton: JsonValue) -> list[str]:
         elif tag in ("$tuple", "$deque"):
             if not isinstance(value, list):
                 raise bad(tag, "it must hold a list")
-            if tag == "$deque" and not (node["maxlen"] is None
-                                        or (type(node["maxlen"]) is int and node["maxlen"] >= 0)):
+            if tag == "$deque" and not (
+                node["maxlen"] is None or (type(node["maxlen"]) is int and node["maxlen"] >= 0)
+            ):
                 raise bad(tag, "maxlen must be an int >= 0 or null")
             visit(value, depth + 1)
         elif tag == "$dict":
-            if not (isinstance(value, list)
-                    and all(isinstance(p, list) and len(p) == 2 for p in value)):
+            if not (isinstance(value, list) and all(isinstance(p, list) and len(p) == 2 for p in value)):
                 raise ManifestError("state skeleton has a $dict node without [key, value] pairs")
             for pair in value:
                 visit(pair, depth + 1)
@@ -162,33 +193,39 @@ def skeleton_schema(ref: str) -> dict[str, Any]:
 
     def tagged(tag: str, held: Any, **fields: Any) -> dict[str, Any]:
         props = {tag: held, **fields}
-        return {"type": "object", "properties": props, "required": list(props),
-                "additionalProperties": False}
+        return {"type": "object", "properties": props, "required": list(props), "additionalProperties": False}
 
     mapping = {"type": "object"}  # a dict node: a plain object or a $dict
     return {
         "description": "a node of the state skeleton (docs/FORMAT.md): plain JSON, or an object "
-                       "with exactly one '$' tag",
+        "with exactly one '$' tag",
         "anyOf": [
             {"type": ["null", "boolean", "number", "string"]},
             {"type": "array", "items": node},
-            {"type": "object", "propertyNames": {"not": {"pattern": "^\\$"}},
-             "additionalProperties": node},
+            {"type": "object", "propertyNames": {"not": {"pattern": "^\\$"}}, "additionalProperties": node},
             tagged("$tensor", {"type": "string"}, dtype={"enum": sorted(NAMES)}, shape=shape),
-            tagged("$ndarray", {"type": "string"}, dtype={"type": "string", "pattern": _NUMPY_DTYPE},
-                   shape=shape),
+            tagged("$ndarray", {"type": "string"}, dtype={"type": "string", "pattern": _NUMPY_DTYPE}, shape=shape),
             tagged("$tuple", {"type": "array", "items": node}),
-            tagged("$deque", {"type": "array", "items": node},
-                   maxlen={"anyOf": [{"type": "null"}, {"type": "integer", "minimum": 0}]}),
-            tagged("$dict", {"type": "array", "items": {
-                "type": "array", "prefixItems": [node, node], "minItems": 2, "maxItems": 2}}),
+            tagged(
+                "$deque",
+                {"type": "array", "items": node},
+                maxlen={"anyOf": [{"type": "null"}, {"type": "integer", "minimum": 0}]},
+            ),
+            tagged(
+                "$dict",
+                {
+                    "type": "array",
+                    "items": {"type": "array", "prefixItems": [node, node], "minItems": 2, "maxItems": 2},
+                },
+            ),
             tagged("$state_dict", {**mapping, "$ref": ref}, metadata=node),
             tagged("$ordered_dict", {**mapping, "$ref": ref}),
             tagged("$counter", {**mapping, "$ref": ref}),
             tagged("$defaultdict", {**mapping, "$ref": ref}, factory={"enum": sorted(FACTORIES)}),
             tagged("$npscalar", {"type": "string", "pattern": _NUMPY_DTYPE}, value=node),
-            tagged("$npscalar", {"type": "string", "pattern": _NUMPY_DTYPE},
-                   hex={"type": "string", "pattern": _HEX_BYTES}),
+            tagged(
+                "$npscalar", {"type": "string", "pattern": _NUMPY_DTYPE}, hex={"type": "string", "pattern": _HEX_BYTES}
+            ),
             tagged("$float", {"type": "string", "pattern": _SCALAR_FORMS["$float"]}),
             tagged("$int", {"type": "string", "pattern": _SCALAR_FORMS["$int"]}),
         ],

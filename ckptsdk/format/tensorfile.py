@@ -45,7 +45,8 @@ def _corrupt(backend: Backend, key: str, why: str) -> CorruptCheckpointError:
     return CorruptCheckpointError(
         f"tensor file {key!r} at {backend.url} is corrupt: {why}. Restore an earlier checkpoint "
         "(CheckpointManager.restore skips corrupt ones) or re-save it",
-        url=backend.url, key=key,
+        url=backend.url,
+        key=key,
     )
 
 
@@ -89,8 +90,9 @@ class _Reader:
             # Backend.open promises readinto (backends/base.py); typing.BinaryIO does not declare it.
             got = self.f.readinto(window)  # type: ignore[attr-defined]
             if not got:
-                raise _corrupt(self.backend, self.key,
-                               f"truncated: {self.pos + done} bytes where the manifest says {self.size}")
+                raise _corrupt(
+                    self.backend, self.key, f"truncated: {self.pos + done} bytes where the manifest says {self.size}"
+                )
             self.hasher.update(window[:got])
             done += got
         self.pos += total
@@ -108,8 +110,9 @@ class _Reader:
             raise _corrupt(self.backend, self.key, f"longer than the {self.size} bytes the manifest records")
         actual = self.hasher.hexdigest()
         if actual != self.digest.lower():
-            raise _corrupt(self.backend, self.key,
-                           f"{self.algorithm} digest {actual} differs from the recorded {self.digest}")
+            raise _corrupt(
+                self.backend, self.key, f"{self.algorithm} digest {actual} differs from the recorded {self.digest}"
+            )
 
 
 def verify_file(backend: Backend, key: str, *, size: int, digest: str, algorithm: str = DEFAULT) -> None:
@@ -195,8 +198,12 @@ def _entries(backend: Backend, key: str, raw: bytes, data_len: int) -> list[Head
             code = entry["dtype"]
             dtype = to_torch(BY_CODE[code])
             if dtype is None:
-                raise _corrupt(backend, key, f"tensor {name!r} is {BY_CODE[code].name}, which torch "
-                               f"{torch.__version__} lacks; upgrade torch to read this file")
+                raise _corrupt(
+                    backend,
+                    key,
+                    f"tensor {name!r} is {BY_CODE[code].name}, which torch "
+                    f"{torch.__version__} lacks; upgrade torch to read this file",
+                )
             shape = entry["shape"]
             begin, end = entry["data_offsets"]
             if not isinstance(shape, list) or len(shape) > _MAX_DIMS:
@@ -211,8 +218,12 @@ def _entries(backend: Backend, key: str, raw: bytes, data_len: int) -> list[Head
             raise _corrupt(backend, key, f"malformed header entry for {name!r}: {str(entry)[:200]}") from exc
         nbytes = math.prod(shape) * dtype.itemsize
         if end - begin != nbytes or end > data_len:
-            raise _corrupt(backend, key, f"tensor {name!r} spans bytes [{begin}, {end}) of {data_len}, "
-                           f"but {entry['dtype']}{shape} needs {nbytes}")
+            raise _corrupt(
+                backend,
+                key,
+                f"tensor {name!r} spans bytes [{begin}, {end}) of {data_len}, "
+                f"but {entry['dtype']}{shape} needs {nbytes}",
+            )
         entries.append(HeaderEntry(name, dtype, code, shape, begin, end))
     entries.sort(key=lambda e: (e.begin, e.end))
     pos = 0
@@ -291,6 +302,7 @@ def read_header(backend: Backend, key: str) -> list[HeaderEntry]:
         BackendError: the storage failed while reading.
     """
     with _open(backend, key) as f:
+
         def read(n: int) -> bytes:
             data = f.read(n)
             if len(data) != n:
@@ -341,9 +353,13 @@ def read_tensorfile(
         actual = _size_of(backend, key, f)
         if actual != size:
             # Before anything is read or allocated: the header is then bounded by a real size.
-            raise _corrupt(backend, key, f"truncated: {actual} bytes where the manifest says {size}"
-                           if actual < size else f"longer than the {size} bytes the manifest records "
-                           f"(it has {actual})")
+            raise _corrupt(
+                backend,
+                key,
+                f"truncated: {actual} bytes where the manifest says {size}"
+                if actual < size
+                else f"longer than the {size} bytes the manifest records (it has {actual})",
+            )
         reader = _Reader(backend, key, f, size, digest, algorithm)
         try:
             entries = _header(backend, key, size, reader.read_bytes)

@@ -217,13 +217,15 @@ def write_tensorfile(
         raise CorruptCheckpointError(
             f"the backend at {backend.url} returned from writing {key!r} without consuming every chunk; "
             "the object may be incomplete. This is a backend bug: report it",
-            url=backend.url, key=key,
+            url=backend.url,
+            key=key,
         )
     if info.size != plan.size:
         raise CorruptCheckpointError(
             f"wrote {plan.size} bytes to {key!r} at {backend.url} but the backend reports {info.size}; "
             "the storage may be failing, try again or use another location",
-            url=backend.url, key=key,
+            url=backend.url,
+            key=key,
         )
     hexdigest = digest.result()
     logger.debug("wrote %s (%d bytes, %d tensors, %s %s)", key, plan.size, len(plan.tensors), DEFAULT, hexdigest)

@@ -20,9 +20,11 @@ __all__ = ["Metric", "Scalar", "decode_extra", "encode_extra", "user_fields"]
 #: A scalar that metrics and extra hold, as the manifest stores it.
 Scalar = bool | int | float | str | None
 
-_USER_RULE = ("metrics and extra hold None, bool, int, float (nan and inf included), str, and numpy "
-              "scalars or 0-d tensors (kept as their Python value); extra also holds lists and "
-              "str-keyed dicts of these")
+_USER_RULE = (
+    "metrics and extra hold None, bool, int, float (nan and inf included), str, and numpy "
+    "scalars or 0-d tensors (kept as their Python value); extra also holds lists and "
+    "str-keyed dicts of these"
+)
 
 
 def user_fields(
@@ -49,8 +51,7 @@ def user_fields(
             continue
         if not isinstance(values, Mapping):
             raise ConfigError(f"{field} must be a dict, got a {type(values).__name__}")
-        out.append({_user_key(k, field): _user_value(v, f"{field}[{k!r}]", nested)
-                    for k, v in values.items()})
+        out.append({_user_key(k, field): _user_value(v, f"{field}[{k!r}]", nested) for k, v in values.items()})
     return out[0], out[1]
 
 
@@ -72,8 +73,10 @@ def _user_value(value: Any, where: str, nested: bool) -> Any:
         return [_user_value(v, f"{where}[{i}]", True) for i, v in enumerate(value)]
     kind = f"{type(value).__module__}.{type(value).__qualname__}".removeprefix("builtins.")
     size = f" of shape {tuple(shape)}" if shape is not None else ""
-    raise ConfigError(f"{where} is a {kind}{size}: {_USER_RULE}. Convert it (x.item() for a "
-                      "scalar, x.tolist() for an array, list(x) for a tuple)")
+    raise ConfigError(
+        f"{where} is a {kind}{size}: {_USER_RULE}. Convert it (x.item() for a "
+        "scalar, x.tolist() for an array, list(x) for a tuple)"
+    )
 
 
 def decode_extra(value: object) -> object:
@@ -126,12 +129,18 @@ Metric = Annotated[
     Scalar,
     BeforeValidator(_metric_in),
     PlainSerializer(_metric_out, when_used="json"),
-    WithJsonSchema({
-        "anyOf": [
-            {"type": ["boolean", "integer", "number", "string", "null"]},
-            {"type": "object", "properties": {"$float": {"type": "string", "pattern": FLOAT_FORM}},
-             "required": ["$float"], "additionalProperties": False,
-             "description": "nan, inf, -inf, -0.0 or a nan's 16 hex digit bit pattern"},
-        ]
-    }),
+    WithJsonSchema(
+        {
+            "anyOf": [
+                {"type": ["boolean", "integer", "number", "string", "null"]},
+                {
+                    "type": "object",
+                    "properties": {"$float": {"type": "string", "pattern": FLOAT_FORM}},
+                    "required": ["$float"],
+                    "additionalProperties": False,
+                    "description": "nan, inf, -inf, -0.0 or a nan's 16 hex digit bit pattern",
+                },
+            ]
+        }
+    ),
 ]

@@ -27,4 +27,6 @@ def require(module: str, extra: str) -> ModuleType:
     except ImportError as exc:
         raise MissingDependencyError(
             f"ckptsdk's {extra} integration needs {module.split('.')[0]}, which is not installed: "
-            f"pip install 'ckptsdk[{extra}]'", extra=extra) from exc
+            f"pip install 'ckptsdk[{extra}]'",
+            extra=extra,
+        ) from exc

@@ -44,15 +44,19 @@ class _Counters:
         self.accelerator = accelerator
 
     def state_dict(self) -> dict[str, Any]:
-        return {"step": int(self.accelerator.step),
-                "dataloader_iterations": [int(getattr(d, "iteration", 0)) for d in self.accelerator._dataloaders]}
+        return {
+            "step": int(self.accelerator.step),
+            "dataloader_iterations": [int(getattr(d, "iteration", 0)) for d in self.accelerator._dataloaders],
+        }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         loaders = self.accelerator._dataloaders
         saved = list(state["dataloader_iterations"])
         if len(saved) != len(loaders):
-            raise ConfigError(f"the checkpoint has {len(saved)} prepared dataloader(s), this run prepared "
-                              f"{len(loaders)}; prepare the same ones in the same order")
+            raise ConfigError(
+                f"the checkpoint has {len(saved)} prepared dataloader(s), this run prepared "
+                f"{len(loaders)}; prepare the same ones in the same order"
+            )
         self.accelerator.step = int(state["step"])
         for loader, iteration in zip(loaders, saved, strict=True):
             if hasattr(loader, "iteration"):
@@ -86,18 +90,34 @@ class AcceleratorCheckpoints:
     """
 
     def __init__(
-        self, accelerator: Accelerator, url: str, *, keep_last: int = 3, keep_every: int | None = None,
-        save_every: int | None = None, lease_ttl: float | None = None, force: bool = False,
-        async_save: bool = False, storage_options: Mapping[str, object] | None = None,
+        self,
+        accelerator: Accelerator,
+        url: str,
+        *,
+        keep_last: int = 3,
+        keep_every: int | None = None,
+        save_every: int | None = None,
+        lease_ttl: float | None = None,
+        force: bool = False,
+        async_save: bool = False,
+        storage_options: Mapping[str, object] | None = None,
     ) -> None:
         if accelerator.num_processes != 1:
             raise ConfigError(
                 f"AcceleratorCheckpoints supports one process, this run has {accelerator.num_processes}: "
-                "per-rank RNG states need a gathering committer; use accelerator.save_state for now")
+                "per-rank RNG states need a gathering committer; use accelerator.save_state for now"
+            )
         self.accelerator = accelerator
         self.manager = CheckpointManager(
-            url, keep_last=keep_last, keep_every=keep_every, save_every=save_every, lease_ttl=lease_ttl,
-            force=force, async_save=async_save, storage_options=storage_options)
+            url,
+            keep_last=keep_last,
+            keep_every=keep_every,
+            save_every=save_every,
+            lease_ttl=lease_ttl,
+            force=force,
+            async_save=async_save,
+            storage_options=storage_options,
+        )
 
     def train_state(self) -> TrainState:
         """Every object ``save_state`` would save, by name, as a :class:`~ckptsdk.TrainState`."""
@@ -123,13 +143,27 @@ class AcceleratorCheckpoints:
         return self.manager.restore(self.train_state())
 
     def save(
-        self, step: int, *, epoch: int | None = None, batch_idx: int | None = None,
-        metrics: Mapping[str, object] | None = None, extra: Mapping[str, object] | None = None,
-        tags: Mapping[str, str] | None = None, blocking: bool | None = None,
+        self,
+        step: int,
+        *,
+        epoch: int | None = None,
+        batch_idx: int | None = None,
+        metrics: Mapping[str, object] | None = None,
+        extra: Mapping[str, object] | None = None,
+        tags: Mapping[str, str] | None = None,
+        blocking: bool | None = None,
     ) -> CheckpointInfo:
         """Commit the state at ``step``; the rest as for :meth:`ckptsdk.CheckpointManager.save`."""
-        return self.manager.save(self.train_state(), step=step, epoch=epoch, batch_idx=batch_idx, metrics=metrics,
-                                 extra=extra, tags=tags, blocking=blocking)
+        return self.manager.save(
+            self.train_state(),
+            step=step,
+            epoch=epoch,
+            batch_idx=batch_idx,
+            metrics=metrics,
+            extra=extra,
+            tags=tags,
+            blocking=blocking,
+        )
 
     def should_save(self, step: int) -> bool:
         """True every ``save_every`` steps."""

@@ -96,9 +96,15 @@ class CkptsdkCheckpointIO(CheckpointIO):
     """
 
     def __init__(
-        self, url: str, *, keep_last: int = 3, keep_every: int | None = None,
-        storage_options: Mapping[str, object] | None = None, lease_ttl: float | None = None,
-        force: bool = False, restore_rng: bool = True,
+        self,
+        url: str,
+        *,
+        keep_last: int = 3,
+        keep_every: int | None = None,
+        storage_options: Mapping[str, object] | None = None,
+        lease_ttl: float | None = None,
+        force: bool = False,
+        restore_rng: bool = True,
     ) -> None:
         super().__init__()
         self.url = url
@@ -121,8 +127,14 @@ class CkptsdkCheckpointIO(CheckpointIO):
         if self._mgr is None:
             # Lightning saves on global rank 0 only; other ranks read, and must not take the lease.
             self._mgr = CheckpointManager(
-                self.url, keep_last=self.keep_last, keep_every=self.keep_every, lease_ttl=self.lease_ttl,
-                force=self.force, storage_options=self.storage_options, read_only=rank_zero_only.rank != 0)
+                self.url,
+                keep_last=self.keep_last,
+                keep_every=self.keep_every,
+                lease_ttl=self.lease_ttl,
+                force=self.force,
+                storage_options=self.storage_options,
+                read_only=rank_zero_only.rank != 0,
+            )
             self._restored = False
         return self._mgr
 
@@ -139,7 +151,8 @@ class CkptsdkCheckpointIO(CheckpointIO):
                 if latest is not None:
                     raise ConfigError(
                         f"{self.url} holds checkpoints up to step {latest.step}, but this fit did not "
-                        "resume from them: pass ckpt_path=\"last\" to trainer.fit, or use a new root")
+                        'resume from them: pass ckpt_path="last" to trainer.fit, or use a new root'
+                    )
             mgr.restore(captured)
             self._restored = True
         return mgr, captured.tree
@@ -169,8 +182,9 @@ class CkptsdkCheckpointIO(CheckpointIO):
 
     # ------------------------------------------------------------------ CheckpointIO
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: str | os.PathLike[str],
-                        storage_options: object = None) -> None:
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: str | os.PathLike[str], storage_options: object = None
+    ) -> None:
         """Commit ``checkpoint`` at its ``global_step``, then leave a pointer at ``path``.
 
         Two names saved at one step (``epoch=1-step=16.ckpt`` and ``last.ckpt``) share one
@@ -186,15 +200,17 @@ class CkptsdkCheckpointIO(CheckpointIO):
                 newest, not this run, to the next resume: refused, never silently mixed in).
         """
         if storage_options is not None:
-            raise ConfigError("CkptsdkCheckpointIO takes no per-call storage_options; pass storage "
-                              "options to its constructor")
+            raise ConfigError(
+                "CkptsdkCheckpointIO takes no per-call storage_options; pass storage options to its constructor"
+            )
         mgr, _ = self._start(loading=False)
         step = int(checkpoint.get("global_step", 0))
         if self._shadowed_by is not None and step <= self._shadowed_by:
             raise ConfigError(
                 f"this fit resumed from an older checkpoint than {self.url}'s newest (step "
                 f"{self._shadowed_by}); a save at step {step} would be shadowed by it on the next resume. "
-                "Resume from ckpt_path=\"last\", or train on from an older step in a new root")
+                'Resume from ckpt_path="last", or train on from an older step in a new root'
+            )
         tree = {"lightning": _plain(checkpoint), "rng": capture_rng()}
         try:
             info = mgr.save(tree, step=step, epoch=checkpoint.get("epoch"), tags={"framework": "lightning"})
@@ -204,12 +220,16 @@ class CkptsdkCheckpointIO(CheckpointIO):
             raise UnsupportedStateError(
                 f"Lightning checkpoint key {key!r} cannot be stored without pickle: {exc}. Return plain "
                 "values there (tensors, numbers, strings, lists, dicts) from on_save_checkpoint/state_dict, "
-                "or leave it out", path=exc.path, type_name=exc.type_name) from exc
+                "or leave it out",
+                path=exc.path,
+                type_name=exc.type_name,
+            ) from exc
         self._write_pointer(os.fspath(path), Pointer(url=self.url, step=info.step, key=info.key))
         logger.info("lightning checkpoint %s -> %s/%s", path, self.url, info.key)
 
-    def load_checkpoint(self, path: str | os.PathLike[str], map_location: object = None,
-                        weights_only: bool | None = None) -> dict[str, Any]:
+    def load_checkpoint(
+        self, path: str | os.PathLike[str], map_location: object = None, weights_only: bool | None = None
+    ) -> dict[str, Any]:
         """Read the checkpoint a pointer names, verified; restore the RNG states.
 
         Tensors come back on the CPU (Lightning moves them where its modules live), whatever
@@ -222,8 +242,13 @@ class CkptsdkCheckpointIO(CheckpointIO):
         """
         pointer = self._read_pointer(os.fspath(path))
         if pointer.url != self.url:
-            logger.warning("%s was written for %s; reading step %s from this plugin's root %s",
-                           path, pointer.url, pointer.step, self.url)
+            logger.warning(
+                "%s was written for %s; reading step %s from this plugin's root %s",
+                path,
+                pointer.url,
+                pointer.step,
+                self.url,
+            )
         step = pointer.step
         mgr, tree = self._start(loading=True)
         if tree is None or tree.get("lightning", {}).get("global_step") != step:
@@ -282,8 +307,10 @@ class CkptsdkCheckpointIO(CheckpointIO):
             raise ConfigError(f"{path} cannot be read as a checkpoint pointer ({exc})") from exc
 
         def error(message: str, step: int | None) -> ConfigError:
-            return ConfigError(f"{message}; it is not a checkpoint pointer written by CkptsdkCheckpointIO, "
-                               "and a torch.save checkpoint can be brought in with `ckptsdk import FILE URL`")
+            return ConfigError(
+                f"{message}; it is not a checkpoint pointer written by CkptsdkCheckpointIO, "
+                "and a torch.save checkpoint can be brought in with `ckptsdk import FILE URL`"
+            )
 
         def legacy(doc: dict[str, Any]) -> dict[str, Any] | None:
             return {**doc, "format": POINTER_FORMAT} if doc.get("format") == _LEGACY_POINTER_FORMAT else None

@@ -92,27 +92,47 @@ class CkptsdkTrainer(Trainer):
     """
 
     def __init__(
-        self, *args: Any, ckpt_url: str, keep_last: int = 3, keep_every: int | None = None,
-        lease_ttl: float | None = None, force: bool = False, storage_options: Mapping[str, object] | None = None,
+        self,
+        *args: Any,
+        ckpt_url: str,
+        keep_last: int = 3,
+        keep_every: int | None = None,
+        lease_ttl: float | None = None,
+        force: bool = False,
+        storage_options: Mapping[str, object] | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
         if self.args.world_size > 1:
-            raise ConfigError(f"CkptsdkTrainer supports one process, this run has {self.args.world_size}: "
-                              "per-rank RNG states need a gathering committer")
+            raise ConfigError(
+                f"CkptsdkTrainer supports one process, this run has {self.args.world_size}: "
+                "per-rank RNG states need a gathering committer"
+            )
         if self.args.load_best_model_at_end:
-            raise ConfigError("CkptsdkTrainer does not support load_best_model_at_end (it reloads from a "
-                              "checkpoint folder); export the best step with `ckptsdk export URL@STEP`")
+            raise ConfigError(
+                "CkptsdkTrainer does not support load_best_model_at_end (it reloads from a "
+                "checkpoint folder); export the best step with `ckptsdk export URL@STEP`"
+            )
         self.ckpt_url = ckpt_url
-        self._ckpt_options: dict[str, Any] = dict(keep_last=keep_last, keep_every=keep_every, lease_ttl=lease_ttl,
-                                                  force=force, storage_options=dict(storage_options or {}))
+        self._ckpt_options: dict[str, Any] = dict(
+            keep_last=keep_last,
+            keep_every=keep_every,
+            lease_ttl=lease_ttl,
+            force=force,
+            storage_options=dict(storage_options or {}),
+        )
         self._ckpt_mgr: CheckpointManager | None = None
         self._resume: dict[str, Any] | None = None
 
     # ------------------------------------------------------------------ train
 
-    def train(self, resume_from_checkpoint: str | bool | None = None, trial: object = None,
-              ignore_keys_for_eval: list[str] | None = None, **kwargs: Any) -> TrainOutput:
+    def train(
+        self,
+        resume_from_checkpoint: str | bool | None = None,
+        trial: object = None,
+        ignore_keys_for_eval: list[str] | None = None,
+        **kwargs: Any,
+    ) -> TrainOutput:
         """Train, checkpointing to ``ckpt_url``; ``resume_from_checkpoint=True`` continues.
 
         Raises:
@@ -120,8 +140,10 @@ class CkptsdkTrainer(Trainer):
                 holds checkpoints and ``resume_from_checkpoint`` is not True.
         """
         if resume_from_checkpoint not in (None, False, True):
-            raise ConfigError(f"CkptsdkTrainer resumes from its ckpt_url, not from {resume_from_checkpoint!r}: "
-                              "pass resume_from_checkpoint=True")
+            raise ConfigError(
+                f"CkptsdkTrainer resumes from its ckpt_url, not from {resume_from_checkpoint!r}: "
+                "pass resume_from_checkpoint=True"
+            )
         self._ckpt_mgr = CheckpointManager(self.ckpt_url, **self._ckpt_options)  # takes the lease
         folder = None
         try:
@@ -130,9 +152,15 @@ class CkptsdkTrainer(Trainer):
                 # Checked before restore(), which would already record this writer's lineage.
                 raise ConfigError(
                     f"{self.ckpt_url} holds checkpoints up to step {latest.step}: pass "
-                    "resume_from_checkpoint=True to continue that run, or use a new ckpt_url")
-            parts = {"model": self.model, "optimizer": _Deferred(), "scheduler": _Deferred(),
-                     "scaler": _Deferred(), "trainer": _TrainerStateJSON(self)}
+                    "resume_from_checkpoint=True to continue that run, or use a new ckpt_url"
+                )
+            parts = {
+                "model": self.model,
+                "optimizer": _Deferred(),
+                "scheduler": _Deferred(),
+                "scaler": _Deferred(),
+                "trainer": _TrainerStateJSON(self),
+            }
             pos = self._ckpt_mgr.restore(_Capture(parts))
             if pos is None:
                 return super().train(None, trial, ignore_keys_for_eval, **kwargs)
@@ -199,12 +227,20 @@ class CkptsdkTrainer(Trainer):
                 self.state.stateful_callbacks[name].append(cb.state())
             else:
                 self.state.stateful_callbacks[name] = cb.state()
-        state = TrainState(model=self.model, optimizer=self.optimizer, scheduler=self.lr_scheduler,
-                           scaler=_Deferred(self.accelerator.scaler), trainer=_TrainerStateJSON(self))
-        self._ckpt_mgr.save(state, step=self.state.global_step, epoch=int(self.state.epoch or 0),
-                            metrics={k: v for k, v in (self.state.log_history[-1:] or [{}])[0].items()
-                                     if isinstance(v, (int, float))},
-                            tags={"framework": "transformers"})
+        state = TrainState(
+            model=self.model,
+            optimizer=self.optimizer,
+            scheduler=self.lr_scheduler,
+            scaler=_Deferred(self.accelerator.scaler),
+            trainer=_TrainerStateJSON(self),
+        )
+        self._ckpt_mgr.save(
+            state,
+            step=self.state.global_step,
+            epoch=int(self.state.epoch or 0),
+            metrics={k: v for k, v in (self.state.log_history[-1:] or [{}])[0].items() if isinstance(v, (int, float))},
+            tags={"framework": "transformers"},
+        )
 
 
 class _Capture:
@@ -217,8 +253,9 @@ class _Capture:
         state = TrainState(**self.parts)
         problems = state.mismatches(tree)
         if problems:
-            raise StateMismatchError("the checkpoint does not fit this Trainer: " + "; ".join(problems[:8]),
-                                     mismatches=problems)
+            raise StateMismatchError(
+                "the checkpoint does not fit this Trainer: " + "; ".join(problems[:8]), mismatches=problems
+            )
         self.parts["model"].load_state_dict(tree["objects"]["model"])
         for name in ("optimizer", "scheduler", "scaler", "trainer"):
             self.parts[name].load_state_dict(tree["objects"][name])

@@ -106,8 +106,10 @@ class Lease(HeldLease):
         if ttl is None:
             ttl = DEFAULT_TTL if caps.immediately_consistent else DRIVE_TTL
         if not 0 < ttl <= MAX_TTL:  # also refuses nan and inf
-            raise ConfigError(f"lease ttl must be > 0 and <= {MAX_TTL:g} seconds, got {ttl!r}: "
-                              "a newcomer waits up to five ttl for a silent holder")
+            raise ConfigError(
+                f"lease ttl must be > 0 and <= {MAX_TTL:g} seconds, got {ttl!r}: "
+                "a newcomer waits up to five ttl for a silent holder"
+            )
         if settle is None:
             settle = 0.0 if caps.immediately_consistent else ttl * _DRIVE_SETTLE_FRACTION
         if not 0 <= settle <= MAX_TTL:
@@ -151,7 +153,6 @@ class Lease(HeldLease):
             renewed_at=now,
         )
 
-
     # ------------------------------------------------------------------ acquire
     def acquire(self, *, min_epoch: int = 1) -> LeaseRecord:
         """Take the lease: create it, take over a dead or released holder, or wait.
@@ -171,8 +172,7 @@ class Lease(HeldLease):
         """
         with self._lock:
             if self._record is not None and not self._released and not self._fenced:
-                raise LeaseError(f"the lease on {self.url} is already held by this object",
-                                 url=self.url)
+                raise LeaseError(f"the lease on {self.url} is already held by this object", url=self.url)
             self._record = None
             self._version = None
             self._fenced = self._released = False
@@ -222,7 +222,9 @@ class Lease(HeldLease):
                         raise LeaseError(
                             f"{self.url.rstrip('/')}/{LEASE_KEY} exists but is not a readable file "
                             "(a folder, a FIFO or a broken link?): no lease can be written there. "
-                            "Remove it by hand, then retry", url=self.url) from None
+                            "Remove it by hand, then retry",
+                            url=self.url,
+                        ) from None
                     self._sleep(_POLL_MIN)
                     continue
                 confirmed = self._confirm(record, info.version, previous=None)
@@ -247,8 +249,7 @@ class Lease(HeldLease):
                 continue
             now = self._clock()
             window = max(self.ttl, seen.ttl if seen is not None else 0.0)
-            wait_timeout = (self.wait_timeout if self.wait_timeout is not None
-                            else _WAIT_TTLS * window + self.settle)
+            wait_timeout = self.wait_timeout if self.wait_timeout is not None else _WAIT_TTLS * window + self.settle
             if data != watch_data:
                 watch_data, watch_since = data, now
             if self.force or seen is None or seen.released or now - watch_since >= window:
@@ -258,7 +259,8 @@ class Lease(HeldLease):
                         raise LeaseHeldError(
                             f"force=True could not take the lease on {self.url}: it changed under "
                             f"us {_FORCE_TRIES} times; another writer keeps writing it",
-                            url=self.url, holder=seen.model_dump(mode="json") if seen else None,
+                            url=self.url,
+                            holder=seen.model_dump(mode="json") if seen else None,
                         )
                 taken = self._take_over(seen, data, version, nonce, min_epoch, watched=now - start)
                 if taken is not None:
@@ -272,7 +274,8 @@ class Lease(HeldLease):
                     f"its lease kept changing while we watched for {waited:.1f} s. Stop that "
                     "runtime (or wait until it stops renewing), open read-only, or pass "
                     "force=True if you are sure it is dead",
-                    url=self.url, holder=seen.model_dump(mode="json"),
+                    url=self.url,
+                    holder=seen.model_dump(mode="json"),
                 )
             until_takeover = window - (now - watch_since)
             if logged_at is None or now - logged_at >= window:
@@ -280,25 +283,38 @@ class Lease(HeldLease):
                 logger.info(
                     "lease on %s is held by %s; waiting: takeover possible in %.1f s if it stops "
                     "renewing (giving up in %.1f s)",
-                    self.url, seen.describe(), until_takeover, wait_timeout - waited,
+                    self.url,
+                    seen.describe(),
+                    until_takeover,
+                    wait_timeout - waited,
                 )
             if wait_timeout - waited >= SHOW_FROM_S and until_takeover >= SHOW_FROM_S:
                 # Said on stderr, not only logged: a rerun after a crash otherwise looks hung.
                 notice.update(
-                    remaining=until_takeover, total=window, goal="take over if it stays silent",
-                    detail=(f"held by {seen.describe()}; it is taken over after {window:.0f} s "
-                            f"without a change (giving up after {wait_timeout:.0f} s of renewals). "
-                            "If that writer is surely dead, skip the wait: force=True (the "
-                            f"examples' --force) or `ckptsdk lease {self.url} --break "
-                            "--yes-i-am-sure`"))
+                    remaining=until_takeover,
+                    total=window,
+                    goal="take over if it stays silent",
+                    detail=(
+                        f"held by {seen.describe()}; it is taken over after {window:.0f} s "
+                        f"without a change (giving up after {wait_timeout:.0f} s of renewals). "
+                        "If that writer is surely dead, skip the wait: force=True (the "
+                        f"examples' --force) or `ckptsdk lease {self.url} --break "
+                        "--yes-i-am-sure`"
+                    ),
+                )
             poll = min(max(window / 10.0, _POLL_MIN), _POLL_MAX)
             self._sleep(max(_POLL_MIN / 10, min(poll, until_takeover, wait_timeout - waited)))
-        raise LeaseHeldError(f"gave up acquiring the lease on {self.url}: the clock did not move",
-                             url=self.url)
+        raise LeaseHeldError(f"gave up acquiring the lease on {self.url}: the clock did not move", url=self.url)
 
     def _take_over(
-        self, seen: LeaseRecord | None, data: bytes, version: str, nonce: str, min_epoch: int,
-        *, watched: float,
+        self,
+        seen: LeaseRecord | None,
+        data: bytes,
+        version: str,
+        nonce: str,
+        min_epoch: int,
+        *,
+        watched: float,
     ) -> LeaseRecord | None:
         """Replace ``seen`` (at ``version``) with ours at epoch+1; None means observe again."""
         prev_epoch = seen.epoch if seen is not None else best_effort_epoch(data)
@@ -310,14 +326,19 @@ class Lease(HeldLease):
         )
         what = seen.describe() if seen is not None else "an unreadable LEASE.json"
         if self.force:
-            logger.warning("force=True: breaking the lease on %s held by %s; taking epoch %d",
-                           self.url, what, record.epoch)
+            logger.warning(
+                "force=True: breaking the lease on %s held by %s; taking epoch %d", self.url, what, record.epoch
+            )
         elif seen is not None and seen.released:
-            logger.info("lease on %s was released by %s; taking epoch %d",
-                        self.url, what, record.epoch)
+            logger.info("lease on %s was released by %s; taking epoch %d", self.url, what, record.epoch)
         else:
-            logger.info("lease on %s unchanged for %.1f s of watching; taking over from %s "
-                        "as epoch %d", self.url, watched, what, record.epoch)
+            logger.info(
+                "lease on %s unchanged for %.1f s of watching; taking over from %s as epoch %d",
+                self.url,
+                watched,
+                what,
+                record.epoch,
+            )
         try:
             info = self.backend.replace(LEASE_KEY, record.to_json(), version=version)
         except ObjectNotFound:
@@ -333,21 +354,19 @@ class Lease(HeldLease):
             if now_seen.holder.nonce == nonce:  # our replace won; its reply was lost
                 return self._confirm(now_seen, snap[1], previous=seen)
             if seen is not None and now_seen.holder.nonce == seen.holder.nonce and not self.force:
-                logger.info("lease holder on %s renewed at the last moment; still watching",
-                            self.url)
+                logger.info("lease holder on %s renewed at the last moment; still watching", self.url)
                 return None
             if self.force:
                 return None
             raise LeaseHeldError(
                 f"another newcomer took the lease on {self.url} at the same moment: "
                 f"{now_seen.describe()}; it is the writer now. Stop it first, or pass force=True",
-                url=self.url, holder=now_seen.model_dump(mode="json"),
+                url=self.url,
+                holder=now_seen.model_dump(mode="json"),
             ) from None
         return self._confirm(record, info.version, previous=seen)
 
-    def _confirm(
-        self, record: LeaseRecord, version: str, *, previous: LeaseRecord | None
-    ) -> LeaseRecord | None:
+    def _confirm(self, record: LeaseRecord, version: str, *, previous: LeaseRecord | None) -> LeaseRecord | None:
         """Make ``record`` ours; without compare-and-swap first wait ``settle`` and read back.
 
         Returns None when the read-back shows an older holder's write landed after ours (observe
@@ -359,14 +378,18 @@ class Lease(HeldLease):
             # on another VM, whose write reaches us late.
             if self.settle > 0:
                 WaitNotice(f"confirming the lease on {self.url}").sleep(
-                    self.settle, self._sleep, goal="read it back",
-                    detail=(f"this store shows other machines' writes late, so the lease is read "
-                            f"back after a {self.settle:.0f} s settle to be sure no other runtime "
-                            "took it meanwhile (CheckpointManager(lease_settle=...) sets it)"))
+                    self.settle,
+                    self._sleep,
+                    goal="read it back",
+                    detail=(
+                        f"this store shows other machines' writes late, so the lease is read "
+                        f"back after a {self.settle:.0f} s settle to be sure no other runtime "
+                        "took it meanwhile (CheckpointManager(lease_settle=...) sets it)"
+                    ),
+                )
             snap = self._snapshot()
             if snap is None:
-                logger.warning("lease on %s vanished during the %.1f s settle; retrying",
-                               self.url, self.settle)
+                logger.warning("lease on %s vanished during the %.1f s settle; retrying", self.url, self.settle)
                 return None
             try:
                 back = self._parse(snap[0])
@@ -377,17 +400,26 @@ class Lease(HeldLease):
                     raise LeaseHeldError(
                         f"the lease on {self.url} was taken by another newcomer during our "
                         f"{self.settle:.1f} s settle: {back.describe()}; it is the writer now",
-                        url=self.url, holder=back.model_dump(mode="json"),
+                        url=self.url,
+                        holder=back.model_dump(mode="json"),
                     )
-                logger.info("lease on %s: an older holder's write (%s) landed after ours; "
-                            "watching again", self.url, back.describe())
+                logger.info(
+                    "lease on %s: an older holder's write (%s) landed after ours; watching again",
+                    self.url,
+                    back.describe(),
+                )
                 return None
             record, version = back, snap[1]
         self._adopt(record, version)
         self._previous = previous
-        logger.info("acquired the lease on %s: epoch %d, attempt %d, run %s%s",
-                    self.url, record.epoch, record.attempt, record.run_id,
-                    f" (previous: {previous.describe()})" if previous is not None else "")
+        logger.info(
+            "acquired the lease on %s: epoch %d, attempt %d, run %s%s",
+            self.url,
+            record.epoch,
+            record.attempt,
+            record.run_id,
+            f" (previous: {previous.describe()})" if previous is not None else "",
+        )
         return record
 
     def __enter__(self) -> Lease:

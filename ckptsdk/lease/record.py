@@ -16,8 +16,16 @@ from ckptsdk.backends.base import Backend
 from ckptsdk.errors import CkptError, LeaseError, ObjectNotFound
 from ckptsdk.format.document import Document, Strict, UtcTime, parse_document
 
-__all__ = ["LEASE_FORMAT", "LEASE_KEY", "MAX_TTL", "LeaseHolder", "LeaseRecord", "best_effort_epoch",
-           "parse_lease", "read_lease"]
+__all__ = [
+    "LEASE_FORMAT",
+    "LEASE_KEY",
+    "MAX_TTL",
+    "LeaseHolder",
+    "LeaseRecord",
+    "best_effort_epoch",
+    "parse_lease",
+    "read_lease",
+]
 
 #: Where the lease lives, relative to the checkpoint root (the one definition).
 LEASE_KEY: Final = "LEASE.json"
@@ -28,8 +36,7 @@ LEASE_FORMAT: Final = "ckptsdk.lease/1"
 #: The longest ttl (and settle) a lease may have, ours or one read from LEASE.json: a newcomer
 #: waits up to five ttl windows, so this bounds every wait (an infinite ttl would be forever).
 MAX_TTL: Final = 3600.0
-_BREAK_HINT = ("if no writer is running, break it with force=True or "
-               "`ckptsdk lease URL --break --yes-i-am-sure`")
+_BREAK_HINT = "if no writer is running, break it with force=True or `ckptsdk lease URL --break --yes-i-am-sure`"
 
 
 class LeaseHolder(Strict):
@@ -76,8 +83,6 @@ class LeaseRecord(Document):
     renewed_at: UtcTime
     released: bool = False
 
-
-
     def describe(self) -> str:
         """One human line: who holds it, which run and epoch, since when (by its own clock)."""
         return (
@@ -101,6 +106,7 @@ def parse_lease(data: bytes, *, url: str = "") -> LeaseRecord:
         LeaseError: not JSON, another kind or a newer major version (upgrade ckptsdk), or
             invalid fields; says how to break it.
     """
+
     def error(message: str, step: int | None) -> CkptError:
         return LeaseError(f"{message}; {_BREAK_HINT}", url=url)
 

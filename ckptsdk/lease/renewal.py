@@ -96,8 +96,7 @@ class HeldLease:
 
     def _held_record(self) -> LeaseRecord:
         if self._record is None:
-            raise LeaseError(f"the lease on {self.url} was never acquired; call acquire() first",
-                             url=self.url)
+            raise LeaseError(f"the lease on {self.url} was never acquired; call acquire() first", url=self.url)
         return self._record
 
     # ------------------------------------------------------------------ I/O helpers
@@ -149,7 +148,8 @@ class HeldLease:
                 self._fence(
                     f"no renewal for {now - self._last_renewed:.1f} s (> ttl {record.ttl:g} s) on "
                     "a backend without compare-and-swap: another runtime may have taken over",
-                    None, None,
+                    None,
+                    None,
                 )
                 self._raise_if_lost()
             new = record.model_copy(update={"renewals": record.renewals + 1, "renewed_at": utc_now()})
@@ -165,8 +165,11 @@ class HeldLease:
                 snap = self._snapshot()
                 try:
                     if snap is None:
-                        logger.warning("lease on %s vanished (a delayed delete?); re-creating it "
-                                       "as epoch %d", self.url, record.epoch)
+                        logger.warning(
+                            "lease on %s vanished (a delayed delete?); re-creating it as epoch %d",
+                            self.url,
+                            record.epoch,
+                        )
                         info = self.backend.create(LEASE_KEY, new.to_json())
                     elif snap[0] == new.to_json():  # our write landed; its reply was lost
                         self._adopt(new, snap[1])
@@ -179,8 +182,9 @@ class HeldLease:
                 self._adopt(new, info.version)
                 return new
             raise BackendError(
-                f"could not renew the lease on {self.url}: it changed under every one of "
-                f"{SNAPSHOT_TRIES} tries", url=self.url, key=LEASE_KEY,
+                f"could not renew the lease on {self.url}: it changed under every one of {SNAPSHOT_TRIES} tries",
+                url=self.url,
+                key=LEASE_KEY,
             )
 
     def _judge(self, data: bytes, ours: LeaseRecord, *, rewriting: bool = True) -> None:
@@ -188,8 +192,7 @@ class HeldLease:
         try:
             seen = self._parse(data)
         except LeaseError as exc:
-            self._fence(f"LEASE.json became unreadable, so we cannot prove we hold it: {exc}",
-                        None, None)
+            self._fence(f"LEASE.json became unreadable, so we cannot prove we hold it: {exc}", None, None)
             self.check()
             return
         if seen.holder.nonce == ours.holder.nonce:
@@ -197,19 +200,28 @@ class HeldLease:
         # Same epoch, another nonce: with compare-and-swap that writer won the epoch. Without it
         # (Drive) two VMs can both believe they took it; they are ordered by nonce, like the
         # tags in their folder names, and only the lower one steps back.
-        same_epoch_wins = seen.epoch == ours.epoch and not seen.released and (
-            self._cas or writer_tag(seen.holder.nonce, compare_and_swap=False)
-            > writer_tag(ours.holder.nonce, compare_and_swap=False))
+        same_epoch_wins = (
+            seen.epoch == ours.epoch
+            and not seen.released
+            and (
+                self._cas
+                or writer_tag(seen.holder.nonce, compare_and_swap=False)
+                > writer_tag(ours.holder.nonce, compare_and_swap=False)
+            )
+        )
         if seen.epoch > ours.epoch or same_epoch_wins:
-            self._fence(f"the lease now belongs to {seen.describe()}", seen.epoch,
-                        seen.model_dump(mode="json"))
+            self._fence(f"the lease now belongs to {seen.describe()}", seen.epoch, seen.model_dump(mode="json"))
             self.check()
         # An older epoch's record landing after ours: a zombie's delayed write (Drive). Ours is
         # the newer epoch, so we write over it (the caller does), and the zombie fences on seeing
         # our epoch.
         if rewriting:
-            logger.warning("lease on %s: found an older writer's record (%s) over ours (epoch %d);"
-                           " writing ours again", self.url, seen.describe(), ours.epoch)
+            logger.warning(
+                "lease on %s: found an older writer's record (%s) over ours (epoch %d); writing ours again",
+                self.url,
+                seen.describe(),
+                ours.epoch,
+            )
 
     def fence(self, reason: str, newer_epoch: int | None = None) -> None:
         """Mark this writer fenced: it must stop writing; ``check()`` raises from now on.
@@ -228,8 +240,9 @@ class HeldLease:
         self._newer_epoch = newer_epoch
         self._newer_holder = holder
         self._hb_stop.set()
-        logger.warning("writer of %s (epoch %s) is fenced: %s",
-                       self.url, self._record.epoch if self._record else "?", reason)
+        logger.warning(
+            "writer of %s (epoch %s) is fenced: %s", self.url, self._record.epoch if self._record else "?", reason
+        )
 
     def check(self) -> None:
         """Raise ``LeaseLostError`` if this writer may no longer write (fenced or released).
@@ -243,28 +256,37 @@ class HeldLease:
             gap = self._clock() - self._last_renewed
             if gap > record.ttl:
                 with self._lock:
-                    self._fence(f"no renewal for {gap:.1f} s (> ttl {record.ttl:g} s) on a backend "
-                                "without compare-and-swap: another runtime may have taken over",
-                                None, None)
+                    self._fence(
+                        f"no renewal for {gap:.1f} s (> ttl {record.ttl:g} s) on a backend "
+                        "without compare-and-swap: another runtime may have taken over",
+                        None,
+                        None,
+                    )
         self._raise_if_lost()
 
     def _raise_if_lost(self) -> None:
         if self._fenced:
             epoch = self._record.epoch if self._record else None
-            newer = (f"another runtime took over {self.url} at epoch {self._newer_epoch}"
-                     if self._newer_epoch is not None
-                     else f"another runtime may have taken over {self.url}")
+            newer = (
+                f"another runtime took over {self.url} at epoch {self._newer_epoch}"
+                if self._newer_epoch is not None
+                else f"another runtime may have taken over {self.url}"
+            )
             raise LeaseLostError(
                 f"{newer}; this writer (epoch {epoch}) must stop: it will not write or delete "
                 f"anything more, and nothing was deleted after the takeover was seen. Restore "
                 f"from the root in the new runtime instead. ({self._fence_reason})",
-                url=self.url, holder=self._newer_holder, epoch=epoch, newer_epoch=self._newer_epoch,
+                url=self.url,
+                holder=self._newer_holder,
+                epoch=epoch,
+                newer_epoch=self._newer_epoch,
             )
         if self._record is None or self._released:
             raise LeaseLostError(
                 f"this writer does not hold the lease on {self.url} "
                 f"({'it was released' if self._released else 'acquire() was never called'})",
-                url=self.url, epoch=self._record.epoch if self._record else None,
+                url=self.url,
+                epoch=self._record.epoch if self._record else None,
             )
 
     # ------------------------------------------------------------------ heartbeat / release
@@ -280,8 +302,10 @@ class HeldLease:
                 return
             self._hb_stop.clear()
             self._hb_thread = threading.Thread(
-                target=self._heartbeat, args=(self._held_record().ttl / 3.0,),
-                name=f"ckptsdk-lease-heartbeat-e{self.epoch}", daemon=True,
+                target=self._heartbeat,
+                args=(self._held_record().ttl / 3.0,),
+                name=f"ckptsdk-lease-heartbeat-e{self.epoch}",
+                daemon=True,
             )
             self._hb_thread.start()
 
@@ -296,8 +320,7 @@ class HeldLease:
                 return
             except BackendError as exc:
                 stale = self._clock() - self._last_renewed
-                logger.warning("lease renewal on %s failed (%s); last success %.1f s ago",
-                               self.url, exc, stale)
+                logger.warning("lease renewal on %s failed (%s); last success %.1f s ago", self.url, exc, stale)
                 if stale > self.ttl:
                     with self._lock:
                         self._fence(f"could not renew for {stale:.1f} s (> ttl): {exc}", None, None)
@@ -329,23 +352,29 @@ class HeldLease:
                 return
             self._released = True
             if self._fenced:
-                logger.info("not releasing the lease on %s: fenced, it belongs to epoch %s",
-                            self.url, self._newer_epoch)
+                logger.info(
+                    "not releasing the lease on %s: fenced, it belongs to epoch %s", self.url, self._newer_epoch
+                )
                 return
             record = self._record
             try:
                 snap = self._snapshot()
                 if snap is None or self._parse(snap[0]).holder.nonce != record.holder.nonce:
-                    logger.warning("lease on %s is no longer ours at release; left alone",
-                                   self.url)
+                    logger.warning("lease on %s is no longer ours at release; left alone", self.url)
                     return
-                marker = record.model_copy(update={
-                    "renewals": record.renewals + 1, "renewed_at": utc_now(), "released": True,
-                })
+                marker = record.model_copy(
+                    update={
+                        "renewals": record.renewals + 1,
+                        "renewed_at": utc_now(),
+                        "released": True,
+                    }
+                )
                 self.backend.replace(LEASE_KEY, marker.to_json(), version=snap[1])
                 self._record = marker
                 logger.info("released the lease on %s (epoch %d)", self.url, record.epoch)
             except (BackendError, LeaseError) as exc:
-                logger.warning("could not release the lease on %s (%s); the next writer will "
-                               "take over after one ttl", self.url, exc)
-
+                logger.warning(
+                    "could not release the lease on %s (%s); the next writer will take over after one ttl",
+                    self.url,
+                    exc,
+                )

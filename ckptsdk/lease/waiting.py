@@ -74,8 +74,9 @@ class WaitNotice:
 
         def tick() -> None:  # real time only: a simulated sleep returns at once and ends this
             while not done.wait(0.5 if self.tty else self.every):
-                self.update(remaining=max(0.0, seconds - (time.monotonic() - start)), total=seconds,
-                            detail=detail, goal=goal)
+                self.update(
+                    remaining=max(0.0, seconds - (time.monotonic() - start)), total=seconds, detail=detail, goal=goal
+                )
 
         self.update(remaining=seconds, total=seconds, detail=detail, goal=goal)
         ticker = threading.Thread(target=tick, name="ckptsdk-wait-notice", daemon=True)
@@ -105,8 +106,14 @@ class WaitNotice:
         if self._bar is None or abs(self._bar.total - total) > 1e-6:
             if self._bar is not None:
                 self._bar.close()
-            self._bar = tqdm(total=total, file=self.stream, leave=False, dynamic_ncols=True,
-                             bar_format="{l_bar}{bar}| {postfix}", desc="ckptsdk")
+            self._bar = tqdm(
+                total=total,
+                file=self.stream,
+                leave=False,
+                dynamic_ncols=True,
+                bar_format="{l_bar}{bar}| {postfix}",
+                desc="ckptsdk",
+            )
         self._bar.n = min(total, max(0.0, total - remaining))
         self._bar.set_postfix_str(status, refresh=True)
 

@@ -21,6 +21,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["MODEL_PATHS", "ExportReport", "export_safetensors"]
 
+
 class ExportReport(TypedDict):
     """What :func:`export_safetensors` wrote."""
 
@@ -55,8 +56,13 @@ def _storage_groups(model: torch.nn.Module) -> list[list[str]]:
 
 
 def export_safetensors(
-    url: str, out: str | os.PathLike[str], *, step: int | None = None, object_path: str | None = None,
-    model: torch.nn.Module | None = None, tied: Iterable[tuple[str, str]] = (),
+    url: str,
+    out: str | os.PathLike[str],
+    *,
+    step: int | None = None,
+    object_path: str | None = None,
+    model: torch.nn.Module | None = None,
+    tied: Iterable[tuple[str, str]] = (),
     storage_options: Mapping[str, object] | None = None,
 ) -> ExportReport:
     """Write one checkpoint's model weights to a standard safetensors file.
@@ -109,41 +115,54 @@ def export_safetensors(
         chosen = info.step
         if is_payload(info.manifest.tree):
             if object_path or tied or model is not None:
-                raise ConfigError("object_path, model and tied (--object, --tied) do not apply to a "
-                                  "distributed checkpoint: every entry is exported under its DCP name")
+                raise ConfigError(
+                    "object_path, model and tied (--object, --tied) do not apply to a "
+                    "distributed checkpoint: every entry is exported under its DCP name"
+                )
             from ckptsdk.distributed.export import write_consolidated
 
             write_consolidated(mgr.backend, info, out, source=url)
-            return {"step": chosen, "object": "distributed (all ranks, consolidated)", "tensors": None,
-                    "removed": {}, "out": os.fspath(out)}
+            return {
+                "step": chosen,
+                "object": "distributed (all ranks, consolidated)",
+                "tensors": None,
+                "removed": {},
+                "out": os.fspath(out),
+            }
         tree = mgr.read_tree(info)
     paths = (object_path,) if object_path else MODEL_PATHS
     where = next((p for p in paths if isinstance(_at(tree, p), Mapping)), None)
     if where is None:
-        raise ConfigError(f"checkpoint step {chosen} of {url} has no state dict at {' or '.join(paths)}; "
-                          "pass --object PATH (e.g. objects/NAME)")
+        raise ConfigError(
+            f"checkpoint step {chosen} of {url} has no state dict at {' or '.join(paths)}; "
+            "pass --object PATH (e.g. objects/NAME)"
+        )
     state = _at(tree, where)
     tensors = {str(k): v for k, v in state.items() if isinstance(v, torch.Tensor)}
     skipped = sorted(str(k) for k, v in state.items() if not isinstance(v, torch.Tensor))
     if skipped:
         logger.warning("not exported (not tensors): %s", ", ".join(skipped))
-    pairs = [(r, k) for group in (_storage_groups(model) if model is not None else []) for r in group[1:]
-             for k in group[:1]] + list(tied)
+    pairs = [
+        (r, k) for group in (_storage_groups(model) if model is not None else []) for r in group[1:] for k in group[:1]
+    ] + list(tied)
     removed: dict[str, str] = {}
     for gone, kept in pairs:
         if gone not in tensors or kept not in tensors:
             raise ConfigError(f"tied weights {gone!r} -> {kept!r}: not both in the checkpoint's state dict")
         if not torch.equal(tensors[gone], tensors[kept]):
-            raise ConfigError(f"{gone!r} and {kept!r} are declared tied but differ in the checkpoint; "
-                              "the model does not tie them, or the pair is wrong")
+            raise ConfigError(
+                f"{gone!r} and {kept!r} are declared tied but differ in the checkpoint; "
+                "the model does not tie them, or the pair is wrong"
+            )
         removed[gone] = kept
     for gone in removed:
         del tensors[gone]
     out = os.fspath(out)
     tmp = f"{out}.tmp-{os.getpid()}"
     try:
-        safetensors.torch.save_file({k: v.contiguous() for k, v in tensors.items()}, tmp,
-                                    metadata={"format": "pt", **removed})
+        safetensors.torch.save_file(
+            {k: v.contiguous() for k, v in tensors.items()}, tmp, metadata={"format": "pt", **removed}
+        )
         os.replace(tmp, out)
     finally:
         if os.path.exists(tmp):

@@ -42,7 +42,10 @@ _RNG_KEYS: dict[str, tuple[str, ...]] = {
     "python": ("python_rng", "py_rng", "python_rng_state", "random_state"),
 }
 _POSITION_KEYS: dict[str, tuple[str, ...]] = {
-    "step": ("step", "global_step"), "epoch": ("epoch",), "batch_idx": ("batch_idx",)}
+    "step": ("step", "global_step"),
+    "epoch": ("epoch",),
+    "batch_idx": ("batch_idx",),
+}
 
 _GLOBAL_IN_ERROR = re.compile(r"GLOBAL ([\w.]+)")
 
@@ -85,8 +88,9 @@ def load_torch_checkpoint(path: str | os.PathLike[str], *, allow_numpy_rng: bool
     """
     path = os.fspath(path)
     if not hasattr(torch.serialization, "safe_globals"):
-        raise ConfigError(f"importing {path} needs torch >= 2.5 (torch.serialization.safe_globals); "
-                          f"this is torch {torch.__version__}")
+        raise ConfigError(
+            f"importing {path} needs torch >= 2.5 (torch.serialization.safe_globals); this is torch {torch.__version__}"
+        )
     allowed = _numpy_rng_globals() if allow_numpy_rng else []
     try:
         with torch.serialization.safe_globals(allowed):
@@ -94,13 +98,19 @@ def load_torch_checkpoint(path: str | os.PathLike[str], *, allow_numpy_rng: bool
     except pickle.UnpicklingError as exc:
         found = _GLOBAL_IN_ERROR.search(str(exc))
         name = found.group(1) if found else "an unknown global"
-        hint = ("it holds numpy RNG state: add --allow-numpy-rng (allow_numpy_rng=True) to accept "
-                "the four numpy globals that needs" if name.startswith("numpy") and not allow_numpy_rng
-                else "ckptsdk never unpickles code; re-save that entry as tensors or plain values "
-                "(e.g. call .state_dict(), convert numpy scalars with .item()) from the program that wrote it")
+        hint = (
+            "it holds numpy RNG state: add --allow-numpy-rng (allow_numpy_rng=True) to accept "
+            "the four numpy globals that needs"
+            if name.startswith("numpy") and not allow_numpy_rng
+            else "ckptsdk never unpickles code; re-save that entry as tensors or plain values "
+            "(e.g. call .state_dict(), convert numpy scalars with .item()) from the program that wrote it"
+        )
         raise UnsupportedStateError(
             f"refusing to import {path}: it needs the pickle global {name}, which weights_only loading "
-            f"does not allow (nothing was executed); {hint}", path=path, type_name=name) from exc
+            f"does not allow (nothing was executed); {hint}",
+            path=path,
+            type_name=name,
+        ) from exc
     except (OSError, RuntimeError, EOFError, ValueError) as exc:
         raise ConfigError(f"cannot read {path} as a torch.save checkpoint: {exc}") from exc
 
@@ -115,8 +125,10 @@ def _take(saved: dict[str, Any], names: Iterable[str]) -> tuple[str, Any] | None
 def _to_train_state_tree(saved: Any, source: str, drop: Sequence[str]) -> tuple[dict[str, Any], dict[str, Any]]:
     """Map a story-layout dict to ``TrainState.state_dict()``'s shape plus position fields."""
     if not isinstance(saved, Mapping):
-        raise ConfigError(f"{source} holds a {type(saved).__name__}, not a dict of named parts; "
-                          "import expects {'model': ..., 'optimizer': ..., 'step': ...}")
+        raise ConfigError(
+            f"{source} holds a {type(saved).__name__}, not a dict of named parts; "
+            "import expects {'model': ..., 'optimizer': ..., 'step': ...}"
+        )
     rest = dict(saved)
     for key in drop:
         if rest.pop(key, None) is None and key not in saved:
@@ -146,7 +158,8 @@ def _to_train_state_tree(saved: Any, source: str, drop: Sequence[str]) -> tuple[
         raise ConfigError(
             f"{source} has entries import does not know where to put: {sorted(map(str, rest))}. Known: "
             f"{sorted(a for v in (*_OBJECT_KEYS.values(), *_RNG_KEYS.values()) for a in v)}; "
-            "pass --drop KEY for each one the resumed job does not need")
+            "pass --drop KEY for each one the resumed job does not need"
+        )
     return {"objects": objects, "rng": rng}, {**position, "extra": extra}
 
 
@@ -154,16 +167,21 @@ def _complete_rng(rng: dict[str, Any], source: str) -> dict[str, Any]:
     # TrainState restores every global generator; one the .pt lacks gets the state a fresh
     # process has (what continuing "by hand" from that file would have had), said loudly.
     if rng["torch"] is None:
-        logger.warning("%s holds no torch RNG state: the import records a fresh generator's "
-                       "(torch's default seed), as a new process that never seeds would have", source)
+        logger.warning(
+            "%s holds no torch RNG state: the import records a fresh generator's "
+            "(torch's default seed), as a new process that never seeds would have",
+            source,
+        )
         rng["torch"] = torch.Generator().get_state()
     elif not (isinstance(rng["torch"], torch.Tensor) and rng["torch"].dtype == torch.uint8):
         raise ConfigError(f"{source}: the torch RNG state is not a uint8 tensor (torch.get_rng_state())")
     cuda = rng["cuda"]
     if isinstance(cuda, torch.Tensor):
         rng["cuda"] = [cuda]
-    for name, fresh in (("numpy", lambda: np.random.RandomState().get_state(legacy=False)),
-                        ("python", lambda: random.Random().getstate())):
+    for name, fresh in (
+        ("numpy", lambda: np.random.RandomState().get_state(legacy=False)),
+        ("python", lambda: random.Random().getstate()),
+    ):
         if rng[name] is None:
             logger.warning("%s holds no %s RNG state: the import records a freshly seeded one", source, name)
             rng[name] = fresh()
@@ -173,8 +191,14 @@ def _complete_rng(rng: dict[str, Any], source: str) -> dict[str, Any]:
 
 
 def import_torch_checkpoint(
-    path: str | os.PathLike[str], url: str, *, allow_numpy_rng: bool = False, step: int | None = None,
-    drop: Sequence[str] = (), storage_options: Mapping[str, Any] | None = None, force: bool = False,
+    path: str | os.PathLike[str],
+    url: str,
+    *,
+    allow_numpy_rng: bool = False,
+    step: int | None = None,
+    drop: Sequence[str] = (),
+    storage_options: Mapping[str, Any] | None = None,
+    force: bool = False,
 ) -> Any:
     """Commit a ``torch.save`` checkpoint as the first checkpoint of a new ckptsdk root.
 
@@ -208,20 +232,26 @@ def import_torch_checkpoint(
     from ckptsdk.manager import CheckpointManager
 
     source = os.fspath(path)
-    tree, position = _to_train_state_tree(load_torch_checkpoint(source, allow_numpy_rng=allow_numpy_rng),
-                                          source, drop)
+    tree, position = _to_train_state_tree(load_torch_checkpoint(source, allow_numpy_rng=allow_numpy_rng), source, drop)
     if step is not None:
         position["step"] = step
     if "step" not in position:
         raise ConfigError(f"{source} records no step (looked for 'step', 'global_step'); pass --step N")
     with CheckpointManager(url, storage_options=storage_options, force=force) as mgr:
         if mgr.latest() is not None:
-            raise ConfigError(f"{url} already holds checkpoints; import into a new root so the imported "
-                              "state cannot be mistaken for (or rotate away) this run's own")
+            raise ConfigError(
+                f"{url} already holds checkpoints; import into a new root so the imported "
+                "state cannot be mistaken for (or rotate away) this run's own"
+            )
         mgr.restore(_Refuse())  # starts this writer's lineage and step log on the empty root
-        return mgr.save(tree, step=position["step"], epoch=position.get("epoch"),
-                        batch_idx=position.get("batch_idx"), extra=position["extra"],
-                        tags={"imported_from": os.path.basename(source)})
+        return mgr.save(
+            tree,
+            step=position["step"],
+            epoch=position.get("epoch"),
+            batch_idx=position.get("batch_idx"),
+            extra=position["extra"],
+            tags={"imported_from": os.path.basename(source)},
+        )
 
 
 class _Refuse:

@@ -29,8 +29,16 @@ from ckptsdk.runlog.record import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AUDIT_FORMAT", "AttemptSummary", "OverlapRange", "ScalarDiff", "Divergence", "AuditReport",
-           "audit", "read_runlog"]
+__all__ = [
+    "AUDIT_FORMAT",
+    "AttemptSummary",
+    "OverlapRange",
+    "ScalarDiff",
+    "Divergence",
+    "AuditReport",
+    "audit",
+    "read_runlog",
+]
 
 #: 1.1: non-finite floats as {"$float": ...} (1.0: "NaN"/"Infinity" strings, still read).
 AUDIT_FORMAT: Final = "ckptsdk.audit/1.1"
@@ -121,9 +129,7 @@ class AuditReport(Document):
     first_divergence: Divergence | None = None
     warnings: list[str] = Field(default_factory=list)
     # repr=False: every scalar of every step would bury the verdict in a REPL.
-    series: dict[int, list[tuple[int, dict[str, float]]]] = Field(default_factory=dict, exclude=True,
-                                                                   repr=False)
-
+    series: dict[int, list[tuple[int, dict[str, float]]]] = Field(default_factory=dict, exclude=True, repr=False)
 
     @property
     def ok(self) -> bool:
@@ -137,9 +143,11 @@ class AuditReport(Document):
             ``audit of /tmp/run: bit-exact: 2 attempts, 5 steps run by more than one; max |loss
             diff| 0``
         """
-        text = (f"audit of {self.url}: {self.verdict}: {len(self.attempts)} attempt"
-                f"{'' if len(self.attempts) == 1 else 's'}, {self.overlap_steps} step"
-                f"{'' if self.overlap_steps == 1 else 's'} run by more than one")
+        text = (
+            f"audit of {self.url}: {self.verdict}: {len(self.attempts)} attempt"
+            f"{'' if len(self.attempts) == 1 else 's'}, {self.overlap_steps} step"
+            f"{'' if self.overlap_steps == 1 else 's'} run by more than one"
+        )
         if self.scalars:
             text += "; " + ", ".join(f"max |{n} diff| {d.max_abs_diff:.6g}" for n, d in self.scalars.items())
         if self.warnings:
@@ -338,8 +346,9 @@ def audit(backend: Backend, *, tolerance: float = 0.0) -> AuditReport:
     for step in shared:
         groups.setdefault(tuple(sorted(by_step[step])), []).append(step)
     for attempts, group in sorted(groups.items(), key=lambda kv: kv[1][0]):
-        overlaps.append(OverlapRange(attempts=list(attempts), first_step=group[0], last_step=group[-1],
-                                     steps=len(group)))
+        overlaps.append(
+            OverlapRange(attempts=list(attempts), first_step=group[0], last_step=group[-1], steps=len(group))
+        )
 
     if not shared:
         verdict = "no overlap"
@@ -349,9 +358,7 @@ def audit(backend: Backend, *, tolerance: float = 0.0) -> AuditReport:
         verdict = "bit-exact"
     else:
         verdict = "within tolerance"
-    series = {
-        a: [(s, dict(rows[s])) for s in sorted(rows)] for a, rows in steps.items()
-    }
+    series = {a: [(s, dict(rows[s])) for s in sorted(rows)] for a, rows in steps.items()}
     report = AuditReport(
         url=backend.url,
         tolerance=float(tolerance),
@@ -360,9 +367,7 @@ def audit(backend: Backend, *, tolerance: float = 0.0) -> AuditReport:
         attempts=[summaries[a] for a in sorted(summaries)],
         overlap_steps=len(shared),
         overlaps=overlaps,
-        scalars={
-            n: ScalarDiff(max_abs_diff=v[0], at_step=v[1], compared_steps=v[2]) for n, v in sorted(diffs.items())
-        },
+        scalars={n: ScalarDiff(max_abs_diff=v[0], at_step=v[1], compared_steps=v[2]) for n, v in sorted(diffs.items())},
         first_divergence=first_div,
         warnings=warnings,
         series=series,

@@ -34,8 +34,9 @@ def _import_matplotlib() -> tuple[Any, Any]:
     return Figure, FigureCanvasAgg
 
 
-def plot_audit(source: AuditReport | Backend, path: str | os.PathLike[str], *, scalar: str = "loss",
-               dpi: int = 110) -> str:
+def plot_audit(
+    source: AuditReport | Backend, path: str | os.PathLike[str], *, scalar: str = "loss", dpi: int = 110
+) -> str:
     """Plot ``scalar`` over steps, coloured by attempt, with each resume point marked.
 
     Args:
@@ -96,8 +97,13 @@ def plot_audit(source: AuditReport | Backend, path: str | os.PathLike[str], *, s
             ax.axvline(resumed, color=color, linestyle="--", linewidth=1.0)
             ax.annotate(
                 f"attempt {attempt} resumes\nfrom step {resumed}",
-                xy=(resumed, 1.0), xycoords=("data", "axes fraction"),
-                xytext=(4, -4), textcoords="offset points", va="top", fontsize=8, color=color,
+                xy=(resumed, 1.0),
+                xycoords=("data", "axes fraction"),
+                xytext=(4, -4),
+                textcoords="offset points",
+                va="top",
+                fontsize=8,
+                color=color,
             )
     for ov in report.overlaps:
         ax.axvspan(ov.first_step, ov.last_step, color="0.85", alpha=0.5, zorder=0)

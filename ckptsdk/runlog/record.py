@@ -111,8 +111,6 @@ class AttemptRecord(Document):
     closed: bool = False
 
 
-
-
 class StepRow(Strict):
     """One logged step, a line of a chunk after its header (versioned by that header)."""
 
@@ -169,6 +167,7 @@ def parse_chunk(data: bytes, *, key: str = "") -> tuple[AttemptRecord, list[Step
             rows.append(StepRow.model_validate_json(line, strict=True))
         # pydantic's ValidationError is a ValueError; a 400-digit number cannot be a float.
         except (ValueError, OverflowError, RecursionError, TypeError) as exc:
-            raise ManifestError(f"{key}: line {n} is not a step record ({str(exc).splitlines()[0]})",
-                                key=key or None) from exc
+            raise ManifestError(
+                f"{key}: line {n} is not a step record ({str(exc).splitlines()[0]})", key=key or None
+            ) from exc
     return header, rows

@@ -210,8 +210,9 @@ class RunLog:
         if due and self._background:
             with self._lock:
                 if self._flusher is None or not self._flusher.is_alive():
-                    self._flusher = threading.Thread(target=self._flush_quietly, daemon=True,
-                                                     name=f"ckptsdk-runlog-{self.attempt}")
+                    self._flusher = threading.Thread(
+                        target=self._flush_quietly, daemon=True, name=f"ckptsdk-runlog-{self.attempt}"
+                    )
                     self._flusher.start()
         elif due:
             self._flush_quietly()
@@ -223,8 +224,9 @@ class RunLog:
             # Logging must not kill training; the steps stay buffered and go out with the
             # next flush (explicit flush() and close() do raise).
             logger.warning(
-                "run log of attempt %d: could not publish buffered steps (%s); "
-                "keeping them for the next flush", self.attempt, exc,
+                "run log of attempt %d: could not publish buffered steps (%s); keeping them for the next flush",
+                self.attempt,
+                exc,
             )
             with self._lock:
                 self._oldest = self._clock()

@@ -31,11 +31,10 @@ ROUND_TRIPS: dict[str, tuple[Callable[[], Data], bytes]] = {
     "empty": (lambda: b"", b""),
     "one-byte": (lambda: b"x", b"x"),
     "chunks": (lambda: [b"ab", bytearray(b"cd"), memoryview(b"ef")], b"abcdef"),
-    "generator": (lambda: (bytes([i]) * 1000 for i in range(5)),
-                  b"".join(bytes([i]) * 1000 for i in range(5))),
+    "generator": (lambda: (bytes([i]) * 1000 for i in range(5)), b"".join(bytes([i]) * 1000 for i in range(5))),
     "no-chunks": (lambda: [], b""),
     "3MiB": (lambda: BIG, BIG),
-    "3MiB-chunked": (lambda: (memoryview(BIG)[i:i + MIB] for i in range(0, len(BIG), MIB)), BIG),
+    "3MiB-chunked": (lambda: (memoryview(BIG)[i : i + MIB] for i in range(0, len(BIG), MIB)), BIG),
 }
 
 
@@ -75,14 +74,17 @@ class BackendConformance:
     @pytest.fixture
     def backend(self) -> Backend:
         """A fresh, empty backend: override this fixture."""
-        raise NotImplementedError(f"{type(self).__name__}: override the `backend` fixture "
-                                  "(return a fresh, empty backend)")
+        raise NotImplementedError(
+            f"{type(self).__name__}: override the `backend` fixture (return a fresh, empty backend)"
+        )
 
     @pytest.fixture
     def reopen(self) -> Callable[[], Backend]:
         """Opens the same store as ``backend`` again: override this fixture."""
-        raise NotImplementedError(f"{type(self).__name__}: override the `reopen` fixture "
-                                  "(return a callable that opens the backend's store again)")
+        raise NotImplementedError(
+            f"{type(self).__name__}: override the `reopen` fixture "
+            "(return a callable that opens the backend's store again)"
+        )
 
     @pytest.fixture
     def expected_capabilities(self) -> Capabilities | None:
@@ -148,7 +150,7 @@ class BackendConformance:
             return [info.key for info in infos]
 
         assert keys() == sorted(sizes)
-        assert keys("a/b/") == ["a/b/1", "a/b/2", "a/b/c/d"]            # folder: recursive
+        assert keys("a/b/") == ["a/b/1", "a/b/2", "a/b/c/d"]  # folder: recursive
         assert keys("a/b") == ["a/b/1", "a/b/2", "a/b/c/d", "a/b0", "a/bc"]  # string prefix
         assert keys("a") == ["a/b/1", "a/b/2", "a/b/c/d", "a/b0", "a/bc", "ab"]
         assert keys("a/b/c/d") == ["a/b/c/d"]
@@ -272,9 +274,13 @@ class BackendConformance:
     def test_invalid_keys_are_refused_everywhere(self, backend: Backend, key: str) -> None:
         backend.write("ok", b"1")
         calls = [
-            lambda: backend.read(key), lambda: backend.open(key), lambda: backend.stat(key),
-            lambda: backend.exists(key), lambda: backend.write(key, b"x"),
-            lambda: backend.create(key, b"x"), lambda: backend.replace(key, b"x", "1"),
+            lambda: backend.read(key),
+            lambda: backend.open(key),
+            lambda: backend.stat(key),
+            lambda: backend.exists(key),
+            lambda: backend.write(key, b"x"),
+            lambda: backend.create(key, b"x"),
+            lambda: backend.replace(key, b"x", "1"),
             lambda: backend.delete(key),
         ]
         for call in calls:

@@ -54,8 +54,13 @@ class DriveSim:
     """
 
     def __init__(
-        self, base: str | os.PathLike[str], *, vms: tuple[str, ...] = ("vm1", "vm2"),
-        delay: float = 2.0, poll: float = 0.05, max_runtime: float = 600.0,
+        self,
+        base: str | os.PathLike[str],
+        *,
+        vms: tuple[str, ...] = ("vm1", "vm2"),
+        delay: float = 2.0,
+        poll: float = 0.05,
+        max_runtime: float = 600.0,
     ) -> None:
         self.base = Path(base)
         self.delay = float(delay)
@@ -166,8 +171,7 @@ class DriveSim:
             if oldest > start + 2 * self.poll:  # changes seen later were made after ``start``
                 return
             time.sleep(self.poll)
-        raise TimeoutError(f"drive simulation under {self.base}: changes older than {timeout} s "
-                           "still not delivered")
+        raise TimeoutError(f"drive simulation under {self.base}: changes older than {timeout} s still not delivered")
 
     # ------------------------------------------------------------------ syncer
     def _run(self) -> None:

@@ -21,8 +21,21 @@ _T = TypeVar("_T")
 __all__ = ["FaultyBackend", "SimulatedCrash", "fail_nth", "FailOn", "OPS"]
 
 #: Every operation a backend has, as named to ``fail_on`` and counted in ``FaultyBackend.calls``.
-OPS = ("read", "open", "stat", "exists", "list", "write", "create", "replace", "delete", "sweep",
-       "copy", "move", "overwrite")  # the last three: optional, where the wrapped backend has them
+OPS = (
+    "read",
+    "open",
+    "stat",
+    "exists",
+    "list",
+    "write",
+    "create",
+    "replace",
+    "delete",
+    "sweep",
+    "copy",
+    "move",
+    "overwrite",
+)  # the last three: optional, where the wrapped backend has them
 
 #: ``fail_on(op, key, n)``: return an exception to raise instead of the call (or ``None`` to let
 #: it through). ``n`` is how many calls of ``op`` this wrapper has seen, this one included (1-based).
@@ -64,9 +77,7 @@ class FaultyBackend:
         (False, 2)
     """
 
-    def __init__(
-        self, inner: Backend, *, fail_on: FailOn | None = None, fail_after: FailOn | None = None
-    ) -> None:
+    def __init__(self, inner: Backend, *, fail_on: FailOn | None = None, fail_after: FailOn | None = None) -> None:
         self.inner = inner
         self.fail_on = fail_on
         self.fail_after = fail_after
@@ -112,8 +123,9 @@ class FaultyBackend:
     def delete(self, key: str, *, version: str | None = None) -> None:
         return self._call("delete", key, lambda: self.inner.delete(key, version=version))
 
-    def sweep(self, older_than: float, *,
-              only: Callable[[str], bool] | None = None) -> builtins.list[str]:  # `list`: the method above
+    def sweep(
+        self, older_than: float, *, only: Callable[[str], bool] | None = None
+    ) -> builtins.list[str]:  # `list`: the method above
         return self._call("sweep", "", lambda: self.inner.sweep(older_than, only=only))
 
     # The optional operations, where the wrapped backend has them (see its capabilities).

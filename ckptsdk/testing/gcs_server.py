@@ -236,7 +236,7 @@ def _resumable_status(request: Any, response: Any, storage: Any, upload_id: str)
     if upload_id in _finished_sessions:
         response.json(_finished_sessions[upload_id])
         return True
-    total = crange[len("bytes */"):]
+    total = crange[len("bytes */") :]
     if storage.get_resumable_byte_count(upload_id) == 0 and total != "0":
         response.status = GoogleHTTPStatus.RESUME_INCOMPLETE  # no Range header: nothing held
         return True
@@ -282,7 +282,9 @@ def _install_patches() -> None:
     if installed != PINNED_VERSION:
         logger.warning(
             "gcp-storage-emulator %s installed, the patch was written for %s: re-read its "
-            "handlers before trusting the precondition tests", installed, PINNED_VERSION,
+            "handlers before trusting the precondition tests",
+            installed,
+            PINNED_VERSION,
         )
 
     original_create = Storage.create_file
@@ -402,7 +404,11 @@ class Emulator:
         return f"gs://{bucket}/{prefix}" if prefix else f"gs://{bucket}"
 
     def request(
-        self, method: str, path: str, body: bytes | None = None, headers: dict[str, str] | None = None,
+        self,
+        method: str,
+        path: str,
+        body: bytes | None = None,
+        headers: dict[str, str] | None = None,
         timeout: float = 30.0,
     ) -> tuple[int, bytes]:
         """One raw HTTP request to the server; returns (status, body) for any status."""
@@ -416,13 +422,16 @@ class Emulator:
     def make_bucket(self, name: str) -> None:
         """Create bucket ``name`` (idempotent) with soft delete off."""
         status, body = self.request(
-            "POST", "/storage/v1/b?project=test", json.dumps({"name": name}).encode(),
+            "POST",
+            "/storage/v1/b?project=test",
+            json.dumps({"name": name}).encode(),
             {"Content-Type": "application/json"},
         )
         if status not in (200, 409):
             raise RuntimeError(f"emulator at {self.endpoint} refused bucket {name!r}: {status} {body!r}")
         status, body = self.request(
-            "PATCH", f"/storage/v1/b/{quote(name, safe='')}",
+            "PATCH",
+            f"/storage/v1/b/{quote(name, safe='')}",
             json.dumps({"softDeletePolicy": {"retentionDurationSeconds": "0"}}).encode(),
             {"Content-Type": "application/json"},
         )

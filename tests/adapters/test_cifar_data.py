@@ -54,21 +54,32 @@ def test_skipping_the_row_order_fix_changes_the_hash(cifar_files):
     assert _hash(fixed) == cifar_files.data.tensor_hash
     assert _hash(unfixed) != cifar_files.data.tensor_hash
     # Same images, other order: a job switching source would train on other batches at each step.
-    assert (sorted(map(bytes, unfixed[0].reshape(len(unfixed[0]), -1)))
-            == sorted(map(bytes, fixed[0].reshape(len(fixed[0]), -1))))
+    assert sorted(map(bytes, unfixed[0].reshape(len(unfixed[0]), -1))) == sorted(
+        map(bytes, fixed[0].reshape(len(fixed[0]), -1))
+    )
 
 
 def test_load_without_the_fix_is_refused_naming_both_hashes(cifar_server, tmp_path, monkeypatch):
     cache = str(tmp_path / "cache")
-    first = load_cifar10(cache=cache, local=str(tmp_path / "rt1"), hf_base=cifar_server.server.url("/nohf/"),
-                         tv_url=cifar_server.tv_url, progress=False)
+    first = load_cifar10(
+        cache=cache,
+        local=str(tmp_path / "rt1"),
+        hf_base=cifar_server.server.url("/nohf/"),
+        tv_url=cifar_server.tv_url,
+        progress=False,
+    )
     assert first.source == "torchvision"
     read = src.read_hf_parquet
     monkeypatch.setattr(src, "read_hf_parquet", lambda a, b: read(a, b, batch_order=(1, 2, 3, 4, 5)))
     _drop_cached_canonical(cache)  # keep the record, so the HF source is the one that answers
     with pytest.raises(DatasetMismatchError) as info:
-        load_cifar10(cache=cache, local=str(tmp_path / "rt2"), hf_base=cifar_server.hf_base,
-                     tv_url=cifar_server.tv_url, progress=False)
+        load_cifar10(
+            cache=cache,
+            local=str(tmp_path / "rt2"),
+            hf_base=cifar_server.hf_base,
+            tv_url=cifar_server.tv_url,
+            progress=False,
+        )
     err = info.value
     assert err.expected == first.tensor_hash and err.actual != first.tensor_hash
     assert err.source == cifar_server.hf_base
@@ -86,16 +97,31 @@ def _drop_cached_canonical(cache: str) -> None:
 
 def test_fresh_runtime_gets_the_data_from_the_cache_with_zero_downloads(cifar_server, tmp_path):
     cache = "memory://" + tmp_path.name
-    first = load_cifar10(cache=cache, local=str(tmp_path / "rt1"), hf_base=cifar_server.hf_base,
-                         tv_url=cifar_server.tv_url, progress=False)
+    first = load_cifar10(
+        cache=cache,
+        local=str(tmp_path / "rt1"),
+        hf_base=cifar_server.hf_base,
+        tv_url=cifar_server.tv_url,
+        progress=False,
+    )
     assert first.source == "huggingface" and first.tensor_hash == cifar_server.files.data.tensor_hash
     downloads = cifar_server.downloads()
     assert downloads == 2  # the two parquet files
-    again = load_cifar10(cache=cache, local=str(tmp_path / "rt1"), hf_base=cifar_server.hf_base,
-                         tv_url=cifar_server.tv_url, progress=False)
+    again = load_cifar10(
+        cache=cache,
+        local=str(tmp_path / "rt1"),
+        hf_base=cifar_server.hf_base,
+        tv_url=cifar_server.tv_url,
+        progress=False,
+    )
     assert again.source == "local"
-    fresh = load_cifar10(cache=cache, local=str(tmp_path / "rt2"), hf_base=cifar_server.hf_base,
-                         tv_url=cifar_server.tv_url, progress=False)
+    fresh = load_cifar10(
+        cache=cache,
+        local=str(tmp_path / "rt2"),
+        hf_base=cifar_server.hf_base,
+        tv_url=cifar_server.tv_url,
+        progress=False,
+    )
     assert fresh.source == "cache" and fresh.tensor_hash == first.tensor_hash
     assert cifar_server.downloads() == downloads  # zero downloads on the fresh runtime
     for a, b in zip(_canonical(fresh), _canonical(first), strict=True):
@@ -108,40 +134,73 @@ def test_corrupt_canonical_in_the_cache_is_refetched_and_repaired(cifar_server, 
     from ckptsdk import open_backend
 
     cache = str(tmp_path / "cache")
-    load_cifar10(cache=cache, local=str(tmp_path / "rt1"), hf_base=cifar_server.hf_base,
-                 tv_url=cifar_server.tv_url, progress=False)
+    load_cifar10(
+        cache=cache,
+        local=str(tmp_path / "rt1"),
+        hf_base=cifar_server.hf_base,
+        tv_url=cifar_server.tv_url,
+        progress=False,
+    )
     b = open_backend(cache)
     key = f"datacache/blobs/{CANONICAL_NAME}"
     good = b.read(key)
     b.write(key, good[:-10] + b"0123456789")
-    got = load_cifar10(cache=cache, local=str(tmp_path / "rt2"), hf_base=cifar_server.hf_base,
-                       tv_url=cifar_server.tv_url, progress=False)
+    got = load_cifar10(
+        cache=cache,
+        local=str(tmp_path / "rt2"),
+        hf_base=cifar_server.hf_base,
+        tv_url=cifar_server.tv_url,
+        progress=False,
+    )
     assert got.source == "huggingface" and got.tensor_hash == cifar_server.files.data.tensor_hash
     assert b.read(key) == good  # repaired: the canonical file is deterministic
-    assert load_cifar10(cache=cache, local=str(tmp_path / "rt3"), hf_base=cifar_server.hf_base,
-                        tv_url=cifar_server.tv_url, progress=False).source == "cache"
+    assert (
+        load_cifar10(
+            cache=cache,
+            local=str(tmp_path / "rt3"),
+            hf_base=cifar_server.hf_base,
+            tv_url=cifar_server.tv_url,
+            progress=False,
+        ).source
+        == "cache"
+    )
 
 
 def test_a_source_with_other_data_is_refused(cifar_server, http_server, tmp_path):
     cache = str(tmp_path / "cache")
-    load_cifar10(cache=cache, local=str(tmp_path / "rt1"), hf_base=cifar_server.hf_base, tv_url=cifar_server.tv_url,
-                 progress=False)
+    load_cifar10(
+        cache=cache,
+        local=str(tmp_path / "rt1"),
+        hf_base=cifar_server.hf_base,
+        tv_url=cifar_server.tv_url,
+        progress=False,
+    )
     other = synthetic_cifar10(n_train=500, n_test=100, seed=99)
     paths = write_both(other, str(tmp_path / "other"))
     with open(paths["tarball"], "rb") as f:
         http_server.add("/other/cifar-10-python.tar.gz", f.read())
     _drop_cached_canonical(cache)  # force the sources
     with pytest.raises(DatasetMismatchError) as info:
-        load_cifar10(cache=cache, local=str(tmp_path / "rt2"), hf_base=http_server.url("/nohf/"),
-                     tv_url=http_server.url("/other/cifar-10-python.tar.gz"), progress=False)
+        load_cifar10(
+            cache=cache,
+            local=str(tmp_path / "rt2"),
+            hf_base=http_server.url("/nohf/"),
+            tv_url=http_server.url("/other/cifar-10-python.tar.gz"),
+            progress=False,
+        )
     assert info.value.actual == other.tensor_hash
     assert info.value.expected == cifar_server.files.data.tensor_hash
 
 
 def test_all_sources_failing_reports_each(http_server, tmp_path):
     with pytest.raises(AllSourcesFailedError) as info:
-        load_cifar10(cache=None, local=str(tmp_path), hf_base=http_server.url("/nohf/"),
-                     tv_url=http_server.url("/none.tar.gz"), progress=False)
+        load_cifar10(
+            cache=None,
+            local=str(tmp_path),
+            hf_base=http_server.url("/nohf/"),
+            tv_url=http_server.url("/none.tar.gz"),
+            progress=False,
+        )
     assert set(info.value.failures) >= {http_server.url("/nohf/"), http_server.url("/none.tar.gz")}
     assert "404" in str(info.value)
 
@@ -184,8 +243,13 @@ def test_malicious_batch_in_a_tarball_is_refused_by_the_loader(cifar_files, http
                 evil.addfile(m, good.extractfile(m) if m.isfile() else None)
     served = serve_cifar(http_server, cifar_files, tarball=buf.getvalue())
     with pytest.raises(AllSourcesFailedError) as info:
-        load_cifar10(cache=None, local=str(tmp_path / "l"), hf_base=http_server.url("/nohf/"),
-                     tv_url=served.tv_url, progress=False)
+        load_cifar10(
+            cache=None,
+            local=str(tmp_path / "l"),
+            hf_base=http_server.url("/nohf/"),
+            tv_url=served.tv_url,
+            progress=False,
+        )
     assert "posix.system" in info.value.failures[served.tv_url]
     assert not marker.exists()
 
@@ -206,8 +270,9 @@ def test_hostile_tarball_from_a_source_is_refused(kind, cifar_files, http_server
     (tmp_path / "outside").mkdir()
     local = tmp_path / "box" / "l"
     with pytest.raises(AllSourcesFailedError) as info:
-        load_cifar10(cache=None, local=str(local), hf_base=http_server.url("/nohf/"), tv_url=served.tv_url,
-                     progress=False)
+        load_cifar10(
+            cache=None, local=str(local), hf_base=http_server.url("/nohf/"), tv_url=served.tv_url, progress=False
+        )
     assert "refusing to extract" in info.value.failures[served.tv_url]
     assert not (tmp_path / "escaped.txt").exists() and not (tmp_path / "box" / "escaped.txt").exists()
     assert list((tmp_path / "outside").iterdir()) == []
@@ -230,9 +295,22 @@ def test_synthetic_files_have_the_real_layouts(cifar_files, tmp_path):
         names = sorted(tar.getnames())
         batch = tar.extractfile("cifar-10-batches-py/data_batch_1").read()
         meta = tar.extractfile("cifar-10-batches-py/batches.meta").read()
-    assert names == sorted(["cifar-10-batches-py"] + [f"cifar-10-batches-py/{n}" for n in
-                           ["data_batch_1", "data_batch_2", "data_batch_3", "data_batch_4", "data_batch_5",
-                            "test_batch", "batches.meta", "readme.html"]])
+    assert names == sorted(
+        ["cifar-10-batches-py"]
+        + [
+            f"cifar-10-batches-py/{n}"
+            for n in [
+                "data_batch_1",
+                "data_batch_2",
+                "data_batch_3",
+                "data_batch_4",
+                "data_batch_5",
+                "test_batch",
+                "batches.meta",
+                "readme.html",
+            ]
+        ]
+    )
     assert batch[:2] == b"\x80\x02"  # protocol 2, like the Python 2 originals
     d = src.restricted_loads(batch)
     assert set(d) == {b"batch_label", b"labels", b"data", b"filenames"}
@@ -251,8 +329,10 @@ def test_synthetic_files_have_the_real_layouts(cifar_files, tmp_path):
 def test_tensor_hash_covers_order_and_split(small_cifar):
     d = small_cifar
     assert tensor_hash([d.train_images, d.test_images], [d.train_labels, d.test_labels]) == d.tensor_hash
-    moved = tensor_hash([d.train_images[:-1], torch.cat([d.train_images[-1:], d.test_images])],
-                        [d.train_labels[:-1], torch.cat([d.train_labels[-1:], d.test_labels])])
+    moved = tensor_hash(
+        [d.train_images[:-1], torch.cat([d.train_images[-1:], d.test_images])],
+        [d.train_labels[:-1], torch.cat([d.train_labels[-1:], d.test_labels])],
+    )
     assert moved != d.tensor_hash
     swapped = tensor_hash([d.train_images.flip(0), d.test_images], [d.train_labels.flip(0), d.test_labels])
     assert swapped != d.tensor_hash
@@ -261,8 +341,14 @@ def test_tensor_hash_covers_order_and_split(small_cifar):
 # ------------------------------------------------------------------------------------ command
 def _run_cli(*args: str) -> dict:
     env = dict(os.environ, PYTHONPATH=REPO)
-    proc = subprocess.run([sys.executable, "-m", "adapters.cifar10.data", *args, "--json", "--no-progress"],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "adapters.cifar10.data", *args, "--json", "--no-progress"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout)
 
@@ -289,14 +375,36 @@ def test_command_prepares_the_data_and_reports_as_json(cifar_server, tmp_path, c
 def test_command_in_process_reports_success_and_failure(cifar_server, tmp_path, capsys):
     from adapters.cifar10.data import main
 
-    rc = main(["--cache", str(tmp_path / "cache"), "--local", str(tmp_path / "l"), "--hf-base", cifar_server.hf_base,
-               "--tv-url", cifar_server.tv_url, "--json", "--no-progress"])
+    rc = main(
+        [
+            "--cache",
+            str(tmp_path / "cache"),
+            "--local",
+            str(tmp_path / "l"),
+            "--hf-base",
+            cifar_server.hf_base,
+            "--tv-url",
+            cifar_server.tv_url,
+            "--json",
+            "--no-progress",
+        ]
+    )
     report = json.loads(capsys.readouterr().out)
     assert rc == 0 and report["source"] == "huggingface"
     assert report["record"]["tensor_hash"] == report["tensor_hash"] == cifar_server.files.data.tensor_hash
 
-    rc = main(["--local", str(tmp_path / "l2"), "--hf-base", cifar_server.server.url("/nohf/"),
-               "--tv-url", cifar_server.server.url("/none.tar.gz"), "--json", "--no-progress"])
+    rc = main(
+        [
+            "--local",
+            str(tmp_path / "l2"),
+            "--hf-base",
+            cifar_server.server.url("/nohf/"),
+            "--tv-url",
+            cifar_server.server.url("/none.tar.gz"),
+            "--json",
+            "--no-progress",
+        ]
+    )
     failed = json.loads(capsys.readouterr().out)
     assert rc == 1 and failed == {"ok": False, "error": "AllSourcesFailedError", "message": failed["message"]}
     assert "/nohf/" in failed["message"] and "/none.tar.gz" in failed["message"]

@@ -37,16 +37,30 @@ from ckptsdk.format import codec
 # The quick preset made smaller still: 8-wide ResNet-18, 3 epochs of 10 steps of 32 images.
 EPOCHS, STEPS_PER_EPOCH, SAVE_EVERY = 3, 10, 4
 TOTAL = EPOCHS * STEPS_PER_EPOCH
-JOB = ["--width", "8", "--batch-size", "32", "--n-train", "320", "--n-test", "100",
-       "--epochs", str(EPOCHS), "--save-every", str(SAVE_EVERY)]
+JOB = [
+    "--width",
+    "8",
+    "--batch-size",
+    "32",
+    "--n-train",
+    "320",
+    "--n-test",
+    "100",
+    "--epochs",
+    str(EPOCHS),
+    "--save-every",
+    str(SAVE_EVERY),
+]
 TTL = 1.5  # the children's lease ttl: each resume waits this long for the killed writer's lease
 
 
 def _flat(tree: Any) -> tuple[dict[str, bytes], Any]:
     """Every tensor of a state tree as (dtype, shape, raw bytes), plus its JSON skeleton."""
     tensors, skeleton = codec.encode(tree)
-    raw = {k: (str(t.dtype), tuple(t.shape), t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-           for k, t in tensors.items()}
+    raw = {
+        k: (str(t.dtype), tuple(t.shape), t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        for k, t in tensors.items()
+    }
     return raw, skeleton
 
 
@@ -67,8 +81,13 @@ class _Reference:
     def __init__(self, root: str) -> None:
         self.url = root
         self.log = open(root + ".log", "w+")
-        self.proc = subprocess.Popen(child_command(root, lease_ttl=TTL, extra=JOB), cwd=REPO,
-                                     env=child_env(), stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(
+            child_command(root, lease_ttl=TTL, extra=JOB),
+            cwd=REPO,
+            env=child_env(),
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
         self._state: tuple[int, Any] | None = None
 
     def state(self) -> tuple[int, Any]:
@@ -105,15 +124,17 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Iterator[_Reference]:
 @ON_THE_REFERENCE_WORKER
 def test_killed_three_times_incl_mid_save_resumes_bit_exact(reference: _Reference, tmp_path: Any) -> None:
     seed = random.SystemRandom().randrange(10**6)
-    plan = plan_kills(total_steps=TOTAL, save_every=SAVE_EVERY, steps_per_epoch=STEPS_PER_EPOCH,
-                      count=3, rng=random.Random(seed))
+    plan = plan_kills(
+        total_steps=TOTAL, save_every=SAVE_EVERY, steps_per_epoch=STEPS_PER_EPOCH, count=3, rng=random.Random(seed)
+    )
     assert len(plan) == 3 and sum(1 for e, _ in plan if e == "saving") == 1, plan
     root = str(tmp_path / "run")
     env = child_env()
     attempts = []
     for number, kill in enumerate([*plan, None], start=1):
-        att = run_attempt(number, child_command(root, lease_ttl=TTL, extra=JOB), env=env, kill=kill,
-                          local_root=root, timeout=300)
+        att = run_attempt(
+            number, child_command(root, lease_ttl=TTL, extra=JOB), env=env, kill=kill, local_root=root, timeout=300
+        )
         attempts.append(att)
         context = f"kill seed {seed}, plan {plan}, attempt {number}: {att.lines[-6:]}"
         if kill is not None:
@@ -143,8 +164,14 @@ def test_killed_three_times_incl_mid_save_resumes_bit_exact(reference: _Referenc
 @ON_THE_REFERENCE_WORKER
 def test_resume_moves_from_local_disk_to_gcs(reference: _Reference, gcs_emulator: Any, tmp_path: Any) -> None:
     local = str(tmp_path / "run")
-    first = run_attempt(1, child_command(local, lease_ttl=TTL, extra=JOB), env=child_env(),
-                        kill=("step", 17), local_root=local, timeout=300)
+    first = run_attempt(
+        1,
+        child_command(local, lease_ttl=TTL, extra=JOB),
+        env=child_env(),
+        kill=("step", 17),
+        local_root=local,
+        timeout=300,
+    )
     assert first.killed, first.lines[-6:]
 
     # The same root, object for object (lease, lineage, run log, checkpoints), now in a bucket.
@@ -163,8 +190,7 @@ def test_resume_moves_from_local_disk_to_gcs(reference: _Reference, gcs_emulator
             copied += 1
     assert copied >= 3
 
-    second = run_attempt(2, child_command(url, lease_ttl=TTL, extra=JOB), env=child_env(gcs_emulator.env),
-                         timeout=300)
+    second = run_attempt(2, child_command(url, lease_ttl=TTL, extra=JOB), env=child_env(gcs_emulator.env), timeout=300)
     assert second.returncode == 0, second.lines[-10:]
     assert any(ln.startswith("resumed from step 16") for ln in second.lines), second.lines[:6]
 
@@ -177,9 +203,12 @@ def test_resume_moves_from_local_disk_to_gcs(reference: _Reference, gcs_emulator
 def in_process_job() -> Iterator[None]:
     """run_job switches on deterministic kernels process-wide; put the flags back after. One
     thread: two OpenMP threads spinning on two shared cores run a step ten times slower."""
-    flags = (torch.are_deterministic_algorithms_enabled(),
-             torch.is_deterministic_algorithms_warn_only_enabled(),
-             torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic)
+    flags = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+        torch.backends.cudnn.benchmark,
+        torch.backends.cudnn.deterministic,
+    )
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -190,8 +219,7 @@ def in_process_job() -> Iterator[None]:
 
 @pytest.mark.slow
 def test_resume_on_other_data_is_refused(tmp_path: Any, in_process_job: None) -> None:
-    cfg = PRESETS["quick"].replace(width=8, batch_size=32, n_train=320, n_test=100, epochs=3,
-                                   save_every=4, max_steps=4)
+    cfg = PRESETS["quick"].replace(width=8, batch_size=32, n_train=320, n_test=100, epochs=3, save_every=4, max_steps=4)
     url = str(tmp_path / "run")
     data = synthetic_cifar10(n_train=cfg.n_train, n_test=cfg.n_test, seed=0)
     first = run_job(cfg, data, url, lease_ttl=TTL)
@@ -218,7 +246,8 @@ def test_resume_on_other_data_is_refused(tmp_path: Any, in_process_job: None) ->
 
 
 def test_colab_notebook_is_clean_nbformat4_and_uses_real_options(
-        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     with open(os.path.join(REPO, "examples", "colab_cifar10.ipynb"), encoding="utf-8") as f:
         nb = json.load(f)
     assert nb["nbformat"] == 4 and nb["metadata"]["kernelspec"]["name"] == "python3"
@@ -244,8 +273,7 @@ def test_colab_notebook_is_clean_nbformat4_and_uses_real_options(
 
 @pytest.mark.slow
 def test_resume_with_other_settings_is_refused(tmp_path: Any, in_process_job: None) -> None:
-    cfg = PRESETS["quick"].replace(width=8, batch_size=32, n_train=320, n_test=100, epochs=3,
-                                   save_every=4, max_steps=4)
+    cfg = PRESETS["quick"].replace(width=8, batch_size=32, n_train=320, n_test=100, epochs=3, save_every=4, max_steps=4)
     url = str(tmp_path / "run")
     data = synthetic_cifar10(n_train=cfg.n_train, n_test=cfg.n_test, seed=0)
     run_job(cfg, data, url, lease_ttl=TTL)
@@ -259,8 +287,7 @@ def test_resume_with_other_settings_is_refused(tmp_path: Any, in_process_job: No
 
 @pytest.mark.slow
 def test_bf16_autocast_on_cpu_resumes_bit_exact_in_process(tmp_path: Any, in_process_job: None) -> None:
-    cfg = PRESETS["quick"].replace(width=8, batch_size=32, n_train=320, n_test=100, epochs=1,
-                                   save_every=3, amp="bf16")
+    cfg = PRESETS["quick"].replace(width=8, batch_size=32, n_train=320, n_test=100, epochs=1, save_every=3, amp="bf16")
     data = synthetic_cifar10(n_train=cfg.n_train, n_test=cfg.n_test, seed=0)
     whole, split = str(tmp_path / "whole"), str(tmp_path / "split")
     run_job(cfg, data, whole, lease_ttl=TTL)
@@ -283,14 +310,15 @@ def test_augmentation_is_a_function_of_seed_and_step() -> None:
     # Each output is a 32x32 window of the zero-padded input, possibly mirrored.
     padded = torch.nn.functional.pad(images, (4, 4, 4, 4))
     for i in range(images.shape[0]):
-        windows = [padded[i, :, y:y + 32, x:x + 32] for y in range(9) for x in range(9)]
+        windows = [padded[i, :, y : y + 32, x : x + 32] for y in range(9) for x in range(9)]
         assert any(torch.equal(one[i], w) or torch.equal(one[i], w.flip(-1)) for w in windows), i
 
 
 @pytest.mark.parametrize("seed", range(50))
 def test_kill_plan_increases_and_kills_once_inside_a_save(seed: int) -> None:
-    plan = plan_kills(total_steps=TOTAL, save_every=SAVE_EVERY, steps_per_epoch=STEPS_PER_EPOCH,
-                      count=3, rng=random.Random(seed))
+    plan = plan_kills(
+        total_steps=TOTAL, save_every=SAVE_EVERY, steps_per_epoch=STEPS_PER_EPOCH, count=3, rng=random.Random(seed)
+    )
     steps = [s for _, s in plan]
     assert steps == sorted(set(steps)) and 2 <= steps[0] and steps[-1] < TOTAL
     assert [e for e, _ in plan] == ["step", "saving", "step"]

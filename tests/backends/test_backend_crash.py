@@ -79,7 +79,11 @@ def test_sigkill_mid_write_leaves_old_or_new_never_partial(kind, make_backend_ta
     with open(tmp_path / "zygote.err", "wb") as err:
         zygote = subprocess.Popen(
             [sys.executable, "-m", "tests.support._crash_child", "zygote", target.url, KEY, *files],
-            cwd=REPO, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
+            cwd=REPO,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=err,
             bufsize=0,  # unbuffered: _read_line's select() must see every line still unread
         )
     try:
@@ -151,4 +155,3 @@ def _check_after_kill(backend, known, trial, writer, allowed, temp_name, seen) -
     assert _temp_files(backend.root) == []
     assert [info.key for info in backend.list()] == [info.key for info in listed]
     return which
-

@@ -36,8 +36,14 @@ def test_two_processes_race_to_create(kind, make_backend_target):
     backend = target.open()
     env = {**os.environ, "PYTHONPATH": str(REPO), **target.env}
     racers = [
-        subprocess.Popen([sys.executable, "-m", "tests.support._crash_child", "race", target.url], cwd=REPO,
-                         env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0)
+        subprocess.Popen(
+            [sys.executable, "-m", "tests.support._crash_child", "race", target.url],
+            cwd=REPO,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            bufsize=0,
+        )
         for _ in range(2)
     ]
     overlapping = 0

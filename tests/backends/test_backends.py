@@ -35,17 +35,22 @@ BIG = random.Random(7).randbytes(3 * MIB + 12345)  # the same bytes as the suite
 
 # What each kind honestly promises (docs/DRIVE.md: no cross-VM exclusion, write-back cache, trash).
 EXPECTED_CAPABILITIES = {
-    "memory": Capabilities(exclusive_create=True, compare_and_swap=True, durable_on_return=False,
-                           cheap_copy=True),
+    "memory": Capabilities(exclusive_create=True, compare_and_swap=True, durable_on_return=False, cheap_copy=True),
     "local": Capabilities(exclusive_create=True, compare_and_swap=True, cheap_copy=True),
-    "drive": Capabilities(exclusive_create=False, compare_and_swap=False, durable_on_return=False,
-                          immediately_consistent=False, trash_on_delete=True,
-                          rewrite_in_place=True),
+    "drive": Capabilities(
+        exclusive_create=False,
+        compare_and_swap=False,
+        durable_on_return=False,
+        immediately_consistent=False,
+        trash_on_delete=True,
+        rewrite_in_place=True,
+    ),
     "gcs": Capabilities(exclusive_create=True, compare_and_swap=True, cheap_copy=True),
 }
 
 
 # -- conformance: every backend, through the suite shipped to backend authors ------------------
+
 
 class _OurBackend(BackendConformance):
     """The shipped suite (ckptsdk.testing.conformance) on fresh storage of one of our kinds."""
@@ -121,6 +126,7 @@ def test_drive_moves_and_overwrites_a_file_in_place(make_backend_target):
 
 
 # -- the file backends (local disk, Drive mount) ---------------------------------------------------
+
 
 @pytest.fixture(params=["local", "drive"])
 def file_backend(request, make_backend_target) -> LocalBackend:
@@ -234,10 +240,18 @@ def test_dropped_mount_is_storage_unavailable_with_what_to_do(make_backend_targe
             m.setattr(os, name, dropped)
         m.setattr("builtins.open", dropped)
         for b, hint in ((drive, "force_remount=True"), (local, "mounted, readable and writable")):
-            for op, args, *kw in (("list", ()), ("read", ("x",)), ("stat", ("x",)), ("write", ("y", b"2")),
-                             ("exists", ("x",)), ("delete", ("x",)), ("create", ("z", b"3")),
-                             ("replace", ("x", b"4", "1-1-1")), ("delete", ("x",), {"version": "1-1-1"}),
-                             ("sweep", (0,))):
+            for op, args, *kw in (
+                ("list", ()),
+                ("read", ("x",)),
+                ("stat", ("x",)),
+                ("write", ("y", b"2")),
+                ("exists", ("x",)),
+                ("delete", ("x",)),
+                ("create", ("z", b"3")),
+                ("replace", ("x", b"4", "1-1-1")),
+                ("delete", ("x",), {"version": "1-1-1"}),
+                ("sweep", (0,)),
+            ):
                 with pytest.raises(StorageUnavailable, match=hint) as exc_info:
                     getattr(b, op)(*args, **(kw[0] if kw else {}))
                 assert exc_info.value.__cause__.errno == code
@@ -305,6 +319,7 @@ def test_drive_not_mounted(tmp_path, monkeypatch):
 
 # -- FaultyBackend ---------------------------------------------------------------------------------
 
+
 def test_faulty_backend_fails_the_nth_write_before_it_happens(backend):
     b = FaultyBackend(backend, fail_on=fail_nth("write", 2))
     b.write("a", b"1")
@@ -355,7 +370,17 @@ def test_faulty_backend_counts_every_op_and_checks_arguments(backend):
     b.create("k", b"3")
     assert b.sweep(0) == []
     assert [op for op, _, _ in seen] == [
-        "write", "read", "stat", "exists", "list", "open", "replace", "delete", "create", "sweep"]
+        "write",
+        "read",
+        "stat",
+        "exists",
+        "list",
+        "open",
+        "replace",
+        "delete",
+        "create",
+        "sweep",
+    ]
     assert all(n == 1 for _, _, n in seen)
     with pytest.raises(ValueError):
         fail_nth("wirte", 1)

@@ -84,9 +84,12 @@ def test_no_private_attribute_of_another_library_is_touched() -> None:
     for name in _GCS_MODULES:
         tree = ast.parse((backends / name).read_text())
         for node in ast.walk(tree):
-            if (isinstance(node, ast.Attribute) and node.attr.startswith("_")
-                    and not node.attr.startswith("__")
-                    and not (isinstance(node.value, ast.Name) and node.value.id == "self")):
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr.startswith("_")
+                and not node.attr.startswith("__")
+                and not (isinstance(node.value, ast.Name) and node.value.id == "self")
+            ):
                 offenders.append(f"{name}:{node.lineno}: {ast.unparse(node)}")
     assert offenders == []
 
@@ -118,7 +121,10 @@ def test_the_gcs_extra_bounds_what_the_backend_uses() -> None:
 def test_is_a_backend_with_honest_capabilities(backend: GCSBackend) -> None:
     assert isinstance(backend, Backend)
     assert backend.capabilities == Capabilities(
-        exclusive_create=True, compare_and_swap=True, durable_on_return=True, immediately_consistent=True,
+        exclusive_create=True,
+        compare_and_swap=True,
+        durable_on_return=True,
+        immediately_consistent=True,
         cheap_copy=True,
     )
     assert backend.url.startswith("gs://b-") and backend.url.endswith("/run")
@@ -142,8 +148,13 @@ def test_create_race_two_threads_fifty_rounds(emulator: Emulator) -> None:
         barrier = threading.Barrier(2)
         outcomes: list[object] = [None, None]
 
-        def race(i: int, key: str = key, barrier: threading.Barrier = barrier,
-                 outcomes: list[object] = outcomes, round_: int = round_) -> None:
+        def race(
+            i: int,
+            key: str = key,
+            barrier: threading.Barrier = barrier,
+            outcomes: list[object] = outcomes,
+            round_: int = round_,
+        ) -> None:
             barrier.wait(timeout=30)
             try:
                 outcomes[i] = racers[i].create(key, f"writer-{i}-{round_}".encode())
@@ -167,9 +178,14 @@ def test_missing_bucket_is_storage_unavailable(emulator: Emulator) -> None:
     name = f"nope-{uuid.uuid4().hex[:8]}"
     b = _backend(emulator, name)
     ops: dict[str, Callable[[], object]] = {
-        "read": lambda: b.read("k"), "open": lambda: b.open("k"), "stat": lambda: b.stat("k"),
-        "exists": lambda: b.exists("k"), "list": lambda: b.list(), "write": lambda: b.write("k", b"x"),
-        "create": lambda: b.create("k", b"x"), "delete": lambda: b.delete("k"),
+        "read": lambda: b.read("k"),
+        "open": lambda: b.open("k"),
+        "stat": lambda: b.stat("k"),
+        "exists": lambda: b.exists("k"),
+        "list": lambda: b.list(),
+        "write": lambda: b.write("k", b"x"),
+        "create": lambda: b.create("k", b"x"),
+        "delete": lambda: b.delete("k"),
         "big write": lambda: b.write("k", b"x" * (9 * MIB)),  # resumable path
     }
     for op, call in ops.items():
@@ -185,8 +201,9 @@ def test_dead_server_is_a_backend_error_within_seconds(emulator: Emulator) -> No
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # closed again: nothing listens there
-    b = GCSBackend("bucket/run", endpoint_url=f"http://127.0.0.1:{port}", token="anon", project="test",
-                   skip_instance_cache=True)
+    b = GCSBackend(
+        "bucket/run", endpoint_url=f"http://127.0.0.1:{port}", token="anon", project="test", skip_instance_cache=True
+    )
     started = time.monotonic()
     with pytest.raises(BackendError) as info:
         b.read("k")
@@ -211,9 +228,9 @@ def test_resumable_round_trip_with_a_buffer_reusing_producer(backend: GCSBackend
     def producer() -> Iterator[memoryview]:
         buf = bytearray(100_000)  # one buffer, refilled: the backend must copy what it keeps
         for i in range(0, len(data), len(buf)):
-            piece = data[i:i + len(buf)]
-            buf[:len(piece)] = piece
-            yield memoryview(buf)[:len(piece)]
+            piece = data[i : i + len(buf)]
+            buf[: len(piece)] = piece
+            yield memoryview(buf)[: len(piece)]
 
     info = backend.write("big", producer())
     assert info.size == len(data) and backend.read("big") == data
@@ -276,8 +293,9 @@ def lossy(emulator: Emulator) -> Iterator[tuple[GCSBackend, LoopbackProxy, GCSBa
     """(backend through the proxy, the proxy, a direct backend on the same root)."""
     bucket = _bucket(emulator)
     proxy = LoopbackProxy(emulator.port)
-    through = GCSBackend(f"{bucket}/run", endpoint_url=proxy.endpoint, token="anon", project="test",
-                         skip_instance_cache=True)
+    through = GCSBackend(
+        f"{bucket}/run", endpoint_url=proxy.endpoint, token="anon", project="test", skip_instance_cache=True
+    )
     through.backoff_s = 0.05
     yield through, proxy, _backend(emulator, bucket)
     proxy.close()
@@ -324,7 +342,7 @@ def test_lost_reply_to_a_refused_resumable_finalisation(lossy) -> None:
         for i in range(0, len(data), 100_000):
             if i + 100_000 >= len(data):  # before our last chunk goes out, a rival takes the key
                 direct.create("lease", b"rival")
-            yield data[i:i + 100_000]
+            yield data[i : i + 100_000]
 
     proxy.drop_next(f"-{len(data) - 1}/{len(data)}".encode())  # only the final PUT's range
     with pytest.raises(PreconditionFailed) as exc:
@@ -351,8 +369,9 @@ def _payload(version: int, size: int) -> bytes:
     return (block * (size // MIB + 1))[:size]
 
 
-def _fork_uploader(emulator: Emulator, root: str, key: str, size: int, first: int,
-                   chunk: int | None = None) -> tuple[int, object]:
+def _fork_uploader(
+    emulator: Emulator, root: str, key: str, size: int, first: int, chunk: int | None = None
+) -> tuple[int, object]:
     """Fork a child that writes versions ``first, first+1...`` of ``key`` until it is killed.
 
     Forked rather than spawned: importing ckptsdk (torch) in a fresh interpreter costs seconds a
@@ -434,8 +453,10 @@ def test_sigkilled_uploader_leaves_old_or_new_never_partial(
         found = digests.get(xxhash.xxh3_128_hexdigest(stored))
         assert found is not None, f"trial {trial}: stored object ({len(stored)} bytes) is no version: torn"
         assert last_written is None or found >= last_written, (trial, found, last_written)
-    print(f"\n[{path}] {trials} SIGKILLs, {mid_write_kills} landed mid-write; "
-          f"{len(digests)} versions started; object always absent or whole")
+    print(
+        f"\n[{path}] {trials} SIGKILLs, {mid_write_kills} landed mid-write; "
+        f"{len(digests)} versions started; object always absent or whole"
+    )
     assert mid_write_kills >= trials // 2, "the kills did not hit uploads in flight; widen the window"
 
 
@@ -456,14 +477,15 @@ def test_throughput_100mb(backend: GCSBackend) -> None:
     with backend.open("blob") as f:
         view, pos = memoryview(out), 0
         while pos < len(out):
-            n = f.readinto(view[pos:pos + 8 * MIB])
+            n = f.readinto(view[pos : pos + 8 * MIB])
             assert n > 0
             pos += n
     t_stream = time.perf_counter() - started
     assert info.size == len(data)
     assert xxhash.xxh3_128_hexdigest(back) == digest == xxhash.xxh3_128_hexdigest(out)
-    print(f"\n[gcs emulator, 100 MB] write {100 / t_write:.0f} MB/s ({t_write:.2f} s), "
-          f"read {100 / t_read:.0f} MB/s ({t_read:.2f} s), "
-          f"open+readinto 8 MiB {100 / t_stream:.0f} MB/s ({t_stream:.2f} s)")
+    print(
+        f"\n[gcs emulator, 100 MB] write {100 / t_write:.0f} MB/s ({t_write:.2f} s), "
+        f"read {100 / t_read:.0f} MB/s ({t_read:.2f} s), "
+        f"open+readinto 8 MiB {100 / t_stream:.0f} MB/s ({t_stream:.2f} s)"
+    )
     backend.delete("blob")
-

@@ -51,7 +51,9 @@ def _bucket(emulator: Emulator) -> str:
 def _media(emulator: Emulator, bucket: str, name: str, body: bytes, **conds: str) -> tuple[int, bytes]:
     query = "".join(f"&{k}={v}" for k, v in conds.items())
     return emulator.request(
-        "POST", f"/upload/storage/v1/b/{bucket}/o?uploadType=media&name={name}{query}", body,
+        "POST",
+        f"/upload/storage/v1/b/{bucket}/o?uploadType=media&name={name}{query}",
+        body,
         {"Content-Type": "application/octet-stream"},
     )
 
@@ -118,8 +120,10 @@ def test_stale_generation_upload_delete_and_patch(server: Emulator) -> None:
     assert old != new
     upload = _media(server, bucket, "k", b"v3", ifGenerationMatch=old)
     patch = server.request(
-        "PATCH", f"/storage/v1/b/{bucket}/o/k?ifMetagenerationMatch=7",
-        json.dumps({"metadata": {"x": "y"}}).encode(), {"Content-Type": "application/json"},
+        "PATCH",
+        f"/storage/v1/b/{bucket}/o/k?ifMetagenerationMatch=7",
+        json.dumps({"metadata": {"x": "y"}}).encode(),
+        {"Content-Type": "application/json"},
     )
     delete = server.request("DELETE", f"/storage/v1/b/{bucket}/o/k?ifGenerationMatch={old}")
     if server.patched:
@@ -140,7 +144,9 @@ def test_resumable_upload_is_checked_at_finalisation(server: Emulator) -> None:
     bucket = _bucket(server)
     req = urllib.request.Request(
         server.endpoint + f"/upload/storage/v1/b/{bucket}/o?uploadType=resumable&name=k2&ifGenerationMatch=0",
-        data=b"{}", method="POST", headers={"Content-Type": "application/json"},
+        data=b"{}",
+        method="POST",
+        headers={"Content-Type": "application/json"},
     )
     with urllib.request.urlopen(req, timeout=10) as resp:
         location = resp.headers["Location"]
@@ -165,8 +171,10 @@ def test_resumable_initiation_fails_fast_on_patched(patched: Emulator) -> None:
     bucket = _bucket(patched)
     assert _media(patched, bucket, "k", b"x")[0] == 200
     status, body = patched.request(
-        "POST", f"/upload/storage/v1/b/{bucket}/o?uploadType=resumable&name=k&ifGenerationMatch=0",
-        b"{}", {"Content-Type": "application/json"},
+        "POST",
+        f"/upload/storage/v1/b/{bucket}/o?uploadType=resumable&name=k&ifGenerationMatch=0",
+        b"{}",
+        {"Content-Type": "application/json"},
     )
     assert _is_condition_not_met(status, body)
 
@@ -267,7 +275,9 @@ def test_new_objects_start_at_metageneration_1(server: Emulator) -> None:
         b"Content-Type: application/octet-stream\r\n\r\ndata\r\n--b--\r\n"
     )
     status, _ = server.request(
-        "POST", f"/upload/storage/v1/b/{bucket}/o?uploadType=multipart", body,
+        "POST",
+        f"/upload/storage/v1/b/{bucket}/o?uploadType=multipart",
+        body,
         {"Content-Type": 'multipart/related; boundary="b"'},
     )
     assert status == 200
@@ -295,7 +305,8 @@ def _race(emulator: Emulator, bucket: str, name: str, n: int = 12) -> tuple[list
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", _RACER, emulator.endpoint, bucket, name, f"p{i:02d}", str(start_at)],
-            stdout=subprocess.PIPE, text=True,
+            stdout=subprocess.PIPE,
+            text=True,
         )
         for i in range(n)
     ]
@@ -321,7 +332,9 @@ def test_twelve_process_create_race_has_one_winner(patched: Emulator, unpatched:
 def _open_session(emulator: Emulator, bucket: str, name: str) -> str:
     req = urllib.request.Request(
         emulator.endpoint + f"/upload/storage/v1/b/{bucket}/o?uploadType=resumable&name={name}",
-        data=b"{}", method="POST", headers={"Content-Type": "application/json"},
+        data=b"{}",
+        method="POST",
+        headers={"Content-Type": "application/json"},
     )
     with urllib.request.urlopen(req, timeout=10) as resp:
         return resp.headers["Location"]

@@ -124,7 +124,7 @@ def test_root_that_is_a_file_is_storage_unavailable(tmp_path, monkeypatch):
 
 # A child interpreter where gcsfs is "not installed": a meta-path finder, loaded through
 # sitecustomize on the child's PYTHONPATH, refuses it the way a missing package is refused.
-_BLOCKER = '''
+_BLOCKER = """
 import sys
 
 class _NoGcsfs:
@@ -135,9 +135,9 @@ class _NoGcsfs:
 
 sys.meta_path.insert(0, _NoGcsfs())
 sys.modules.pop("gcsfs", None)
-'''
+"""
 
-_CHILD = '''
+_CHILD = """
 import json, sys, tempfile
 from ckptsdk.backends import open_backend
 from ckptsdk.errors import MissingDependencyError
@@ -154,15 +154,16 @@ except MissingDependencyError as exc:
     print(json.dumps({"blocked": True, "type": type(exc).__name__, "extra": exc.extra,
                       "message": str(exc), "import_error": isinstance(exc, ImportError),
                       "local_still_works": ok}))
-'''
+"""
 
 
 def test_missing_gcsfs_names_the_extra(tmp_path):
     (tmp_path / "sitecustomize.py").write_text(textwrap.dedent(_BLOCKER))
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), str(REPO)])
-    proc = subprocess.run([sys.executable, "-c", _CHILD], env=env, cwd=tmp_path,
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", _CHILD], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["blocked"], "the blocker did not hide gcsfs"

@@ -47,7 +47,8 @@ def _adamw_ema_job(seed: int = 0):
     model = build_model(width=4)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
     ema = torch.optim.swa_utils.AveragedModel(
-        model, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(0.99), use_buffers=True)
+        model, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(0.99), use_buffers=True
+    )
     objects = {"model": model, "optimizer": opt, "ema": ema}
 
     def step(i: int, x: torch.Tensor, y: torch.Tensor) -> None:
@@ -70,8 +71,9 @@ def _run(tmp_path, build, steps: int) -> int:
     torch.set_num_threads(1)  # tiny kernels: one thread beats two contending ones on a busy VM
     gen = torch.Generator().manual_seed(1)
     a = CheckpointManager(f"memory://{name}-sync", keep_last=2, lease_ttl=30, save_on_signal=False)
-    b = CheckpointManager(f"memory://{name}-pipelined", keep_last=2, lease_ttl=30, save_on_signal=False,
-                          snapshot="pipelined")
+    b = CheckpointManager(
+        f"memory://{name}-pipelined", keep_last=2, lease_ttl=30, save_on_signal=False, snapshot="pipelined"
+    )
     compared = 0
     try:
         pending: int | None = None
@@ -101,8 +103,9 @@ def _same_files(a: CheckpointManager, b: CheckpointManager, step: int) -> int:
     got, want = b.backend.read(f"{kb}/{TENSORS}"), a.backend.read(f"{ka}/{TENSORS}")
     if got != want:
         ta, tb = a.load(step), b.load(step)
-        raise AssertionError(f"step {step}: the pipelined checkpoint differs from the synchronous one "
-                             f"({_first_difference(ta, tb)})")
+        raise AssertionError(
+            f"step {step}: the pipelined checkpoint differs from the synchronous one ({_first_difference(ta, tb)})"
+        )
     return 1
 
 

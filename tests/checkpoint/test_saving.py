@@ -39,8 +39,7 @@ class _Threads:
 def test_async_save_makes_no_storage_call_on_the_calling_thread(tmp_path, snapshot):
     rec = _Threads()
     backend = FaultyBackend(open_backend(str(tmp_path / "r")), fail_on=rec)
-    mgr = CheckpointManager(backend, lease_ttl=30, save_on_signal=False, snapshot=snapshot,
-                            keep_last=2)
+    mgr = CheckpointManager(backend, lease_ttl=30, save_on_signal=False, snapshot=snapshot, keep_last=2)
     state = _state()
     mgr.restore(state)
     me = threading.current_thread().name
@@ -62,8 +61,9 @@ def test_async_save_makes_no_storage_call_on_the_calling_thread(tmp_path, snapsh
 def test_fenced_writer_commits_and_deletes_nothing_and_says_so_on_the_next_call(tmp_path):
     url = str(tmp_path / "r")
     state = _state()
-    zombie = CheckpointManager(url, keep_last=1, lease_ttl=30, save_on_signal=False,
-                               _simulation=Simulation(heartbeat=False))
+    zombie = CheckpointManager(
+        url, keep_last=1, lease_ttl=30, save_on_signal=False, _simulation=Simulation(heartbeat=False)
+    )
     zombie.save(state, step=1)
     newcomer = CheckpointManager(url, keep_last=1, lease_ttl=30, save_on_signal=False, force=True)
     # The zombie has not seen the takeover: its foreground reads only its (stale) flag and

@@ -107,7 +107,10 @@ def test_every_subcommand(kind, make_backend_target, tmp_path, run_cli):
     # Attempt 2 re-committed step 40 under its epoch (40.e2, a hard link), which replaced 40.e1
     # at its next save: one row per step.
     assert [(r["step"], r["lease_epoch"], r["attempt"], r["valid"]) for r in rows] == [
-        (40, 2, 2, True), (50, 2, 2, True), (60, 2, 2, True)]
+        (40, 2, 2, True),
+        (50, 2, 2, True),
+        (60, 2, 2, True),
+    ]
     assert all(r["size"] > 1000 and r["reason"] is None for r in rows)
     assert rows[1]["train_epoch"] == 2 and rows[1]["batch_idx"] == 10
 
@@ -116,23 +119,26 @@ def test_every_subcommand(kind, make_backend_target, tmp_path, run_cli):
     doc = as_json(show)
     assert doc["manifest"]["step"] == 50 and doc["key"] == "step-0000000050.e2"
     tensors = {t["name"]: t for t in doc["tensors"]}
-    weight = next(t for name, t in tensors.items()
-                  if name.endswith("model/0/weight") or name.endswith("model/0.weight"))
+    weight = next(
+        t for name, t in tensors.items() if name.endswith("model/0/weight") or name.endswith("model/0.weight")
+    )
     assert (weight["dtype"], weight["shape"], weight["bytes"]) == ("F32", [16, 8], 16 * 8 * 4)
 
     verify = run_cli("verify", url, "--all", "--json", target=target, cwd=tmp_path)
     assert verify.returncode == 0, verify.stderr
     vdoc = as_json(verify)
     assert vdoc["ok"] and [(c["key"], c["status"], c["rehashed"]) for c in vdoc["checked"]] == [
-        (k, "ok", True) for k in ("step-0000000040.e2", "step-0000000050.e2", "step-0000000060.e2")]
+        (k, "ok", True) for k in ("step-0000000040.e2", "step-0000000050.e2", "step-0000000060.e2")
+    ]
 
     audit = run_cli("audit", url, "--json", "--strict", target=target, cwd=tmp_path)
     assert audit.returncode == 0, audit.stderr
     report = as_json(audit)["report"]
     assert report["verdict"] == "bit-exact"  # a real restore of model + momentum: the same losses
     assert [(o["attempts"], o["first_step"], o["last_step"]) for o in report["overlaps"]] == [([1, 2], 41, 45)]
-    assert [(a["attempt"], a["first_step"], a["last_step"], a["resumed_from_step"], a["closed"])
-            for a in report["attempts"]] == [(1, 1, 45, None, True), (2, 41, 60, 40, True)]
+    assert [
+        (a["attempt"], a["first_step"], a["last_step"], a["resumed_from_step"], a["closed"]) for a in report["attempts"]
+    ] == [(1, 1, 45, None, True), (2, 41, 60, 40, True)]
     assert report["scalars"]["loss"] == {"max_abs_diff": 0.0, "at_step": None, "compared_steps": 5}
 
     lease = run_cli("lease", url, "--json", target=target, cwd=tmp_path)
@@ -148,8 +154,9 @@ def test_every_subcommand(kind, make_backend_target, tmp_path, run_cli):
 
     # Read-only commands and a dry run wrote nothing, deleted nothing, and never took the lease.
     assert snapshot(target) == before
-    assert list(tmp_path.iterdir()) == [] or all(p.name.startswith("local-") or p.name == "drive"
-                                                  for p in tmp_path.iterdir())
+    assert list(tmp_path.iterdir()) == [] or all(
+        p.name.startswith("local-") or p.name == "drive" for p in tmp_path.iterdir()
+    )
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -229,7 +236,10 @@ def test_lease_break_needs_confirmation_and_fences_the_writer(make_backend_targe
     finally:
         live.close()
     assert [i.key for i in CheckpointManager(target.url, read_only=True).list() if i.valid] == [
-        "step-0000000010.e1", "step-0000000020.e2", "step-0000000030.e2"]  # 20.e2: the anchor, which replaced 20.e1
+        "step-0000000010.e1",
+        "step-0000000020.e2",
+        "step-0000000030.e2",
+    ]  # 20.e2: the anchor, which replaced 20.e1
 
 
 def test_gc_deletes_for_real_and_keeps_the_rest(make_backend_target, capsys):

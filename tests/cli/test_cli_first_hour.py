@@ -22,8 +22,14 @@ REPO = Path(ckptsdk.__file__).resolve().parents[1]
 
 def _cli(*args: str, **kwargs) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-    return subprocess.Popen([sys.executable, "-m", "ckptsdk", *args], env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kwargs)
+    return subprocess.Popen(
+        [sys.executable, "-m", "ckptsdk", *args],
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        **kwargs,
+    )
 
 
 def run(capsys, *args: str) -> tuple[int, str, str]:
@@ -59,8 +65,10 @@ def test_a_root_that_does_not_exist_is_exit_4_not_an_empty_listing(command, tmp_
     missing = str(tmp_path / "no" / "such" / "path")
     code, out, err = run(capsys, command, missing)
     assert code == cli.EXIT_CHECKPOINT == 4
-    assert err == f"ckptsdk: error: no checkpoint root at {missing}: nothing is stored there (no " \
-                  "LEASE.json, no checkpoint); check the URL\n"
+    assert (
+        err == f"ckptsdk: error: no checkpoint root at {missing}: nothing is stored there (no "
+        "LEASE.json, no checkpoint); check the URL\n"
+    )
     assert out == "" and not os.path.exists(missing)
 
 
@@ -74,8 +82,14 @@ def test_the_exit_code_is_the_process_status_without_stdin(how, tmp_path):
     code = f"import sys; from {module} import {function}; sys.exit({function}())"
     argv = [sys.executable, "-c", code] if how == "console script" else [sys.executable, "-m", "ckptsdk"]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-    proc = subprocess.run([*argv, "lease", str(tmp_path), "--break"], env=env, stdin=subprocess.DEVNULL,
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [*argv, "lease", str(tmp_path), "--break"],
+        env=env,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == cli.EXIT_USAGE == 2, proc.stderr
     assert proc.stderr.startswith("ckptsdk: error: --break takes over the lease") and proc.stdout == ""
 

@@ -215,8 +215,12 @@ def test_failed_save_deletes_nothing(tmp_path):
     mgr.restore(state)
     mgr.wait()  # the takeover anchor is written in the background
     before_after_anchor = {c.key for c in mgr.list()}
-    mgr.backend = FaultyBackend(mgr.backend, fail_on=lambda op, key, n: BackendError("No space left on device", key=key)
-                                if op == "write" and key.endswith(TENSORS) else None)
+    mgr.backend = FaultyBackend(
+        mgr.backend,
+        fail_on=lambda op, key, n: (
+            BackendError("No space left on device", key=key) if op == "write" and key.endswith(TENSORS) else None
+        ),
+    )
     with pytest.raises(BackendError) as err:
         mgr.save(state, step=3)
     assert "No space left" in str(err.value)
@@ -258,8 +262,13 @@ def test_mismatched_model_gives_clear_error(tmp_path):
     wrong = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
     with CheckpointManager(url, lease_ttl=5) as mgr:
         with pytest.raises(StateMismatchError) as err:
-            mgr.restore(TrainState(model=wrong, optimizer=torch.optim.SGD(wrong.parameters(), lr=0.1),
-                                   scheduler=make_state().objects["scheduler"]))
+            mgr.restore(
+                TrainState(
+                    model=wrong,
+                    optimizer=torch.optim.SGD(wrong.parameters(), lr=0.1),
+                    scheduler=make_state().objects["scheduler"],
+                )
+            )
     assert any("0.weight" in m for m in err.value.mismatches)
 
 
@@ -340,8 +349,12 @@ def test_background_failure_surfaces_on_next_call(tmp_path):
     mgr = CheckpointManager(str(tmp_path / "r"), lease_ttl=5)
     state = make_state()
     mgr.save(state, step=1)
-    mgr.backend = FaultyBackend(mgr.backend, fail_on=lambda op, key, n: BackendError("Input/output error", key=key)
-                                if op == "write" and key.endswith(TENSORS) else None)
+    mgr.backend = FaultyBackend(
+        mgr.backend,
+        fail_on=lambda op, key, n: (
+            BackendError("Input/output error", key=key) if op == "write" and key.endswith(TENSORS) else None
+        ),
+    )
     mgr.save(state, step=2, blocking=False)
     with pytest.raises(BackendError, match="Input/output error"):
         mgr.wait()
@@ -379,8 +392,10 @@ def test_a_restore_after_a_save_loads_and_leaves_the_lineage_alone(tmp_path, cap
             assert (pos.step, pos.lease_epoch) == (step, 2)
             assert_same(other, state)
             assert mgr.resumed_from is first  # unchanged
-    resumed = {m["writer"]["resumed_from_step"] for m in (
-        json.loads((tmp_path / "r" / checkpoint_dir(s, 2) / MANIFEST).read_text()) for s in (3, 4))}
+    resumed = {
+        m["writer"]["resumed_from_step"]
+        for m in (json.loads((tmp_path / "r" / checkpoint_dir(s, 2) / MANIFEST).read_text()) for s in (3, 4))
+    }
     assert resumed == {1}
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
     with CheckpointManager(url, read_only=True) as reader:

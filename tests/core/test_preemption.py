@@ -26,8 +26,13 @@ MAX_STEP = 60
 
 def _child(root: Path, max_step: int = MAX_STEP, **env: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, "-m", "tests.support._preempt_child", str(root), str(max_step)], cwd=REPO,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, **env})
+        [sys.executable, "-m", "tests.support._preempt_child", str(root), str(max_step)],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **env},
+    )
 
 
 def _read_until(proc: subprocess.Popen[str], want: str, limit: float = 120.0) -> list[str]:

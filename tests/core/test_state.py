@@ -25,9 +25,14 @@ def through_files(tree):
 
 
 def draws():
-    return (torch.rand(3).tolist(), torch.randn(2, dtype=torch.float64).tolist(),
-            np.random.rand(3).tolist(), np.random.normal(size=1).tolist(),
-            [random.random() for _ in range(3)], random.gauss(0, 1))
+    return (
+        torch.rand(3).tolist(),
+        torch.randn(2, dtype=torch.float64).tolist(),
+        np.random.rand(3).tolist(),
+        np.random.normal(size=1).tolist(),
+        [random.random() for _ in range(3)],
+        random.gauss(0, 1),
+    )
 
 
 def test_restore_rng_replays_every_stream_exactly():
@@ -82,8 +87,10 @@ def test_restore_rng_refuses_a_mangled_tree():
     bad = dict(saved, python=list(saved["python"]))  # what plain JSON would have made of it
     with pytest.raises(StateMismatchError, match="rng/python") as info:
         restore_rng(bad)
-    assert info.value.mismatches == ["rng/python: expected random.getstate()'s tuple (a list? then "
-                                     "the tree went through plain JSON instead of the codec)"]
+    assert info.value.mismatches == [
+        "rng/python: expected random.getstate()'s tuple (a list? then "
+        "the tree went through plain JSON instead of the codec)"
+    ]
     with pytest.raises(StateMismatchError, match="missing 'torch'"):
         restore_rng({"numpy": saved["numpy"], "python": saved["python"]})
 
@@ -123,16 +130,18 @@ def test_train_state_round_trip_restores_objects_and_rng():
     assert counter2.n == 41
     for a, b in zip(model.state_dict().values(), model2.state_dict().values(), strict=True):
         assert torch.equal(a, b)
-    assert torch.equal(opt2.state_dict()["state"][0]["momentum_buffer"],
-                       opt.state_dict()["state"][0]["momentum_buffer"])
+    assert torch.equal(
+        opt2.state_dict()["state"][0]["momentum_buffer"], opt.state_dict()["state"][0]["momentum_buffer"]
+    )
     assert torch.equal(torch.rand(2), expected)
 
 
 def test_model_mismatches_are_listed_and_nothing_is_loaded():
     model, opt = _objects()
     tree = through_files(TrainState(model=model, optimizer=opt).state_dict())
-    other = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 5),
-                                torch.nn.Linear(5, 2))
+    other = torch.nn.Sequential(
+        torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 5), torch.nn.Linear(5, 2)
+    )
     before = {k: v.clone() for k, v in other.state_dict().items()}
     opt_other = torch.optim.SGD(other.parameters(), lr=0.1)
     with pytest.raises(StateMismatchError) as info:
@@ -185,8 +194,9 @@ def test_param_group_count_and_load_failures_are_state_mismatches():
     model, opt = _objects()
     tree = through_files(TrainState(model=model, optimizer=opt).state_dict())
     model2, _ = _objects()
-    two_groups = torch.optim.SGD([{"params": list(model2.parameters())[:2]},
-                                  {"params": list(model2.parameters())[2:]}], lr=0.1)
+    two_groups = torch.optim.SGD(
+        [{"params": list(model2.parameters())[:2]}, {"params": list(model2.parameters())[2:]}], lr=0.1
+    )
     with pytest.raises(StateMismatchError, match="1 param group"):
         TrainState(model=model2, optimizer=two_groups).load_state_dict(tree)
     counter = Counter()

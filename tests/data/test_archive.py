@@ -21,8 +21,12 @@ def _tar(path, members) -> str:
                 info.size = len(extra)
                 tar.addfile(info, io.BytesIO(extra))
                 continue
-            info.type = {"dir": tarfile.DIRTYPE, "sym": tarfile.SYMTYPE, "hard": tarfile.LNKTYPE,
-                         "fifo": tarfile.FIFOTYPE}[kind]
+            info.type = {
+                "dir": tarfile.DIRTYPE,
+                "sym": tarfile.SYMTYPE,
+                "hard": tarfile.LNKTYPE,
+                "fifo": tarfile.FIFOTYPE,
+            }[kind]
             if kind in ("sym", "hard"):
                 info.linkname = extra
             tar.addfile(info)
@@ -33,15 +37,19 @@ def _snapshot(root) -> set[str]:
     return {os.path.join(d, f) for d, dirs, files in os.walk(root) for f in files + dirs}
 
 
-@pytest.mark.parametrize("members, culprit", [
-    ([("ok.txt", "file", b"fine"), ("../evil.txt", "file", b"pwned")], "../evil.txt"),
-    ([("ok.txt", "file", b"fine"), ("a/../../evil.txt", "file", b"pwned")], "a/../../evil.txt"),
-    ([("/tmp/ckptsdk-evil-abs.txt", "file", b"pwned")], "/tmp/ckptsdk-evil-abs.txt"),
-    ([("link", "sym", "../outside"), ("link/evil.txt", "file", b"pwned")], "link"),
-    ([("passwd", "sym", "/etc/passwd")], "passwd"),
-    ([("hard", "hard", "../../outside.txt")], "hard"),
-    ([("pipe", "fifo", None)], "pipe"),
-], ids=["dotdot", "nested-dotdot", "absolute", "symlink-dir-out", "symlink-abs", "hardlink-out", "fifo"])
+@pytest.mark.parametrize(
+    "members, culprit",
+    [
+        ([("ok.txt", "file", b"fine"), ("../evil.txt", "file", b"pwned")], "../evil.txt"),
+        ([("ok.txt", "file", b"fine"), ("a/../../evil.txt", "file", b"pwned")], "a/../../evil.txt"),
+        ([("/tmp/ckptsdk-evil-abs.txt", "file", b"pwned")], "/tmp/ckptsdk-evil-abs.txt"),
+        ([("link", "sym", "../outside"), ("link/evil.txt", "file", b"pwned")], "link"),
+        ([("passwd", "sym", "/etc/passwd")], "passwd"),
+        ([("hard", "hard", "../../outside.txt")], "hard"),
+        ([("pipe", "fifo", None)], "pipe"),
+    ],
+    ids=["dotdot", "nested-dotdot", "absolute", "symlink-dir-out", "symlink-abs", "hardlink-out", "fifo"],
+)
 def test_hostile_archives_are_refused_and_nothing_is_written(tmp_path, members, culprit):
     archive = _tar(tmp_path / "evil.tar.gz", members)
     target = tmp_path / "sandbox" / "target"
@@ -55,9 +63,14 @@ def test_hostile_archives_are_refused_and_nothing_is_written(tmp_path, members, 
 
 
 def test_a_benign_archive_with_an_inner_symlink_extracts(tmp_path):
-    archive = _tar(tmp_path / "ok.tar.gz", [
-        ("d", "dir", None), ("d/a.txt", "file", b"A"), ("d/link", "sym", "a.txt"),
-    ])
+    archive = _tar(
+        tmp_path / "ok.tar.gz",
+        [
+            ("d", "dir", None),
+            ("d/a.txt", "file", b"A"),
+            ("d/link", "sym", "a.txt"),
+        ],
+    )
     names = safe_extract(archive, str(tmp_path / "out"))
     assert names == ["d", "d/a.txt", "d/link"]
     assert (tmp_path / "out" / "d" / "link").read_bytes() == b"A"

@@ -56,8 +56,7 @@ def test_chain_source_then_local_then_cache_on_a_fresh_runtime(backend_url, http
 def test_wrong_bytes_are_rejected_and_the_next_source_is_used(http_server, tmp_path):
     bad = http_server.add("/bad/payload.bin", PAYLOAD, Behaviour(corrupt=True))
     good = http_server.add("/good/payload.bin", PAYLOAD)
-    got = _cache("memory://" + tmp_path.name).fetch(NAME, local_dir=str(tmp_path), sources=[bad, good],
-                                                    digest=DIGEST)
+    got = _cache("memory://" + tmp_path.name).fetch(NAME, local_dir=str(tmp_path), sources=[bad, good], digest=DIGEST)
     assert got.source == good
     assert _read(got.path) == PAYLOAD
     wrong = list(got.failures)
@@ -75,8 +74,7 @@ def test_all_sources_failing_lists_each_one_and_why(http_server, tmp_path):
     broken = http_server.add("/broken.bin", PAYLOAD, Behaviour(fail_times=100))
     cache = _cache("memory://" + tmp_path.name, retries=1)
     with pytest.raises(AllSourcesFailedError) as info:
-        cache.fetch(NAME, local_dir=str(tmp_path / "l"), sources=[missing, corrupt, truncated, broken],
-                    digest=DIGEST)
+        cache.fetch(NAME, local_dir=str(tmp_path / "l"), sources=[missing, corrupt, truncated, broken], digest=DIGEST)
     err = info.value
     assert err.name == NAME
     assert set(err.failures) == {"cache", missing, corrupt, truncated, broken}
@@ -246,10 +244,14 @@ def test_publish_and_adopt_compute_the_default_digest(tmp_path):
 
 # Written by ckptsdk before format ckptsdk.datacache/1.0: meta said "format": 1 (an int), the
 # local sidecar said nothing.
-_OLD_META = ('{{"algorithm": "sha256", "digest": "{hex}", "format": 1, "name": "sets/payload.bin", '
-             '"size": 1000003, "source": "https://mirror.example/p.bin", "stored_at": 1764483000.25}}')
-_OLD_SIDECAR = ('{{"name": "sets/payload.bin", "algorithm": "sha256", "digest": "{hex}", "size": 1000003, '
-                '"source": "https://mirror.example/p.bin"}}')
+_OLD_META = (
+    '{{"algorithm": "sha256", "digest": "{hex}", "format": 1, "name": "sets/payload.bin", '
+    '"size": 1000003, "source": "https://mirror.example/p.bin", "stored_at": 1764483000.25}}'
+)
+_OLD_SIDECAR = (
+    '{{"name": "sets/payload.bin", "algorithm": "sha256", "digest": "{hex}", "size": 1000003, '
+    '"source": "https://mirror.example/p.bin"}}'
+)
 
 
 def test_meta_and_sidecars_of_the_previous_version_are_still_read(tmp_path):

@@ -22,11 +22,14 @@ from ckptsdk.manager import Simulation
 def _save_with_extra(mgr: CheckpointManager, step: int) -> str:
     assert mgr.lease is not None
     folder = checkpoint_dir(step, mgr.lease.epoch)
-    size, digest = write_tensorfile(mgr.backend, f"{folder}/rank-00001.safetensors",
-                                    {"w": torch.full((4,), float(step))})
-    info = mgr.save({"step": step}, step=step,
-                    extra_files=[FileEntry(name="rank-00001.safetensors", size=size, digest=digest,
-                                           algorithm=DIGEST_ALGORITHM)])
+    size, digest = write_tensorfile(
+        mgr.backend, f"{folder}/rank-00001.safetensors", {"w": torch.full((4,), float(step))}
+    )
+    info = mgr.save(
+        {"step": step},
+        step=step,
+        extra_files=[FileEntry(name="rank-00001.safetensors", size=size, digest=digest, algorithm=DIGEST_ALGORITHM)],
+    )
     assert info.key == folder
     return folder
 

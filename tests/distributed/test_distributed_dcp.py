@@ -38,8 +38,13 @@ class Zygote:
     """``tests.support._dist_child zygote``: imports torch once, forks every rank of every job."""
 
     def __init__(self) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "tests.support._dist_child", "zygote"], cwd=REPO,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.support._dist_child", "zygote"],
+            cwd=REPO,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
 
     def fork(self, cfg: dict[str, Any]) -> int:
         assert self.proc.stdin is not None and self.proc.stdout is not None
@@ -80,16 +85,28 @@ def jobs(zygote: Zygote) -> Any:
 class Job:
     """The ranks of one job (real processes forked by the zygote); results land in ``out``."""
 
-    def __init__(self, zygote: Zygote, out: Path, cfg: dict[str, Any], world: int,
-                 env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, zygote: Zygote, out: Path, cfg: dict[str, Any], world: int, env: dict[str, str] | None = None
+    ) -> None:
         out.mkdir(parents=True, exist_ok=True)
         self.out = out
         store = f"store-{uuid.uuid4().hex[:8]}"
         self.status = [out / f"status-{rank}-{store}" for rank in range(world)]
-        self.pids = [zygote.fork({
-            **cfg, "rank": rank, "world": world, "init": str(out / store), "out": str(out),
-            "env": dict(env or {}), "log": str(out / f"log-{rank}-{store}.txt"), "status": str(self.status[rank]),
-        }) for rank in range(world)]
+        self.pids = [
+            zygote.fork(
+                {
+                    **cfg,
+                    "rank": rank,
+                    "world": world,
+                    "init": str(out / store),
+                    "out": str(out),
+                    "env": dict(env or {}),
+                    "log": str(out / f"log-{rank}-{store}.txt"),
+                    "status": str(self.status[rank]),
+                }
+            )
+            for rank in range(world)
+        ]
 
     def code(self, rank: int) -> int | None:
         path = self.status[rank]
@@ -209,8 +226,10 @@ def test_a_frozen_rank0_zombie_is_refused_on_every_rank_and_touches_nothing(tmp_
     try:
         new = jobs(tmp_path / "jobs", {**base, "job": "new", "steps": 8}, 2)
         assert new.wait() == [0, 0], new.logs()
-        assert new.result("new-0.json") == {"resumed_from": 2, "saved": [
-            "step-0000000004.e2", "step-0000000006.e2", "step-0000000008.e2"]}
+        assert new.result("new-0.json") == {
+            "resumed_from": 2,
+            "saved": ["step-0000000004.e2", "step-0000000006.e2", "step-0000000008.e2"],
+        }
         backend = open_backend(root)
         before = {(o.key, o.size, o.version) for o in backend.list("step-")}
         (tmp_path / "jobs" / "go-old").write_text("go")
@@ -223,4 +242,7 @@ def test_a_frozen_rank0_zombie_is_refused_on_every_rank_and_touches_nothing(tmp_
     assert not [o.key for o in backend.list("step-0000000004.e1")]
     reader = CheckpointManager(root, read_only=True)
     assert [c.key for c in reader.list() if c.valid] == [
-        "step-0000000004.e2", "step-0000000006.e2", "step-0000000008.e2"]
+        "step-0000000004.e2",
+        "step-0000000006.e2",
+        "step-0000000008.e2",
+    ]

@@ -42,8 +42,9 @@ class _TakeoverOnWrite:
     def write(self, key: str, data: Any) -> Any:
         info = self._inner.write(key, data)
         if key.startswith("step-0000000002") and "/rank-" in key and self.newcomer is None:
-            self.newcomer = CheckpointManager(self._inner.url, force=True, lease_ttl=5,
-                                              _simulation=Simulation(heartbeat=False))
+            self.newcomer = CheckpointManager(
+                self._inner.url, force=True, lease_ttl=5, _simulation=Simulation(heartbeat=False)
+            )
         return info
 
 

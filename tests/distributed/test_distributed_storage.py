@@ -32,8 +32,10 @@ def _state(seed: int) -> dict[str, Any]:
     g = torch.Generator().manual_seed(seed)
     return {
         "model": {"w": torch.randn(5, 3, generator=g), "b": torch.randn(3, generator=g).to(torch.bfloat16)},
-        "optim": {"state": {"w": {"step": torch.tensor(7.0), "exp_avg": torch.randn(5, 3, generator=g)}},
-                  "param_groups": [{"lr": 0.01 * seed, "betas": (0.9, 0.999), "params": ["w"], "nesterov": False}]},
+        "optim": {
+            "state": {"w": {"step": torch.tensor(7.0), "exp_avg": torch.randn(5, 3, generator=g)}},
+            "param_groups": [{"lr": 0.01 * seed, "betas": (0.9, 0.999), "params": ["w"], "nesterov": False}],
+        },
         "count": seed,
     }
 
@@ -102,8 +104,9 @@ def test_a_corrupt_rank_file_is_refused_before_any_tensor_is_used() -> None:
     assert torch.equal(target["model"]["w"], before)
 
 
-@pytest.mark.parametrize("other", [{"extra": torch.zeros(2)}, {"model": {"w": torch.zeros(6, 3)}}],
-                         ids=["missing-key", "other-shape"])
+@pytest.mark.parametrize(
+    "other", [{"extra": torch.zeros(2)}, {"model": {"w": torch.zeros(6, 3)}}], ids=["missing-key", "other-shape"]
+)
 def test_a_state_that_does_not_fit_is_a_state_mismatch(other: dict[str, Any]) -> None:
     backend = open_backend(f"memory://dist-mismatch-{len(other)}-{list(other)[0]}")
     md, files = _save(backend, _state(1))
@@ -124,8 +127,7 @@ def test_metadata_of_another_format_is_a_manifest_error() -> None:
 def test_unsupported_state_error_names_the_entry() -> None:
     planner = JsonSavePlanner()
     byte_io = __import__("torch.distributed.checkpoint.planner", fromlist=["x"]).WriteItemType.BYTE_IO
-    item = type("I", (), {"type": byte_io,
-                          "index": type("X", (), {"fqn": "optim.weird"})()})()
+    item = type("I", (), {"type": byte_io, "index": type("X", (), {"fqn": "optim.weird"})()})()
     with pytest.raises(UnsupportedStateError) as info:
         planner.transform_object(item, {"t": torch.ones(1)})
     assert info.value.path == "optim.weird"

@@ -61,8 +61,10 @@ def assert_same(a, b, path="root"):
 
 
 def _keys_same(a, b):  # nan keys are never == each other
-    return all(struct.pack("<d", x) == struct.pack("<d", y) if isinstance(x, float) else x == y
-               for x, y in zip(a, b, strict=True))
+    return all(
+        struct.pack("<d", x) == struct.pack("<d", y) if isinstance(x, float) else x == y
+        for x, y in zip(a, b, strict=True)
+    )
 
 
 def _bytes(t: torch.Tensor) -> bytes:
@@ -72,11 +74,40 @@ def _bytes(t: torch.Tensor) -> bytes:
 
 # --- property tests ---------------------------------------------------------------------------
 
-TORCH_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
-                torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.uint16,
-                torch.uint32, torch.uint64, torch.float8_e4m3fn, torch.float8_e5m2]
-NP_DTYPES = [np.float64, np.float32, np.float16, np.int64, np.int32, np.int8, np.uint8, np.uint16,
-             np.uint32, np.uint64, np.bool_, np.complex64, ">f4", ">i8"]
+TORCH_DTYPES = [
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+    torch.complex64,
+    torch.uint16,
+    torch.uint32,
+    torch.uint64,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+]
+NP_DTYPES = [
+    np.float64,
+    np.float32,
+    np.float16,
+    np.int64,
+    np.int32,
+    np.int8,
+    np.uint8,
+    np.uint16,
+    np.uint32,
+    np.uint64,
+    np.bool_,
+    np.complex64,
+    ">f4",
+    ">i8",
+]
 
 
 @st.composite
@@ -87,8 +118,11 @@ def tensors(draw):
     raw = draw(st.binary(min_size=n * dtype.itemsize, max_size=n * dtype.itemsize))
     if dtype == torch.bool:
         raw = bytes(b & 1 for b in raw)  # other bytes are not valid bools
-    t = (torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).reshape(shape) if n
-         else torch.empty(shape, dtype=dtype))
+    t = (
+        torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).reshape(shape)
+        if n
+        else torch.empty(shape, dtype=dtype)
+    )
     if draw(st.booleans()) and t.dim() >= 2:
         t = t.transpose(0, 1)  # non-contiguous view
     return t
@@ -117,18 +151,32 @@ def np_scalars(draw):
     return np.frombuffer(raw, dtype=dtype)[0]
 
 
-scalars = (st.none() | st.booleans() | st.integers() | st.integers(-(2**200), 2**200)
-           | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=8)
-           | st.sampled_from([-0.0, float("nan"), -float("nan"), 2**63, -(2**63) - 1]))
-keys = (st.text(max_size=6) | st.sampled_from(["/", "a/b", "%2F", "0", "-1", "#x", "$tensor",
-                                               "__metadata__", ""]) | st.integers(-3, 300)
-        | st.booleans() | st.none() | st.floats(allow_nan=False))
+scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.integers(-(2**200), 2**200)
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | st.text(max_size=8)
+    | st.sampled_from([-0.0, float("nan"), -float("nan"), 2**63, -(2**63) - 1])
+)
+keys = (
+    st.text(max_size=6)
+    | st.sampled_from(["/", "a/b", "%2F", "0", "-1", "#x", "$tensor", "__metadata__", ""])
+    | st.integers(-3, 300)
+    | st.booleans()
+    | st.none()
+    | st.floats(allow_nan=False)
+)
 leaves = scalars | tensors() | arrays() | np_scalars()
 trees = st.recursive(
     leaves,
-    lambda children: (st.lists(children, max_size=4) | st.lists(children, max_size=4).map(tuple)
-                      | st.dictionaries(keys, children, max_size=4)
-                      | st.dictionaries(st.text(max_size=5), children, max_size=4)),
+    lambda children: (
+        st.lists(children, max_size=4)
+        | st.lists(children, max_size=4).map(tuple)
+        | st.dictionaries(keys, children, max_size=4)
+        | st.dictionaries(st.text(max_size=5), children, max_size=4)
+    ),
     max_leaves=20,
 )
 
@@ -152,8 +200,7 @@ def test_tensor_paths_are_unique_and_listed_by_the_skeleton(tree):
 
 def test_skeleton_format_is_readable_and_documented():
     t = torch.zeros(2, 3)
-    tensors, skeleton = encode({"objects": {"model": {"w": t}},
-                                "opt": {"state": {0: {"m": t}}}, "t": (1, 2.5, None)})
+    tensors, skeleton = encode({"objects": {"model": {"w": t}}, "opt": {"state": {0: {"m": t}}}, "t": (1, 2.5, None)})
     assert skeleton == {
         "objects": {"model": {"w": {"$tensor": "objects/model/w", "dtype": "float32", "shape": [2, 3]}}},
         "opt": {"state": {"$dict": [[0, {"m": {"$tensor": "opt/state/0/m", "dtype": "float32", "shape": [2, 3]}}]]}},
@@ -163,22 +210,44 @@ def test_skeleton_format_is_readable_and_documented():
 
 
 def test_paths_escape_slashes_and_separate_int_from_str_keys():
-    tree = {"a/b": torch.ones(1), "a": {"b": torch.ones(1)}, 0: torch.ones(1), "0": torch.ones(1),
-            None: torch.ones(1), "#None": torch.ones(1), 2**70: torch.ones(1), "%2F": torch.ones(1)}
+    tree = {
+        "a/b": torch.ones(1),
+        "a": {"b": torch.ones(1)},
+        0: torch.ones(1),
+        "0": torch.ones(1),
+        None: torch.ones(1),
+        "#None": torch.ones(1),
+        2**70: torch.ones(1),
+        "%2F": torch.ones(1),
+    }
     tensors, _ = encode(tree)
-    assert sorted(tensors) == sorted(["a%2Fb", "a/b", "0", "%30", "#None", "%23None",
-                                      "#0x400000000000000000", "%252F"])
+    assert sorted(tensors) == sorted(["a%2Fb", "a/b", "0", "%30", "#None", "%23None", "#0x400000000000000000", "%252F"])
 
 
 def test_special_values_and_types_survive():
-    tree = {"nan": float("nan"), "inf": math.inf, "ninf": -math.inf, "negzero": -0.0,
-            "big": 2**100, "negbig": -(2**64), "bool": True, "int": 1, "float": 1.0,
-            "np32": np.float32(0.1), "np64": np.int64(-5), "npbool": np.bool_(False),
-            "npnan": np.float32("nan"), "u64": np.uint64(2**64 - 1), "c": np.complex64(1 - 2j),
-            "zero_d": torch.tensor(3, dtype=torch.int64), "empty": torch.empty(0, 5),
-            "np0d": np.array(2.5), "bf16": torch.randn(3, generator=torch.Generator().manual_seed(0)).bfloat16(),
-            # False, not True: True == 1, so {1: .., True: ..} is one key and no bool key got tested.
-            "mixed": {1: "a", "1": "b", None: 0, False: 1.5, 2.5: [], "$x": ()}}
+    tree = {
+        "nan": float("nan"),
+        "inf": math.inf,
+        "ninf": -math.inf,
+        "negzero": -0.0,
+        "big": 2**100,
+        "negbig": -(2**64),
+        "bool": True,
+        "int": 1,
+        "float": 1.0,
+        "np32": np.float32(0.1),
+        "np64": np.int64(-5),
+        "npbool": np.bool_(False),
+        "npnan": np.float32("nan"),
+        "u64": np.uint64(2**64 - 1),
+        "c": np.complex64(1 - 2j),
+        "zero_d": torch.tensor(3, dtype=torch.int64),
+        "empty": torch.empty(0, 5),
+        "np0d": np.array(2.5),
+        "bf16": torch.randn(3, generator=torch.Generator().manual_seed(0)).bfloat16(),
+        # False, not True: True == 1, so {1: .., True: ..} is one key and no bool key got tested.
+        "mixed": {1: "a", "1": "b", None: 0, False: 1.5, 2.5: [], "$x": ()},
+    }
     back = through_files(tree)
     assert_same(tree, back)
     assert type(back["bool"]) is bool and type(back["np32"]) is np.float32
@@ -188,8 +257,9 @@ def test_special_values_and_types_survive():
 def test_random_getstate_loads_back_into_setstate():
     random.seed(7)
     np.random.seed(7)
-    back = through_files({"py": random.getstate(), "np": np.random.get_state(),
-                          "np_dict": np.random.get_state(legacy=False)})
+    back = through_files(
+        {"py": random.getstate(), "np": np.random.get_state(), "np_dict": np.random.get_state(legacy=False)}
+    )
     expected = [random.random() for _ in range(3)], np.random.rand(3).tolist()
     random.setstate(back["py"])
     np.random.set_state(back["np"])
@@ -232,8 +302,10 @@ def test_every_dtype_a_tensor_file_holds_round_trips_through_the_codec(entry: DT
     assert skeleton["t"]["dtype"] == entry.name
     backend = open_backend(f"memory://codec-dtype-{entry.name}")
     size, digest = write_tensorfile(backend, "t.safetensors", tensors)
-    back = decode(json.loads(json.dumps(skeleton, allow_nan=False)),
-                  read_tensorfile(backend, "t.safetensors", size=size, digest=digest))
+    back = decode(
+        json.loads(json.dumps(skeleton, allow_nan=False)),
+        read_tensorfile(backend, "t.safetensors", size=size, digest=digest),
+    )
     assert_same(tree, back)
 
 
@@ -249,8 +321,7 @@ def test_every_dtype_a_tensor_file_holds_round_trips_through_the_codec(entry: DT
         ({"c": torch.zeros(2, dtype=torch.complex128)}, "c", "torch.Tensor", "view_as_real"),
         ({"s": torch.zeros(3).to_sparse()}, "s", "torch.Tensor", "to_dense"),
         ({"x": {"y": np.str_("s")}}, "x/y", "numpy.str_", "numpy scalars of dtype"),
-        ({"od": __import__("collections").defaultdict(lambda: 0)}, "od", "collections.defaultdict",
-         "default_factory"),
+        ({"od": __import__("collections").defaultdict(lambda: 0)}, "od", "collections.defaultdict", "default_factory"),
         ({"od": __import__("collections").UserDict()}, "od", "collections.UserDict", "leave it out"),
         (torch.nn.Linear(2, 2), "<root>", "torch.nn.modules.linear.Linear", "state_dict()"),
     ],
@@ -287,11 +358,22 @@ def test_decode_reports_missing_or_mismatched_tensors_and_bad_skeletons():
         decode(skeleton, {"w": torch.ones(4)})
     with pytest.raises(CorruptCheckpointError, match="float64"):
         decode(skeleton, {"w": torch.ones(2, 2, dtype=torch.float64)})
-    for bad in [{"$nope": 1}, {"$tuple": 3}, {"$dict": [[1]]}, {"$float": "zero"}, {"$int": "12"},
-                {"$tensor": "w", "dtype": "float32"}, {"$tensor": "w", "dtype": "complex128", "shape": [2, 2]},
-                {"$npscalar": "<f4", "hex": "00"}, float("nan"), {"$dict": [[[1], 2]]},
-                {"$npscalar": "|O", "value": 1}, {"$ndarray": "w", "dtype": "<U3", "shape": [2, 2]},
-                {"$state_dict": [], "metadata": {}}, {"$tensor": "w", "dtype": "float32", "shape": [2, 2], "x": 1}]:
+    for bad in [
+        {"$nope": 1},
+        {"$tuple": 3},
+        {"$dict": [[1]]},
+        {"$float": "zero"},
+        {"$int": "12"},
+        {"$tensor": "w", "dtype": "float32"},
+        {"$tensor": "w", "dtype": "complex128", "shape": [2, 2]},
+        {"$npscalar": "<f4", "hex": "00"},
+        float("nan"),
+        {"$dict": [[[1], 2]]},
+        {"$npscalar": "|O", "value": 1},
+        {"$ndarray": "w", "dtype": "<U3", "shape": [2, 2]},
+        {"$state_dict": [], "metadata": {}},
+        {"$tensor": "w", "dtype": "float32", "shape": [2, 2], "x": 1},
+    ]:
         with pytest.raises(ManifestError):
             decode(bad, tensors)
 

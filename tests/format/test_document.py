@@ -41,8 +41,16 @@ DOCUMENTS = _all_documents()
 
 def test_every_document_kind_is_found() -> None:
     names = {c.__name__ for c in DOCUMENTS}
-    assert {"Manifest", "LineageRecord", "LeaseRecord", "AttemptRecord", "AuditReport", "CacheEntry",
-            "DataRecord", "TrashTotal"} <= names, names
+    assert {
+        "Manifest",
+        "LineageRecord",
+        "LeaseRecord",
+        "AttemptRecord",
+        "AuditReport",
+        "CacheEntry",
+        "DataRecord",
+        "TrashTotal",
+    } <= names, names
 
 
 @pytest.mark.parametrize("model", DOCUMENTS, ids=lambda c: c.__name__)
@@ -58,14 +66,20 @@ def test_each_document_names_its_format_and_refuses_a_newer_major(model: type[Do
     assert check_format(model.FORMAT, model.FORMAT) == int(match[3] or 0)
 
 
-TIME_FIELDS = [(m, n) for m in DOCUMENTS for n, f in m.model_fields.items()
-               if f.metadata and "UTC" in (f.description or "")]
+TIME_FIELDS = [
+    (m, n) for m in DOCUMENTS for n, f in m.model_fields.items() if f.metadata and "UTC" in (f.description or "")
+]
 
 
 def test_time_fields_are_found() -> None:
     assert {(m.__name__, n) for m, n in TIME_FIELDS} >= {
-        ("Manifest", "created_at"), ("LineageRecord", "created_at"), ("LeaseRecord", "acquired_at"),
-        ("LeaseRecord", "renewed_at"), ("AttemptRecord", "started_at"), ("TrashTotal", "updated_at")}
+        ("Manifest", "created_at"),
+        ("LineageRecord", "created_at"),
+        ("LeaseRecord", "acquired_at"),
+        ("LeaseRecord", "renewed_at"),
+        ("AttemptRecord", "started_at"),
+        ("TrashTotal", "updated_at"),
+    }
 
 
 @pytest.mark.parametrize(("model", "name"), TIME_FIELDS, ids=lambda x: getattr(x, "__name__", x))

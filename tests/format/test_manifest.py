@@ -52,8 +52,17 @@ def make_manifest(**overrides):
         writer=Writer(run_id="run-1", attempt=2, lease_epoch=2, host="vm", pid=42, resumed_from_step=4600),
         files=[FileEntry(name="tensors.safetensors", size=1234, digest="0f" * 16, algorithm="xxh3-128")],
         tree=skeleton,
-        metrics={"loss": 0.25, "nan": float("nan"), "inf": -math.inf, "zero": -0.0, "n": 3,
-                 "best": True, "phase": "warmup", "none": None, "np": np.float32(0.5)},
+        metrics={
+            "loss": 0.25,
+            "nan": float("nan"),
+            "inf": -math.inf,
+            "zero": -0.0,
+            "n": 3,
+            "best": True,
+            "phase": "warmup",
+            "none": None,
+            "np": np.float32(0.5),
+        },
         environment=Environment.current(),
         tags={"git": "abc"},
     )
@@ -113,21 +122,28 @@ def test_a_manifest_written_before_is_read_and_written_the_same():
     assert manifest.position.extra["x"] == math.inf
     assert manifest.to_json() == _WRITTEN_BEFORE
     odd = struct.unpack(">d", bytes.fromhex("fff8000000000123"))[0]
-    tree = {"w": torch.ones(2), "t": (1, float("nan")),
-            "k": {float("nan"): torch.zeros(1), odd: torch.zeros(1, dtype=torch.float8_e5m2), -0.0: 2}}
+    tree = {
+        "w": torch.ones(2),
+        "t": (1, float("nan")),
+        "k": {float("nan"): torch.zeros(1), odd: torch.zeros(1, dtype=torch.float8_e5m2), -0.0: 2},
+    }
     assert json.dumps(encode(tree)[1]) == json.dumps(manifest.tree)  # same skeleton, same tensor paths
 
 
 def test_user_fields_follow_one_rule():
-    metrics, extra = user_fields(metrics=MappingProxyType({"loss": torch.tensor(0.5), "n": np.int64(3)}),
-                                 extra={"seen": [1, {"a": np.float32(1.5)}]})
+    metrics, extra = user_fields(
+        metrics=MappingProxyType({"loss": torch.tensor(0.5), "n": np.int64(3)}),
+        extra={"seen": [1, {"a": np.float32(1.5)}]},
+    )
     assert metrics == {"loss": 0.5, "n": 3} and type(metrics["n"]) is int
     assert extra == {"seen": [1, {"a": 1.5}]}
-    for kwargs, why in [({"metrics": [1]}, "metrics must be a dict, got a list"),
-                        ({"metrics": {"a": [1]}}, r"metrics\['a'\] is a list"),
-                        ({"extra": {"$float": 1}}, "keys are str not starting with '\\$'"),
-                        ({"extra": {"a": (1, 2)}}, r"extra\['a'\] is a tuple"),
-                        ({"metrics": {"w": np.ones(2)}}, "of shape \\(2,\\)")]:
+    for kwargs, why in [
+        ({"metrics": [1]}, "metrics must be a dict, got a list"),
+        ({"metrics": {"a": [1]}}, r"metrics\['a'\] is a list"),
+        ({"extra": {"$float": 1}}, "keys are str not starting with '\\$'"),
+        ({"extra": {"a": (1, 2)}}, r"extra\['a'\] is a tuple"),
+        ({"metrics": {"w": np.ones(2)}}, "of shape \\(2,\\)"),
+    ]:
         with pytest.raises(ConfigError, match=why):
             user_fields(**kwargs)
 
@@ -229,16 +245,27 @@ def test_checksum_cases_are_explained():
 
 
 def test_lineage_record_round_trip_and_errors():
-    record = LineageRecord(epoch=3, attempt=3, run_id="run-1", resumed_from_step=5700, resumed_from_epoch=2,
-                           host="vm", pid=7, created_at="2026-11-30T06:10:00+00:00")
+    record = LineageRecord(
+        epoch=3,
+        attempt=3,
+        run_id="run-1",
+        resumed_from_step=5700,
+        resumed_from_epoch=2,
+        host="vm",
+        pid=7,
+        created_at="2026-11-30T06:10:00+00:00",
+    )
     data = record.to_json()
     assert parse_lineage(data, key="lineage/epoch-000003.json") == record
     fresh = LineageRecord(epoch=1, attempt=1, run_id="r")
     assert fresh.resumed_from_step is None and fresh.pid > 0
-    for bad, reason in [(b"{", "not valid JSON"), (make_manifest().to_json(), "not a ckptsdk.lineage document"),
-                        (data.replace(b"lineage/1", b"lineage/2"), "newer ckptsdk"),
-                        (seal({**json.loads(data), "epoch": "3"}), "epoch: Input should be a valid integer"),
-                        (data.replace(b'"epoch":3', b'"epoch":4'), "integrity check failed")]:
+    for bad, reason in [
+        (b"{", "not valid JSON"),
+        (make_manifest().to_json(), "not a ckptsdk.lineage document"),
+        (data.replace(b"lineage/1", b"lineage/2"), "newer ckptsdk"),
+        (seal({**json.loads(data), "epoch": "3"}), "epoch: Input should be a valid integer"),
+        (data.replace(b'"epoch":3', b'"epoch":4'), "integrity check failed"),
+    ]:
         with pytest.raises(ManifestError, match=re.escape(reason)) as info:
             parse_lineage(bad, key="lineage/epoch-000003.json")
         assert info.value.key == "lineage/epoch-000003.json"
@@ -247,7 +274,8 @@ def test_lineage_record_round_trip_and_errors():
 def test_committed_schema_matches_the_models():
     committed = (DOCS / "manifest.schema.json").read_text()
     assert committed == schema_text(), (
-        "docs/manifest.schema.json is stale: python -m ckptsdk.format.manifest --schema > docs/manifest.schema.json")
+        "docs/manifest.schema.json is stale: python -m ckptsdk.format.manifest --schema > docs/manifest.schema.json"
+    )
     schema = json_schema()
     assert set(schema["$defs"]) >= {"Manifest", "LineageRecord", "FileEntry", "Writer", "Position", "Environment"}
     assert schema["$defs"]["Manifest"]["additionalProperties"] is False
@@ -256,16 +284,23 @@ def test_committed_schema_matches_the_models():
 def test_reading_manifests_needs_no_torch():
     # The catalog (ckptsdk ls, lease, gc) parses manifests; the dtype names and skeleton rules
     # they check come from torch-free modules, so listing a root never pays for importing torch.
-    code = ("import sys, ckptsdk.format.manifest, ckptsdk.checkpoint.catalog, ckptsdk.format.skeleton, "
-            "ckptsdk.format.dtype, ckptsdk.format.digest; "
-            "print(sorted(m for m in ('torch', 'safetensors') if m in sys.modules))")
+    code = (
+        "import sys, ckptsdk.format.manifest, ckptsdk.checkpoint.catalog, ckptsdk.format.skeleton, "
+        "ckptsdk.format.dtype, ckptsdk.format.digest; "
+        "print(sorted(m for m in ('torch', 'safetensors') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[]"
 
 
 def test_schema_entry_point_prints_the_schema():
-    out = subprocess.run([sys.executable, "-m", "ckptsdk.format.manifest", "--schema"], capture_output=True,
-                         text=True, timeout=120, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "ckptsdk.format.manifest", "--schema"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
     assert out == schema_text()
 
 
@@ -329,28 +364,53 @@ def test_format_md_reader_reads_a_checkpoint_without_torch(tmp_path):
     model = torch.nn.Linear(2, 2)
     sched = torch.optim.lr_scheduler.MultiStepLR(torch.optim.SGD(model.parameters(), lr=0.1), [3, 3, 5])
     tree = {
-        "objects": {"net": torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.BatchNorm1d(3)).state_dict(),
-                    "model": {"layer1.0.conv1.weight": torch.randn(4, 3, 3, 3),
-                              "bn.num_batches_tracked": torch.tensor(7),
-                              "half": torch.randn(3).to(torch.bfloat16), "f16": torch.ones(2, dtype=torch.float16),
-                              "mask": torch.tensor([True, False]), "empty": torch.zeros(0, 3)},
-                    "optimizer": {"state": {0: {"momentum_buffer": torch.zeros(4)}},
-                                  "param_groups": [{"lr": 0.1, "nesterov": True, "params": [0], "foreach": None}]},
-                    "scheduler": sched.state_dict(),
-                    "user": {"a/b": -0.0, "big": 2**80, "odd nan": struct_nan(), "np": np.float32(1.5),
-                             "c": np.complex64(1j), "$k": 1, "nested": [(1, 2), {None: "x"}],
-                             "od": OrderedDict(b=1, a=2), "dd": defaultdict(list, {"x": [1]}),
-                             "dq": deque([1, 2], maxlen=5)}},
-        "rng": {"numpy": np.random.get_state(legacy=False), "python": random.getstate(),
-                "be": np.arange(3, dtype=">i4")},
+        "objects": {
+            "net": torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.BatchNorm1d(3)).state_dict(),
+            "model": {
+                "layer1.0.conv1.weight": torch.randn(4, 3, 3, 3),
+                "bn.num_batches_tracked": torch.tensor(7),
+                "half": torch.randn(3).to(torch.bfloat16),
+                "f16": torch.ones(2, dtype=torch.float16),
+                "mask": torch.tensor([True, False]),
+                "empty": torch.zeros(0, 3),
+            },
+            "optimizer": {
+                "state": {0: {"momentum_buffer": torch.zeros(4)}},
+                "param_groups": [{"lr": 0.1, "nesterov": True, "params": [0], "foreach": None}],
+            },
+            "scheduler": sched.state_dict(),
+            "user": {
+                "a/b": -0.0,
+                "big": 2**80,
+                "odd nan": struct_nan(),
+                "np": np.float32(1.5),
+                "c": np.complex64(1j),
+                "$k": 1,
+                "nested": [(1, 2), {None: "x"}],
+                "od": OrderedDict(b=1, a=2),
+                "dd": defaultdict(list, {"x": [1]}),
+                "dq": deque([1, 2], maxlen=5),
+            },
+        },
+        "rng": {
+            "numpy": np.random.get_state(legacy=False),
+            "python": random.getstate(),
+            "be": np.arange(3, dtype=">i4"),
+        },
     }
     tensors, skeleton = encode(tree)
     folder = tmp_path / "step-0000005700.e1"
     folder.mkdir()
     safetensors.torch.save_file({k: v.contiguous() for k, v in tensors.items()}, folder / "tensors.safetensors")
     data = (folder / "tensors.safetensors").read_bytes()
-    manifest = make_manifest(tree=skeleton, files=[FileEntry(
-        name="tensors.safetensors", size=len(data), digest=xxhash.xxh3_128_hexdigest(data), algorithm="xxh3-128")])
+    manifest = make_manifest(
+        tree=skeleton,
+        files=[
+            FileEntry(
+                name="tensors.safetensors", size=len(data), digest=xxhash.xxh3_128_hexdigest(data), algorithm="xxh3-128"
+            )
+        ],
+    )
     (folder / "manifest.json").write_bytes(manifest.to_json())
     # The snippet runs with torch, safetensors and ckptsdk blocked (and ml_dtypes absent here:
     # bfloat16 comes back widened to float32, exactly).

@@ -26,13 +26,22 @@ GOOD = {
     "nested files": _tweak(files=[FILE, {**FILE, "name": "shard/0.safetensors"}, {**FILE, "name": "..x"}]),
     "metric tags": _tweak(metrics={"a": {"$float": "nan"}, "b": {"$float": "7ff8000000000001"}}),
     "extra tags": _tweak(position__extra={"x": [{"$float": "-inf"}, {"y": None}]}),
-    "every node": _tweak(tree={
-        "plain": [1, 2.5, "s", None, True], "t": T, "a": {"$ndarray": "a", "dtype": "<f4", "shape": []},
-        "tu": {"$tuple": [1, {"$int": "-0x10"}]}, "d": {"$dict": [[0, T], [None, "x"]]},
-        "sd": {"$state_dict": {"w": T}, "metadata": {"$ordered_dict": {"": {"version": 1}}}},
-        "c": {"$counter": {"$dict": [[2, 2]]}}, "dd": {"$defaultdict": {"k": []}, "factory": "list"},
-        "q": {"$deque": [1], "maxlen": None}, "n": {"$npscalar": "<f4", "value": 1.5},
-        "h": {"$npscalar": "<c8", "hex": "0000803f00000000"}, "f": {"$float": "-0.0"}}),
+    "every node": _tweak(
+        tree={
+            "plain": [1, 2.5, "s", None, True],
+            "t": T,
+            "a": {"$ndarray": "a", "dtype": "<f4", "shape": []},
+            "tu": {"$tuple": [1, {"$int": "-0x10"}]},
+            "d": {"$dict": [[0, T], [None, "x"]]},
+            "sd": {"$state_dict": {"w": T}, "metadata": {"$ordered_dict": {"": {"version": 1}}}},
+            "c": {"$counter": {"$dict": [[2, 2]]}},
+            "dd": {"$defaultdict": {"k": []}, "factory": "list"},
+            "q": {"$deque": [1], "maxlen": None},
+            "n": {"$npscalar": "<f4", "value": 1.5},
+            "h": {"$npscalar": "<c8", "hex": "0000803f00000000"},
+            "f": {"$float": "-0.0"},
+        }
+    ),
 }
 
 BAD_TOO = {  # beyond tests/format/test_manifest.py's BAD: what the old schema let through
@@ -104,6 +113,8 @@ def test_both_refuse_the_bad_documents(name):
 def test_what_json_schema_cannot_say_is_left_to_the_parser():
     # Unique names in general (only "at most one tensors.safetensors" is expressible) and a
     # day that does not exist in its month: the parser refuses both, the schema cannot.
-    for data in (_tweak(files=[{**FILE, "name": "a"}, {**FILE, "name": "a", "size": 2}]),
-                 _tweak(created_at="2026-02-30T06:10:00Z")):
+    for data in (
+        _tweak(files=[{**FILE, "name": "a"}, {**FILE, "name": "a", "size": 2}]),
+        _tweak(created_at="2026-02-30T06:10:00Z"),
+    ):
         assert not _parses(data) and _schema_ok(data)

@@ -278,15 +278,20 @@ def test_read_header_describes_every_tensor(backend):
     tensors = {"b": torch.ones(2, 3, dtype=torch.bfloat16), "a": torch.arange(4), "e": torch.zeros(0)}
     write_tensorfile(backend, KEY, tensors)
     got = {e.name: (e.dtype, e.code, e.shape, e.nbytes) for e in read_header(backend, KEY)}
-    assert got == {"a": (torch.int64, "I64", [4], 32), "b": (torch.bfloat16, "BF16", [2, 3], 12),
-                   "e": (torch.float32, "F32", [0], 0)}
+    assert got == {
+        "a": (torch.int64, "I64", [4], 32),
+        "b": (torch.bfloat16, "BF16", [2, 3], 12),
+        "e": (torch.float32, "F32", [0], 0),
+    }
 
 
 def test_misaligned_foreign_file_still_loads(backend):
     # Another writer may put a 1-byte tensor before a 4-byte one: a view would be misaligned.
     blob = _with_header(
-        {"a": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]},
-         "b": {"dtype": "F32", "shape": [2], "data_offsets": [1, 9]}},
+        {
+            "a": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]},
+            "b": {"dtype": "F32", "shape": [2], "data_offsets": [1, 9]},
+        },
         b"\x07" + struct.pack("<2f", 1.5, -2.0),
     )
     size, digest = _store(backend, KEY, blob)

@@ -15,12 +15,15 @@ from tests.support._integration_jobs import assert_same, run_job, weights
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("mode,kill_at,saved,last", [
-    # accelerate: save_every=5, 6 steps per epoch, 24 steps; killed as step 14 begins (mid epoch 2)
-    ("accelerate", 14, [5, 10], 20),
-    # Trainer: save_steps=5 and at the end, 18 steps; killed as step 13 begins
-    ("transformers", 13, [5, 10], 18),
-])
+@pytest.mark.parametrize(
+    "mode,kill_at,saved,last",
+    [
+        # accelerate: save_every=5, 6 steps per epoch, 24 steps; killed as step 14 begins (mid epoch 2)
+        ("accelerate", 14, [5, 10], 20),
+        # Trainer: save_steps=5 and at the end, 18 steps; killed as step 13 begins
+        ("transformers", 13, [5, 10], 18),
+    ],
+)
 def test_sigkilled_run_resumes_bit_exact(mode, kill_at, saved, last, tmp_path):
     pytest.importorskip(mode)
     run_job(mode, str(tmp_path / "ref-root"), tmp_path / "ref", tmp_path / "ref.safetensors")
@@ -63,9 +66,14 @@ def _export_tied_gpt2(url, tmp_path, final):
         assert all(torch.equal(ref.get_tensor(k), ours.get_tensor(k)) for k in ref.keys())
 
 
-@pytest.mark.parametrize("module,extra", [
-    ("lightning", "lightning"), ("accelerate", "accelerate"), ("transformers", "transformers"),
-])
+@pytest.mark.parametrize(
+    "module,extra",
+    [
+        ("lightning", "lightning"),
+        ("accelerate", "accelerate"),
+        ("transformers", "transformers"),
+    ],
+)
 def test_missing_framework_names_the_extra(module, extra, monkeypatch):
     monkeypatch.setitem(sys.modules, module, None)  # as if it were not installed
     monkeypatch.delitem(sys.modules, f"ckptsdk.integrations.{extra}", raising=False)
@@ -86,10 +94,16 @@ def test_trainer_refuses_to_train_over_checkpoints_without_resume(tmp_path):
     with CheckpointManager(url, lease_ttl=5) as mgr:
         mgr.save(TrainState(model=torch.nn.Linear(2, 2)), step=7)
     config = transformers.GPT2Config(vocab_size=16, n_positions=4, n_embd=8, n_layer=1, n_head=2)
-    args = transformers.TrainingArguments(output_dir=str(tmp_path / "out"), report_to=[], use_cpu=True,
-                                          disable_tqdm=True)
-    trainer = CkptsdkTrainer(model=transformers.GPT2LMHeadModel(config), args=args, ckpt_url=url, lease_ttl=5,
-                             train_dataset=[{"input_ids": torch.zeros(4, dtype=torch.long)}])
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "out"), report_to=[], use_cpu=True, disable_tqdm=True
+    )
+    trainer = CkptsdkTrainer(
+        model=transformers.GPT2LMHeadModel(config),
+        args=args,
+        ckpt_url=url,
+        lease_ttl=5,
+        train_dataset=[{"input_ids": torch.zeros(4, dtype=torch.long)}],
+    )
     for resume in (None, False):
         with pytest.raises(ConfigError, match="holds checkpoints up to step 7"):
             trainer.train(resume_from_checkpoint=resume)

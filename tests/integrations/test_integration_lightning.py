@@ -37,8 +37,9 @@ def test_sigkilled_lightning_run_resumes_bit_exact(kind, reference, make_backend
     # starts from CkptsdkCheckpointIO.resume_path(), Lightning's "last" lookup being local-only.
     work = tmp_path / "work" if kind == "local" else make_backend_target(kind, name="work").url
     # 6 steps per epoch, a checkpoint at every epoch end: killed as step 15 begins (mid epoch 2).
-    run_job("lightning", target.url, work, tmp_path / "a.safetensors", kill_at=15, options=target.options,
-            env=target.env)
+    run_job(
+        "lightning", target.url, work, tmp_path / "a.safetensors", kill_at=15, options=target.options, env=target.env
+    )
     assert not (tmp_path / "a.safetensors").exists()
     with CheckpointManager(target.url, read_only=True, storage_options=target.options) as mgr:
         assert [c.step for c in mgr.list() if c.valid] == [6, 12]
@@ -64,8 +65,15 @@ def test_sigkilled_lightning_run_resumes_bit_exact(kind, reference, make_backend
 
 def _checkpoint(**extra):
     model = torch.nn.Linear(2, 2)
-    return {"global_step": 3, "epoch": 0, "pytorch-lightning_version": "2.6", "state_dict": model.state_dict(),
-            "optimizer_states": [], "lr_schedulers": [], **extra}
+    return {
+        "global_step": 3,
+        "epoch": 0,
+        "pytorch-lightning_version": "2.6",
+        "state_dict": model.state_dict(),
+        "optimizer_states": [],
+        "lr_schedulers": [],
+        **extra,
+    }
 
 
 def test_unstorable_entry_is_refused_naming_the_key(tmp_path):
@@ -114,8 +122,10 @@ def test_a_pointer_of_the_previous_format_is_read_and_a_newer_major_refused(tmp_
     assert written["format"] == POINTER_FORMAT == "ckptsdk.lightning_pointer/1.0"
     # What ckptsdk wrote before the pointer followed the version rule (document.py), verbatim:
     (tmp_path / "old.ckpt").write_text(
-        '{"format": "ckptsdk-lightning-pointer/1", "key": "step-0000000003.e1", "step": 3, "url": ROOT}'
-        .replace("ROOT", json.dumps(url)))
+        '{"format": "ckptsdk-lightning-pointer/1", "key": "step-0000000003.e1", "step": 3, "url": ROOT}'.replace(
+            "ROOT", json.dumps(url)
+        )
+    )
     assert io.load_checkpoint(tmp_path / "old.ckpt")["global_step"] == 3
     (tmp_path / "new.ckpt").write_text(json.dumps({**written, "format": "ckptsdk.lightning_pointer/2.0"}))
     with pytest.raises(ConfigError, match="upgrade ckptsdk"):

@@ -126,8 +126,9 @@ class Trace:
         return Lease(self.backend, clock=self.clock, sleep=self.sleep, **kw)
 
 
-def assert_took_over_by_the_rule(events: list[tuple[str, Any]], *, ttl: float, settle: float,
-                                 record: LeaseRecord) -> int:
+def assert_took_over_by_the_rule(
+    events: list[tuple[str, Any]], *, ttl: float, settle: float, record: LeaseRecord
+) -> int:
     """The newcomer replaced the record at the first observation round where it had seen it
     unchanged for a whole ttl on its own clock (not earlier: the holder may be alive; not a round
     later: it did not dawdle), then, without compare-and-swap, slept the settle and read its own
@@ -156,7 +157,7 @@ def assert_took_over_by_the_rule(events: list[tuple[str, Any]], *, ttl: float, s
     assert now - since[-1] >= ttl, (now, since[-1])
     if len(rounds) > 1 and rounds[-2][0] == data:
         assert rounds[-2][1] - since[-1] < ttl, (rounds[-2][1], since[-1])
-    after = events[take + 1:]
+    after = events[take + 1 :]
     if settle:
         sleep_at = after.index(("sleep", settle))
         back = next(v for k, v in after[sleep_at:] if k == "read")
@@ -364,6 +365,7 @@ def test_lost_reply_is_recognised_as_our_own_write(backend: Any) -> None:
                 return info
             lost.append(op.__name__)  # the first reply of each kind is lost
             raise PreconditionFailed("412 after a retried request", url=backend.url, key=LEASE_KEY)
+
         return call
 
     ft = FakeTime()
@@ -465,8 +467,7 @@ def test_drive_settle_read_back_loses_to_a_rival(make_backend_target: Any) -> No
 
     def rival_lands_during_settle(now: float) -> None:
         stored = read_lease(backend)
-        if stored is not None and stored.epoch == 2 and stored.holder.pid == os.getpid() \
-                and not rival.record:
+        if stored is not None and stored.epoch == 2 and stored.holder.pid == os.getpid() and not rival.record:
             rival.acquire()  # another VM's epoch-2 record arrives over ours
 
     ft.hooks.append(rival_lands_during_settle)
@@ -657,6 +658,7 @@ def test_two_vms_on_an_empty_root_settle_picks_one(tmp_path: Path) -> None:
             traces[vm].events.append(("settle", seconds))
             both_wrote.wait()
             sim.wait_synced(20)
+
         return sleep
 
     def newcomer(vm: str) -> None:
@@ -692,8 +694,18 @@ def test_two_vms_on_an_empty_root_settle_picks_one(tmp_path: Path) -> None:
 
 def _child(mode: str, target: Any, events: Path, *args: str) -> subprocess.Popen[bytes]:
     env = {**os.environ, **target.env, "PYTHONPATH": str(REPO)}
-    cmd = [sys.executable, "-m", "tests.support._story_writer", mode, target.url, "--events", str(events),
-           "--options", json.dumps(target.options), *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "tests.support._story_writer",
+        mode,
+        target.url,
+        "--events",
+        str(events),
+        "--options",
+        json.dumps(target.options),
+        *args,
+    ]
     with open(events.with_suffix(".log"), "wb") as log:
         return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=log)
 
@@ -713,8 +725,9 @@ def _wait_event(path: Path, name: str, timeout: float, proc: subprocess.Popen[by
             if ev["event"] == "error":
                 raise AssertionError(f"child failed: {ev}\n{path.with_suffix('.log').read_text()}")
         if proc.poll() is not None and not any(e["event"] == name for e in _events(path)):
-            raise AssertionError(f"child exited {proc.returncode} before {name!r}:\n"
-                                 f"{path.with_suffix('.log').read_text()}")
+            raise AssertionError(
+                f"child exited {proc.returncode} before {name!r}:\n{path.with_suffix('.log').read_text()}"
+            )
         time.sleep(0.02)
     raise AssertionError(f"no {name!r} event within {timeout} s:\n{path.with_suffix('.log').read_text()}")
 
@@ -733,8 +746,7 @@ def test_two_processes_race_for_a_stale_lease(kind: str, make_backend_target: An
     Lease(target.open(), ttl=1.0).acquire()  # a holder that never renews: stale after 1 s
     go = tmp_path / "go"
     files = [tmp_path / f"racer{i}.jsonl" for i in (1, 2)]
-    procs = [_child("race", target, f, "--ttl", "1", "--wait", "3", "--hold", "4",
-                    "--go", str(go)) for f in files]
+    procs = [_child("race", target, f, "--ttl", "1", "--wait", "3", "--hold", "4", "--go", str(go)) for f in files]
     try:
         for f, p in zip(files, procs, strict=True):
             _wait_event(f, "ready", 60, p)
@@ -757,9 +769,7 @@ TAKEOVER: dict[str, float] = {}
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["local", "drive", pytest.param("gcs", marks=pytest.mark.gcs)])
-def test_dead_holder_is_taken_over_after_about_one_ttl(
-    kind: str, make_backend_target: Any, tmp_path: Path
-) -> None:
+def test_dead_holder_is_taken_over_after_about_one_ttl(kind: str, make_backend_target: Any, tmp_path: Path) -> None:
     ttl = 2.0
     target = make_backend_target(kind)
     events = tmp_path / "holder.jsonl"

@@ -56,11 +56,20 @@ def _story_pt(path, steps: int = 5) -> None:
     random.seed(2)
     model, opt, sched, scaler = _objects(0)
     _train(model, opt, sched, scaler, steps)
-    torch.save({  # the story's layout: no torch RNG, numpy + Python RNG, step/epoch
-        "model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
-        "scaler": scaler.state_dict(), "numpy_rng": np.random.get_state(), "python_rng": random.getstate(),
-        "step": steps, "epoch": 0, "best_loss": 0.5,
-    }, path)
+    torch.save(
+        {  # the story's layout: no torch RNG, numpy + Python RNG, step/epoch
+            "model": model.state_dict(),
+            "optimizer": opt.state_dict(),
+            "scheduler": sched.state_dict(),
+            "scaler": scaler.state_dict(),
+            "numpy_rng": np.random.get_state(),
+            "python_rng": random.getstate(),
+            "step": steps,
+            "epoch": 0,
+            "best_loss": 0.5,
+        },
+        path,
+    )
 
 
 def _snapshot(model, opt) -> dict[str, torch.Tensor]:

@@ -42,13 +42,14 @@ def test_restore_with_pickle_and_torch_load_patched_to_raise(tmp_path, monkeypat
     with CheckpointManager(url, lease_ttl=5) as mgr:
         assert mgr.restore(TrainState(model=fresh, optimizer=fresh_opt)).step == 1
     assert torch.equal(fresh.weight, model.weight)
-    assert torch.equal(fresh_opt.state_dict()["state"][0]["momentum_buffer"],
-                       opt.state_dict()["state"][0]["momentum_buffer"])
+    assert torch.equal(
+        fresh_opt.state_dict()["state"][0]["momentum_buffer"], opt.state_dict()["state"][0]["momentum_buffer"]
+    )
 
 
 # The one exception: `ckptsdk import` reads torch.save files, with weights_only=True only
 # (tests/porting/test_import_export.py proves nothing on the restore path imports that module).
-_IMPORT_DOOR = ("porting/torch_import.py", "torch.load(path, map_location=\"cpu\", weights_only=True)")
+_IMPORT_DOOR = ("porting/torch_import.py", 'torch.load(path, map_location="cpu", weights_only=True)')
 
 
 def test_library_source_never_unpickles():

@@ -3,15 +3,40 @@
 import ckptsdk
 
 EXPECTED = {
-    "AuditReport", "BackendError", "CheckpointInfo", "CheckpointManager", "CkptError",
-    "CorruptCheckpointError", "DataCache", "DataError", "GcReport", "LeaseHeldError",
-    "LeaseLostError", "ManifestError", "NoValidCheckpointError", "ObjectNotFound",
-    "PreconditionFailed", "ResumePoint", "StateMismatchError", "TrainState",
-    "UnsupportedStateError", "open_backend",
+    "AuditReport",
+    "BackendError",
+    "CheckpointInfo",
+    "CheckpointManager",
+    "CkptError",
+    "CorruptCheckpointError",
+    "DataCache",
+    "DataError",
+    "GcReport",
+    "LeaseHeldError",
+    "LeaseLostError",
+    "ManifestError",
+    "NoValidCheckpointError",
+    "ObjectNotFound",
+    "PreconditionFailed",
+    "ResumePoint",
+    "StateMismatchError",
+    "TrainState",
+    "UnsupportedStateError",
+    "open_backend",
     # the rest of the error tree: every error a public call raises is catchable as ckptsdk.X
-    "AllSourcesFailedError", "CheckpointError", "ConfigError", "DatasetMismatchError",
-    "DigestMismatchError", "DownloadError", "InvalidKey", "LeaseError", "MissingDependencyError",
-    "NoCheckpointRootError", "StorageUnavailable", "UnknownSchemeError", "UnsafeArchiveError",
+    "AllSourcesFailedError",
+    "CheckpointError",
+    "ConfigError",
+    "DatasetMismatchError",
+    "DigestMismatchError",
+    "DownloadError",
+    "InvalidKey",
+    "LeaseError",
+    "MissingDependencyError",
+    "NoCheckpointRootError",
+    "StorageUnavailable",
+    "UnknownSchemeError",
+    "UnsafeArchiveError",
 }
 
 
@@ -36,8 +61,9 @@ def test_errors_refine_builtins():
 def test_every_error_of_the_tree_is_public():
     import ckptsdk.errors
 
-    tree = {n for n, v in vars(ckptsdk.errors).items()
-            if isinstance(v, type) and issubclass(v, ckptsdk.errors.CkptError)}
+    tree = {
+        n for n, v in vars(ckptsdk.errors).items() if isinstance(v, type) and issubclass(v, ckptsdk.errors.CkptError)
+    }
     assert tree <= set(ckptsdk.__all__), sorted(tree - set(ckptsdk.__all__))
     for name in tree:
         assert getattr(ckptsdk, name) is getattr(ckptsdk.errors, name)

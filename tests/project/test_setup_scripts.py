@@ -13,18 +13,26 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 VENV = Path(sys.prefix)
-needs_venv = pytest.mark.skipif(not (VENV / ".complete").exists(),
-                                reason="not running inside a venv made by scripts/venv.sh")
+needs_venv = pytest.mark.skipif(
+    not (VENV / ".complete").exists(), reason="not running inside a venv made by scripts/venv.sh"
+)
 
 
 def bash(script: str, cwd: Path, **env: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["bash", "--norc", "--noprofile", "-c", script], cwd=cwd, text=True,
-                          capture_output=True, timeout=120, env={**os.environ, **env})
+    return subprocess.run(
+        ["bash", "--norc", "--noprofile", "-c", script],
+        cwd=cwd,
+        text=True,
+        capture_output=True,
+        timeout=120,
+        env={**os.environ, **env},
+    )
 
 
 @needs_venv
 def test_sourcing_keeps_the_shell_and_brings_the_ckptsdk_command(tmp_path):
-    proc = bash(f"""
+    proc = bash(
+        f"""
         set +euo pipefail
         source {REPO}/scripts/venv.sh
         echo "rc=$? pwd=$(pwd)"
@@ -32,7 +40,10 @@ def test_sourcing_keeps_the_shell_and_brings_the_ckptsdk_command(tmp_path):
         command -v ckptsdk
         ckptsdk ls {tmp_path}/missing; echo "exit=$?"
         false; echo "still here"
-    """, cwd=tmp_path, CKPTSDK_VENV=str(VENV))
+    """,
+        cwd=tmp_path,
+        CKPTSDK_VENV=str(VENV),
+    )
     lines = proc.stdout.splitlines()
     assert lines[:4] == [f"rc=0 pwd={tmp_path}", "errexit off", "nounset off", "pipefail off"]
     assert lines[4] == str(VENV / "bin" / "ckptsdk")
@@ -49,20 +60,29 @@ def test_two_clones_share_one_venv_and_each_runs_its_own_ckptsdk(tmp_path):
     shutil.copy(REPO / "pyproject.toml", clone / "pyproject.toml")
     (clone / "ckptsdk" / "__init__.py").write_text("")
     (clone / "ckptsdk" / "__main__.py").write_text("print('the ckptsdk of clone2')\n")
-    proc = bash(f"""
+    proc = bash(
+        f"""
         (source {clone}/scripts/venv.sh && ckptsdk)
         (source {REPO}/scripts/venv.sh && ckptsdk --help | head -1)
-    """, cwd=tmp_path, CKPTSDK_VENV=str(VENV))
+    """,
+        cwd=tmp_path,
+        CKPTSDK_VENV=str(VENV),
+    )
     assert proc.stdout.splitlines() == ["the ckptsdk of clone2", "usage: ckptsdk [-h] [-v] COMMAND ..."]
 
 
 def test_a_failed_set_up_returns_an_error_and_leaves_the_shell_alone(tmp_path):
     venv = tmp_path / "venv"
-    proc = bash(f"""
+    proc = bash(
+        f"""
         source {REPO}/scripts/venv.sh
         echo "rc=$? pwd=$(pwd)"
         case "$-" in *e*) echo errexit on;; *) echo errexit off;; esac
-    """, cwd=tmp_path, CKPTSDK_VENV=str(venv), PYTHON="false")
+    """,
+        cwd=tmp_path,
+        CKPTSDK_VENV=str(venv),
+        PYTHON="false",
+    )
     assert proc.stdout.splitlines() == [f"rc=1 pwd={tmp_path}", "errexit off"]
     assert "setting up" in proc.stderr and "failed" in proc.stderr
     assert not (venv / ".complete").exists()

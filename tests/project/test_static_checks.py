@@ -19,8 +19,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def _run(tool: str, *args: str, timeout: float) -> subprocess.CompletedProcess[str]:
     if importlib.util.find_spec(tool) is None:
         pytest.fail(f"{tool} is not installed; install the dev extra: pip install -e '.[dev]'")
-    return subprocess.run([sys.executable, "-m", tool, *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", tool, *args], cwd=REPO, capture_output=True, text=True, timeout=timeout, check=False
+    )
 
 
 @pytest.mark.timeout(120)

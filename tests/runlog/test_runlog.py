@@ -36,8 +36,14 @@ def loss_at(step: int) -> float:
 
 def run_attempt(backend, attempt, steps, *, resumed_from=None, close=True, flush_every=40, loss=loss_at, **extra):
     log = RunLog(
-        backend, run_id="run-1", attempt=attempt, lease_epoch=attempt, resumed_from_step=resumed_from,
-        flush_every=flush_every, host=f"host-{attempt}", device="cpu",
+        backend,
+        run_id="run-1",
+        attempt=attempt,
+        lease_epoch=attempt,
+        resumed_from_step=resumed_from,
+        flush_every=flush_every,
+        host=f"host-{attempt}",
+        device="cpu",
     )
     for s in steps:
         log.log_step(s, loss=loss(s), lr=0.1 * 0.99 ** (s // 10), **{k: f(s) for k, f in extra.items()})
@@ -160,16 +166,31 @@ def test_scalar_types(backend):
     log = RunLog(backend, run_id="r", attempt=1, lease_epoch=1, resumed_from_step=None)
     t = torch.tensor(0.25, dtype=torch.float32)
     log.log_step(
-        3, loss=t, lr=np.float32(0.1), n=np.int64(7), i=5, f=1.5, b=True, one=torch.tensor([2.0]),
-        half=torch.tensor(1.0 / 3.0, dtype=torch.bfloat16), neg_inf=-math.inf,
+        3,
+        loss=t,
+        lr=np.float32(0.1),
+        n=np.int64(7),
+        i=5,
+        f=1.5,
+        b=True,
+        one=torch.tensor([2.0]),
+        half=torch.tensor(1.0 / 3.0, dtype=torch.bfloat16),
+        neg_inf=-math.inf,
     )
     t.add_(1.0)  # a later in-place update must not change what was logged
     log.close()
     _, steps, _ = read_runlog(backend)
     got = steps[1][3]
     assert got == {
-        "loss": 0.25, "lr": float(np.float32(0.1)), "n": 7.0, "i": 5.0, "f": 1.5, "b": 1.0, "one": 2.0,
-        "half": float(torch.tensor(1.0 / 3.0, dtype=torch.bfloat16)), "neg_inf": -math.inf,
+        "loss": 0.25,
+        "lr": float(np.float32(0.1)),
+        "n": 7.0,
+        "i": 5.0,
+        "f": 1.5,
+        "b": 1.0,
+        "one": 2.0,
+        "half": float(torch.tensor(1.0 / 3.0, dtype=torch.bfloat16)),
+        "neg_inf": -math.inf,
     }
     log2 = RunLog(backend, run_id="r", attempt=2, lease_epoch=1, resumed_from_step=None)
     with pytest.raises(ConfigError, match="'acc'.*str"):
@@ -258,8 +279,16 @@ def test_time_based_flush_and_failed_flush_keeps_steps(backend):
                 raise StorageUnavailable("the mount is gone", url=self.url, key=key)
             return self.inner.create(key, data)
 
-    log = RunLog(Flaky(backend), run_id="r", attempt=1, lease_epoch=1, resumed_from_step=None,
-                 flush_every=1000, flush_interval=15.0, clock=lambda: now[0])
+    log = RunLog(
+        Flaky(backend),
+        run_id="r",
+        attempt=1,
+        lease_epoch=1,
+        resumed_from_step=None,
+        flush_every=1000,
+        flush_interval=15.0,
+        clock=lambda: now[0],
+    )
     log.log_step(0, loss=1.0)
     now[0] = 16.0
     log.log_step(1, loss=2.0)  # due by time; the store fails; training goes on
@@ -293,15 +322,19 @@ def test_a_write_that_landed_but_reported_failure_is_not_duplicated(backend):
                 raise StorageUnavailable("connection reset after upload", url=self.url, key=key)
             return info
 
-    log = RunLog(LandsThenFails(backend), run_id="r", attempt=1, lease_epoch=1, resumed_from_step=None,
-                 flush_every=5)
+    log = RunLog(LandsThenFails(backend), run_id="r", attempt=1, lease_epoch=1, resumed_from_step=None, flush_every=5)
     for s in range(12):
         log.log_step(s, loss=float(s))  # the first chunk "fails" at step 4, is resent at step 9
     log.close()
     assert failed == [chunk_key(1, 0)]
     (summary,) = audit(backend).attempts
-    assert ((summary.steps, summary.first_step, summary.last_step, summary.chunks, summary.closed)
-            == (12, 0, 11, 3, True))
+    assert (summary.steps, summary.first_step, summary.last_step, summary.chunks, summary.closed) == (
+        12,
+        0,
+        11,
+        3,
+        True,
+    )
     assert [o.key for o in backend.list("runlog/")][-1] == chunk_key(1, 2)
 
 
@@ -409,10 +442,11 @@ def test_a_runtime_killed_mid_run_leaves_its_flushed_steps(tmp_path):
     import subprocess
 
     root = str(tmp_path / "root")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")]))
-    child = subprocess.Popen([sys.executable, "-c", _KILLED_CHILD, root], stdout=subprocess.PIPE,
-                             text=True, env=env)
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")]),
+    )
+    child = subprocess.Popen([sys.executable, "-c", _KILLED_CHILD, root], stdout=subprocess.PIPE, text=True, env=env)
     try:
         published = 0
         for line in child.stdout:  # bounded: the child stops by itself after 20000 steps
@@ -522,8 +556,13 @@ print(log.record.device, torch.cuda.is_initialized())
 def test_naming_the_device_never_initialises_cuda():
     import subprocess
 
-    out = subprocess.run([sys.executable, "-c", _NO_CUDA_INIT], capture_output=True, text=True, timeout=120,
-                         cwd=Path(__file__).resolve().parents[2])
+    out = subprocess.run(
+        [sys.executable, "-c", _NO_CUDA_INIT],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).resolve().parents[2],
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["cpu", "False"]
 

@@ -77,8 +77,13 @@ def _calls_of_one_save(base: str, tmp: Path, blocking: bool) -> int:
 
 def _verify(roots: list[str]) -> dict[str, dict]:
     """Restore each root in ONE fresh interpreter; its JSON report per root."""
-    out = subprocess.run([sys.executable, "-m", "tests.support._fault_state", "verify", *roots], cwd=REPO,
-                         capture_output=True, text=True, timeout=240)
+    out = subprocess.run(
+        [sys.executable, "-m", "tests.support._fault_state", "verify", *roots],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     return {d["root"]: d for d in map(json.loads, out.stdout.splitlines())}
 

@@ -26,9 +26,20 @@ def _namespace_tmpfs_works(tmp_path: Path) -> str | None:
     """None if a private tmpfs can be mounted here, else why not."""
     if shutil.which("unshare") is None:
         return "no unshare(1) on this machine"
-    probe = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c",
-                            f"mount -t tmpfs -o size=1m tmpfs {tmp_path} && touch {tmp_path}/x"],
-                           capture_output=True, text=True, timeout=30)
+    probe = subprocess.run(
+        [
+            "unshare",
+            "--user",
+            "--map-root-user",
+            "--mount",
+            "sh",
+            "-c",
+            f"mount -t tmpfs -o size=1m tmpfs {tmp_path} && touch {tmp_path}/x",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     if probe.returncode != 0:
         return f"cannot mount a tmpfs in a user+mount namespace here: {probe.stderr.strip()[:200]}"
     return None
@@ -43,9 +54,19 @@ def test_full_disk_at_every_point_of_a_save(tmp_path):
     if why is not None:
         pytest.skip(why)
     out = subprocess.run(
-        ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c",
-         f'mount -t tmpfs -o size=4m tmpfs "{mnt}" && exec "{sys.executable}" -m tests.support._fault_enospc "{mnt}"'],
-        cwd=REPO, capture_output=True, text=True, timeout=540,
+        [
+            "unshare",
+            "--user",
+            "--map-root-user",
+            "--mount",
+            "sh",
+            "-c",
+            f'mount -t tmpfs -o size=4m tmpfs "{mnt}" && exec "{sys.executable}" -m tests.support._fault_enospc "{mnt}"',
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=540,
     )
     assert out.returncode == 0, out.stderr[-4000:]
     doc = json.loads(out.stdout.splitlines()[-1])
@@ -65,5 +86,7 @@ def test_full_disk_at_every_point_of_a_save(tmp_path):
         assert report["step"] == newest and report["digest"] == expected(newest), (trial, report)
     # The sweep must really have hit the full disk, and also let some saves through.
     assert 0 < failed < len(doc["trials"]), [t["raised"] for t in doc["trials"]]
-    print(f"{len(doc['trials'])} saves on a nearly full tmpfs, {failed} refused with BackendError "
-          "(disk full), 0 raw OSError, 0 torn, lost or wrong restores")
+    print(
+        f"{len(doc['trials'])} saves on a nearly full tmpfs, {failed} refused with BackendError "
+        "(disk full), 0 raw OSError, 0 torn, lost or wrong restores"
+    )

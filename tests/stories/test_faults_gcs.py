@@ -26,6 +26,7 @@ from tests.support.gcs_proxy import LoopbackProxy
 
 pytestmark = pytest.mark.gcs
 
+
 def _fast(backend: GCSBackend) -> GCSBackend:
     backend.backoff_s = 0.05
     backend.connect_timeout_s = 2.0
@@ -40,8 +41,9 @@ def rig(gcs_emulator: Emulator) -> Iterator[tuple[LoopbackProxy, GCSBackend, GCS
     bucket = f"faults-{uuid.uuid4().hex[:12]}"
     gcs_emulator.make_bucket(bucket)
     proxy = LoopbackProxy(gcs_emulator.port)
-    through = _fast(GCSBackend(f"{bucket}/run", endpoint_url=proxy.endpoint, token="anon", project="test",
-                               skip_instance_cache=True))
+    through = _fast(
+        GCSBackend(f"{bucket}/run", endpoint_url=proxy.endpoint, token="anon", project="test", skip_instance_cache=True)
+    )
     direct = GCSBackend(f"{bucket}/run", **gcs_emulator.storage_options, skip_instance_cache=True)
     yield proxy, through, direct
     proxy.close()

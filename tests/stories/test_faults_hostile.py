@@ -106,6 +106,7 @@ def _path_of(doc_tree: dict, *keys: str) -> str:
 
 # ---------------------------------------------------------------------------------- attacks
 
+
 def flip_momentum(root: Path) -> None:  # the example: 0.9 read as 0.8
     f = _folder(root, 2)
     (f / MANIFEST).write_bytes((f / MANIFEST).read_bytes().replace(b'"momentum":0.9', b'"momentum":0.8'))
@@ -317,21 +318,57 @@ def manifest_is_fifo(root: Path) -> None:
 
 
 def stray_lineage_fresh_start(root: Path) -> None:  # the example: epoch 999, resumed from nothing
-    (root / "lineage" / "epoch-000999.json").write_bytes(seal({
-        "format": "ckptsdk.lineage/1.1", "epoch": 999, "attempt": 999, "run_id": "x", "resumed_from_step": None,
-        "resumed_from_epoch": None, "host": "h", "pid": 1, "created_at": "2026-11-30T06:10:00Z"}))
+    (root / "lineage" / "epoch-000999.json").write_bytes(
+        seal(
+            {
+                "format": "ckptsdk.lineage/1.1",
+                "epoch": 999,
+                "attempt": 999,
+                "run_id": "x",
+                "resumed_from_step": None,
+                "resumed_from_epoch": None,
+                "host": "h",
+                "pid": 1,
+                "created_at": "2026-11-30T06:10:00Z",
+            }
+        )
+    )
 
 
 def stray_lineage_older_step(root: Path) -> None:
-    (root / "lineage" / "epoch-000999.json").write_bytes(seal({
-        "format": "ckptsdk.lineage/1.1", "epoch": 999, "attempt": 999, "run_id": "x", "resumed_from_step": 1,
-        "resumed_from_epoch": 1, "host": "h", "pid": 1, "created_at": "2026-11-30T06:10:00Z"}))
+    (root / "lineage" / "epoch-000999.json").write_bytes(
+        seal(
+            {
+                "format": "ckptsdk.lineage/1.1",
+                "epoch": 999,
+                "attempt": 999,
+                "run_id": "x",
+                "resumed_from_step": 1,
+                "resumed_from_epoch": 1,
+                "host": "h",
+                "pid": 1,
+                "created_at": "2026-11-30T06:10:00Z",
+            }
+        )
+    )
 
 
 def stray_lineage_next_epoch(root: Path) -> None:  # the very next epoch, that no writer took
-    (root / "lineage" / "epoch-000002.json").write_bytes(seal({
-        "format": "ckptsdk.lineage/1.1", "epoch": 2, "attempt": 2, "run_id": "x", "resumed_from_step": None,
-        "resumed_from_epoch": None, "host": "h", "pid": 1, "created_at": "2026-11-30T06:10:00Z"}))
+    (root / "lineage" / "epoch-000002.json").write_bytes(
+        seal(
+            {
+                "format": "ckptsdk.lineage/1.1",
+                "epoch": 2,
+                "attempt": 2,
+                "run_id": "x",
+                "resumed_from_step": None,
+                "resumed_from_epoch": None,
+                "host": "h",
+                "pid": 1,
+                "created_at": "2026-11-30T06:10:00Z",
+            }
+        )
+    )
 
 
 def lineage_garbage(root: Path) -> None:
@@ -360,16 +397,53 @@ def runlog_huge_number(root: Path) -> None:
     chunk.write_bytes(chunk.read_bytes() + b'{"step": 3, "time": 0, "scalars": {"loss": 1' + b"0" * 400 + b"}}\n")
 
 
-FALLBACK = [flip_momentum, swap_tensor_paths, flip_every_byte_class, truncate_manifest, empty_manifest,
-            nested_manifest, downgrade_format, strip_checksum, tree_drops_momentum, claim_100gb,
-            unknown_digest_algorithm, manifest_in_wrong_folder, tensor_bit_flip, tensor_truncated,
-            tensor_extended, tensor_is_fifo, tensor_is_symlink_loop, tensor_is_folder, tensor_is_dev_zero,
-            header_huge_dims, header_100gb_tensor, header_zero_dim_overflow, header_length_absurd,
-            header_nested, header_too_many_dims, header_not_an_object, python_rng_position_625,
-            python_rng_word_2_64, python_rng_version_2, numpy_rng_other_generator, numpy_rng_position_700,
-            torch_rng_garbage, numpy_rng_key_short, folder_is_symlink_loop, manifest_is_fifo]
-INTACT = [stray_lineage_fresh_start, stray_lineage_older_step, stray_lineage_next_epoch, lineage_garbage,
-          lineage_bit_flip, own_lineage_rewritten, runlog_nested_line, runlog_huge_number]
+FALLBACK = [
+    flip_momentum,
+    swap_tensor_paths,
+    flip_every_byte_class,
+    truncate_manifest,
+    empty_manifest,
+    nested_manifest,
+    downgrade_format,
+    strip_checksum,
+    tree_drops_momentum,
+    claim_100gb,
+    unknown_digest_algorithm,
+    manifest_in_wrong_folder,
+    tensor_bit_flip,
+    tensor_truncated,
+    tensor_extended,
+    tensor_is_fifo,
+    tensor_is_symlink_loop,
+    tensor_is_folder,
+    tensor_is_dev_zero,
+    header_huge_dims,
+    header_100gb_tensor,
+    header_zero_dim_overflow,
+    header_length_absurd,
+    header_nested,
+    header_too_many_dims,
+    header_not_an_object,
+    python_rng_position_625,
+    python_rng_word_2_64,
+    python_rng_version_2,
+    numpy_rng_other_generator,
+    numpy_rng_position_700,
+    torch_rng_garbage,
+    numpy_rng_key_short,
+    folder_is_symlink_loop,
+    manifest_is_fifo,
+]
+INTACT = [
+    stray_lineage_fresh_start,
+    stray_lineage_older_step,
+    stray_lineage_next_epoch,
+    lineage_garbage,
+    lineage_bit_flip,
+    own_lineage_rewritten,
+    runlog_nested_line,
+    runlog_huge_number,
+]
 
 
 @pytest.mark.timeout(60)
@@ -398,8 +472,9 @@ def test_stray_records_change_nothing(root, attack):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("attack", [header_100gb_tensor, header_huge_dims, tensor_is_fifo, claim_100gb],
-                         ids=lambda f: f.__name__)
+@pytest.mark.parametrize(
+    "attack", [header_100gb_tensor, header_huge_dims, tensor_is_fifo, claim_100gb], ids=lambda f: f.__name__
+)
 def test_load_of_a_named_damaged_step_is_refused_fast(root, attack):
     attack(root)
     started = time.monotonic()
@@ -441,8 +516,13 @@ def test_junk_lease_is_refused_fast_and_breakable(root, kind):
     assert time.monotonic() - started < 10
     if kind in ("folder", "fifo"):
         return  # the message says: remove it by hand (ckptsdk never deletes a folder it did not make)
-    out = subprocess.run([sys.executable, "-m", "ckptsdk", "lease", str(root), "--break", "--yes-i-am-sure"],
-                         cwd=REPO, capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "ckptsdk", "lease", str(root), "--break", "--yes-i-am-sure"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     with CheckpointManager(str(root), _simulation=Simulation(heartbeat=False)) as mgr:
         assert mgr.restore(make_state(0)).step == 2
@@ -459,13 +539,15 @@ def test_absurd_ttl_is_a_config_error(root):
 def test_cli_never_hangs_on_a_fifo(root):
     tensor_is_fifo(root)
     for command in (["show", str(root), "--step", "2"], ["verify", str(root)], ["ls", str(root)]):
-        out = subprocess.run([sys.executable, "-m", "ckptsdk", *command], cwd=REPO, capture_output=True,
-                             text=True, timeout=60)
+        out = subprocess.run(
+            [sys.executable, "-m", "ckptsdk", *command], cwd=REPO, capture_output=True, text=True, timeout=60
+        )
         assert "Traceback" not in out.stderr, out.stderr
         assert out.returncode == (1 if command[0] == "verify" else 0), (command, out.returncode, out.stderr)
 
 
 # ---------------------------------------------------------------------------- the data path
+
 
 def _batch_pickle(rows_global: bytes) -> bytes:
     return b"\x80\x02}(C\x04data" + rows_global + b"C\x06labels]u."
@@ -475,8 +557,10 @@ PICKLES = {
     # ndarray((300000, 3072), uint8) called directly: 921 MB from a 42-byte file
     "ndarray of 300000 rows": _batch_pickle(b"cnumpy\nndarray\nJ\xe0\x93\x04\x00M\x00\x0c\x86C\x02u1\x86R"),
     # _reconstruct(ndarray, (1,), dtype(('u1', (300000, 3072)))): one element of a 921 MB dtype
-    "subarray dtype": _batch_pickle(b"cnumpy.core.multiarray\n_reconstruct\ncnumpy\nndarray\nK\x01\x85"
-                                    b"cnumpy\ndtype\nX\x02\x00\x00\x00u1J\xe0\x93\x04\x00M\x00\x0c\x86\x86\x85R\x87R"),
+    "subarray dtype": _batch_pickle(
+        b"cnumpy.core.multiarray\n_reconstruct\ncnumpy\nndarray\nK\x01\x85"
+        b"cnumpy\ndtype\nX\x02\x00\x00\x00u1J\xe0\x93\x04\x00M\x00\x0c\x86\x86\x85R\x87R"
+    ),
     # a memo index of 2**32 - 16: the C unpickler sizes a table from it (tens of GB)
     "memo index 2**32": b"\x80\x02N" + b"r" + struct.pack("<I", 0xFFFFFFF0) + b".",
     "os.system": pickle.dumps({b"data": 1})[:2] + b"cos\nsystem\nX\x04\x00\x00\x00trueh\x85R.",

@@ -37,8 +37,7 @@ def _fds() -> int:
 
 def _usage(backend) -> dict[str, int]:  # noqa: ANN001
     gc.collect()
-    return {"objects": len(backend.list("")), "threads": threading.active_count(), "fds": _fds(),
-            "rss_kib": _rss_kib()}
+    return {"objects": len(backend.list("")), "threads": threading.active_count(), "fds": _fds(), "rss_kib": _rss_kib()}
 
 
 @pytest.mark.slow

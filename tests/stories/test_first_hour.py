@@ -64,8 +64,12 @@ def test_gcs_that_cannot_be_reached_names_what_to_check():
         b.exists("LEASE.json")
     msg = str(info.value)
     assert f"cannot reach GCS at http://127.0.0.1:{port} for gs://bucket/run" in msg
-    for hint in ("network", "gcloud auth application-default login", "GOOGLE_APPLICATION_CREDENTIALS",
-                 "STORAGE_EMULATOR_HOST"):
+    for hint in (
+        "network",
+        "gcloud auth application-default login",
+        "GOOGLE_APPLICATION_CREDENTIALS",
+        "STORAGE_EMULATOR_HOST",
+    ):
         assert hint in msg
 
 
@@ -100,8 +104,13 @@ def test_multisteplr_and_the_standard_containers_round_trip_exactly(tmp_path):
         assert mgr.restore(ckptsdk.TrainState(model=model2, optimizer=opt2, scheduler=sched2)).step == 3
     assert type(sched2.milestones) is Counter and sched2.milestones == Counter({2: 2, 4: 1})
     assert sched2.state_dict() == sched.state_dict()
-    tree = {"od": OrderedDict(b=1, a=2), "c": Counter("abca"), "dd": defaultdict(list, {"k": [1]}),
-            "ddn": defaultdict(None), "q": deque([1, (2, 3)], maxlen=4)}
+    tree = {
+        "od": OrderedDict(b=1, a=2),
+        "c": Counter("abca"),
+        "dd": defaultdict(list, {"k": [1]}),
+        "ddn": defaultdict(None),
+        "q": deque([1, (2, 3)], maxlen=4),
+    }
     tensors, skeleton = codec.encode(tree)
     back = codec.decode(json.loads(json.dumps(skeleton)), tensors)
     for key, value in tree.items():
@@ -144,8 +153,10 @@ def test_adamw_state_into_sgd_is_refused_at_restore_naming_both(tmp_path):
     with ckptsdk.CheckpointManager(str(tmp_path / "run"), lease_ttl=5) as mgr:
         with pytest.raises(ckptsdk.StateMismatchError) as info:
             mgr.restore(ckptsdk.TrainState(model=model2, optimizer=sgd))
-    assert ("optimizer: the checkpoint holds the state of a torch.optim.adamw.AdamW, the live object "
-            "is a torch.optim.sgd.SGD") in str(info.value)
+    assert (
+        "optimizer: the checkpoint holds the state of a torch.optim.adamw.AdamW, the live object "
+        "is a torch.optim.sgd.SGD"
+    ) in str(info.value)
     assert all(torch.equal(before[k], v) for k, v in model2.state_dict().items())  # nothing changed
     assert "momentum" in sgd.param_groups[0] and not sgd.state
 
@@ -188,14 +199,17 @@ def test_restore_after_close_is_a_config_error_like_save(tmp_path):
         mgr.restore(state)
 
 
-@pytest.mark.parametrize(("field", "value", "words"), [
-    ("extra", np.arange(3), "extra['v'] is a numpy.ndarray of shape (3,)"),
-    ("metrics", np.arange(3), "metrics['v'] is a numpy.ndarray of shape (3,)"),
-    ("metrics", [1.0], "metrics['v'] is a list"),
-    ("extra", (1, 2), "extra['v'] is a tuple"),
-    ("extra", {"$float": "nan"}, "extra['v'] has the key '$float'"),
-    ("metrics", {1, 2}, "metrics['v'] is a set"),
-])
+@pytest.mark.parametrize(
+    ("field", "value", "words"),
+    [
+        ("extra", np.arange(3), "extra['v'] is a numpy.ndarray of shape (3,)"),
+        ("metrics", np.arange(3), "metrics['v'] is a numpy.ndarray of shape (3,)"),
+        ("metrics", [1.0], "metrics['v'] is a list"),
+        ("extra", (1, 2), "extra['v'] is a tuple"),
+        ("extra", {"$float": "nan"}, "extra['v'] has the key '$float'"),
+        ("metrics", {1, 2}, "metrics['v'] is a set"),
+    ],
+)
 def test_metrics_and_extra_follow_one_rule_with_a_clear_error(field, value, words, tmp_path):
     state = ckptsdk.TrainState(model=torch.nn.Linear(2, 2))
     with ckptsdk.CheckpointManager(str(tmp_path / "run"), lease_ttl=5) as mgr:
@@ -230,8 +244,7 @@ def test_the_audit_report_prints_one_short_line(tmp_path):
         mgr.restore(state)
         mgr.log_step(3, loss=1.0 / 3)
         report = mgr.audit()
-    assert str(report) == (f"audit of {url}: bit-exact: 2 attempts, 1 step run by more than one; "
-                           "max |loss diff| 0")
+    assert str(report) == (f"audit of {url}: bit-exact: 2 attempts, 1 step run by more than one; max |loss diff| 0")
     assert "series" not in repr(report) and len(repr(report)) < 2000
 
 
@@ -245,10 +258,13 @@ class _Terminal(io.StringIO):
 
 def _killed_holder(url: str, ttl: float) -> None:
     """A writer that takes the lease and dies by SIGKILL, as a crashed job does."""
-    code = (f"import os, signal, ckptsdk; ckptsdk.CheckpointManager({url!r}, lease_ttl={ttl}); "
-            "os.kill(os.getpid(), signal.SIGKILL)")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=str(REPO), timeout=120,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    code = (
+        f"import os, signal, ckptsdk; ckptsdk.CheckpointManager({url!r}, lease_ttl={ttl}); "
+        "os.kill(os.getpid(), signal.SIGKILL)"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=str(REPO), timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)}
+    )
     assert proc.returncode == -signal.SIGKILL
 
 
@@ -265,9 +281,13 @@ def test_a_rerun_after_a_crash_says_it_waits_who_holds_and_how_to_skip(tmp_path,
     assert 2.0 <= waited < 30
     first = err[0]
     assert first.startswith(f"ckptsdk: waiting for the lease on {url}: held by host ")
-    for words in ("epoch 1, attempt 1, acquired", "taken over after 2 s without a change",
-                  "skip the wait: force=True (the examples' --force)",
-                  f"`ckptsdk lease {url} --break --yes-i-am-sure`", "s to take over if it stays silent"):
+    for words in (
+        "epoch 1, attempt 1, acquired",
+        "taken over after 2 s without a change",
+        "skip the wait: force=True (the examples' --force)",
+        f"`ckptsdk lease {url} --break --yes-i-am-sure`",
+        "s to take over if it stays silent",
+    ):
         assert words in first, words
     assert err[-1] == f"ckptsdk: took the lease on {url}: epoch 2, attempt 2"
     assert len(err) == 2  # one line per ~10 s without a terminal: this wait took ~2 s
@@ -307,8 +327,10 @@ def test_the_drive_settle_is_said_too(tmp_path, monkeypatch, capsys):
     with ckptsdk.CheckpointManager("drive://runs/a", lease_ttl=10, lease_settle=1.2):
         pass
     err = capsys.readouterr().err
-    assert err.startswith("ckptsdk: confirming the lease on drive://runs/a: this store shows other "
-                          "machines' writes late, so the lease is read back after a 1 s settle")
+    assert err.startswith(
+        "ckptsdk: confirming the lease on drive://runs/a: this store shows other "
+        "machines' writes late, so the lease is read back after a 1 s settle"
+    )
     assert "lease_settle=" in err
 
 
@@ -331,13 +353,23 @@ def test_a_clean_release_then_a_restart_does_not_wait(tmp_path, capsys):
 
 @pytest.mark.timeout(120)
 def test_the_example_help_shows_true_defaults():
-    out = subprocess.run([sys.executable, "-m", "examples.train_cifar10", "--help"], cwd=REPO, timeout=120,
-                         capture_output=True, text=True, check=True,
-                         env={**os.environ, "PYTHONPATH": REPO}).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "examples.train_cifar10", "--help"],
+        cwd=REPO,
+        timeout=120,
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "PYTHONPATH": REPO},
+    ).stdout
     text = " ".join(out.split())
-    for shown in ("(default: 40 with --preset full, 5 with --preset quick)", "(default: full)",
-                  "(default: 100 with --preset full, 4 with --preset quick)",
-                  "(default: 60 on local disk and GCS, 300 on Drive)", "(default: cifar10)"):
+    for shown in (
+        "(default: 40 with --preset full, 5 with --preset quick)",
+        "(default: full)",
+        "(default: 100 with --preset full, 4 with --preset quick)",
+        "(default: 60 on local disk and GCS, 300 on Drive)",
+        "(default: cifar10)",
+    ):
         assert shown in text, shown
     assert "default: None" not in text
 
@@ -362,8 +394,9 @@ def test_the_example_lease_ttl_is_the_library_default(tmp_path, monkeypatch):
 
 def _install_cell(source: str, dest: Path) -> str:
     nb = json.loads((Path(REPO) / "examples" / "colab_cifar10.ipynb").read_text())
-    code = next("".join(c["source"]) for c in nb["cells"]
-                if c["cell_type"] == "code" and "SOURCE = " in "".join(c["source"]))
+    code = next(
+        "".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code" and "SOURCE = " in "".join(c["source"])
+    )
     lines = code.splitlines()
     assert lines[0].startswith("SOURCE = ") and lines[1].startswith("DEST = ")
     return "\n".join([f"SOURCE = {source!r}", f"DEST = {str(dest)!r}", *lines[2:]])
@@ -388,9 +421,11 @@ def test_the_notebook_install_cell_fails_loudly_and_installs_from_an_archive(tmp
     subprocess.run(["git", "-C", REPO, "archive", "-o", str(archive), "HEAD"], check=True, timeout=60)
     code = _install_cell(str(archive), tmp_path / "c")
     ran: list[tuple[str, ...]] = []
-    code = code.replace('def sh(*cmd):', 'def sh(*cmd):\n    if cmd[0] != "tar":\n        return ran.append(cmd)')
+    code = code.replace("def sh(*cmd):", 'def sh(*cmd):\n    if cmd[0] != "tar":\n        return ran.append(cmd)')
     exec(code, {"ran": ran})  # noqa: S102 - the notebook's own cell, pip and the CLI recorded
     assert (tmp_path / "c" / "pyproject.toml").exists()
     assert (tmp_path / "c" / "examples" / "train_cifar10.py").exists()
-    assert ran == [(sys.executable, "-m", "pip", "install", "-q", "-e", f"{tmp_path / 'c'}[cifar,plot]"),
-                   ("ckptsdk", "--help")]
+    assert ran == [
+        (sys.executable, "-m", "pip", "install", "-q", "-e", f"{tmp_path / 'c'}[cifar,plot]"),
+        ("ckptsdk", "--help"),
+    ]

@@ -61,7 +61,10 @@ def test_rows_show_each_step_once_with_the_anchor_marked(tmp_path, monkeypatch):
     local = str(tmp_path / "local")
     _unclean_takeover(local)
     assert [(c.step, c.epoch, c.anchor) for c in scan(open_backend(local)).checkpoints] == [
-        (1, 1, False), (2, 1, False), (2, 2, True)]
+        (1, 1, False),
+        (2, 1, False),
+        (2, 2, True),
+    ]
     with CheckpointManager(local, keep_last=3, lease_ttl=5) as mgr:
         mgr.restore(_state())
         mgr.save(_state(), step=3)
@@ -86,9 +89,13 @@ def test_leftovers_rules(tmp_path):
 
     # the live writer is e2, saving step 5 now; e3's folder belongs to a newer writer
     assert keys(rank=(2, ""), grace=3600, exclusive=True, busy=[checkpoint_dir(5, 2)]) == [
-        checkpoint_dir(3, 1), checkpoint_dir(4, 2)]
+        checkpoint_dir(3, 1),
+        checkpoint_dir(4, 2),
+    ]
     assert keys(rank=(2, ""), grace=3600, exclusive=False, busy=[checkpoint_dir(5, 2)]) == [
-        checkpoint_dir(3, 1), checkpoint_dir(4, 2)]  # own: at once; the lower writer's: aged
+        checkpoint_dir(3, 1),
+        checkpoint_dir(4, 2),
+    ]  # own: at once; the lower writer's: aged
     assert keys(rank=(2, ""), grace=9000, exclusive=False, busy=[checkpoint_dir(5, 2)]) == [checkpoint_dir(4, 2)]
     assert keys(rank=None, grace=3600, exclusive=False) == [checkpoint_dir(3, 1)]
     assert keys(rank=None, grace=0, exclusive=False) == sorted(c.key for c in cat.checkpoints)
@@ -105,8 +112,9 @@ def test_leftovers_without_store_times_wait_for_an_exclusive_lease(tmp_path):
     b.write(f"{checkpoint_dir(1, 1)}/{TENSORS}", b"x")
     cat = scan(b)
     stripped = [c.__class__(**{**c.__dict__, "mtime": None}) for c in cat.checkpoints]
-    cat = cat.__class__(checkpoints=stripped, lineage=cat.lineage, resume_points=cat.resume_points,
-                        max_rank=cat.max_rank)
+    cat = cat.__class__(
+        checkpoints=stripped, lineage=cat.lineage, resume_points=cat.resume_points, max_rank=cat.max_rank
+    )
     assert cat.leftovers(rank=None, grace=0, exclusive=False) == []
     assert [c.key for c, _ in cat.leftovers(rank=(2, ""), grace=0, exclusive=True)] == [checkpoint_dir(1, 1)]
 
@@ -126,7 +134,11 @@ def test_du_counts_each_kind_and_hard_links_once(tmp_path, monkeypatch):
     assert u.folders["duplicate"] == [checkpoint_dir(2, 1)]
     assert u.folders["uncommitted"] == [checkpoint_dir(9, 1)]
     assert (u.committed, u.anchor, u.duplicate, u.uncommitted) == (
-        size[checkpoint_dir(1, 1)], size[checkpoint_dir(2, 2)], size[checkpoint_dir(2, 1)], 1000)
+        size[checkpoint_dir(1, 1)],
+        size[checkpoint_dir(2, 2)],
+        size[checkpoint_dir(2, 1)],
+        1000,
+    )
     # The anchor on local disk is a hard link of e1's tensor file: held once.
     tensors = os.path.getsize(tmp_path / "r" / checkpoint_dir(2, 1) / TENSORS)
     assert u.shared == tensors
@@ -151,8 +163,10 @@ def test_trash_ledgers_of_the_previous_version_are_still_read(tmp_path, monkeypa
     monkeypatch.setenv("CKPTSDK_DRIVE_ROOT", str(tmp_path))
     b = open_backend("drive://run")
     # What the previous ckptsdk wrote: no "format", a "+00:00" time.
-    b.write("trash/epoch-000001.ab12cd34.json",
-            b'{"bytes": 5000, "files": 2, "updated_at": "2026-11-30T06:10:00.123456+00:00"}')
+    b.write(
+        "trash/epoch-000001.ab12cd34.json",
+        b'{"bytes": 5000, "files": 2, "updated_at": "2026-11-30T06:10:00.123456+00:00"}',
+    )
     record_trash(b, (2, "00ff00ff"), total_bytes=7000, files=3)
     new = json.loads(b.read("trash/epoch-000002.00ff00ff.json"))
     assert new["format"] == "ckptsdk.trash/1.0" and new["updated_at"].endswith("Z")
@@ -242,8 +256,10 @@ def test_recycle_failing_mid_rewrite_keeps_the_newest_and_cleans_up(tmp_path, mo
     for step in (1, 2, 3):
         mgr.save(state, step=step)
     assert [c.step for c in mgr.list()] == [2, 3]
-    mgr.backend = FaultyBackend(mgr.backend, fail_on=lambda op, key, n: (
-        BackendError("No space left on device", key=key) if op == "overwrite" else None))
+    mgr.backend = FaultyBackend(
+        mgr.backend,
+        fail_on=lambda op, key, n: BackendError("No space left on device", key=key) if op == "overwrite" else None,
+    )
     with pytest.raises(BackendError) as err:
         mgr.save(state, step=4)
     assert "No space left" in str(err.value)

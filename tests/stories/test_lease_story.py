@@ -67,8 +67,18 @@ class Side:
 
 def _spawn(side: Side, events: Path, *args: str) -> subprocess.Popen[bytes]:
     env = {**os.environ, **side.env, "PYTHONPATH": str(REPO)}
-    cmd = [sys.executable, "-m", "tests.support._story_writer", "train", side.url, "--events", str(events),
-           "--options", json.dumps(side.options), *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "tests.support._story_writer",
+        "train",
+        side.url,
+        "--events",
+        str(events),
+        "--options",
+        json.dumps(side.options),
+        *args,
+    ]
     with open(events.with_suffix(".log"), "wb") as log:
         return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=log)
 
@@ -145,9 +155,15 @@ REPORT: dict[str, dict[str, Any]] = {}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", [
-    "local", pytest.param("gcs", marks=pytest.mark.gcs), "drive-sim", "drive-sim-force",
-])
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "local",
+        pytest.param("gcs", marks=pytest.mark.gcs),
+        "drive-sim",
+        "drive-sim-force",
+    ],
+)
 def test_zombie_cannot_clobber_the_resumed_run(kind: str, make_backend_target: Any, tmp_path: Path) -> None:
     sim: DriveSim | None = None
     frozen = kind != "drive-sim-force"  # else A keeps running and B breaks the lease
@@ -167,8 +183,20 @@ def test_zombie_cannot_clobber_the_resumed_run(kind: str, make_backend_target: A
     # while A's rotation of it (keep_last x interval later) is already on its way: 0.4 s leaves
     # B 1.2 s to read and anchor it on a loaded CI machine (0.2 s would leave 0.6 s).
     proc_a = _spawn(side_a, ev_a, *common, "--interval", "0.2" if frozen else "0.4")
-    proc_b = _spawn(side_b, ev_b, *common, "--interval", "0.2", "--saves", "3",
-                    "--go", str(go_b), "--check", str(check_b), *([] if frozen else ["--force"]))
+    proc_b = _spawn(
+        side_b,
+        ev_b,
+        *common,
+        "--interval",
+        "0.2",
+        "--saves",
+        "3",
+        "--go",
+        str(go_b),
+        "--check",
+        str(check_b),
+        *([] if frozen else ["--force"]),
+    )
     arrived = _LeaseArrival(sim.root("vm1") / "run" / "LEASE.json") if sim is not None else None
     try:
         _wait(ev_a, proc_a, 90, lambda evs: len(_count("saved")(evs)) >= 8, "8 saves by A")
@@ -188,8 +216,7 @@ def test_zombie_cannot_clobber_the_resumed_run(kind: str, make_backend_target: A
         if frozen:
             os.kill(proc_a.pid, signal.SIGCONT)  # the zombie thaws and keeps training
         t_cont = time.monotonic()
-        evs_a = _wait(ev_a, proc_a, 60, lambda evs: _count("lost")(evs) or _count("closed")(evs),
-                      "A's LeaseLostError")
+        evs_a = _wait(ev_a, proc_a, 60, lambda evs: _count("lost")(evs) or _count("closed")(evs), "A's LeaseLostError")
         proc_a.wait(60)
         if sim is not None:
             sim.wait_delivered(60)  # whatever the zombie wrote has reached B's VM
@@ -262,10 +289,13 @@ def test_zombie_cannot_clobber_the_resumed_run(kind: str, make_backend_target: A
         assert latest is not None and latest.key == newest_b, (side, latest)
     assert b_final["key"] == newest_b
     took = b_acq["t"] - t_stop  # from A's freeze (or, forced, from B's start) to B holding it
-    REPORT[kind] = {"death_to_takeover_s" if frozen else "force_takeover_s": round(took, 2),
-                    "open_to_takeover_s":
-                    round(b_acq["t"] - b_acq["t_open"], 2), "b_checkpoints": len(b_mine),
-                    "b_lost": len(lost), "a_newer_epoch_seen": a_lost[0]["newer_epoch"],
-                    "a_saves_after_takeover": len([e for e in a_saved if e["t"] > b_acq["t"]])}
+    REPORT[kind] = {
+        "death_to_takeover_s" if frozen else "force_takeover_s": round(took, 2),
+        "open_to_takeover_s": round(b_acq["t"] - b_acq["t_open"], 2),
+        "b_checkpoints": len(b_mine),
+        "b_lost": len(lost),
+        "a_newer_epoch_seen": a_lost[0]["newer_epoch"],
+        "a_saves_after_takeover": len([e for e in a_saved if e["t"] > b_acq["t"]]),
+    }
     print(f"\nSTORY {kind}: {json.dumps(REPORT[kind])}")
     assert lost == []

@@ -68,7 +68,12 @@ def test_ten_kills_mid_save_then_one_save_leave_nothing_behind(kind, make_backen
     err = open(tmp_path / "zygote.err", "wb")
     zygote = subprocess.Popen(
         [sys.executable, "-m", "benchmarks.footprint_child", "zygote", target.url, str(KEEP_LAST), str(GRACE[kind])],
-        cwd=REPO, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, bufsize=0,
+        cwd=REPO,
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=err,
+        bufsize=0,
     )
     assert zygote.stdin is not None
     save_times: list[float] = []
@@ -130,8 +135,10 @@ def test_ten_kills_mid_save_then_one_save_leave_nothing_behind(kind, make_backen
     if kind in ("local", "drive"):
         assert _step_temp_files(Path(backend.root)) == [], "temp files of killed saves were left"
     assert killed_mid_save >= 2, "too few kills landed inside a save to test anything"
-    print(f"\n{kind}: {kills} kills, {killed_mid_save} inside a save; after one more save: "
-          f"{len(rows)} steps in {len(cat.checkpoints)} folders")
+    print(
+        f"\n{kind}: {kills} kills, {killed_mid_save} inside a save; after one more save: "
+        f"{len(rows)} steps in {len(cat.checkpoints)} folders"
+    )
 
 
 def _state() -> TrainState:
@@ -147,8 +154,7 @@ def test_clean_restart_writes_no_extra_copy(kind, make_backend_target):
     way ``list()`` shows each step once."""
     target = make_backend_target(kind)
     state = _state()
-    with CheckpointManager(target.url, keep_last=3, lease_ttl=5, lease_settle=0,
-                           storage_options=target.options) as mgr:
+    with CheckpointManager(target.url, keep_last=3, lease_ttl=5, lease_settle=0, storage_options=target.options) as mgr:
         for step in (10, 20):
             mgr.save(state, step=step)
         size = mgr.list()[-1].manifest.files[0].size
@@ -178,8 +184,9 @@ def test_unclean_takeover_anchors_by_cheap_copy(kind, make_backend_target):
     server-side copy: no tensor byte passes through this machine."""
     target = make_backend_target(kind)
     state = _state()
-    dead = CheckpointManager(target.url, keep_last=3, lease_ttl=5,
-                             _simulation=Simulation(heartbeat=False), storage_options=target.options)
+    dead = CheckpointManager(
+        target.url, keep_last=3, lease_ttl=5, _simulation=Simulation(heartbeat=False), storage_options=target.options
+    )
     dead.save(state, step=10)
     dead._closed = True  # dies: never releases
     counting = CountingBackend(target.open())
@@ -207,13 +214,15 @@ def test_zombie_late_rotation_cannot_take_the_resume_point_on_drive(tmp_path):
     with DriveSim(tmp_path / "sim", delay=5.0) as sim:
         a_backend, b_backend = sim.backend("vm1", "run"), sim.backend("vm2", "run")
         state = _state()
-        a = CheckpointManager(a_backend, keep_last=1, lease_ttl=120, lease_settle=0,
-                              _simulation=Simulation(heartbeat=False))
+        a = CheckpointManager(
+            a_backend, keep_last=1, lease_ttl=120, lease_settle=0, _simulation=Simulation(heartbeat=False)
+        )
         for step in (1, 2, 3):
             a.save(state, step=step)
         sim.wait_synced(timeout=30)
-        b = CheckpointManager(b_backend, keep_last=1, lease_ttl=120, lease_settle=0, force=True,
-                              _simulation=Simulation(heartbeat=False))
+        b = CheckpointManager(
+            b_backend, keep_last=1, lease_ttl=120, lease_settle=0, force=True, _simulation=Simulation(heartbeat=False)
+        )
         resumed = b.restore(_state())
         assert resumed.step == 3
         # A has not seen B yet (its view is 5 s late): it saves and rotates 3 away.

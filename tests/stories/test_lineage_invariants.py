@@ -35,8 +35,17 @@ def test_lineage_drive_within_settle() -> None:
 def test_lineage_drive_late() -> None:
     """Drive whose changes arrive minutes late: invariants 0-4 hold by ranks and lineage alone,
     also in schedules where two writers share an epoch."""
-    _run(DriveLateLineage, 0.35, ("takeovers", "save refused (fenced)", "commits by a superseded writer",
-                                  "restore with orphans present", "epoch shared by two writers (distinct ranks)"))
+    _run(
+        DriveLateLineage,
+        0.35,
+        (
+            "takeovers",
+            "save refused (fenced)",
+            "commits by a superseded writer",
+            "restore with orphans present",
+            "epoch shared by two writers (distinct ranks)",
+        ),
+    )
 
 
 def test_lineage_local(tmp_path: Path) -> None:

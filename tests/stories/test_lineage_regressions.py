@@ -19,16 +19,21 @@ from tests.support.drive_deterministic_sim import FakeClock, FrozenBackend, SimD
 from tests.support.lineage_machine import Rank, Weights, folder_name
 
 
-def _sim_manager(sim: SimDrive, vm: str, *, beating: tuple[CheckpointManager, ...] = (),
-                 **kw: Any) -> CheckpointManager:
+def _sim_manager(
+    sim: SimDrive, vm: str, *, beating: tuple[CheckpointManager, ...] = (), **kw: Any
+) -> CheckpointManager:
     """A writer on ``vm`` whose lease sleeps by letting simulated time pass (single-threaded);
     while it sleeps, the writers in ``beating`` renew their leases every 50 s (their heartbeats)."""
     if vm not in sim.views:
         sim.add_vm(vm)
-    return CheckpointManager(sim.backend(vm), keep_last=1, lease_ttl=300.0,
-                             _simulation=Simulation(heartbeat=False, clock=sim.clock,
-                                                    sleep=lambda dt: _beat(sim, beating, dt)),
-                             run_id="run", **kw)
+    return CheckpointManager(
+        sim.backend(vm),
+        keep_last=1,
+        lease_ttl=300.0,
+        _simulation=Simulation(heartbeat=False, clock=sim.clock, sleep=lambda dt: _beat(sim, beating, dt)),
+        run_id="run",
+        **kw,
+    )
 
 
 def _beat(sim: SimDrive, writers: tuple[CheckpointManager, ...], seconds: float, every: float = 50.0) -> None:
@@ -58,12 +63,20 @@ def _nonces(monkeypatch: pytest.MonkeyPatch, *prefixes: str) -> None:
     from ckptsdk.lease import acquire as lease_module
 
     it = iter(prefixes)
-    monkeypatch.setattr(lease_module, "uuid", SimpleNamespace(
-        uuid4=lambda: SimpleNamespace(hex=(next(it) * 8)[:8] + "0" * 24)))
+    monkeypatch.setattr(
+        lease_module, "uuid", SimpleNamespace(uuid4=lambda: SimpleNamespace(hex=(next(it) * 8)[:8] + "0" * 24))
+    )
 
 
-def _the_higher_rank_wins(sim: SimDrive, first: CheckpointManager, second: CheckpointManager,
-                          step: int, gap: float, *, low_fenced_early: bool = False) -> None:
+def _the_higher_rank_wins(
+    sim: SimDrive,
+    first: CheckpointManager,
+    second: CheckpointManager,
+    step: int,
+    gap: float,
+    *,
+    low_fenced_early: bool = False,
+) -> None:
     """Two writers that took the same epoch on Drive: both save ``step`` under distinct names
     (unless the lower one has already seen the higher one: ``low_fenced_early``, then that save
     raises LeaseLostError); once each has seen the other's writes (``gap`` seconds of
@@ -106,7 +119,8 @@ def _the_higher_rank_wins(sim: SimDrive, first: CheckpointManager, second: Check
 
 @pytest.mark.parametrize("higher", ["first", "second"])
 def test_two_newcomers_sharing_an_epoch_on_late_drive_are_ordered_by_rank(
-        monkeypatch: pytest.MonkeyPatch, higher: str) -> None:
+    monkeypatch: pytest.MonkeyPatch, higher: str
+) -> None:
     """Changes 400 s late (> settle 60 s): two newcomers that take over a dead writer one after
     the other on two VMs both become epoch 2. Before de3dc83 their folders (step-N.e2) collided
     and either one's rotation deleted the other's checkpoints; now names carry the nonce and the
@@ -142,11 +156,18 @@ def test_restore_after_being_taken_over_commits_nothing() -> None:
     backend = MemoryBackend(name)
     managers: list[CheckpointManager] = []
     try:
+
         def open_writer(**kw: Any) -> CheckpointManager:
-            m = CheckpointManager(backend, keep_last=2, lease_ttl=60.0,
-                                  _simulation=Simulation(heartbeat=False, clock=clock,
-                                                         sleep=lambda dt: setattr(clock, "now", clock.now + dt)),
-                                  run_id="run", **kw)
+            m = CheckpointManager(
+                backend,
+                keep_last=2,
+                lease_ttl=60.0,
+                _simulation=Simulation(
+                    heartbeat=False, clock=clock, sleep=lambda dt: setattr(clock, "now", clock.now + dt)
+                ),
+                run_id="run",
+                **kw,
+            )
             managers.append(m)
             return m
 
@@ -219,7 +240,8 @@ def test_rotation_on_drive_keeps_a_checkpoint_when_the_vm_vanishes_mid_upload() 
 
 @pytest.mark.parametrize("higher", ["first", "second"])
 def test_a_renewal_during_the_settle_cannot_make_two_writers_collide(
-        monkeypatch: pytest.MonkeyPatch, higher: str) -> None:
+    monkeypatch: pytest.MonkeyPatch, higher: str
+) -> None:
     """Every change 20 s per hop (40 s < settle 60 s): a stale holder's heartbeat renewal made
     during a newcomer's settle lands after the newcomer's read-back and hides its epoch-2 record
     on the holder's VM; a third writer there takes epoch 2 again. They share an epoch, not a
@@ -239,8 +261,14 @@ def test_a_renewal_during_the_settle_cannot_make_two_writers_collide(
             sim.advance_to(sim.now + dt - 30)
 
         sim.add_vm("vm3")
-        w4 = CheckpointManager(sim.backend("vm3"), keep_last=1, lease_ttl=300.0, run_id="run", force=True,
-                               _simulation=Simulation(heartbeat=False, clock=sim.clock, sleep=settle_with_a_renewal))
+        w4 = CheckpointManager(
+            sim.backend("vm3"),
+            keep_last=1,
+            lease_ttl=300.0,
+            run_id="run",
+            force=True,
+            _simulation=Simulation(heartbeat=False, clock=sim.clock, sleep=settle_with_a_renewal),
+        )
         managers.append(w4)
         sim.advance_to(sim.now + 1)
         w5 = _sim_manager(sim, "vm2", force=True)  # on the holder's VM, which still shows epoch 1

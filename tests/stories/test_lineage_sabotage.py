@@ -52,6 +52,9 @@ def test_the_machine_catches_writers_sharing_a_rank(monkeypatch: pytest.MonkeyPa
 
     from tests.support import drive_deterministic_sim as sim_drive
 
-    monkeypatch.setattr(sim_drive.SimDriveBackend, "capabilities",
-                        dataclasses.replace(sim_drive.DRIVE_CAPABILITIES, compare_and_swap=True))
+    monkeypatch.setattr(
+        sim_drive.SimDriveBackend,
+        "capabilities",
+        dataclasses.replace(sim_drive.DRIVE_CAPABILITIES, compare_and_swap=True),
+    )
     _expect_story_failure(DriveLateLineage, r"\[[04]\]")

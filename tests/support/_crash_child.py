@@ -52,7 +52,7 @@ def _say(line: str) -> None:
 def _chunks(data: mmap.mmap) -> Iterator[memoryview]:
     view = memoryview(data)
     for start in range(0, len(view), CHUNK):
-        yield view[start:start + CHUNK]
+        yield view[start : start + CHUNK]
 
 
 def _write_forever(backend, key: str, contents: list[mmap.mmap], first: int) -> None:  # type: ignore[no-untyped-def]
@@ -100,8 +100,7 @@ def race(url: str) -> None:
             outcome = "won"
         except PreconditionFailed:
             outcome = "lost"
-        _say(json.dumps({"round": int(round_no), "who": me, "outcome": outcome,
-                         "began": began, "ended": time.time()}))
+        _say(json.dumps({"round": int(round_no), "who": me, "outcome": outcome, "began": began, "ended": time.time()}))
 
 
 def main(argv: list[str]) -> None:
@@ -110,8 +109,9 @@ def main(argv: list[str]) -> None:
     elif argv[:1] == ["race"] and len(argv) == 2:
         race(argv[1])
     else:
-        raise SystemExit("usage: python -m tests.support._crash_child zygote URL KEY FILE0 FILE1 | race URL "
-                         f"(got {argv})")
+        raise SystemExit(
+            f"usage: python -m tests.support._crash_child zygote URL KEY FILE0 FILE1 | race URL (got {argv})"
+        )
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ def _no_pickle() -> Any:
     Returns the original ``pickle.Unpickler``: DCP's *save* exchanges its plans between ranks
     with ``all_gather_object`` (in memory, never from storage), which needs it back afterwards.
     """
+
     def refuse(*_a: Any, **_k: Any) -> Any:
         raise AssertionError("pickle/torch.load called on a restore path")
 
@@ -92,8 +93,9 @@ def ddp(cfg: dict[str, Any]) -> None:
     backend: Any = open_backend(cfg["url"], **cfg.get("options", {}))
     if cfg.get("kill_rank") == rank:
         backend = _StallingBackend(backend, f"step-{cfg['kill_step']:010d}", os.path.join(cfg["out"], "stalled"))
-    dm = DistributedCheckpointManager(backend, save_every=cfg["save_every"], lease_ttl=cfg.get("ttl", 30.0),
-                                      async_save=bool(cfg.get("async")))
+    dm = DistributedCheckpointManager(
+        backend, save_every=cfg["save_every"], lease_ttl=cfg.get("ttl", 30.0), async_save=bool(cfg.get("async"))
+    )
     torch.manual_seed(100 + rank)  # per-rank data stream; a restore brings back each rank's own
     unpickler = _no_pickle() if cfg.get("no_pickle") else None
     pos = dm.restore(state)
@@ -111,13 +113,18 @@ def ddp(cfg: dict[str, Any]) -> None:
         dm.log_step(step, loss=loss.item())
         if dm.should_save(step):
             dm.save(state, step=step, local={"seen": step})
-    result: dict[str, Any] = {"resumed_from": pos.step if pos else None,
-                              "params": {k: _hex(v) for k, v in model.module.state_dict().items()},
-                              "rng": _hex(torch.get_rng_state())}
+    result: dict[str, Any] = {
+        "resumed_from": pos.step if pos else None,
+        "params": {k: _hex(v) for k, v in model.module.state_dict().items()},
+        "rng": _hex(torch.get_rng_state()),
+    }
     report = dm.audit()
     if report is not None:
-        result["audit"] = {"verdict": report.verdict, "overlap": report.overlap_steps,
-                           "max_diff": {k: v.max_abs_diff for k, v in report.scalars.items()}}
+        result["audit"] = {
+            "verdict": report.verdict,
+            "overlap": report.overlap_steps,
+            "max_diff": {k: v.max_abs_diff for k, v in report.scalars.items()},
+        }
     dm.close()
     _write(cfg["out"], f"result-{rank}.json", result)
 
@@ -149,8 +156,9 @@ def dtensor(cfg: dict[str, Any]) -> None:
             setattr(mod, pname, torch.nn.Parameter(distribute_tensor(p.detach(), mesh, [Shard(0)])))
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     state = {"app": AppState(model, opt)}
-    dm = DistributedCheckpointManager(cfg["url"], lease_ttl=30.0, **({"storage_options": cfg["options"]}
-                                                                      if cfg.get("options") else {}))
+    dm = DistributedCheckpointManager(
+        cfg["url"], lease_ttl=30.0, **({"storage_options": cfg["options"]} if cfg.get("options") else {})
+    )
     if cfg["phase"] == "save":
         torch.manual_seed(1 + rank)
         for _ in range(3):
@@ -172,8 +180,9 @@ def dtensor(cfg: dict[str, Any]) -> None:
 def _full_state(app: AppState) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-    model, optim = get_state_dict(app.model, app.optimizer,
-                                  options=StateDictOptions(full_state_dict=True, cpu_offload=False))
+    model, optim = get_state_dict(
+        app.model, app.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=False)
+    )
     out = {f"model.{k}": v for k, v in model.items()}
     for pid, st in optim["state"].items():
         for k, v in st.items():
@@ -187,8 +196,12 @@ def zombie(cfg: dict[str, Any]) -> None:
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 4)
     state = {"app": AppState(model, None)}
-    dm = DistributedCheckpointManager(cfg["url"], lease_ttl=cfg["ttl"], save_every=2,
-                                      **({"storage_options": cfg["options"]} if cfg.get("options") else {}))
+    dm = DistributedCheckpointManager(
+        cfg["url"],
+        lease_ttl=cfg["ttl"],
+        save_every=2,
+        **({"storage_options": cfg["options"]} if cfg.get("options") else {}),
+    )
     pos = dm.restore(state)
     start = pos.step + 1 if pos else 1
     outcome: dict[str, Any] = {"resumed_from": pos.step if pos else None, "saved": []}
@@ -213,8 +226,7 @@ def run(cfg: dict[str, Any]) -> int:
     """One rank: join the job's FileStore, run the mode, leave. 3 when a CkptError ended it."""
     for k, v in cfg.get("env", {}).items():
         os.environ[k] = v
-    dist.init_process_group("gloo", init_method=f"file://{cfg['init']}", rank=cfg["rank"],
-                            world_size=cfg["world"])
+    dist.init_process_group("gloo", init_method=f"file://{cfg['init']}", rank=cfg["rank"], world_size=cfg["world"])
     try:
         {"ddp": ddp, "dtensor": dtensor, "zombie": zombie}[cfg["mode"]](cfg)
     except CkptError as exc:

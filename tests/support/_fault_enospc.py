@@ -58,8 +58,13 @@ def main(top: str) -> None:
             raised = f"{type(exc).__name__}: {exc}"
         os.unlink(ballast)
         trials.append({"root": root, "free": free, "blocking": blocking, "raised": raised})
-    out = subprocess.run([sys.executable, "-m", "tests.support._fault_state", "verify", *(t["root"] for t in trials)],
-                         capture_output=True, text=True, timeout=240, check=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "tests.support._fault_state", "verify", *(t["root"] for t in trials)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=True,
+    )
     print(json.dumps({"trials": trials, "reports": [json.loads(line) for line in out.stdout.splitlines()]}))
 
 

@@ -48,8 +48,10 @@ def digest(state: TrainState) -> str:
     h.update(json.dumps(sd["param_groups"], sort_keys=True, default=str).encode())
     h.update(torch.get_rng_state().numpy().tobytes())
     np_state = np.random.get_state(legacy=False)
-    h.update(np_state["state"]["key"].tobytes() + repr((np_state["state"]["pos"], np_state["has_gauss"],
-                                                       np_state["gauss"])).encode())
+    h.update(
+        np_state["state"]["key"].tobytes()
+        + repr((np_state["state"]["pos"], np_state["has_gauss"], np_state["gauss"])).encode()
+    )
     h.update(repr(random.getstate()).encode())
     return h.hexdigest()
 
@@ -65,8 +67,7 @@ def observe(root: str) -> dict:
     mgr = CheckpointManager(root, read_only=True)
     state = make_state(0)
     point = mgr.restore(state)
-    out = {"root": root, "step": point.step if point else None, "digest": digest(state) if point else None,
-           "valid": {}}
+    out = {"root": root, "step": point.step if point else None, "digest": digest(state) if point else None, "valid": {}}
     for info in mgr.list():
         if info.valid:  # listed as valid; digests and contents are checked by loading it
             blank = make_state(0)

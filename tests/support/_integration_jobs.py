@@ -50,8 +50,9 @@ class EpochSampler(torch.utils.data.Sampler):
 
 def _net() -> torch.nn.Module:
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(FEATURES, 32), torch.nn.ReLU(), torch.nn.Dropout(0.3),
-                               torch.nn.Linear(32, 1))
+    return torch.nn.Sequential(
+        torch.nn.Linear(FEATURES, 32), torch.nn.ReLU(), torch.nn.Dropout(0.3), torch.nn.Linear(32, 1)
+    )
 
 
 def _kill_if(step: int, kill_at: int | None) -> None:
@@ -82,13 +83,21 @@ def run_lightning(args: argparse.Namespace) -> dict[str, torch.Tensor]:
             return [opt], [torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.8)]
 
     x, y = _data()
-    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=BATCH,
-                                         sampler=EpochSampler(N))
+    loader = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(x, y), batch_size=BATCH, sampler=EpochSampler(N)
+    )
     module = Module()
     io = CkptsdkCheckpointIO(args.url, storage_options=args.storage_options, lease_ttl=LEASE_TTL)
     trainer = L.Trainer(
-        max_epochs=4, accelerator="cpu", devices=1, default_root_dir=args.work, logger=False,
-        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, plugins=[io],
+        max_epochs=4,
+        accelerator="cpu",
+        devices=1,
+        default_root_dir=args.work,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        plugins=[io],
         callbacks=[ModelCheckpoint(dirpath=f"{args.work}/ckpt", save_last=True, every_n_epochs=1)],
     )
     # A gs:// work dir: Lightning's "last" lookup cannot see remote pointers; resume from the root.
@@ -106,16 +115,21 @@ def run_accelerate(args: argparse.Namespace) -> dict[str, torch.Tensor]:
     sampler = EpochSampler(N)
     # Its own generator: without one, starting an iterator draws from the global torch RNG, and a
     # run resumed mid-epoch would start one where the uninterrupted run did not.
-    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=BATCH, sampler=sampler,
-                                         generator=torch.Generator().manual_seed(5))
+    loader = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(x, y),
+        batch_size=BATCH,
+        sampler=sampler,
+        generator=torch.Generator().manual_seed(5),
+    )
     model = _net()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.8)
     model, opt, loader, sched = acc.prepare(model, opt, loader, sched)
     ema = LossEMA()
     acc.register_for_checkpointing(ema)  # saved as custom_0, without pickle
-    with AcceleratorCheckpoints(acc, args.url, save_every=5, lease_ttl=LEASE_TTL,
-                                storage_options=args.storage_options) as ckpt:
+    with AcceleratorCheckpoints(
+        acc, args.url, save_every=5, lease_ttl=LEASE_TTL, storage_options=args.storage_options
+    ) as ckpt:
         pos = ckpt.restore()
         step, first_epoch, done = (0, 0, 0) if pos is None else (pos.step, pos.epoch, pos.batch_idx)
         for epoch in range(first_epoch, 4):
@@ -158,8 +172,9 @@ class LossEMA:
 def tiny_gpt2_config():
     from transformers import GPT2Config
 
-    return GPT2Config(vocab_size=32, n_positions=8, n_embd=16, n_layer=1, n_head=2, resid_pdrop=0.2,
-                      embd_pdrop=0.2, attn_pdrop=0.2)
+    return GPT2Config(
+        vocab_size=32, n_positions=8, n_embd=16, n_layer=1, n_head=2, resid_pdrop=0.2, embd_pdrop=0.2, attn_pdrop=0.2
+    )
 
 
 def run_transformers(args: argparse.Namespace) -> dict[str, torch.Tensor]:
@@ -176,23 +191,59 @@ def run_transformers(args: argparse.Namespace) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(3)
     data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 32, (N, 8), generator=g)]
     targs = TrainingArguments(
-        output_dir=os.path.join(args.work, "out"), per_device_train_batch_size=BATCH, num_train_epochs=3,
-        learning_rate=5e-3, warmup_steps=2, save_strategy="steps", save_steps=5, logging_steps=1, seed=11,
-        report_to=[], use_cpu=True, disable_tqdm=True, dataloader_num_workers=0, max_grad_norm=1.0,
+        output_dir=os.path.join(args.work, "out"),
+        per_device_train_batch_size=BATCH,
+        num_train_epochs=3,
+        learning_rate=5e-3,
+        warmup_steps=2,
+        save_strategy="steps",
+        save_steps=5,
+        logging_steps=1,
+        seed=11,
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        max_grad_norm=1.0,
     )
-    trainer = CkptsdkTrainer(model=model, args=targs, train_dataset=data, callbacks=[Kill()], ckpt_url=args.url,
-                             lease_ttl=LEASE_TTL, storage_options=args.storage_options)
+    trainer = CkptsdkTrainer(
+        model=model,
+        args=targs,
+        train_dataset=data,
+        callbacks=[Kill()],
+        ckpt_url=args.url,
+        lease_ttl=LEASE_TTL,
+        storage_options=args.storage_options,
+    )
     trainer.train(resume_from_checkpoint=True)
     return {k: v.detach().clone() for k, v in model.state_dict().items() if k != "lm_head.weight"}
 
 
 def run_job(mode: str, url: str, work, out, *, kill_at: int | None = None, options=None, env=None):
-    cmd = [sys.executable, "-m", "tests.support._integration_jobs", mode, "--url", url, "--work", str(work),
-           "--out", str(out), "--storage-options", json.dumps(options or {})]
+    cmd = [
+        sys.executable,
+        "-m",
+        "tests.support._integration_jobs",
+        mode,
+        "--url",
+        url,
+        "--work",
+        str(work),
+        "--out",
+        str(out),
+        "--storage-options",
+        json.dumps(options or {}),
+    ]
     if kill_at is not None:
         cmd += ["--kill-at", str(kill_at)]
-    full_env = {**os.environ, "PYTHONPATH": REPO, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-                "PYTHONWARNINGS": "ignore", **(env or {})}
+    full_env = {
+        **os.environ,
+        "PYTHONPATH": REPO,
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "PYTHONWARNINGS": "ignore",
+        **(env or {}),
+    }
     proc = subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=240)
     if kill_at is None:
         assert proc.returncode == 0, proc.stderr[-3000:]
@@ -209,7 +260,6 @@ def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
     assert a.keys() == b.keys()
     diffs = {k: (a[k] - b[k]).abs().max().item() for k in a}
     assert all(torch.equal(a[k], b[k]) for k in a), diffs
-
 
 
 def main() -> None:

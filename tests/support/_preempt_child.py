@@ -40,15 +40,21 @@ def main(root: str, max_step: int) -> None:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     torch.manual_seed(0)
     torch.set_num_threads(1)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.BatchNorm1d(32), torch.nn.ReLU(),
-                                torch.nn.Linear(32, 4))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(16, 32), torch.nn.BatchNorm1d(32), torch.nn.ReLU(), torch.nn.Linear(32, 4)
+    )
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     state = TrainState(model=model, optimizer=opt)
     backend: object = root
     if os.environ.get("CKPT_SLOW_WRITE"):
         backend = FaultyBackend(open_backend(root), fail_on=_slow)
-    mgr = CheckpointManager(backend, save_every=10**9, lease_ttl=5, lease_wait=30,  # type: ignore[arg-type]
-                            signal_deadline=float(os.environ.get("CKPT_DEADLINE", "10")))
+    mgr = CheckpointManager(
+        backend,
+        save_every=10**9,
+        lease_ttl=5,
+        lease_wait=30,  # type: ignore[arg-type]
+        signal_deadline=float(os.environ.get("CKPT_DEADLINE", "10")),
+    )
     pos = mgr.restore(state)
     start = 1 if pos is None else pos.step + 1
     _ARMED[0] = True

@@ -34,8 +34,7 @@ class Events:
 
     def emit(self, event: str, **fields: Any) -> None:
         with self._lock:
-            self._f.write(json.dumps({"event": event, "t": time.monotonic(), "pid": os.getpid(),
-                                      **fields}) + "\n")
+            self._f.write(json.dumps({"event": event, "t": time.monotonic(), "pid": os.getpid(), **fields}) + "\n")
             self._f.flush()
 
 
@@ -128,17 +127,25 @@ def train(args: argparse.Namespace, ev: Events) -> int:
     if args.go:
         _wait_for(args.go, args.max_seconds)
     t_open = time.monotonic()
-    mgr = CheckpointManager(args.url, keep_last=args.keep_last, lease_ttl=args.ttl,
-                            lease_wait=args.wait, storage_options=json.loads(args.options),
-                            force=args.force)
+    mgr = CheckpointManager(
+        args.url,
+        keep_last=args.keep_last,
+        lease_ttl=args.ttl,
+        lease_wait=args.wait,
+        storage_options=json.loads(args.options),
+        force=args.force,
+    )
     assert mgr.lease is not None
     _trace_renewals(mgr.lease, ev)
-    ev.emit("acquired", t_open=t_open, epoch=mgr.lease.epoch, attempt=mgr.lease.attempt,
-            run_id=mgr.lease.run_id)
+    ev.emit("acquired", t_open=t_open, epoch=mgr.lease.epoch, attempt=mgr.lease.attempt, run_id=mgr.lease.run_id)
     pos = mgr.restore(state)
     step = pos.step if pos is not None else 0
-    ev.emit("restored", step=pos.step if pos else None, key=pos.key if pos else None,
-            lease_epoch=pos.lease_epoch if pos else None)
+    ev.emit(
+        "restored",
+        step=pos.step if pos else None,
+        key=pos.key if pos else None,
+        lease_epoch=pos.lease_epoch if pos else None,
+    )
     deadline = time.monotonic() + args.max_seconds
     saves = 0
     while time.monotonic() < deadline and (args.saves is None or saves < args.saves):
@@ -152,8 +159,7 @@ def train(args: argparse.Namespace, ev: Events) -> int:
         try:
             info = mgr.save(state, step=step, metrics={"loss": loss.item()})
         except LeaseLostError as exc:
-            ev.emit("lost", step=step, t0=t0, epoch=exc.epoch, newer_epoch=exc.newer_epoch,
-                    message=str(exc))
+            ev.emit("lost", step=step, t0=t0, epoch=exc.epoch, newer_epoch=exc.newer_epoch, message=str(exc))
             mgr.close()
             ev.emit("closed")
             return 0
@@ -162,12 +168,12 @@ def train(args: argparse.Namespace, ev: Events) -> int:
         time.sleep(args.interval)
     if args.check:
         # "B's checkpoints": every valid checkpoint of this epoch now, with its files' digests.
-        mine = {c.key: _digests(mgr.backend, c.key)
-                for c in mgr.list() if c.valid and c.epoch == mgr.lease.epoch}
+        mine = {c.key: _digests(mgr.backend, c.key) for c in mgr.list() if c.valid and c.epoch == mgr.lease.epoch}
         ev.emit("mine", checkpoints=mine)
         _wait_for(args.check, args.max_seconds)
-        fresh = TrainState(model=torch.nn.Linear(8, 4),
-                           optimizer=torch.optim.SGD(torch.nn.Linear(8, 4).parameters(), lr=0.01))
+        fresh = TrainState(
+            model=torch.nn.Linear(8, 4), optimizer=torch.optim.SGD(torch.nn.Linear(8, 4).parameters(), lr=0.01)
+        )
         again = mgr.restore(fresh)
         ev.emit("final_restore", key=again.key if again else None, step=again.step if again else None)
     mgr.close()
@@ -192,8 +198,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--force", action="store_true", help="train: break the lease at once")
     p.add_argument("--max-seconds", type=float, default=120.0, help="bound on every wait/loop")
     args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format=f"%(asctime)s {args.mode}[%(process)d] %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=logging.INFO,
+        stream=sys.stderr,
+        format=f"%(asctime)s {args.mode}[%(process)d] %(name)s %(levelname)s %(message)s",
+    )
     ev = Events(args.events)
     try:
         return {"hold": hold, "race": race, "train": train}[args.mode](args, ev)

@@ -31,9 +31,9 @@ class CifarFiles:
 class CifarServer:
     server: FileServer
     files: CifarFiles
-    hf_base: str          # prefix holding plain_text/...
-    tv_url: str           # full tarball URL
-    hf_train_path: str    # server paths, for request counts
+    hf_base: str  # prefix holding plain_text/...
+    tv_url: str  # full tarball URL
+    hf_train_path: str  # server paths, for request counts
     hf_test_path: str
     tv_path: str
 
@@ -50,8 +50,7 @@ def small_cifar() -> CifarData:
 def cifar_files(small_cifar: CifarData, tmp_path_factory: pytest.TempPathFactory) -> CifarFiles:
     root = tmp_path_factory.mktemp("cifar_files")
     p = write_both(small_cifar, str(root))
-    return CifarFiles(small_cifar, pathlib.Path(p["hf_train"]), pathlib.Path(p["hf_test"]),
-                      pathlib.Path(p["tarball"]))
+    return CifarFiles(small_cifar, pathlib.Path(p["hf_train"]), pathlib.Path(p["hf_test"]), pathlib.Path(p["tarball"]))
 
 
 def serve_cifar(server: FileServer, files: CifarFiles, *, tarball: bytes | None = None) -> CifarServer:

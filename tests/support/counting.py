@@ -36,10 +36,12 @@ class CountingBackend:
     def __getattr__(self, name: str) -> Any:  # read, open, stat, exists, list, delete, sweep, move
         attr = getattr(self.inner, name)
         if callable(attr):
+
             def counted(*args: Any, **kwargs: Any) -> Any:
                 with self._lock:
                     self.calls[name] += 1
                 return attr(*args, **kwargs)
+
             return counted
         return attr
 

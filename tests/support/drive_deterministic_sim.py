@@ -58,8 +58,7 @@ class SimDrive:
             ``"down:VM"``: cloud to that VM). Default: 0 (immediately consistent).
     """
 
-    def __init__(self, clock: FakeClock | None = None,
-                 delay: Callable[[str, str], float] | None = None) -> None:
+    def __init__(self, clock: FakeClock | None = None, delay: Callable[[str, str], float] | None = None) -> None:
         self.clock = clock or FakeClock()
         self.delay: Callable[[str, str], float] = delay or (lambda hop, key: 0.0)
         self.cloud: dict[str, Obj] = {}
@@ -186,8 +185,11 @@ class SimDriveBackend:
 
     def list(self, prefix: str = "") -> list[ObjectInfo]:
         check_prefix(prefix, url=self.url)
-        return [ObjectInfo(k, len(o.data), o.version, o.stamp[0]) for k, o in sorted(self._view().items())
-                if o.data is not None and k.startswith(prefix)]
+        return [
+            ObjectInfo(k, len(o.data), o.version, o.stamp[0])
+            for k, o in sorted(self._view().items())
+            if o.data is not None and k.startswith(prefix)
+        ]
 
     def write(self, key: str, data: Data) -> ObjectInfo:
         check_key(key, url=self.url)
@@ -198,34 +200,51 @@ class SimDriveBackend:
     def create(self, key: str, data: Data) -> ObjectInfo:
         # Checks this VM's view only: another VM's object of the same name may be in flight.
         if self.exists(key):
-            raise PreconditionFailed(f"create of {key!r} under {self.url}: it exists on this VM",
-                                     url=self.url, key=key, expected=None,
-                                     actual=self._view()[key].version)
+            raise PreconditionFailed(
+                f"create of {key!r} under {self.url}: it exists on this VM",
+                url=self.url,
+                key=key,
+                expected=None,
+                actual=self._view()[key].version,
+            )
         return self.write(key, data)
 
     def replace(self, key: str, data: Data, version: str) -> ObjectInfo:
         obj = self._view().get(key)
         actual = None if obj is None or obj.data is None else obj.version
         if actual != version:
-            raise PreconditionFailed(f"replace of {key!r} under {self.url}: version {actual}, "
-                                     f"expected {version}", url=self.url, key=key,
-                                     expected=version, actual=actual)
+            raise PreconditionFailed(
+                f"replace of {key!r} under {self.url}: version {actual}, expected {version}",
+                url=self.url,
+                key=key,
+                expected=version,
+                actual=actual,
+            )
         return self.write(key, data)
 
     def delete(self, key: str, *, version: str | None = None) -> None:
         obj = self._get(key)
         if version is not None and obj.version != version:
-            raise PreconditionFailed(f"delete of {key!r} under {self.url}: version {obj.version}, "
-                                     f"expected {version}", url=self.url, key=key,
-                                     expected=version, actual=obj.version)
+            raise PreconditionFailed(
+                f"delete of {key!r} under {self.url}: version {obj.version}, expected {version}",
+                url=self.url,
+                key=key,
+                expected=version,
+                actual=obj.version,
+            )
         self.sim.change(self.vm, key, None)
 
     def move(self, src: str, dst: str) -> ObjectInfo:
         """The recycle ring's rename: gone from ``src``, there at ``dst`` (checked in this view)."""
         data = self.read(src)
         if self.exists(dst):
-            raise PreconditionFailed(f"move to {dst!r} under {self.url}: it exists on this VM",
-                                     url=self.url, key=dst, expected=None, actual=self._view()[dst].version)
+            raise PreconditionFailed(
+                f"move to {dst!r} under {self.url}: it exists on this VM",
+                url=self.url,
+                key=dst,
+                expected=None,
+                actual=self._view()[dst].version,
+            )
         info = self.write(dst, data)
         self.sim.change(self.vm, src, None)
         return info

@@ -93,13 +93,14 @@ class LoopbackProxy:
                 return
             if isinstance(action, int):
                 body = b'{"error": {"code": %d, "message": "injected"}}' % action
-                client.sendall(b"HTTP/1.1 %d Injected\r\nContent-Type: application/json\r\n"
-                               b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (action, len(body), body))
+                client.sendall(
+                    b"HTTP/1.1 %d Injected\r\nContent-Type: application/json\r\n"
+                    b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (action, len(body), body)
+                )
                 return
             self._forward(client, head, drop=action == "drop", then=rule[1] if rule else None)
 
-    def _forward(self, client: socket.socket, head: bytes, *, drop: bool,
-                 then: Callable[[], None] | None) -> None:
+    def _forward(self, client: socket.socket, head: bytes, *, drop: bool, then: Callable[[], None] | None) -> None:
         with socket.create_connection(("127.0.0.1", self.upstream), timeout=30) as up:
             up.sendall(head)
 

@@ -266,8 +266,9 @@ class Writer:
 class _Tap:
     """A writer's (or reader's) backend: forwards everything, reporting writes and deletes first."""
 
-    def __init__(self, inner: Any, actor: Writer | None,
-                 hook: Callable[[Writer | None, str, str, bytes | None], None]) -> None:
+    def __init__(
+        self, inner: Any, actor: Writer | None, hook: Callable[[Writer | None, str, str, bytes | None], None]
+    ) -> None:
         self._inner = inner
         self._actor = actor
         self._hook = hook
@@ -449,9 +450,17 @@ class LineageMachine(RuleBasedStateMachine):
         if view.get(LEASE):
             try:
                 rec = json.loads(view[LEASE])  # type: ignore[arg-type]
-                who = next((w.name for w in self.writers if w.mgr is not None and w.mgr.lease is not None
-                            and w.mgr.lease.record is not None
-                            and w.mgr.lease.record.holder.nonce == rec["holder"]["nonce"]), "?")
+                who = next(
+                    (
+                        w.name
+                        for w in self.writers
+                        if w.mgr is not None
+                        and w.mgr.lease is not None
+                        and w.mgr.lease.record is not None
+                        and w.mgr.lease.record.holder.nonce == rec["holder"]["nonce"]
+                    ),
+                    "?",
+                )
                 nonce = "" if self._raw.capabilities.compare_and_swap else f".{rec['holder']['nonce'][:4]}"
                 lease = f"e{rec['epoch']}{nonce}/{who}{'(released)' if rec.get('released') else ''}"
             except (ValueError, KeyError, TypeError):
@@ -467,8 +476,11 @@ class LineageMachine(RuleBasedStateMachine):
                 lineage.append(lr)
         ckpts = []
         for (s, rank), names in sorted(folders.items()):
-            mark = "" if {"manifest.json", "tensors.safetensors"} <= names else (
-                "~torn" if "manifest.json" in names else "?uncommitted")
+            mark = (
+                ""
+                if {"manifest.json", "tensors.safetensors"} <= names
+                else ("~torn" if "manifest.json" in names else "?uncommitted")
+            )
             if mark == "~torn":
                 self.stats["torn checkpoint in a view (manifest before tensors)"] += 1
             ckpts.append(f"{s}{_r(rank)}{mark}")
@@ -498,8 +510,10 @@ class LineageMachine(RuleBasedStateMachine):
 
     def _fail(self, what: str) -> None:
         story = "\n".join(self.story[-80:])
-        raise StoryFailure(f"{what}\n--- the schedule ({self.kind}, keep_last={self.keep_last}, "
-                           f"ttl={self.ttl:g}, settle={self.settle:g}) ---\n{story}")
+        raise StoryFailure(
+            f"{what}\n--- the schedule ({self.kind}, keep_last={self.keep_last}, "
+            f"ttl={self.ttl:g}, settle={self.settle:g}) ---\n{story}"
+        )
 
     def _hook(self, actor: Writer | None, op: str, key: str, data: bytes | None) -> None:
         """Every write/create/replace/delete, before (write, delete) or after (create, replace) it."""
@@ -512,8 +526,9 @@ class LineageMachine(RuleBasedStateMachine):
             if op == "delete":
                 self._ops.append(f"{tag}:del {step}{_r(rank)}/{name[:3]}")
                 if mine is None or rank > mine:
-                    self._violate(f"[2] {who} deleted {key}, a checkpoint of {_r(rank)} "
-                                  f"(a higher rank than its own, {_r(mine)})")
+                    self._violate(
+                        f"[2] {who} deleted {key}, a checkpoint of {_r(rank)} (a higher rank than its own, {_r(mine)})"
+                    )
                 if name == "manifest.json":
                     self.deleted.add((step, rank))
                     self.stats["checkpoints deleted"] += 1
@@ -525,11 +540,11 @@ class LineageMachine(RuleBasedStateMachine):
                 if actor is None or mine != rank:
                     self._violate(f"[0] {who} wrote the manifest of {key}, not under its own rank")
                 elif self.committer.get((step, rank), actor.name) != actor.name:
-                    self._violate(f"[0] {who} wrote the manifest of {key}, which "
-                                  f"{self.committer[(step, rank)]} committed")
-                elif actor.fenced_seen is not None:
                     self._violate(
-                        f"[3] {who} committed {key} after it had a higher rank in view: {actor.fenced_seen}")
+                        f"[0] {who} wrote the manifest of {key}, which {self.committer[(step, rank)]} committed"
+                    )
+                elif actor.fenced_seen is not None:
+                    self._violate(f"[3] {who} committed {key} after it had a higher rank in view: {actor.fenced_seen}")
                 if actor is not None:
                     payload = self._restoring.get(actor.name, actor.weights).payload
                     self.committed[(step, rank)] = payload
@@ -543,8 +558,7 @@ class LineageMachine(RuleBasedStateMachine):
             if mine != lr or rec["epoch"] != lr[0]:
                 self._violate(f"[0] {who} wrote {key} (epoch {rec['epoch']}), not its own rank's record")
             if lr in self.resume and self.rank_owner.get(lr) != owner:
-                self._violate(f"[0] {who} wrote lineage of {_r(lr)}, already written by "
-                              f"{self.rank_owner.get(lr)}")
+                self._violate(f"[0] {who} wrote lineage of {_r(lr)}, already written by {self.rank_owner.get(lr)}")
             self.resume[lr] = point
             self.resume_ck[lr] = self._resolve(actor, point)
             self.rank_owner.setdefault(lr, owner)
@@ -628,19 +642,21 @@ class LineageMachine(RuleBasedStateMachine):
                 if w.solo and self.clock.now > self._bound(w):
                     self._violate(
                         f"[5] {w.label()} alone since {w.opened_at - self.t0:.1f} and still not the "
-                        f"writer at {self.clock.now - self.t0:.1f} (bound {self._bound(w) - self.t0:.1f})")
+                        f"writer at {self.clock.now - self.t0:.1f} (bound {self._bound(w) - self.t0:.1f})"
+                    )
                 continue
             assert task.finished_at is not None
             if task.error is not None:
                 w.state = "failed"
-                self.story.append(f"t={task.finished_at - self.t0:7.1f} {w.label()} open failed: "
-                                  f"{type(task.error).__name__}: {task.error}")
+                self.story.append(
+                    f"t={task.finished_at - self.t0:7.1f} {w.label()} open failed: "
+                    f"{type(task.error).__name__}: {task.error}"
+                )
                 if not isinstance(task.error, LeaseHeldError):
                     raise task.error
-                self.stats['open failed (LeaseHeldError)'] += 1
+                self.stats["open failed (LeaseHeldError)"] += 1
                 if w.solo:
-                    self._violate(f"[5] {w.label()} was the only live writer and got "
-                                           f"LeaseHeldError: {task.error}")
+                    self._violate(f"[5] {w.label()} was the only live writer and got LeaseHeldError: {task.error}")
                 continue
 
     def _became_writer(self, w: Writer, mgr: CheckpointManager) -> None:
@@ -666,7 +682,8 @@ class LineageMachine(RuleBasedStateMachine):
         if w.solo and now > self._bound(w):
             self._violate(
                 f"[5] {w.label()} alone from {w.opened_at - self.t0:.1f} took over only at "
-                f"{now - self.t0:.1f} (bound {self._bound(w) - self.t0:.1f})")
+                f"{now - self.t0:.1f} (bound {self._bound(w) - self.t0:.1f})"
+            )
 
     # ------------------------------------------------------------------ rules
     @initialize(keep_last=st.integers(1, 3))
@@ -682,8 +699,9 @@ class LineageMachine(RuleBasedStateMachine):
         self._reap()
 
     @precondition(lambda self: len(self.writers) < self.max_writers)
-    @rule(data=st.data(), force=st.sampled_from((False, False, True)),
-          then_restore=st.sampled_from((True, True, False)))
+    @rule(
+        data=st.data(), force=st.sampled_from((False, False, True)), then_restore=st.sampled_from((True, True, False))
+    )
     def open_writer(self, data: st.DataObject, force: bool, then_restore: bool) -> None:
         """A newcomer starts; with ``then_restore`` it restores the moment it becomes the writer."""
         if self.sim is not None:
@@ -706,8 +724,13 @@ class LineageMachine(RuleBasedStateMachine):
 
         def body() -> CheckpointManager:
             mgr = CheckpointManager(
-                w.backend, keep_last=self.keep_last, lease_ttl=self.ttl, force=force,
-                _simulation=Simulation(heartbeat=False, clock=self.clock, sleep=self.coop.sleep), run_id="run")
+                w.backend,
+                keep_last=self.keep_last,
+                lease_ttl=self.ttl,
+                force=force,
+                _simulation=Simulation(heartbeat=False, clock=self.clock, sleep=self.coop.sleep),
+                run_id="run",
+            )
             self._became_writer(w, mgr)
             if then_restore:
                 self._restore_impl(w)
@@ -724,8 +747,10 @@ class LineageMachine(RuleBasedStateMachine):
             self._draw_with(data)
         try:
             self.stats["opens"] += 1
-            self._say(f"{w.name} starts opening on {vm}{' with force=True' if force else ''}"
-                      f"{', will restore' if then_restore else ''}")
+            self._say(
+                f"{w.name} starts opening on {vm}{' with force=True' if force else ''}"
+                f"{', will restore' if then_restore else ''}"
+            )
             w.task = self.coop.start(w.name, body)
         finally:
             self._no_draw()
@@ -772,8 +797,9 @@ class LineageMachine(RuleBasedStateMachine):
         if rp is None:
             self._say(f"{w.label()} restores: fresh start")
             if self.resume.get(w.rank, "missing") is not None:  # type: ignore[arg-type]
-                self._violate(f"[1] {w.label()} restored nothing but its lineage says "
-                              f"{self.resume.get(w.rank, 'missing')}")  # type: ignore[arg-type]
+                self._violate(
+                    f"[1] {w.label()} restored nothing but its lineage says {self.resume.get(w.rank, 'missing')}"
+                )  # type: ignore[arg-type]
             return
         w.weights = state
         w.step = rp.step
@@ -782,8 +808,9 @@ class LineageMachine(RuleBasedStateMachine):
         self._check_restored(f"{w.label()}'s restore", w.vm, rp.step, _key_rank(rp.key), state.payload)
         assert w.rank is not None
         if self.resume.get(w.rank, "missing") != (rp.step, rp.lease_epoch):
-            self._violate(f"[1] {w.label()} restored {rp.key} but its lineage record says "
-                          f"{self.resume.get(w.rank, 'missing')}")
+            self._violate(
+                f"[1] {w.label()} restored {rp.key} but its lineage record says {self.resume.get(w.rank, 'missing')}"
+            )
         else:
             self.resume_ck[w.rank] = (rp.step, _key_rank(rp.key))
 
@@ -804,9 +831,11 @@ class LineageMachine(RuleBasedStateMachine):
             w.weights.set(w.uid, step)
             w.mgr.save(w.weights, step=step)
         except LeaseLostError as exc:
-            self.stats['save refused (fenced)'] += 1
-            self._say(f"{w.label()} save step {step} refused: LeaseLostError "
-                      f"({f'fenced by epoch {exc.newer_epoch}' if exc.newer_epoch else 'stale lease'})")
+            self.stats["save refused (fenced)"] += 1
+            self._say(
+                f"{w.label()} save step {step} refused: LeaseLostError "
+                f"({f'fenced by epoch {exc.newer_epoch}' if exc.newer_epoch else 'stale lease'})"
+            )
             return
         finally:
             self._no_draw()
@@ -815,8 +844,7 @@ class LineageMachine(RuleBasedStateMachine):
         new = sorted(set(self.committed) - set(before))
         self._say(f"{w.label()} saves step {step}" + ("" if new else " (nothing committed)"))
 
-    @precondition(lambda self: len(self.writers) < self.max_writers
-                  and any(w.state == "open" for w in self.writers))
+    @precondition(lambda self: len(self.writers) < self.max_writers and any(w.state == "open" for w in self.writers))
     @rule(data=st.data(), steps=st.integers(1, 2))
     def forced_takeover_while_training(self, data: st.DataObject, steps: int) -> None:
         """The story's accident as one step: a newcomer on another VM forces the lease (and
@@ -876,15 +904,14 @@ class LineageMachine(RuleBasedStateMachine):
         """Saving is what writers do most: a second rule doubles its weight."""
         self.save(data, steps)
 
-    @precondition(lambda self: any(w.alive for w in self.writers)
-                  and sum(w.state == "dead" for w in self.writers) < 3)
+    @precondition(lambda self: any(w.alive for w in self.writers) and sum(w.state == "dead" for w in self.writers) < 3)
     @rule(data=st.data())
     def die(self, data: st.DataObject) -> None:
         w = data.draw(st.sampled_from([w for w in self.writers if w.alive]), label="writer")
         if w.state == "opening" and w.task is not None:
             self.coop.kill(w.task)
         w.state = "dead"
-        self.stats['deaths'] += 1
+        self.stats["deaths"] += 1
         self._say(f"{w.label()} dies (VM gone; nothing closed)")
 
     @precondition(lambda self: any(w.state == "open" for w in self.writers))
@@ -899,7 +926,7 @@ class LineageMachine(RuleBasedStateMachine):
         finally:
             self._no_draw()
         w.state = "closed"
-        self.stats['closes'] += 1
+        self.stats["closes"] += 1
         self._say(f"{w.label()} closes (releases the lease)")
 
     @rule(data=st.data())
@@ -909,7 +936,7 @@ class LineageMachine(RuleBasedStateMachine):
         if rp is None:
             self._say(f"reader on {vm} restores: {payload}")
             return
-        self.stats['reader restores a checkpoint'] += 1
+        self.stats["reader restores a checkpoint"] += 1
         self._say(f"reader on {vm} restores {rp.key}")
         self._check_restored(f"reader on {vm}", vm, rp.step, _key_rank(rp.key), payload)
 
@@ -931,8 +958,7 @@ class LineageMachine(RuleBasedStateMachine):
         if truth is None:
             self._violate(f"[1] {who} got step {step} of {_r(rank)}, which nobody committed")
         elif truth != payload:
-            self._violate(f"[1] {who} got step {step} of {_r(rank)} with payload {payload}, "
-                          f"committed was {truth}")
+            self._violate(f"[1] {who} got step {step} of {_r(rank)} with payload {payload}, committed was {truth}")
         if vm is None:
             return
         for key in self._view(vm):
@@ -945,8 +971,8 @@ class LineageMachine(RuleBasedStateMachine):
             point = self.resume[higher]
             if point is None or step > point[0]:
                 self._violate(
-                    f"[1] {who} got step {step} of {_r(rank)}, but {_r(higher)} (visible as "
-                    f"{key}) resumed from {point}")
+                    f"[1] {who} got step {step} of {_r(rank)}, but {_r(higher)} (visible as {key}) resumed from {point}"
+                )
 
     def _tip(self) -> tuple[int, Rank] | None:
         """The newest committed, undeleted checkpoint of the highest rank with a lineage record
@@ -961,8 +987,10 @@ class LineageMachine(RuleBasedStateMachine):
         if point is None:
             return None
         if point in self.deleted:
-            self._violate(f"[4] {_r(top)} resumed from step {point[0]} of {_r(point[1])}, which was "
-                          "deleted before it committed anything of its own")
+            self._violate(
+                f"[4] {_r(top)} resumed from step {point[0]} of {_r(point[1])}, which was "
+                "deleted before it committed anything of its own"
+            )
         return point
 
     def _expect_tip(self, where: str, backend: Any) -> None:
@@ -970,11 +998,13 @@ class LineageMachine(RuleBasedStateMachine):
         rp, payload = self._read(backend)
         got = None if rp is None else (rp.step, _key_rank(rp.key))
         if got != tip:
-            self._violate(f"[4] {where}: a reader restores {got} ({payload}); the newest "
-                          f"checkpoint of the highest rank is {tip}")
+            self._violate(
+                f"[4] {where}: a reader restores {got} ({payload}); the newest checkpoint of the highest rank is {tip}"
+            )
         elif got is not None and self.committed.get(got) != payload:
-            self._violate(f"[1] {where}: restored {got} with payload {payload}, committed "
-                          f"was {self.committed.get(got)}")
+            self._violate(
+                f"[1] {where}: restored {got} with payload {payload}, committed was {self.committed.get(got)}"
+            )
 
     @invariant()
     def invariants_hold(self) -> None:
@@ -982,8 +1012,7 @@ class LineageMachine(RuleBasedStateMachine):
         if self.sim is None:
             self._expect_tip("after this step", self._raw_backend("disk"))
         else:
-            self._expect_tip("once everything in flight is delivered",
-                             FrozenBackend(self.sim.converged_cloud()))
+            self._expect_tip("once everything in flight is delivered", FrozenBackend(self.sim.converged_cloud()))
             if self.resume:
                 top = max(self.resume)
                 owner = next((w for w in self.writers if w.name == self.rank_owner.get(top)), None)
