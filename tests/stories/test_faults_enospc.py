@@ -61,7 +61,8 @@ def test_full_disk_at_every_point_of_a_save(tmp_path):
             "--mount",
             "sh",
             "-c",
-            f'mount -t tmpfs -o size=4m tmpfs "{mnt}" && exec "{sys.executable}" -m tests.support._fault_enospc "{mnt}"',
+            f'mount -t tmpfs -o size=4m tmpfs "{mnt}" && '
+            f'exec "{sys.executable}" -m tests.support._fault_enospc "{mnt}"',
         ],
         cwd=REPO,
         capture_output=True,
