@@ -27,7 +27,7 @@ from ckptsdk.backends import open_backend
 from ckptsdk.backends.base import Backend
 from ckptsdk.checkpoint.catalog import CheckpointInfo
 from ckptsdk.checkpoint.reader import CheckpointReader, ResumePoint, resume_point
-from ckptsdk.checkpoint.rotation import LEFTOVER_GRACE_S, RETENTION_MODES, GcReport, Rotation
+from ckptsdk.checkpoint.rotation import LEFTOVER_GRACE_S, GcReport, Rotation
 from ckptsdk.checkpoint.saving import SavePipeline
 from ckptsdk.errors import BackendError, CheckpointError, ConfigError, LeaseLostError, NoValidCheckpointError
 from ckptsdk.format.manifest import FileEntry, Position
@@ -181,8 +181,6 @@ class CheckpointManager(CheckpointReader):
         if retention_mode is None:
             caps = self._backend.capabilities
             retention_mode = "recycle" if caps.trash_on_delete and caps.rewrite_in_place else "delete"
-        if retention_mode not in RETENTION_MODES:
-            raise ConfigError(f"retention_mode must be one of {RETENTION_MODES}, got {retention_mode!r}")
         self._rotation = Rotation(
             self.backend, keep_last=keep_last, keep_every=keep_every, mode=retention_mode, leftover_grace=leftover_grace
         )

@@ -8,55 +8,27 @@ to the manager.
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Callable, Iterable, MutableMapping
 from dataclasses import dataclass, field, replace
 
 from ckptsdk.backends.base import Backend, ObjectInfo
+from ckptsdk.checkpoint.lineage import superseded_by
 from ckptsdk.errors import BackendError, LeaseError, ManifestError, ObjectNotFound
+from ckptsdk.format.layout import (
+    CKPT_PREFIX,
+    LINEAGE_PREFIX,
+    MANIFEST,
+    Rank,
+    lineage_key,
+    lineage_rank,
+    outranks,
+    parse_folder,
+    writer_tag,
+)
 from ckptsdk.format.manifest import LineageRecord, Manifest, parse_lineage, parse_manifest
 from ckptsdk.lease.record import LEASE_KEY, LeaseRecord, parse_lease
 
 logger = logging.getLogger(__name__)
-
-CKPT_PREFIX = "step-"
-MANIFEST = "manifest.json"
-TENSORS = "tensors.safetensors"
-LINEAGE_PREFIX = "lineage/"
-
-_DIR_RE = re.compile(r"^step-(\d{10,})\.e(\d+)(?:\.([0-9a-f]{8}))?$")
-_LINEAGE_RE = re.compile(r"^lineage/epoch-(\d+)(?:\.([0-9a-f]{8}))?\.json$")
-
-# A writer's rank: its lease epoch, then its tag. On stores with compare-and-swap every epoch
-# has one writer and the tag is "". Where exclusion is only advisory (Drive), two VMs can both
-# believe they took the same epoch; the tag (the first 8 hex digits of the lease nonce) keeps
-# their names apart and orders them: the lower rank is superseded, exactly like a lower epoch.
-Rank = tuple[int, str]
-
-#: Hex digits of the lease nonce that make a writer's tag (and order writers of one epoch).
-TAG_DIGITS = 8
-
-
-def writer_tag(nonce: str, *, compare_and_swap: bool) -> str:
-    """The tag a writer carries in its names: empty where compare-and-swap makes every epoch
-    exclusive, else the first ``TAG_DIGITS`` hex digits of its lease nonce (see ``Rank``)."""
-    return "" if compare_and_swap else nonce[:TAG_DIGITS]
-
-
-def checkpoint_dir(step: int, epoch: int, tag: str = "") -> str:
-    """The folder of one checkpoint: unique per (step, writer), so two writers never collide."""
-    return f"step-{step:010d}.e{epoch}" + (f".{tag}" if tag else "")
-
-
-def folder_rank(key: str) -> tuple[int, Rank] | None:
-    """(step, writer rank) of the checkpoint folder ``key`` lies in, or None if it is not in one."""
-    m = _DIR_RE.match(key.partition("/")[0])
-    return None if m is None else (int(m.group(1)), (int(m.group(2)), m.group(3) or ""))
-
-
-def lineage_key(epoch: int, tag: str = "") -> str:
-    """Where the takeover record of the writer (``epoch``, ``tag``) lives."""
-    return f"lineage/epoch-{epoch:06d}" + (f".{tag}" if tag else "") + ".json"
 
 
 @dataclass(frozen=True)
@@ -180,7 +152,7 @@ class Catalog:
         for c in self.checkpoints:
             if c.committed or c.key in busy:
                 continue
-            if rank is not None and c.rank > rank:
+            if rank is not None and outranks(c.rank, rank):
                 continue
             age = None if now is None or c.mtime is None else max(0.0, now - c.mtime)
             if rank is not None and c.rank == rank:
@@ -216,7 +188,7 @@ def scan(backend: Backend, *, cache: MutableMapping[tuple[str, str], object] | N
     folders: dict[str, dict[str, ObjectInfo]] = {}
     for obj in backend.list(CKPT_PREFIX):
         folder, _, name = obj.key.partition("/")
-        if _DIR_RE.match(folder) and name and "/" not in name:
+        if parse_folder(folder) is not None and name and "/" not in name:
             folders.setdefault(folder, {})[name] = obj
 
     lineage: dict[Rank, LineageRecord] = {}
@@ -224,12 +196,11 @@ def scan(backend: Backend, *, cache: MutableMapping[tuple[str, str], object] | N
     max_rank: Rank = (0, "")
     lineage_objs = backend.list(LINEAGE_PREFIX)
     for obj in lineage_objs:
-        m = _LINEAGE_RE.match(obj.key)
-        if not m:
+        rank = lineage_rank(obj.key)
+        if rank is None:
             continue
         if obj.mtime is not None:
             lineage_mtimes.append(obj.mtime)
-        rank = (int(m.group(1)), m.group(2) or "")
         cached = memo.get((obj.key, obj.version))
         record = cached if isinstance(cached, LineageRecord) else None
         if record is None:
@@ -250,10 +221,10 @@ def scan(backend: Backend, *, cache: MutableMapping[tuple[str, str], object] | N
     # First pass: manifests (commit markers) and sizes.
     parsed: list[tuple[int, Rank, str, dict[str, ObjectInfo], Manifest | None, str | None]] = []
     for folder, files in sorted(folders.items()):
-        m = _DIR_RE.match(folder)
-        assert m is not None
-        step, epoch = int(m.group(1)), int(m.group(2))
-        rank = (epoch, m.group(3) or "")
+        named = parse_folder(folder)
+        assert named is not None
+        step, rank = named
+        epoch = rank[0]
         max_rank = max(max_rank, rank)
         manifest: Manifest | None = None
         reason: str | None = None
@@ -296,7 +267,7 @@ def scan(backend: Backend, *, cache: MutableMapping[tuple[str, str], object] | N
 
     checkpoints = []
     for step, rank, folder, files, manifest, reason in parsed:
-        orphan_of = _superseded_by(step, rank, resume_points)
+        orphan_of = superseded_by(step, rank, resume_points)
         orphan = orphan_of is not None
         if reason is None and orphan_of is not None:
             newer, point = orphan_of
@@ -375,7 +346,7 @@ def _resume_points(
             held is not None
             and (held.epoch, held.attempt, held.run_id, held.holder.host, held.holder.pid)
             == (record.epoch, record.attempt, record.run_id, record.host, record.pid)
-            and rank[1] in ("", held.holder.nonce[:8])
+            and rank[1] in ("", writer_tag(held.holder.nonce, compare_and_swap=False))
         ):
             return True  # its writer holds (or last held) the lease
         # Where a zombie's late write can put an older lease back (Drive), the lease cannot
@@ -455,15 +426,4 @@ def _check_files(manifest: Manifest, files: dict[str, ObjectInfo], step: int, ep
             return f"torn: {entry.name} is missing"
         if obj.size != entry.size:
             return f"torn: {entry.name} has {obj.size} bytes, the manifest says {entry.size}"
-    return None
-
-
-def _superseded_by(step: int, rank: Rank, resume_points: dict[Rank, int | None]) -> tuple[Rank, int | None] | None:
-    """The newer writer that makes (step, rank) an orphan, and where it resumed from; else None."""
-    for newer in sorted(resume_points, reverse=True):
-        if newer <= rank:
-            break
-        point = resume_points[newer]
-        if point is None or step > point:
-            return newer, point
     return None

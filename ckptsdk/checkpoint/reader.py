@@ -17,9 +17,10 @@ from pydantic import JsonValue
 
 from ckptsdk.backends.base import Backend
 from ckptsdk.checkpoint import catalog as _catalog
-from ckptsdk.checkpoint.catalog import MANIFEST, TENSORS, CheckpointInfo
+from ckptsdk.checkpoint.catalog import CheckpointInfo
 from ckptsdk.errors import CorruptCheckpointError, ManifestError, NoValidCheckpointError
 from ckptsdk.format import codec
+from ckptsdk.format.layout import MANIFEST, TENSORS
 from ckptsdk.format.manifest import Manifest
 from ckptsdk.format.skeleton import tensor_paths
 from ckptsdk.format.tensorfile import read_tensorfile, verify_file

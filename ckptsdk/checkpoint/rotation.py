@@ -15,19 +15,33 @@ from dataclasses import dataclass, field
 
 from ckptsdk.backends.base import Backend, rewriter
 from ckptsdk.checkpoint import retention
-from ckptsdk.checkpoint.catalog import MANIFEST, Catalog, CheckpointInfo, Rank, folder_rank
+from ckptsdk.checkpoint.catalog import Catalog, CheckpointInfo
 from ckptsdk.checkpoint.usage import record_trash
-from ckptsdk.errors import LeaseLostError, ObjectNotFound
+from ckptsdk.errors import ConfigError, LeaseLostError, ObjectNotFound
+from ckptsdk.format.layout import MANIFEST, Rank, folder_rank, outranks
 from ckptsdk.lease.acquire import Lease
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["GcReport", "Rotation", "RETENTION_MODES", "LEFTOVER_GRACE_S"]
+__all__ = ["GcReport", "Rotation", "RETENTION_MODES", "LEFTOVER_GRACE_S", "check_retention_mode"]
 
 # "delete": rotated-out checkpoints are deleted. "recycle": the writer's oldest rotated-out
 # checkpoint gives its tensor file to the next save (renamed, rewritten in place), so a store
 # whose deletes go to a trash (Drive) receives no full-size file in the steady state.
 RETENTION_MODES = ("delete", "recycle")
+
+
+def check_retention_mode(mode: str) -> str:
+    """``mode`` if it is one of ``RETENTION_MODES``: the one check of the option, wherever it comes from.
+
+    Raises:
+        ConfigError: an unknown mode (the message lists the known ones).
+    """
+    if mode not in RETENTION_MODES:
+        raise ConfigError(f"retention_mode must be one of {RETENTION_MODES}, got {mode!r}")
+    return mode
+
+
 # Without compare-and-swap (Drive), an uncommitted folder of another writer may still be receiving
 # an upload from a VM whose writes reach us late: it goes only once the store's own times say it
 # has been silent this long.
@@ -67,13 +81,11 @@ class Rotation:
         mode: str = "delete",
         leftover_grace: float = LEFTOVER_GRACE_S,
     ) -> None:
-        if mode not in RETENTION_MODES:
-            raise ValueError(f"retention mode must be one of {RETENTION_MODES}, got {mode!r}")
+        self.mode = check_retention_mode(mode)
         self.backend = backend
         self.url = backend.url
         self.keep_last = keep_last
         self.keep_every = keep_every
-        self.mode = mode
         self.leftover_grace = leftover_grace
         self.trashed_bytes = 0  # what this writer sent to the trash (stores with one)
         self.trashed_files = 0
@@ -107,13 +119,13 @@ class Rotation:
             logger.warning("lease lost after a commit under %s: rotation deletes nothing", self.url)
             return
         cat = scan()
-        if cat.max_rank > rank:
+        if outranks(cat.max_rank, rank):
             lease.fence(f"saw epoch {cat.max_epoch} under {self.url}", cat.max_epoch)
             logger.warning(
                 "a newer writer (epoch %d) exists under %s: rotation deletes nothing", cat.max_epoch, self.url
             )
             return
-        mine = [c for c in cat.checkpoints if c.valid and c.rank <= rank]
+        mine = [c for c in cat.checkpoints if c.valid and not outranks(c.rank, rank)]
         # Where writes reach the cloud late and out of order (Drive), a rotation's small deletes
         # can arrive long before the new checkpoint's tensor file: rotate one save late, so the
         # newest checkpoint has a whole save interval to upload before its predecessor goes.
@@ -138,7 +150,7 @@ class Rotation:
         # folder. Those of this writer's lineage go by the same rule; never a higher writer's.
         def ours(key: str) -> bool:
             found = folder_rank(key)
-            return found is not None and found[1] <= rank
+            return found is not None and not outranks(found[1], rank)
 
         lease.check()
         for key in self.backend.sweep(0.0 if exclusive else self.leftover_grace, only=ours):
@@ -195,10 +207,10 @@ class Rotation:
         delete of that file (by its Drive identity) would then hit our new checkpoint.
         Returns None when nothing is due (the caller writes a new file).
         """
-        if not self.recycles or cat.max_rank > rank:
+        if not self.recycles or outranks(cat.max_rank, rank):
             return None
         lease.check()
-        mine = [c for c in cat.checkpoints if c.valid and c.rank <= rank]
+        mine = [c for c in cat.checkpoints if c.valid and not outranks(c.rank, rank)]
         probe = CheckpointInfo(step=step, epoch=rank[0], tag=rank[1], key="", size=0, committed=True, valid=True)
         doomed = self.beyond_retention(
             mine + [probe], self.keep_last + self.late, self._protected(mine, rank, resumed_from)

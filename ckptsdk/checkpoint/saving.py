@@ -18,28 +18,22 @@ import queue
 import socket
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
 from ckptsdk.backends.base import Backend, Rewritable, copier, rewriter
-from ckptsdk.checkpoint.catalog import (
-    MANIFEST,
-    TENSORS,
-    Catalog,
-    CheckpointInfo,
-    Rank,
-    checkpoint_dir,
-    lineage_key,
-    writer_tag,
-)
+from ckptsdk.checkpoint.catalog import Catalog, CheckpointInfo
+from ckptsdk.checkpoint.lineage import Writer
 from ckptsdk.checkpoint.rotation import Rotation
 from ckptsdk.checkpoint.staging import Stager, tensor_key
 from ckptsdk.errors import CheckpointError, LeaseLostError, ObjectNotFound, PreconditionFailed
 from ckptsdk.format import codec
 from ckptsdk.format.digest import DEFAULT as DIGEST_ALGORITHM
-from ckptsdk.format.manifest import Environment, FileEntry, LineageRecord, Manifest, Position, Writer
+from ckptsdk.format.layout import MANIFEST, TENSORS, Rank
+from ckptsdk.format.manifest import Environment, FileEntry, LineageRecord, Manifest, Position
+from ckptsdk.format.manifest import Writer as WriterRecord
 from ckptsdk.format.tensorfile import write_tensorfile
 from ckptsdk.lease.acquire import Lease
 from ckptsdk.runlog.writer import RunLog
@@ -150,14 +144,35 @@ class SavePipeline:
         self._memo = memo
         record = lease.record
         assert record is not None
-        self.tag = writer_tag(record.holder.nonce, compare_and_swap=backend.capabilities.compare_and_swap)
-        self.rank: Rank = (lease.epoch, self.tag)
-        self.resumed_from: CheckpointInfo | None = None
+        self.writer = Writer.of(
+            epoch=lease.epoch, nonce=record.holder.nonce, compare_and_swap=backend.capabilities.compare_and_swap
+        )
+        self._resumed_from: CheckpointInfo | None = None
         self._bg = _BackgroundSave()
         self._stager: Stager | None = None
         self._lineage_written = False
         self._abandoned = threading.Event()
         self._committed: dict[str, CheckpointInfo] = {}
+
+    @property
+    def tag(self) -> str:
+        """This writer's tag in its names (see :mod:`ckptsdk.format.layout`)."""
+        return self.writer.tag
+
+    @property
+    def rank(self) -> Rank:
+        """This writer's (lease epoch, tag)."""
+        return self.writer.rank
+
+    @property
+    def resumed_from(self) -> CheckpointInfo | None:
+        """The checkpoint this writer resumed from (None: a fresh start, or not restored yet)."""
+        return self._resumed_from
+
+    @resumed_from.setter
+    def resumed_from(self, info: CheckpointInfo | None) -> None:
+        self._resumed_from = info
+        self.writer = replace(self.writer, resumed_from=None if info is None else info.step)
 
     @property
     def busy(self) -> bool:
@@ -192,7 +207,7 @@ class SavePipeline:
         """
         self._bg.wait()  # one save in flight (the staging buffers are its); its failure surfaces here
         self.lease.check()
-        folder = checkpoint_dir(step, self.lease.epoch, self.tag)
+        folder = self.writer.folder(step)
         done = self._committed.get(folder)
         if done is not None:
             logger.debug("step %d already committed as %s; not saving it twice", step, folder)
@@ -339,13 +354,13 @@ class SavePipeline:
         manifest = Manifest(
             step=step,
             position=position,
-            writer=Writer(
+            writer=WriterRecord(
                 run_id=self.lease.run_id,
                 attempt=self.lease.attempt,
                 lease_epoch=self.lease.epoch,
                 host=socket.gethostname(),
                 pid=os.getpid(),
-                resumed_from_step=self.resumed_from.step if self.resumed_from else None,
+                resumed_from_step=self.writer.resumed_from,
             ),
             files=files,
             tree=skeleton,
@@ -384,7 +399,7 @@ class SavePipeline:
         """
         manifest = source.manifest
         assert manifest is not None
-        folder = checkpoint_dir(manifest.step, self.lease.epoch, self.tag)
+        folder = self.writer.folder(manifest.step)
         device = manifest.environment.device or "cpu"
         copying = copier(self.backend)
         if copying is not None:
@@ -432,7 +447,7 @@ class SavePipeline:
         )
         self.lease.check()
         try:
-            self.backend.create(lineage_key(self.lease.epoch, self.tag), record.to_json())
+            self.backend.create(self.writer.lineage_key, record.to_json())
         except PreconditionFailed as exc:
             # Only the holder of this epoch writes this key: someone else did -> we lost the lease.
             self.lease.fence(f"lineage record of epoch {self.lease.epoch} already exists", None)
@@ -446,7 +461,7 @@ class SavePipeline:
 
     def fence_if_newer(self, seen: Rank) -> None:
         """Fence this writer (and raise ``LeaseLostError``) if ``seen`` outranks it."""
-        if seen > self.rank:
+        if self.writer.fenced_by(seen):
             self.lease.fence(f"saw a newer writer (epoch {seen[0]}) under {self.url}", seen[0])
             self.lease.check()  # raises LeaseLostError
 

@@ -15,9 +15,10 @@ from typing import Any, ClassVar
 from pydantic import Field
 
 from ckptsdk.backends.base import Backend
-from ckptsdk.checkpoint.catalog import Catalog, Rank, scan
+from ckptsdk.checkpoint.catalog import Catalog, scan
 from ckptsdk.errors import BackendError, CkptError, DataError, ObjectNotFound
 from ckptsdk.format.document import Document, UtcTime, parse_document, utc_now
+from ckptsdk.format.layout import Rank
 
 logger = logging.getLogger(__name__)
 

@@ -102,7 +102,7 @@ def _tensor_rows(mgr: Any, key: str) -> list[dict[str, Any]]:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    from ckptsdk.checkpoint.catalog import TENSORS
+    from ckptsdk.format.layout import TENSORS
 
     mgr = manager(args)
     info = mgr.pick(args.step)

@@ -27,7 +27,7 @@ from ckptsdk import errors
 from ckptsdk.backends import open_backend
 from ckptsdk.backends.base import Backend
 from ckptsdk.checkpoint import catalog as _catalog
-from ckptsdk.checkpoint.catalog import CheckpointInfo, checkpoint_dir, writer_tag
+from ckptsdk.checkpoint.catalog import CheckpointInfo
 from ckptsdk.distributed.collective import all_min, broadcast_json, gather_json
 from ckptsdk.distributed.metadata import metadata_from_json
 from ckptsdk.distributed.payload import PAYLOAD_FORMAT, file_table, local_file, read_payload
@@ -35,6 +35,7 @@ from ckptsdk.distributed.storage import CkptStorageReader, CkptStorageWriter, Js
 from ckptsdk.errors import CkptError, ConfigError, CorruptCheckpointError, StateMismatchError
 from ckptsdk.format import codec
 from ckptsdk.format.digest import DEFAULT as DIGEST_ALGORITHM
+from ckptsdk.format.layout import checkpoint_dir, writer_tag
 from ckptsdk.format.manifest import FileEntry
 from ckptsdk.format.tensorfile import read_tensorfile, write_tensorfile
 from ckptsdk.manager import CheckpointManager, ResumePoint, Simulation, save_due

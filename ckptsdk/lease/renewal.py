@@ -13,9 +13,9 @@ from collections.abc import Callable
 from typing import Any
 
 from ckptsdk.backends.base import Backend
-from ckptsdk.checkpoint.catalog import writer_tag
 from ckptsdk.errors import BackendError, LeaseError, LeaseLostError, ObjectNotFound, PreconditionFailed
 from ckptsdk.format.document import utc_now
+from ckptsdk.format.layout import outranks, writer_tag
 from ckptsdk.lease.record import LEASE_KEY, LeaseRecord, parse_lease
 
 # One logger for the whole lease protocol, whichever module a message comes from.
@@ -200,16 +200,9 @@ class HeldLease:
         # Same epoch, another nonce: with compare-and-swap that writer won the epoch. Without it
         # (Drive) two VMs can both believe they took it; they are ordered by nonce, like the
         # tags in their folder names, and only the lower one steps back.
-        same_epoch_wins = (
-            seen.epoch == ours.epoch
-            and not seen.released
-            and (
-                self._cas
-                or writer_tag(seen.holder.nonce, compare_and_swap=False)
-                > writer_tag(ours.holder.nonce, compare_and_swap=False)
-            )
-        )
-        if seen.epoch > ours.epoch or same_epoch_wins:
+        same_epoch_wins = seen.epoch == ours.epoch and not seen.released and self._cas
+        seen_rank = (seen.epoch, "" if seen.released else writer_tag(seen.holder.nonce, compare_and_swap=False))
+        if same_epoch_wins or outranks(seen_rank, (ours.epoch, writer_tag(ours.holder.nonce, compare_and_swap=False))):
             self._fence(f"the lease now belongs to {seen.describe()}", seen.epoch, seen.model_dump(mode="json"))
             self.check()
         # An older epoch's record landing after ours: a zombie's delayed write (Drive). Ours is

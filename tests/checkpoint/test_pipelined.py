@@ -18,7 +18,7 @@ from adapters.cifar10.model import build_model
 from ckptsdk import CheckpointManager, TrainState
 from ckptsdk.backends.memory import MemoryBackend
 from ckptsdk.checkpoint import staging
-from ckptsdk.checkpoint.catalog import TENSORS
+from ckptsdk.format.layout import TENSORS
 
 
 def _sgd_job(seed: int = 0):

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from ckptsdk import CheckpointManager, TrainState, open_backend
-from ckptsdk.checkpoint.catalog import MANIFEST, TENSORS, checkpoint_dir
 from ckptsdk.errors import BackendError, CheckpointError, LeaseLostError
+from ckptsdk.format.layout import MANIFEST, TENSORS, checkpoint_dir
 from ckptsdk.manager import Simulation
 from ckptsdk.testing import FaultyBackend
 

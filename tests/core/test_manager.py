@@ -16,7 +16,6 @@ import torch
 
 import ckptsdk
 from ckptsdk import CheckpointManager, TrainState
-from ckptsdk.checkpoint.catalog import MANIFEST, TENSORS, checkpoint_dir
 from ckptsdk.errors import (
     BackendError,
     ConfigError,
@@ -26,6 +25,7 @@ from ckptsdk.errors import (
     StateMismatchError,
 )
 from ckptsdk.format.document import seal
+from ckptsdk.format.layout import MANIFEST, TENSORS, checkpoint_dir
 from ckptsdk.testing import FaultyBackend
 
 

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from ckptsdk import CheckpointManager
-from ckptsdk.checkpoint.catalog import checkpoint_dir
 from ckptsdk.errors import CorruptCheckpointError
 from ckptsdk.format.digest import DEFAULT as DIGEST_ALGORITHM
+from ckptsdk.format.layout import checkpoint_dir
 from ckptsdk.format.manifest import FileEntry
 from ckptsdk.format.tensorfile import write_tensorfile
 from ckptsdk.manager import Simulation

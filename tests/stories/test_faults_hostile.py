@@ -31,9 +31,9 @@ import torch
 import xxhash
 
 from ckptsdk import CheckpointManager
-from ckptsdk.checkpoint.catalog import MANIFEST, TENSORS
 from ckptsdk.errors import ConfigError, CorruptCheckpointError, DataError, LeaseError
 from ckptsdk.format.document import seal
+from ckptsdk.format.layout import MANIFEST, TENSORS
 from ckptsdk.manager import Simulation
 from tests.support._fault_state import expected, make_state, observe
 

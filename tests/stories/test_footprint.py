@@ -14,8 +14,9 @@ import torch
 
 from ckptsdk import CheckpointManager, TrainState
 from ckptsdk.backends import open_backend
-from ckptsdk.checkpoint.catalog import TENSORS, checkpoint_dir, scan
+from ckptsdk.checkpoint.catalog import scan
 from ckptsdk.checkpoint.usage import record_trash, usage
+from ckptsdk.format.layout import TENSORS, checkpoint_dir
 from ckptsdk.manager import Simulation
 
 

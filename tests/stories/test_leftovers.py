@@ -22,7 +22,8 @@ import torch
 
 from ckptsdk import CheckpointManager, TrainState
 from ckptsdk.backends.local import TMP_PREFIX
-from ckptsdk.checkpoint.catalog import TENSORS, scan
+from ckptsdk.checkpoint.catalog import scan
+from ckptsdk.format.layout import TENSORS
 from ckptsdk.manager import Simulation
 from ckptsdk.testing.drive_sim import DriveSim
 from tests.support.counting import CountingBackend

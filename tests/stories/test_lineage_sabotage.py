@@ -27,7 +27,7 @@ def test_the_machine_catches_restoring_orphans(monkeypatch: pytest.MonkeyPatch) 
     """Sabotage: the catalog never marks a superseded writer's checkpoints as orphans."""
     from ckptsdk.checkpoint import catalog
 
-    monkeypatch.setattr(catalog, "_superseded_by", lambda step, rank, points: None)
+    monkeypatch.setattr(catalog, "superseded_by", lambda step, rank, points: None)
     _expect_story_failure(DriveLateLineage, r"\[[14]\]")
 
 

@@ -1,0 +1,87 @@
+"""Every key of a checkpoint root, and the writer rank its names carry: the one home of both.
+
+A folder ``step-0000005700.e2[.tag]`` and a record ``lineage/epoch-000002[.tag].json`` are
+formatted and parsed here and nowhere else, as are the writer tag and the order of writer ranks.
+What a root's objects mean (committed, orphaned, restorable) is the catalog's; the lease record
+itself is :mod:`ckptsdk.lease.record`'s.
+"""
+
+from __future__ import annotations
+
+import re
+
+__all__ = [
+    "CKPT_PREFIX",
+    "LINEAGE_PREFIX",
+    "MANIFEST",
+    "TAG_DIGITS",
+    "TENSORS",
+    "Rank",
+    "checkpoint_dir",
+    "folder_rank",
+    "lineage_key",
+    "lineage_rank",
+    "outranks",
+    "parse_folder",
+    "writer_tag",
+]
+
+CKPT_PREFIX = "step-"
+MANIFEST = "manifest.json"
+TENSORS = "tensors.safetensors"
+LINEAGE_PREFIX = "lineage/"
+
+#: Hex digits of the lease nonce that make a writer's tag (and order writers of one epoch).
+TAG_DIGITS = 8
+
+_TAG = f"[0-9a-f]{{{TAG_DIGITS}}}"
+_DIR_RE = re.compile(rf"^step-(\d{{10,}})\.e(\d+)(?:\.({_TAG}))?$")
+_LINEAGE_RE = re.compile(rf"^lineage/epoch-(\d+)(?:\.({_TAG}))?\.json$")
+
+# A writer's rank: its lease epoch, then its tag. On stores with compare-and-swap every epoch
+# has one writer and the tag is "". Where exclusion is only advisory (Drive), two VMs can both
+# believe they took the same epoch; the tag (the first TAG_DIGITS hex digits of the lease nonce)
+# keeps their names apart and orders them: the lower rank is superseded, exactly like a lower epoch.
+Rank = tuple[int, str]
+
+
+def writer_tag(nonce: str, *, compare_and_swap: bool) -> str:
+    """The tag a writer carries in its names: empty where compare-and-swap makes every epoch
+    exclusive, else the first ``TAG_DIGITS`` hex digits of its lease nonce (see ``Rank``)."""
+    return "" if compare_and_swap else nonce[:TAG_DIGITS]
+
+
+def outranks(seen: Rank, mine: Rank) -> bool:
+    """Whether the writer ``seen`` supersedes the writer ``mine``: the one fencing comparison.
+
+    A higher epoch wins; within one epoch (two Drive VMs that both believed they took it) the
+    higher tag wins. Equal ranks are the same writer.
+    """
+    return seen > mine
+
+
+def checkpoint_dir(step: int, epoch: int, tag: str = "") -> str:
+    """The folder of one checkpoint: unique per (step, writer), so two writers never collide."""
+    return f"step-{step:010d}.e{epoch}" + (f".{tag}" if tag else "")
+
+
+def parse_folder(folder: str) -> tuple[int, Rank] | None:
+    """(step, writer rank) of a checkpoint folder's name, or None if ``folder`` is not one."""
+    m = _DIR_RE.match(folder)
+    return None if m is None else (int(m.group(1)), (int(m.group(2)), m.group(3) or ""))
+
+
+def folder_rank(key: str) -> tuple[int, Rank] | None:
+    """(step, writer rank) of the checkpoint folder ``key`` lies in, or None if it is not in one."""
+    return parse_folder(key.partition("/")[0])
+
+
+def lineage_key(epoch: int, tag: str = "") -> str:
+    """Where the takeover record of the writer (``epoch``, ``tag``) lives."""
+    return f"lineage/epoch-{epoch:06d}" + (f".{tag}" if tag else "") + ".json"
+
+
+def lineage_rank(key: str) -> Rank | None:
+    """The writer rank a lineage record's key names, or None if ``key`` is not one."""
+    m = _LINEAGE_RE.match(key)
+    return None if m is None else (int(m.group(1)), m.group(2) or "")
