@@ -10,6 +10,7 @@ step; we time the signal to the committed checkpoint and to the process's exit.
 
     python -m benchmarks.bench_overhead                    # 2-5 min on a 2-core VM (width 16, batch 32)
     python -m benchmarks.bench_overhead --width 64 --batch-size 128 --steps 300   # ResNet-18 proper
+    python -m benchmarks.bench_overhead --step gpu-like     # a T4's step, 0/20/50 ms per call (gpu_like.py)
 
 Overhead = (time of K steps with saves) / (time of K steps without) - 1, the configurations
 taking turns in blocks of 10 steps so that the drifting load of a shared machine hits all alike;
@@ -201,6 +202,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dir", default=None, help="where to write (default: a temp dir on a real disk)")
     ap.add_argument("--json-out", default=None)
     ap.add_argument("--no-sigterm", action="store_true", help="skip the SIGTERM measurement")
+    ap.add_argument(
+        "--step",
+        choices=("cifar", "gpu-like"),
+        default="cifar",
+        help="cifar: the CPU job (default); gpu-like: a T4's step as a sleep + the SGD update, at 0/20/50 ms "
+        "per storage call (see benchmarks/gpu_like.py)",
+    )
     ap.add_argument("--_child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--root", help=argparse.SUPPRESS)
     ap.add_argument("--latency", type=float, default=0.0, help=argparse.SUPPRESS)
@@ -209,6 +217,10 @@ def main(argv: list[str] | None = None) -> int:
     if args._child:
         sigterm_child(args)
         return 0
+    if args.step == "gpu-like":
+        from benchmarks import gpu_like
+
+        return gpu_like.main(args)
 
     latency = args.latency_ms / 1000.0
     report: dict[str, Any] = {

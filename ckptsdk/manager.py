@@ -29,6 +29,7 @@ from ckptsdk.checkpoint.catalog import CheckpointInfo
 from ckptsdk.checkpoint.reader import CheckpointReader, ResumePoint, resume_point
 from ckptsdk.checkpoint.rotation import LEFTOVER_GRACE_S, GcReport, Rotation
 from ckptsdk.checkpoint.saving import SavePipeline
+from ckptsdk.checkpoint.scheduling import SaveStats
 from ckptsdk.errors import BackendError, CheckpointError, ConfigError, LeaseLostError, NoValidCheckpointError
 from ckptsdk.format.manifest import FileEntry, Position
 from ckptsdk.format.userfield import user_fields
@@ -115,6 +116,11 @@ class CheckpointManager(CheckpointReader):
             silent, by the store's own times, before it is removed where the store has no
             compare-and-swap (Drive: another VM may still be uploading it). Elsewhere such
             folders go at once.
+        max_staging_bytes: host memory the snapshots of non-blocking saves may hold. A save due
+            while the previous one is still writing never waits: its snapshot goes to a second
+            staging buffer (a newer one replaces it while it waits). When that second buffer
+            would exceed this bound, the due save is skipped and counted in ``stats``. None: no
+            bound (at most two snapshots of the state).
         _simulation: tests and benchmarks only (see :class:`Simulation`).
 
     Example:
@@ -149,6 +155,7 @@ class CheckpointManager(CheckpointReader):
         run_id: str | None = None,
         retention_mode: str | None = None,
         leftover_grace: float = LEFTOVER_GRACE_S,
+        max_staging_bytes: int | None = None,
         _simulation: Simulation | None = None,
     ) -> None:
         if keep_last < 1:
@@ -213,7 +220,14 @@ class CheckpointManager(CheckpointReader):
             background=True,
         )
         self._saving = SavePipeline(
-            self.backend, self.lease, runlog=self.runlog, rotation=self._rotation, scan=self._scan, memo=self._memo
+            self.backend,
+            self.lease,
+            runlog=self.runlog,
+            rotation=self._rotation,
+            scan=self._scan,
+            memo=self._memo,
+            max_staging_bytes=max_staging_bytes,
+            clock=sim.clock,
         )
         # An interpreter exit with a save in flight waits for it (or says it abandons it).
         atexit.register(_close_at_exit, weakref.ref(self))
@@ -243,6 +257,19 @@ class CheckpointManager(CheckpointReader):
             self._saving.backend = backend
         if self.runlog is not None:
             self.runlog.backend = backend
+
+    @property
+    def stats(self) -> SaveStats:
+        """Saves committed, replaced (by a newer one while waiting), skipped, failed; save times.
+
+        Example:
+            >>> mgr = CheckpointManager("memory://stats", lease_ttl=5)
+            >>> _ = mgr.save({"w": torch.ones(2)}, step=1)
+            >>> mgr.stats.committed, mgr.stats.replaced, mgr.stats.skipped
+            (1, 0, 0)
+            >>> mgr.close()
+        """
+        return SaveStats() if self._saving is None else self._saving.stats
 
     @property
     def preempted(self) -> bool:

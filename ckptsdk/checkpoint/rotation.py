@@ -10,7 +10,7 @@ checkpoints, leftovers and temp files without the lease. Which steps to keep is
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ckptsdk.backends.base import Backend, rewriter
@@ -104,27 +104,29 @@ class Rotation:
         return self.mode == "recycle" and rewriter(self.backend) is not None
 
     def rotate(
-        self, lease: Lease, rank: Rank, scan: Callable[[], Catalog], resumed_from: CheckpointInfo | None
-    ) -> None:
-        """Delete what retention allows, of this lineage only, unless fenced.
+        self, lease: Lease, rank: Rank, cat: Catalog, resumed_from: CheckpointInfo | None, *, tidy: bool = True
+    ) -> set[str]:
+        """Delete what retention allows, of this lineage only, unless fenced; the folders deleted.
 
-        The lease was renewed just before the manifest was published (and the heartbeat keeps
-        watching); a fresh listing (``scan()``) then shows any newer writer. Safety does not rest on
-        this check's timing: a takeover anchors its resume point under its own rank, which no
-        lower-ranked writer ever deletes.
+        Runs after a commit, on the writer's own catalog ``cat`` (kept in memory from its
+        commits, relisted now and then): the renewal right before the commit was the fence, the
+        heartbeat keeps watching (``lease.check()`` before each delete), and safety does not rest
+        on timing anyway: a takeover anchors its resume point under its own rank, which no
+        lower-ranked writer ever deletes. ``tidy`` (when ``cat`` is a fresh listing: at the first
+        save and after a failure) also removes leftovers of saves that can never commit and
+        sweeps temp files of killed saves, which only a listing can see.
         """
         try:
             lease.check()
         except LeaseLostError:
             logger.warning("lease lost after a commit under %s: rotation deletes nothing", self.url)
-            return
-        cat = scan()
+            return set()
         if outranks(cat.max_rank, rank):
             lease.fence(f"saw epoch {cat.max_epoch} under {self.url}", cat.max_epoch)
             logger.warning(
                 "a newer writer (epoch %d) exists under %s: rotation deletes nothing", cat.max_epoch, self.url
             )
-            return
+            return set()
         mine = [c for c in cat.checkpoints if c.valid and not outranks(c.rank, rank)]
         # Where writes reach the cloud late and out of order (Drive), a rotation's small deletes
         # can arrive long before the new checkpoint's tensor file: rotate one save late, so the
@@ -134,17 +136,26 @@ class Rotation:
         doomed = self.beyond_retention(mine, self.keep_last + self.late, protected)
         for c in doomed:
             lease.check()
-            self.delete(c)
+            self.delete(c, by_manifest=True)
         gone = {c.key for c in doomed}
-        self.drop_copies(lease, rank, [c for c in mine if c.key not in gone])
-        # Leftovers of saves that can never commit. Under compare-and-swap the renewal that
-        # preceded this rotation proves no lower writer can still commit (its own renewal would
-        # fail): they go at once. Elsewhere only after the grace, by the store's own clock.
+        gone |= self.drop_copies(lease, rank, [c for c in mine if c.key not in gone])
+        if tidy:
+            gone |= self._tidy(lease, rank, cat)
+        self._flush_ledger()
+        return gone
+
+    def _tidy(self, lease: Lease, rank: Rank, cat: Catalog) -> set[str]:
+        """Leftovers of saves that can never commit, and temp files of killed saves."""
+        gone = set()
+        # Under compare-and-swap the renewal that preceded this rotation proves no lower writer
+        # can still commit (its own renewal would fail): they go at once. Elsewhere only after
+        # the grace, by the store's own clock.
         exclusive = self.backend.capabilities.compare_and_swap
         for c, why in cat.leftovers(rank=rank, grace=self.leftover_grace, exclusive=exclusive):
             lease.check()
             logger.info("removing %s/%s (%s, %d bytes)", self.url, c.key, why, c.size)
             self.delete(c)
+            gone.add(c.key)
 
         # A save killed mid-write leaves a full-size temp file (invisible to listings) in its
         # folder. Those of this writer's lineage go by the same rule; never a higher writer's.
@@ -155,9 +166,9 @@ class Rotation:
         lease.check()
         for key in self.backend.sweep(0.0 if exclusive else self.leftover_grace, only=ours):
             logger.info("removed %s/%s: temp file of a killed save", self.url, key)
-        self._flush_ledger()
+        return gone
 
-    def drop_copies(self, lease: Lease, rank: Rank, kept: list[CheckpointInfo]) -> None:
+    def drop_copies(self, lease: Lease, rank: Rank, kept: list[CheckpointInfo]) -> set[str]:
         """Keep one folder per step: a takeover's anchor replaces the folders it re-committed.
 
         Only where the store is immediately consistent (local disk, GCS): there an anchor is
@@ -170,10 +181,11 @@ class Rotation:
         step go.
         """
         if not self.backend.capabilities.immediately_consistent:
-            return
+            return set()
         own = [c.step for c in kept if c.rank == rank]
         if not own:
-            return
+            return set()
+        gone = set()
         newest = max(own)
         by_step: dict[int, list[CheckpointInfo]] = {}
         for c in kept:
@@ -185,7 +197,9 @@ class Rotation:
                 if c is not best:
                     lease.check()
                     logger.info("step %d under %s: %s replaces %s", step, self.url, best.key, c.key)
-                    self.delete(c)
+                    self.delete(c, by_manifest=True)
+                    gone.add(c.key)
+        return gone
 
     def _protected(self, mine: list[CheckpointInfo], rank: Rank, resumed_from: CheckpointInfo | None) -> list[int]:
         """The resume point stays until this writer has committed a newer step."""
@@ -257,11 +271,19 @@ class Rotation:
         _kept, doomed = retention.plan(by_step, policies)
         return [c for step in doomed for c in by_step[step]]
 
-    def delete(self, info: CheckpointInfo) -> None:
-        """Manifest first (the checkpoint stops existing), then the data."""
-        keys = [f"{info.key}/{MANIFEST}"] + [
-            o.key for o in self.backend.list(info.key + "/") if not o.key.endswith("/" + MANIFEST)
-        ]
+    def delete(self, info: CheckpointInfo, *, by_manifest: bool = False) -> None:
+        """Manifest first (the checkpoint stops existing), then the data.
+
+        ``by_manifest`` (rotation after a commit): the data is the manifest's own file list where
+        the manifest is known (no listing: one round trip per file); else (gc, leftovers) what a
+        listing of the folder shows. Anything else a folder
+        may hold (a temp file of a killed write) is the sweep's and the leftover rule's.
+        """
+        if by_manifest and info.manifest is not None and info.committed:
+            names = [f"{info.key}/{f.name}" for f in info.manifest.files]
+        else:
+            names = [o.key for o in self.backend.list(info.key + "/") if not o.key.endswith("/" + MANIFEST)]
+        keys = [f"{info.key}/{MANIFEST}", *names]
         deleted = 0
         for key in keys:
             try:

@@ -1,23 +1,32 @@
 """The save pipeline of one writer: snapshot a state, write its tensors, commit, rotate.
 
 It orders the writes so that every crash window leaves the previous committed checkpoint intact,
-and fences a writer that lost the lease before it writes or deletes anything. Configuration, the
-read API and restore belong to the manager; which checkpoints go is :mod:`ckptsdk.checkpoint.rotation`'s.
+and fences a writer that lost the lease before it commits or deletes anything. Configuration, the
+read API and restore belong to the manager; which checkpoints go is :mod:`ckptsdk.checkpoint.rotation`'s;
+when background saves run (one writing, one waiting) is :mod:`ckptsdk.checkpoint.scheduling`'s.
 
 Ordering that matters (each is a crash window or a zombie window):
   - tensors first, manifest last: a checkpoint exists only once its manifest is published;
-  - the lease is renewed before anything is written and again right before the commit;
-  - a writer deletes only checkpoints of its own rank or lower, nothing while fenced.
+  - the lease is renewed (compare-and-swap) right before the commit: that renewal is the fence;
+    on a store without compare-and-swap (Drive) a listing right before the commit is too;
+  - a writer deletes only checkpoints of its own rank or lower, nothing while fenced, and only
+    after its commit (rotation, the step log and the sweep are off the save's critical path).
+
+The lean commit: a steady-state save on a store with compare-and-swap makes three round trips
+in sequence (tensor upload, renewal, manifest). The writer's catalog lives in memory, updated
+by its own commits; it is relisted at the first save, after a failed or fenced save, and every
+``RELIST_S`` seconds (to see what ``gc`` or a takeover changed).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import queue
 import socket
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -27,8 +36,9 @@ from ckptsdk.backends.base import Backend, Rewritable, copier, rewriter
 from ckptsdk.checkpoint.catalog import Catalog, CheckpointInfo
 from ckptsdk.checkpoint.lineage import Writer
 from ckptsdk.checkpoint.rotation import Rotation
-from ckptsdk.checkpoint.staging import Stager, tensor_key
-from ckptsdk.errors import CheckpointError, LeaseLostError, ObjectNotFound, PreconditionFailed
+from ckptsdk.checkpoint.scheduling import SaveSlots, SaveStats, _Job
+from ckptsdk.checkpoint.staging import PendingSnapshot, tensor_key
+from ckptsdk.errors import BackendError, CheckpointError, LeaseLostError, ObjectNotFound, PreconditionFailed
 from ckptsdk.format import codec
 from ckptsdk.format.digest import DEFAULT as DIGEST_ALGORITHM
 from ckptsdk.format.layout import MANIFEST, TENSORS, Rank
@@ -40,68 +50,14 @@ from ckptsdk.runlog.writer import RunLog
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SavePipeline"]
+__all__ = ["RELIST_S", "SavePipeline"]
 
-
-class _BackgroundSave:
-    """One save at a time on a long-lived worker thread; its failure is kept until someone asks.
-
-    The worker is started once and fed through a queue: ``Thread.start()`` would make every
-    save wait for the new thread to come up and hand the interpreter lock back, a few
-    milliseconds of stall on a busy machine.
-    """
-
-    def __init__(self) -> None:
-        self._thread: threading.Thread | None = None
-        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
-        self._idle = threading.Event()
-        self._idle.set()
-        self._error: BaseException | None = None
-        self._lock = threading.Lock()
-
-    def start(self, fn: Callable[[], None], name: str) -> None:
-        self._idle.clear()
-        if self._thread is None or not self._thread.is_alive():
-            self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-            self._thread.start()
-        self._jobs.put(fn)
-
-    def _run(self) -> None:
-        while True:
-            fn = self._jobs.get()
-            if fn is None:
-                return
-            try:
-                fn()
-            except BaseException as exc:  # kept and re-raised on the caller's thread
-                with self._lock:
-                    self._error = exc
-            finally:
-                self._idle.set()
-
-    def stop(self) -> None:
-        """Let the worker thread end once the save in flight is done."""
-        if self._thread is not None:
-            self._jobs.put(None)
-            self._thread = None
-
-    @property
-    def busy(self) -> bool:
-        return not self._idle.is_set()
-
-    def wait(self, timeout: float | None = None) -> bool:
-        """Wait for the save in flight; re-raise its failure here. False if still running."""
-        if not self._idle.wait(timeout):
-            return False
-        with self._lock:
-            error, self._error = self._error, None
-        if error is not None:
-            raise error
-        return True
+#: Seconds the writer trusts its in-memory catalog before it lists the root again (to see gc).
+RELIST_S = 300.0
 
 
 @dataclass(frozen=True)
-class _Job:
+class _Save:
     """What a save commits besides its tensors (captured at ``save()``)."""
 
     folder: str
@@ -119,10 +75,14 @@ class SavePipeline:
     Args:
         backend: the checkpoint root.
         lease: the acquired writer lease (its epoch and nonce name this writer).
-        runlog: the attempt's step log, flushed before each commit.
+        runlog: the attempt's step log, flushed after each commit (off the critical path).
         rotation: applies retention after each commit.
         scan: lists the root (the manager's memoised catalog scan).
         memo: the scan's memo, fed with each manifest just written.
+        max_staging_bytes: the most host memory two staging buffers may hold; a save due while
+            one is writing and another would exceed it is skipped and counted. None: no bound
+            (at most two snapshots of the state).
+        clock: monotonic time of the relist period (the lease's clock).
     """
 
     def __init__(
@@ -134,6 +94,8 @@ class SavePipeline:
         rotation: Rotation,
         scan: Callable[[], Catalog],
         memo: dict[tuple[str, str], object],
+        max_staging_bytes: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.backend = backend
         self.url = backend.url
@@ -142,17 +104,22 @@ class SavePipeline:
         self.rotation = rotation
         self._scan = scan
         self._memo = memo
+        self._clock = clock
         record = lease.record
         assert record is not None
         self.writer = Writer.of(
             epoch=lease.epoch, nonce=record.holder.nonce, compare_and_swap=backend.capabilities.compare_and_swap
         )
         self._resumed_from: CheckpointInfo | None = None
-        self._bg = _BackgroundSave()
-        self._stager: Stager | None = None
+        self._slots = SaveSlots(max_staging_bytes=max_staging_bytes)
+        self._copier: ThreadPoolExecutor | None = None
         self._lineage_written = False
         self._abandoned = threading.Event()
         self._committed: dict[str, CheckpointInfo] = {}
+        # The writer's own view of the root: None until listed; relisted after a failure.
+        self._catalog: Catalog | None = None
+        self._listed_at = 0.0
+        self._tidy_due = True  # leftovers and the sweep: at the first listing and after a failure
 
     @property
     def tag(self) -> str:
@@ -176,16 +143,24 @@ class SavePipeline:
 
     @property
     def busy(self) -> bool:
-        """A background save is in flight."""
-        return self._bg.busy
+        """A background save is running or waiting."""
+        return self._slots.busy
+
+    @property
+    def stats(self) -> SaveStats:
+        """Saves committed, replaced, skipped, failed, and how long they take."""
+        return self._slots.stats()
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Wait for a background save; re-raise its failure. False if it is still running."""
-        return self._bg.wait(timeout)
+        """Wait for the background saves (running and waiting); re-raise a failure. False on timeout."""
+        return self._slots.wait(timeout)
 
     def stop(self) -> None:
-        """No more saves: let the worker thread end after the one in flight."""
-        self._bg.stop()
+        """No more saves: let the worker thread end after the saves in flight."""
+        self._slots.stop()
+        if self._copier is not None:
+            self._copier.shutdown(wait=False)
+            self._copier = None
 
     def save(
         self,
@@ -201,11 +176,15 @@ class SavePipeline:
     ) -> CheckpointInfo:
         """See :meth:`ckptsdk.CheckpointManager.save`.
 
-        Non-blocking saves touch no storage here: the fencing check reads the flag the lease
-        heartbeat keeps fresh, and everything else runs on the worker (:meth:`_store`).
-        ``extra_files`` were written into the folder by others (distributed ranks) beforehand.
+        Non-blocking saves touch no storage here and never wait for the previous save: the
+        fencing check reads the flag the lease heartbeat keeps fresh, the snapshot goes to a free
+        staging buffer (replacing a save still waiting for the worker), and everything else runs
+        on the worker (:meth:`_store`). ``extra_files`` were written into the folder by others
+        (distributed ranks) beforehand.
         """
-        self._bg.wait()  # one save in flight (the staging buffers are its); its failure surfaces here
+        self._slots.raise_failure()  # a background failure surfaces at the next save
+        if blocking:
+            self._slots.wait()
         self.lease.check()
         folder = self.writer.folder(step)
         done = self._committed.get(folder)
@@ -214,7 +193,7 @@ class SavePipeline:
             return done
         tree = state.state_dict() if hasattr(state, "state_dict") else state
         tensors, skeleton = codec.encode(tree)
-        job = _Job(
+        job = _Save(
             folder=folder,
             step=step,
             position=position,
@@ -224,32 +203,43 @@ class SavePipeline:
             extra_files=tuple(extra_files),
         )
         if blocking:
-            return self._store(job, tensors, skeleton)
-        defer: set[str] = set()
-        if snapshot == "pipelined" and callable(getattr(state, "step_only_tensors", None)) and state.optimizers():
-            keys = state.step_only_tensors()
-            defer = {name for name, t in tensors.items() if tensor_key(t) in keys}
-        if self._stager is None:
-            self._stager = Stager()
-        pending = self._stager.begin(tensors, defer)
+            info = self._store(job, tensors, skeleton)
+            self._slots.committed += 1
+            return info
+        pending_info = CheckpointInfo(
+            step=step, epoch=self.writer.epoch, key=folder, size=0, committed=False, valid=False
+        )
+        need = sum(t.numel() * t.element_size() for t in tensors.values())
+        buffer, replaced = self._slots.claim(step, need)
+        if buffer is None:
+            return replace(pending_info, reason="skipped: storage cannot keep up and staging is full")
+        try:
+            if replaced is not None:
+                logger.info("the save of step %d replaces the save of step %d, still waiting", step, replaced.step)
+                replaced.settle()  # its copy must be done before its buffer is reused
+            defer: set[str] = set()
+            if snapshot == "pipelined" and callable(getattr(state, "step_only_tensors", None)) and state.optimizers():
+                keys = state.step_only_tensors()
+                defer = {name for name, t in tensors.items() if tensor_key(t) in keys}
+            pending = buffer.begin(tensors, defer)
+        except BaseException:
+            self._slots.release(buffer)
+            raise
         if defer:
             state.hold_steps(pending.wait_copied)
+        # The deferred copies run at once on the copier thread, not when the worker is free: the
+        # next optimizer step waits for them, and the worker may still be writing the previous save.
+        if self._copier is None:
+            self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptsdk-snapshot")
+        self._copier.submit(_finish_quietly, pending)
         # The skeleton needs no copy: codec.encode builds fresh containers of immutable leaves.
 
         def work() -> None:
-            pending.finish()
+            pending.wait_finished()
             self._store(job, pending.tensors, skeleton)
 
-        self._bg.start(work, name=f"ckptsdk-save-{step}")
-        return CheckpointInfo(
-            step=step,
-            epoch=self.lease.epoch,
-            key=folder,
-            size=0,
-            committed=False,
-            valid=False,
-            reason="save in progress",
-        )
+        self._slots.submit(_Job(run=work, buffer=buffer, step=step, settle=pending.settle))
+        return replace(pending_info, reason="save in progress")
 
     @property
     def last_committed(self) -> CheckpointInfo | None:
@@ -257,38 +247,58 @@ class SavePipeline:
         return next(iter(self._committed.values()), None)
 
     def abandon(self) -> None:
-        """Make the save in flight stop before its commit (preemption past its deadline).
+        """Make the saves in flight stop before their commit (preemption past its deadline).
 
         A publish already under way completes (it is atomic); nothing is published after it.
         """
         self._abandoned.set()
 
-    def _store(self, job: _Job, tensors: Mapping[str, torch.Tensor], skeleton: Any) -> CheckpointInfo:
-        """The storage half of a save: renew and list (fencing), lineage, step log, tensors,
-        renew again, commit, rotate."""
-        # Renewed before anything is written: a writer taken over (even by a newcomer that has
-        # not listed anything yet) stops here, not after writing a tensor file it cannot commit.
-        self.lease.renew()
+    def catalog(self) -> Catalog:
+        """The writer's view of the root: listed at the first save, after a failure and every
+        ``RELIST_S`` seconds (fencing on a newer writer it shows), else kept from its own commits."""
+        if self._catalog is None or self._clock() - self._listed_at > RELIST_S:
+            self._relist()
+        assert self._catalog is not None
+        return self._catalog
+
+    def _relist(self) -> Catalog:
         cat = self._scan()
+        self._catalog, self._listed_at, self._tidy_due = cat, self._clock(), True
         self.fence_if_newer(cat.max_rank)
-        existing = next((c for c in cat.checkpoints if c.key == job.folder and c.committed), None)
-        if existing is not None:
-            logger.debug("step %d already committed as %s; not saving it twice", job.step, job.folder)
-            return existing
-        self.write_lineage(None, None)
-        if self.runlog is not None:
-            self.runlog.flush()
-        return self.commit(
-            job.folder,
-            job.step,
-            dict(tensors),
-            skeleton,
-            job.position,
-            job.metrics,
-            job.tags,
-            job.device,
-            job.extra_files,
-        )
+        return cat
+
+    def _store(self, job: _Save, tensors: Mapping[str, torch.Tensor], skeleton: Any) -> CheckpointInfo:
+        """The storage half of a save: tensors, renewal (the fence), commit; then rotate.
+
+        On a store without compare-and-swap (Drive) a listing of the root comes first: there it
+        is a fence as well."""
+        try:
+            self.lease.check()
+            if not self.backend.capabilities.compare_and_swap:
+                # Drive: the listing is a fence (a newer writer's folders and lineage record), and
+                # before the upload, so a zombie stops before it sends a full-size file that could
+                # only end in the trash.
+                self._relist()
+            cat = self.catalog()
+            existing = next((c for c in cat.checkpoints if c.key == job.folder and c.committed), None)
+            if existing is not None:
+                logger.debug("step %d already committed as %s; not saving it twice", job.step, job.folder)
+                return existing
+            self.write_lineage(None, None)  # once: a no-op after this writer's first commit or restore
+            return self.commit(
+                job.folder,
+                job.step,
+                dict(tensors),
+                skeleton,
+                job.position,
+                job.metrics,
+                job.tags,
+                job.device,
+                job.extra_files,
+            )
+        except BaseException:
+            self._catalog = None  # whatever failed, the next save lists the root again
+            raise
 
     def commit(
         self,
@@ -309,10 +319,12 @@ class SavePipeline:
         self.lease.check()
         key = f"{folder}/{TENSORS}"
         source = (
-            self.rotation.recycle_source(self.lease, self.rank, self._scan(), step, self.resumed_from)
+            self.rotation.recycle_source(self.lease, self.rank, self.catalog(), step, self.resumed_from)
             if self.rotation.recycles
             else None
         )
+        if source is not None:
+            self._forget({source.key})  # its manifest is gone: it is no checkpoint any more
         rewriting = self._take_file(f"{source.key}/{TENSORS}", key) if source is not None else None
         if source is not None and rewriting is not None:
             # The file this checkpoint reuses is rewritten in place (not atomic: no manifest
@@ -368,8 +380,10 @@ class SavePipeline:
             environment=Environment.current(device=device),
             tags=dict(tags or {}),
         )
-        # A zombie that lost the lease while writing the tensors must not commit them: renew
-        # (compare-and-swap, not just check) so a takeover during the write is seen here.
+        # The fence. A zombie that lost the lease while writing the tensors must not commit them:
+        # renew (compare-and-swap, not just check) so a takeover during the write is seen here.
+        # Where the store has no compare-and-swap (Drive) the renewal reads what LEASE.json shows
+        # and the listing before the write (see ``_store``) looked for a newer writer's names.
         self.lease.renew()
         if self._abandoned.is_set():
             raise CheckpointError(
@@ -387,8 +401,32 @@ class SavePipeline:
             step=step, epoch=self.lease.epoch, key=folder, size=size, committed=True, valid=True, manifest=manifest
         )
         self._committed = {folder: info}  # the newest only: an older one may have been rotated out
-        self.rotation.rotate(self.lease, self.rank, self._scan, self.resumed_from)
+        self._after_commit(info)
         return info
+
+    def _after_commit(self, info: CheckpointInfo) -> None:
+        """Off the critical path (the checkpoint is committed): the catalog, rotation, step log."""
+        cat = self.catalog() if self._catalog is None else self._catalog
+        self._catalog = replace(
+            cat,
+            checkpoints=[c for c in cat.checkpoints if c.key != info.key] + [info],
+            max_rank=max(cat.max_rank, self.rank),
+        )
+        tidy, self._tidy_due = self._tidy_due, False
+        gone = self.rotation.rotate(self.lease, self.rank, self._catalog, self.resumed_from, tidy=tidy)
+        self._forget(gone)
+        if self.runlog is not None:
+            try:
+                self.runlog.flush()
+            except BackendError as exc:
+                # The steps stay buffered and go out with the run log's next flush.
+                logger.warning("run log under %s: could not publish the steps after a commit (%s)", self.url, exc)
+
+    def _forget(self, keys: set[str]) -> None:
+        if self._catalog is not None and keys:
+            self._catalog = replace(
+                self._catalog, checkpoints=[c for c in self._catalog.checkpoints if c.key not in keys]
+            )
 
     def anchor(self, tree: Any, source: CheckpointInfo) -> None:
         """Re-commit a restored checkpoint under this writer's rank (see ``restore``).
@@ -468,7 +506,7 @@ class SavePipeline:
     def confirm_writer(self) -> None:
         """Renew the lease and look for newer writers; LeaseLostError if this one is stale."""
         self.lease.renew()
-        self.fence_if_newer(self._scan().max_rank)
+        self._relist()
 
 
 class _InPlace:
@@ -487,3 +525,11 @@ def _device_of(tensors: Mapping[str, torch.Tensor]) -> str:
         if t.device.type != "cpu":
             return str(t.device)
     return "cpu"
+
+
+def _finish_quietly(pending: PendingSnapshot) -> None:
+    """The copier thread's part: a failure is kept in ``pending`` and raised on the worker."""
+    try:
+        pending.finish()
+    except BaseException:  # re-raised by wait_finished() on the save worker
+        logger.debug("snapshot copy failed; the save worker reports it", exc_info=True)

@@ -43,6 +43,8 @@ class PendingSnapshot:
         self._copied = threading.Event()
         if not later:
             self._copied.set()
+        self._finished = threading.Event()
+        self._failure: BaseException | None = None
 
     @property
     def deferred(self) -> int:
@@ -52,13 +54,29 @@ class PendingSnapshot:
     def finish(self) -> None:
         """Run the deferred CPU copies, then wait for device copies (on the save worker)."""
         try:
-            for buf, src in self._later:
-                _copy(buf, src)
+            try:
+                for buf, src in self._later:
+                    _copy(buf, src)
+            finally:
+                self._later = []
+                self._copied.set()  # never leave a training step waiting on a failed copy
+            for ev in self._events:
+                ev.synchronize()
+        except BaseException as exc:
+            self._failure = exc
+            raise
         finally:
-            self._later = []
-            self._copied.set()  # never leave a training step waiting on a failed copy
-        for ev in self._events:
-            ev.synchronize()
+            self._finished.set()
+
+    def settle(self) -> None:
+        """Block until :meth:`finish` is done, failed or not: the buffers are no longer written."""
+        self._finished.wait()
+
+    def wait_finished(self) -> None:
+        """Block until :meth:`finish` (run on another thread) is done; re-raise its failure."""
+        self._finished.wait()
+        if self._failure is not None:
+            raise self._failure
 
     def wait_copied(self) -> None:
         """Block until no deferred source is still being read (the optimizer-step pre-hook).

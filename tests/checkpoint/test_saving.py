@@ -67,11 +67,12 @@ def test_fenced_writer_commits_and_deletes_nothing_and_says_so_on_the_next_call(
     zombie.save(state, step=1)
     newcomer = CheckpointManager(url, keep_last=1, lease_ttl=30, save_on_signal=False, force=True)
     # The zombie has not seen the takeover: its foreground reads only its (stale) flag and
-    # returns; the worker finds the newer writer before writing anything.
+    # returns; the worker writes the tensor file (the lean commit renews once, right before the
+    # commit) and its renewal finds the newer writer: no manifest.
     zombie.save(state, step=2, blocking=False)
     with pytest.raises(LeaseLostError):
         zombie.wait()
-    assert not (tmp_path / "r" / checkpoint_dir(2, 1)).exists()
+    assert not (tmp_path / "r" / checkpoint_dir(2, 1) / MANIFEST).exists()
     assert (tmp_path / "r" / checkpoint_dir(1, 1) / MANIFEST).exists()  # nothing deleted
     with pytest.raises(LeaseLostError):
         zombie.save(state, step=3, blocking=False)
@@ -115,8 +116,10 @@ def test_background_failure_surfaces_on_the_next_save_and_loses_nothing(tmp_path
     mgr.wait()
     broken["on"] = True
     mgr.save(state, step=2, blocking=False)  # returns: the failure happens on the worker
+    # It surfaces on the first save, wait or close after it happened (a save never waits for
+    # the previous one, so here the test waits).
     with pytest.raises(BackendError, match="No space left"):
-        mgr.save(state, step=3, blocking=False)
+        mgr.wait()
     broken["on"] = False
     assert [c.step for c in mgr.list() if c.valid] == [1]  # the previous one is intact
     mgr.save(state, step=3, blocking=False)

@@ -280,10 +280,11 @@ def test_zombie_orphans_are_ignored_and_zombie_is_fenced(tmp_path):
         zombie.save(state, step=step)
     newcomer = CheckpointManager(url, keep_last=2, lease_ttl=5, force=True)
     assert newcomer.restore(make_state()).step == 2
-    # The zombie has not noticed yet; its next save must refuse before writing anything.
+    # The zombie has not noticed yet; its next save writes its tensor file, then its one
+    # renewal (the fence, right before the commit) fails: it must not commit.
     with pytest.raises(LeaseLostError):
         zombie.save(state, step=3)
-    assert not (tmp_path / "r" / checkpoint_dir(3, 1)).exists()
+    assert not (tmp_path / "r" / checkpoint_dir(3, 1) / MANIFEST).exists()
     newcomer.save(state, step=3)
     steps = {(c.step, c.epoch) for c in newcomer.list() if c.valid}
     assert (3, 2) in steps and (2, 2) in steps
@@ -335,14 +336,18 @@ def test_async_and_sync_saves_restore_identically(tmp_path):
 def test_async_snapshot_is_taken_at_save_time(tmp_path):
     state = make_state()
     with CheckpointManager(str(tmp_path / "r"), keep_last=10, lease_ttl=5, async_save=True) as mgr:
-        expected = {k: v.clone() for k, v in flat(state).items()}
-        for i in range(5):  # rapid saves never interleave: each waits for the previous
+        expected = {}
+        for i in range(5):  # rapid saves never wait: one writes, the newest waits (replacing another)
+            expected[i + 1] = {k: v.clone() for k, v in flat(state).items()}
             mgr.save(state, step=i + 1)
             train(state, 1)  # mutates parameters while the background write runs
         mgr.wait()
-        tree = mgr.load(step=1)
-    got, _ = ckptsdk.format.codec.encode(tree["objects"])
-    assert all(torch.equal(got[k], expected[k]) for k in expected)
+        committed = [c.step for c in mgr.list() if c.valid]
+        assert committed[-1] == 5 and mgr.stats.committed + mgr.stats.replaced == 5
+        trees = {step: mgr.load(step=step) for step in committed}
+    for step, tree in trees.items():
+        got, _ = ckptsdk.format.codec.encode(tree["objects"])
+        assert all(torch.equal(got[k], expected[step][k]) for k in expected[step]), step
 
 
 def test_background_failure_surfaces_on_next_call(tmp_path):

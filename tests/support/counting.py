@@ -22,6 +22,8 @@ class CountingBackend:
         bytes_written: bytes streamed by write/create/replace/overwrite.
         by_key: the same, per key written.
         calls: operations seen, by name.
+        ops: every operation as ``(name, key)``, in the order they started (the key is the first
+            argument; ``copy`` records its destination).
     """
 
     def __init__(self, inner: Any) -> None:
@@ -31,6 +33,7 @@ class CountingBackend:
         self.bytes_written = 0
         self.by_key: Counter[str] = Counter()
         self.calls: Counter[str] = Counter()
+        self.ops: list[tuple[str, str]] = []
         self._lock = threading.Lock()
 
     def __getattr__(self, name: str) -> Any:  # read, open, stat, exists, list, delete, sweep, move
@@ -40,14 +43,21 @@ class CountingBackend:
             def counted(*args: Any, **kwargs: Any) -> Any:
                 with self._lock:
                     self.calls[name] += 1
+                    self.ops.append((name, str(args[0]) if args else ""))
                 return attr(*args, **kwargs)
 
             return counted
         return attr
 
     def _count(self, op: str, key: str, data: Data) -> Iterator[memoryview]:
+        # Counted now, not when the inner backend starts reading: a call refused before it reads
+        # (a stale compare-and-swap) is still a call.
         with self._lock:
             self.calls[op] += 1
+            self.ops.append((op, key))
+        return self._stream(key, data)
+
+    def _stream(self, key: str, data: Data) -> Iterator[memoryview]:
         for chunk in iter_chunks(data):
             with self._lock:
                 self.bytes_written += chunk.nbytes
@@ -69,4 +79,5 @@ class CountingBackend:
     def copy(self, src: str, dst: str) -> Any:
         with self._lock:
             self.calls["copy"] += 1
+            self.ops.append(("copy", dst))
         return self.inner.copy(src, dst)

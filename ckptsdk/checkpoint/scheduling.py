@@ -1,0 +1,249 @@
+"""When background saves run: one on the worker, at most one waiting, the newest replacing it.
+
+``save()`` never waits for the previous save: a save due while one is still writing takes its
+snapshot into a second staging buffer and waits in the one slot; a newer save replaces a waiting
+one (the newest state is the one worth committing); past the staging budget the due save is
+skipped. The counts and save times are :class:`SaveStats`. What a save does is the pipeline's.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ckptsdk.checkpoint.staging import Stager
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["SaveSlots", "SaveStats"]
+
+#: Background saves whose durations and intervals the keep-up judgement looks at.
+_WINDOW = 16
+
+
+@dataclass(frozen=True)
+class SaveStats:
+    """What the background saves of one writer did so far.
+
+    Attributes:
+        committed: saves committed (background and blocking).
+        replaced: due saves that waited for the worker and were replaced by a newer one.
+        skipped: due saves not taken because a second staging buffer would exceed
+            ``max_staging_bytes``.
+        failed: saves that raised (their error surfaced on the next save, wait or close).
+        save_s: seconds the last background save kept the worker busy (write, commit, rotation).
+        save_s_median: the median of that over the recent saves (None before the first).
+        interval_s_median: the median time between due saves (None before the second).
+        staging_bytes: host memory held by staging buffers now.
+    """
+
+    committed: int = 0
+    replaced: int = 0
+    skipped: int = 0
+    failed: int = 0
+    save_s: float | None = None
+    save_s_median: float | None = None
+    interval_s_median: float | None = None
+    staging_bytes: int = 0
+
+
+@dataclass
+class _Job:
+    run: Callable[[], None]
+    buffer: Stager | None
+    step: int
+    #: waits until this save's snapshot copy no longer writes into ``buffer``
+    settle: Callable[[], None]
+
+
+class SaveSlots:
+    """A long-lived worker thread with one running and one waiting slot, and two staging buffers.
+
+    The worker is started once and fed through the slot: ``Thread.start()`` per save would make
+    every save wait for the new thread to come up and hand the interpreter lock back, a few
+    milliseconds of stall on a busy machine. A failure is kept until someone asks
+    (:meth:`raise_failure`, :meth:`wait`).
+    """
+
+    def __init__(self, *, max_staging_bytes: int | None = None) -> None:
+        self.max_staging_bytes = max_staging_bytes
+        # Real time, whatever clock the lease runs on: these are the waits and durations of real threads.
+        self._clock = time.monotonic
+        self._cond = threading.Condition()
+        self._running: _Job | None = None
+        self._waiting: _Job | None = None
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._free: list[Stager] = []
+        self._buffers: list[Stager] = []
+        self._durations: deque[float] = deque(maxlen=_WINDOW)
+        self._due: deque[tuple[float, int]] = deque(maxlen=_WINDOW + 1)
+        self._told = False
+        self.committed = 0
+        self.replaced = 0
+        self.skipped = 0
+        self.failed = 0
+
+    # ------------------------------------------------------------------ the training thread's side
+    @property
+    def busy(self) -> bool:
+        """A background save is running or waiting."""
+        with self._cond:
+            return self._running is not None or self._waiting is not None
+
+    def raise_failure(self) -> None:
+        """Re-raise the failure of a background save here, once (no waiting)."""
+        with self._cond:
+            error, self._error = self._error, None
+        if error is not None:
+            raise error
+
+    def claim(self, step: int, need_bytes: int) -> tuple[Stager | None, _Job | None]:
+        """A staging buffer for the save of ``step`` now due, or None when it must be skipped.
+
+        Returns (buffer, replaced): ``replaced`` is the waiting save this one replaces (its
+        buffer is the one returned: the caller waits for that save's copy before reusing it).
+        """
+        with self._cond:
+            self._due.append((self._clock(), step))
+            waiting, self._waiting = self._waiting, None
+            if waiting is not None:
+                self.replaced += 1
+                self._cannot_keep_up("replaced by a newer one while it waited")
+                return waiting.buffer, waiting
+            if self._free:
+                return self._free.pop(), None
+            held = sum(b.nbytes for b in self._buffers)
+            if len(self._buffers) < 2 and (
+                not self._buffers or self.max_staging_bytes is None or held + need_bytes <= self.max_staging_bytes
+            ):
+                buffer = Stager()
+                self._buffers.append(buffer)
+                return buffer, None
+            self.skipped += 1
+            self._cannot_keep_up(
+                f"skipped: a second staging buffer ({need_bytes / 1e6:.0f} MB) would exceed "
+                f"max_staging_bytes={self.max_staging_bytes}"
+            )
+            return None, None
+
+    def submit(self, job: _Job) -> None:
+        """Put ``job`` in the waiting slot; the worker runs it once the running save is done."""
+        with self._cond:
+            assert self._waiting is None, "claim() first: it empties the waiting slot"
+            self._waiting = job
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._work, name="ckptsdk-save", daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+
+    def release(self, buffer: Stager | None) -> None:
+        """Give back a claimed buffer that was not submitted (the snapshot failed)."""
+        if buffer is not None:
+            with self._cond:
+                self._free.append(buffer)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait until no save runs or waits; re-raise a failure here. False on timeout."""
+        end = None if timeout is None else self._clock() + timeout
+        with self._cond:
+            while self._running is not None or self._waiting is not None:
+                left = None if end is None else end - self._clock()
+                if left is not None and left <= 0:
+                    return False
+                self._cond.wait(left)
+        self.raise_failure()
+        return True
+
+    def stop(self) -> None:
+        """Let the worker end once the slots are empty."""
+        with self._cond:
+            self._thread = None
+            self._cond.notify_all()
+
+    def stats(self) -> SaveStats:
+        """A snapshot of the counts and times (see :class:`SaveStats`)."""
+        with self._cond:
+            durations = list(self._durations)
+            return SaveStats(
+                committed=self.committed,
+                replaced=self.replaced,
+                skipped=self.skipped,
+                failed=self.failed,
+                save_s=durations[-1] if durations else None,
+                save_s_median=statistics.median(durations) if durations else None,
+                interval_s_median=self._interval(),
+                staging_bytes=sum(b.nbytes for b in self._buffers),
+            )
+
+    def drop_buffers(self) -> None:
+        """Free the staging memory of idle buffers (after close)."""
+        with self._cond:
+            for buffer in self._free:
+                buffer.release()
+            self._buffers = [b for b in self._buffers if b not in self._free]
+            self._free = []
+
+    # ------------------------------------------------------------------ the worker's side
+    def _work(self) -> None:
+        me = threading.current_thread()
+        while True:
+            with self._cond:
+                while self._waiting is None:
+                    if self._thread is not me:
+                        return
+                    self._cond.wait()
+                job, self._waiting = self._waiting, None
+                self._running = job
+            started = self._clock()
+            try:
+                job.run()
+            except BaseException as exc:  # kept and re-raised on the caller's thread
+                with self._cond:
+                    self.failed += 1
+                    if self._error is None:
+                        self._error = exc
+            else:
+                with self._cond:
+                    self.committed += 1
+            finally:
+                with self._cond:
+                    self._durations.append(self._clock() - started)
+                    self._running = None
+                    if job.buffer is not None:
+                        self._free.append(job.buffer)
+                    self._cond.notify_all()
+
+    def _interval(self) -> float | None:
+        due = list(self._due)
+        gaps = [b[0] - a[0] for a, b in zip(due, due[1:], strict=False)]
+        return statistics.median(gaps) if gaps else None
+
+    def _cannot_keep_up(self, what: str) -> None:
+        """Say once, clearly, that storage is slower than the saves are due (caller holds the lock)."""
+        if self._told or not self._durations:
+            return
+        self._told = True
+        save_s = statistics.median(self._durations)
+        interval = self._interval()
+        due = list(self._due)
+        steps = [b[1] - a[1] for a, b in zip(due, due[1:], strict=False) if b[1] > a[1]]
+        fit = ""
+        if interval and steps:
+            every = statistics.median(steps)
+            fit = f"; save_every={math.ceil(every * save_s / interval)} or more would fit"
+        logger.warning(
+            "storage cannot keep up with the saves: a background save takes %.2f s but saves are due "
+            "every %s s, so a due save was %s. Training does not wait; the newest state is committed "
+            "when the worker is free%s",
+            save_s,
+            "?" if interval is None else f"{interval:.2f}",
+            what,
+            fit,
+        )
