@@ -12,7 +12,9 @@ weights equal the uninterrupted run's. Exit code 0 only if the audit is bit-exac
 Then (skip with ``--no-overhead``) the training-overhead benchmark of issue #12 at full width with
 AMP: ``benchmarks/bench_overhead.py --device cuda --amp --width 64 --batch-size 256``: overhead
 in % saving every 1, 10 and 100 steps (local disk and behind a 50 ms-per-call wrapper), stall
-per save (median, p99), and seconds from SIGTERM to a committed checkpoint.
+per save (median, p99), and seconds from SIGTERM to a committed checkpoint; then issue #23's
+``bench_overhead --step gpu-like --device cuda --amp``: the real AMP step saving every 10 steps at
+0, 20 and 50 ms per storage call (overhead, stall, calls and bytes per save, saves replaced/skipped).
 """
 
 from __future__ import annotations
@@ -209,6 +211,16 @@ def _overhead(args: argparse.Namespace) -> None:
         cmd += ["--width", "64", "--batch-size", "256"] + (["--amp"] if args.device.startswith("cuda") else [])
     print("\ntraining overhead: " + " ".join(cmd[1:]), flush=True)
     subprocess.run(cmd, check=False, timeout=max(600.0, args.timeout * 3))
+    # The real question (issue 23): a save every 10 steps of the real AMP step, at 0/20/50 ms per
+    # storage call: overhead, stall, calls and bytes per save, saves replaced/skipped.
+    gpu_like = [sys.executable, "-m", "benchmarks.bench_overhead", "--step", "gpu-like", "--device", args.device]
+    if args.small:
+        gpu_like += ["--steps", "20", "--reps", "1"]
+    else:
+        gpu_like += ["--batch-size", "256", "--steps", "100", "--reps", "3"]
+        gpu_like += ["--amp"] if args.device.startswith("cuda") else []
+    print("\nsave every 10 steps at 0/20/50 ms per call: " + " ".join(gpu_like[1:]), flush=True)
+    subprocess.run(gpu_like, check=False, timeout=max(600.0, args.timeout * 3))
 
 
 if __name__ == "__main__":
