@@ -423,10 +423,18 @@ class SavePipeline:
                 logger.warning("run log under %s: could not publish the steps after a commit (%s)", self.url, exc)
 
     def _forget(self, keys: set[str]) -> None:
-        if self._catalog is not None and keys:
-            self._catalog = replace(
-                self._catalog, checkpoints=[c for c in self._catalog.checkpoints if c.key not in keys]
-            )
+        """Drop folders that are gone (or no longer committed) from the catalog and the scan's memo.
+
+        The memo holds what the root holds now: without a listing per save nothing else prunes
+        it, and a writer saving every few seconds for days would keep every manifest it wrote.
+        """
+        if not keys:
+            return
+        if self._catalog is not None:
+            kept = [c for c in self._catalog.checkpoints if c.key not in keys]
+            self._catalog = replace(self._catalog, checkpoints=kept)
+        for stale in [k for k in self._memo if k[0].partition("/")[0] in keys]:
+            del self._memo[stale]
 
     def anchor(self, tree: Any, source: CheckpointInfo) -> None:
         """Re-commit a restored checkpoint under this writer's rank (see ``restore``).
