@@ -406,7 +406,14 @@ class SavePipeline:
 
     def _after_commit(self, info: CheckpointInfo) -> None:
         """Off the critical path (the checkpoint is committed): the catalog, rotation, step log."""
-        cat = self.catalog() if self._catalog is None else self._catalog
+        if not self.backend.capabilities.compare_and_swap:
+            # Drive: no renewal can prove that no newer writer appeared during the upload, so
+            # rotation looks at a fresh listing (as it always did there): a newer writer's name
+            # in it fences this writer and rotation deletes nothing.
+            cat = self._scan()
+            self._listed_at, self._tidy_due = self._clock(), True
+        else:
+            cat = self.catalog() if self._catalog is None else self._catalog
         self._catalog = replace(
             cat,
             checkpoints=[c for c in cat.checkpoints if c.key != info.key] + [info],
