@@ -12,12 +12,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
-from ckptsdk.backends.base import Backend, rewriter
+from ckptsdk.backends.base import Backend, Rewritable, rewriter
 from ckptsdk.checkpoint import retention
 from ckptsdk.checkpoint.catalog import Catalog, CheckpointInfo
 from ckptsdk.checkpoint.usage import record_trash
-from ckptsdk.errors import ConfigError, LeaseLostError, ObjectNotFound
+from ckptsdk.errors import ConfigError, LeaseLostError, ObjectNotFound, PreconditionFailed
 from ckptsdk.format.layout import MANIFEST, Rank, folder_rank, outranks
 from ckptsdk.lease.acquire import Lease
 
@@ -241,6 +242,21 @@ class Rotation:
         self._trashed(0, 1)  # the manifest: a few KB
         return source
 
+    def take_file(self, src: str, dst: str) -> _InPlace | None:
+        """Move ``src`` to ``dst`` for a rewrite in place: the store to rewrite it with (as
+        ``write_tensorfile`` sees one), or None (write a new file) if it cannot."""
+        rewriting = rewriter(self.backend)
+        if rewriting is None:
+            return None
+        try:
+            rewriting.move(src, dst)
+        except (ObjectNotFound, PreconditionFailed) as exc:
+            # ``dst`` left by an earlier failed save of this step, or ``src`` gone: a new file it
+            # is; the recycled folder, now uncommitted, is removed by rotation as a leftover.
+            logger.info("cannot recycle %s into %s under %s (%s): writing a new file", src, dst, self.url, exc)
+            return None
+        return _InPlace(rewriting, self.url)
+
     def recycled(self, source: CheckpointInfo, folder: str, size: int) -> None:
         """Account a recycle that went through (the save log shows what the trash was spared)."""
         self.recycled_bytes += size
@@ -362,3 +378,14 @@ class Rotation:
             for key in self.backend.sweep(grace):
                 reasons[key] = f"temp file of a crashed write, older than {grace:.0f} s"
         return GcReport(deleted=sorted(reasons), reasons=reasons, dry_run=dry_run, sizes=sizes, trash_bytes=trash)
+
+
+class _InPlace:
+    """The backend as ``write_tensorfile`` sees it when a recycled file is rewritten in place."""
+
+    def __init__(self, backend: Rewritable, url: str) -> None:
+        self._backend = backend
+        self.url = url
+
+    def write(self, key: str, data: Any) -> Any:
+        return self._backend.overwrite(key, data)

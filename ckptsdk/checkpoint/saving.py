@@ -26,19 +26,18 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
-from ckptsdk.backends.base import Backend, Rewritable, copier, rewriter
+from ckptsdk.backends.base import Backend, copier
 from ckptsdk.checkpoint.catalog import Catalog, CheckpointInfo
 from ckptsdk.checkpoint.lineage import Writer
 from ckptsdk.checkpoint.rotation import Rotation
 from ckptsdk.checkpoint.scheduling import SaveSlots, SaveStats, _Job
-from ckptsdk.checkpoint.staging import PendingSnapshot, tensor_key
-from ckptsdk.errors import BackendError, CheckpointError, LeaseLostError, ObjectNotFound, PreconditionFailed
+from ckptsdk.checkpoint.staging import tensor_key
+from ckptsdk.errors import BackendError, CheckpointError, LeaseLostError, PreconditionFailed
 from ckptsdk.format import codec
 from ckptsdk.format.digest import DEFAULT as DIGEST_ALGORITHM
 from ckptsdk.format.layout import MANIFEST, TENSORS, Rank
@@ -112,7 +111,6 @@ class SavePipeline:
         )
         self._resumed_from: CheckpointInfo | None = None
         self._slots = SaveSlots(max_staging_bytes=max_staging_bytes)
-        self._copier: ThreadPoolExecutor | None = None
         self._lineage_written = False
         self._abandoned = threading.Event()
         self._committed: dict[str, CheckpointInfo] = {}
@@ -158,9 +156,6 @@ class SavePipeline:
     def stop(self) -> None:
         """No more saves: let the worker thread end after the saves in flight."""
         self._slots.stop()
-        if self._copier is not None:
-            self._copier.shutdown(wait=False)
-            self._copier = None
 
     def save(
         self,
@@ -209,29 +204,16 @@ class SavePipeline:
         pending_info = CheckpointInfo(
             step=step, epoch=self.writer.epoch, key=folder, size=0, committed=False, valid=False
         )
-        need = sum(t.numel() * t.element_size() for t in tensors.values())
-        buffer, replaced = self._slots.claim(step, need)
-        if buffer is None:
+        defer: set[str] = set()
+        if snapshot == "pipelined" and callable(getattr(state, "step_only_tensors", None)) and state.optimizers():
+            keys = state.step_only_tensors()
+            defer = {name for name, t in tensors.items() if tensor_key(t) in keys}
+        staged = self._slots.stage(step, tensors, defer)
+        if staged is None:
             return replace(pending_info, reason="skipped: storage cannot keep up and staging is full")
-        try:
-            if replaced is not None:
-                logger.info("the save of step %d replaces the save of step %d, still waiting", step, replaced.step)
-                replaced.settle()  # its copy must be done before its buffer is reused
-            defer: set[str] = set()
-            if snapshot == "pipelined" and callable(getattr(state, "step_only_tensors", None)) and state.optimizers():
-                keys = state.step_only_tensors()
-                defer = {name for name, t in tensors.items() if tensor_key(t) in keys}
-            pending = buffer.begin(tensors, defer)
-        except BaseException:
-            self._slots.release(buffer)
-            raise
+        pending, buffer = staged
         if defer:
             state.hold_steps(pending.wait_copied)
-        # The deferred copies run at once on the copier thread, not when the worker is free: the
-        # next optimizer step waits for them, and the worker may still be writing the previous save.
-        if self._copier is None:
-            self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptsdk-snapshot")
-        self._copier.submit(_finish_quietly, pending)
         # The skeleton needs no copy: codec.encode builds fresh containers of immutable leaves.
 
         def work() -> None:
@@ -325,31 +307,16 @@ class SavePipeline:
         )
         if source is not None:
             self._forget({source.key})  # its manifest is gone: it is no checkpoint any more
-        rewriting = self._take_file(f"{source.key}/{TENSORS}", key) if source is not None else None
-        if source is not None and rewriting is not None:
+        in_place = self.rotation.take_file(f"{source.key}/{TENSORS}", key) if source is not None else None
+        if source is not None and in_place is not None:
             # The file this checkpoint reuses is rewritten in place (not atomic: no manifest
             # refers to it now, and a reader holding a stale one fails its digest check).
-            size, digest = write_tensorfile(_InPlace(rewriting, self.url), key, tensors)  # type: ignore[arg-type]
+            size, digest = write_tensorfile(in_place, key, tensors)  # type: ignore[arg-type]
             self.rotation.recycled(source, folder, size)
         else:
             size, digest = write_tensorfile(self.backend, key, tensors)
         files = [FileEntry(name=TENSORS, size=size, digest=digest, algorithm=DIGEST_ALGORITHM), *extra_files]
         return self._publish(folder, step, files, skeleton, position, metrics, tags, device)
-
-    def _take_file(self, src: str, dst: str) -> Rewritable | None:
-        """Move ``src`` to ``dst`` for a rewrite in place: the store to rewrite it with, or None
-        (write a new file) if it cannot."""
-        rewriting = rewriter(self.backend)
-        if rewriting is None:
-            return None
-        try:
-            rewriting.move(src, dst)
-        except (ObjectNotFound, PreconditionFailed) as exc:
-            # ``dst`` left by an earlier failed save of this step, or ``src`` gone: a new file it
-            # is; the recycled folder, now uncommitted, is removed by rotation as a leftover.
-            logger.info("cannot recycle %s into %s under %s (%s): writing a new file", src, dst, self.url, exc)
-            return None
-        return rewriting
 
     def _publish(
         self,
@@ -524,27 +491,8 @@ class SavePipeline:
         self._relist()
 
 
-class _InPlace:
-    """The backend as ``write_tensorfile`` sees it when the file is rewritten in place."""
-
-    def __init__(self, backend: Rewritable, url: str) -> None:
-        self._backend = backend
-        self.url = url
-
-    def write(self, key: str, data: Any) -> Any:
-        return self._backend.overwrite(key, data)
-
-
 def _device_of(tensors: Mapping[str, torch.Tensor]) -> str:
     for t in tensors.values():
         if t.device.type != "cpu":
             return str(t.device)
     return "cpu"
-
-
-def _finish_quietly(pending: PendingSnapshot) -> None:
-    """The copier thread's part: a failure is kept in ``pending`` and raised on the worker."""
-    try:
-        pending.finish()
-    except BaseException:  # re-raised by wait_finished() on the save worker
-        logger.debug("snapshot copy failed; the save worker reports it", exc_info=True)

@@ -14,10 +14,13 @@ import statistics
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from ckptsdk.checkpoint.staging import Stager
+import torch
+
+from ckptsdk.checkpoint.staging import PendingSnapshot, Stager
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +82,7 @@ class SaveSlots:
         self._running: _Job | None = None
         self._waiting: _Job | None = None
         self._thread: threading.Thread | None = None
+        self._copier: ThreadPoolExecutor | None = None
         self._error: BaseException | None = None
         self._free: list[Stager] = []
         self._buffers: list[Stager] = []
@@ -133,6 +137,34 @@ class SaveSlots:
             )
             return None, None
 
+    def stage(
+        self, step: int, tensors: Mapping[str, torch.Tensor], defer: Collection[str]
+    ) -> tuple[PendingSnapshot, Stager] | None:
+        """Snapshot ``tensors`` for the save of ``step`` into a free staging buffer (None: skipped).
+
+        The copies not in ``defer`` are made now; the deferred ones start at once on the copier
+        thread, not when the worker is free: the next optimizer step waits for them, and the
+        worker may still be writing the previous save. The caller submits the job next.
+        """
+        need = sum(t.numel() * t.element_size() for t in tensors.values())
+        buffer, replaced = self.claim(step, need)
+        if buffer is None:
+            return None
+        try:
+            if replaced is not None:
+                logger.info("the save of step %d replaces the save of step %d, still waiting", step, replaced.step)
+                replaced.settle()  # its copy must be done before its buffer is reused
+            pending = buffer.begin(tensors, defer)
+        except BaseException:
+            self.release(buffer)
+            raise
+        with self._cond:
+            if self._copier is None:
+                self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptsdk-snapshot")
+            copier = self._copier
+        copier.submit(_finish_quietly, pending)
+        return pending, buffer
+
     def submit(self, job: _Job) -> None:
         """Put ``job`` in the waiting slot; the worker runs it once the running save is done."""
         with self._cond:
@@ -162,10 +194,13 @@ class SaveSlots:
         return True
 
     def stop(self) -> None:
-        """Let the worker end once the slots are empty."""
+        """Let the worker (and the copier) end once the slots are empty."""
         with self._cond:
             self._thread = None
+            copier, self._copier = self._copier, None
             self._cond.notify_all()
+        if copier is not None:
+            copier.shutdown(wait=False)  # copies already queued still run
 
     def stats(self) -> SaveStats:
         """A snapshot of the counts and times (see :class:`SaveStats`)."""
@@ -247,3 +282,11 @@ class SaveSlots:
             what,
             fit,
         )
+
+
+def _finish_quietly(pending: PendingSnapshot) -> None:
+    """The copier thread's part: a failure is kept in ``pending`` and raised on the worker."""
+    try:
+        pending.finish()
+    except BaseException:  # re-raised by wait_finished() on the save worker
+        logger.debug("snapshot copy failed; the save worker reports it", exc_info=True)
