@@ -29,6 +29,7 @@ from ckptsdk.checkpoint.catalog import CheckpointInfo
 from ckptsdk.checkpoint.reader import CheckpointReader, ResumePoint, resume_point
 from ckptsdk.checkpoint.retention import Rule
 from ckptsdk.checkpoint.rotation import LEFTOVER_GRACE_S, RETENTION_MODES, GcReport, Rotation
+from ckptsdk.checkpoint.rotation import describe as _describe
 from ckptsdk.checkpoint.rotation import kept as _kept
 from ckptsdk.checkpoint.saving import SavePipeline
 from ckptsdk.errors import BackendError, CheckpointError, ConfigError, LeaseLostError, NoValidCheckpointError
@@ -498,9 +499,18 @@ class CheckpointManager(CheckpointReader):
         """
         return self._rotation.gc(self._scan(), keep_last=keep_last, rules=keep, dry_run=dry_run, grace=grace)
 
-    def kept(self) -> dict[int, tuple[str, ...]]:
-        """Each step this manager's rules keep, with why (``latest``, ``best val_loss #1``, ...)."""
-        return _kept(self._scan(), self._rotation.retention_rules(), settle=self._rotation.late)
+    def kept(self, *, keep_last: int | None = None, keep: Sequence[Rule] | None = None) -> dict[int, tuple[str, ...]]:
+        """Each step the keep rules keep, with why (``latest``, ``best val_loss #1``, ``resume point``).
+
+        Decided from the committed manifests as rotation and :meth:`gc` decide; a step missing
+        here is one they let go. ``keep_last`` / ``keep``: instead of this manager's, as for gc.
+        """
+        rules = self._rotation.retention_rules(keep_last, keep)
+        return _kept(self._scan(), rules, settle=self._rotation.late)
+
+    def rules(self, *, keep_last: int | None = None, keep: Sequence[Rule] | None = None) -> str:
+        """The keep rules in force, as written (``keep_last=3, keep_best=2 by val_loss (min)``)."""
+        return _describe(self._rotation.retention_rules(keep_last, keep))
 
     # ------------------------------------------------------------------ step log, lifecycle
 
