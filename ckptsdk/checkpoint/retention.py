@@ -335,7 +335,7 @@ def decide(
             why.setdefault(step, []).append(reason)
     for c in ordered[len(judged) :]:
         why.setdefault(c.step, []).append("settling" if c is not ordered[-1] else NEWEST)
-    if ordered[-1] in judged:
+    if settle <= 0:  # else the loop above named it
         why.setdefault(ordered[-1].step, []).append(NEWEST)
     for step, reason in (pinned or {}).items():
         if step in by_step:
