@@ -18,7 +18,7 @@ from ckptsdk.checkpoint import retention
 from ckptsdk.checkpoint.catalog import MANIFEST, Catalog, CheckpointInfo, Rank, folder_rank
 from ckptsdk.checkpoint.retention import Rule
 from ckptsdk.checkpoint.usage import record_trash
-from ckptsdk.errors import LeaseLostError, ObjectNotFound
+from ckptsdk.errors import ConfigError, LeaseLostError, ObjectNotFound
 from ckptsdk.lease.acquire import Lease
 
 logger = logging.getLogger(__name__)
@@ -77,6 +77,12 @@ class Rotation:
         self.keep_last = keep_last
         self.keep_every = keep_every
         self.rules = tuple(rules)
+        for rule in self.rules:
+            if not isinstance(rule, Rule):
+                raise ConfigError(
+                    f"keep= takes keep rules (ckptsdk.checkpoint.retention.keep_best(...), keep_if(...)), "
+                    f"got {rule!r} of type {type(rule).__name__}"
+                )
         self.mode = mode
         self.leftover_grace = leftover_grace
         self.trashed_bytes = 0  # what this writer sent to the trash (stores with one)

@@ -193,3 +193,8 @@ def test_a_zombies_checkpoint_is_never_best(tmp_path):
             with contextlib.suppress(LeaseLostError):
                 m.close()
         MemoryBackend.discard_store(url.removeprefix("memory://"))
+
+
+def test_keep_takes_rules_only():
+    with pytest.raises(ConfigError, match="keep= takes keep rules"):
+        CheckpointManager(f"memory://keep-{uuid.uuid4().hex}", keep=["val_loss"], read_only=True)  # type: ignore[list-item]
