@@ -328,11 +328,12 @@ def decide(
     ordered = [by_step[s] for s in sorted(by_step)]
     if not ordered:
         return Decision({}, [])
-    judged = ordered[: len(ordered) - settle] if settle > 0 else ordered
+    judged = ordered[: max(0, len(ordered) - settle)] if settle > 0 else ordered
     why: dict[int, list[str]] = {}
     for rule in rules:
         for step, reason in rule(judged).items():
-            why.setdefault(step, []).append(reason)
+            if step in by_step:  # a user's rule cannot keep what is not there
+                why.setdefault(step, []).append(reason)
     for c in ordered[len(judged) :]:
         why.setdefault(c.step, []).append("settling" if c is not ordered[-1] else NEWEST)
     if settle <= 0:  # else the loop above named it

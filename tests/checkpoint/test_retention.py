@@ -198,3 +198,10 @@ def test_a_zombies_checkpoint_is_never_best(tmp_path):
 def test_keep_takes_rules_only():
     with pytest.raises(ConfigError, match="keep= takes keep rules"):
         CheckpointManager(f"memory://keep-{uuid.uuid4().hex}", keep=["val_loss"], read_only=True)  # type: ignore[list-item]
+
+
+def test_decide_settle_beyond_the_steps_keeps_them_all_and_rules_cannot_invent_steps():
+    cands = [_c(1), _c(2)]
+    assert retention.decide(cands, [retention.keep_last(1)], settle=3).kept == {1: ("settling",), 2: ("newest",)}
+    d = retention.decide(cands, [retention.keep_if(lambda c: True), lambda _cands: {99: "made up"}])
+    assert d.kept == {1: ("custom",), 2: ("custom", "newest")} and d.deleted == []
