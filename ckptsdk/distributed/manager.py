@@ -27,7 +27,7 @@ from ckptsdk import errors
 from ckptsdk.backends import open_backend
 from ckptsdk.backends.base import Backend
 from ckptsdk.checkpoint import catalog as _catalog
-from ckptsdk.checkpoint.catalog import CheckpointInfo, checkpoint_dir, writer_tag
+from ckptsdk.checkpoint.catalog import CheckpointInfo, checkpoint_dir
 from ckptsdk.distributed.collective import all_min, broadcast_json, gather_json
 from ckptsdk.distributed.metadata import metadata_from_json
 from ckptsdk.distributed.payload import PAYLOAD_FORMAT, file_table, local_file, read_payload
@@ -37,6 +37,7 @@ from ckptsdk.format import codec
 from ckptsdk.format.digest import DEFAULT as DIGEST_ALGORITHM
 from ckptsdk.format.manifest import FileEntry
 from ckptsdk.format.tensorfile import read_tensorfile, write_tensorfile
+from ckptsdk.lease.record import writer_tag
 from ckptsdk.manager import CheckpointManager, ResumePoint, Simulation, save_due
 from ckptsdk.rng import capture_rng, restore_rng
 
