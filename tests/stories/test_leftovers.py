@@ -212,8 +212,8 @@ def test_zombie_late_rotation_cannot_take_the_resume_point_on_drive(tmp_path):
         for step in (4, 5):
             a.save(state, step=step)
         assert not a_backend.exists(f"step-{3:010d}.e1.{a._saving.tag}/manifest.json")
+        a.wait()  # A's last rotation (its late deletes) has run, so the wait below carries it
         sim.wait_delivered(timeout=30)
-        time.sleep(0.5)
         b.wait()
         cat = scan(b_backend)
         anchor = [c for c in cat.checkpoints if c.step == 3 and c.rank == b._saving.rank]
