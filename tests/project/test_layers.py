@@ -4,13 +4,14 @@ Every ``import`` of every module under ``ckptsdk/`` (module level, inside functi
 ``TYPE_CHECKING``, relative or absolute, and ``importlib.import_module("ckptsdk...")`` with a
 literal name) must point to its own layer or one below it; subpackages must not import each other
 in a circle. Also: the root holds at most ten modules, no module is over 500 lines, no code reaches
-a backend's optional operations with ``getattr``, and nothing shipped imports ``tests``.
+a backend's optional operations with ``getattr``, and nothing shipped (notebooks included) imports ``tests``.
 What a layer may contain is DESIGN.md's business, not this file's.
 """
 
 from __future__ import annotations
 
 import ast
+import json
 import re
 from collections import defaultdict
 from dataclasses import dataclass
@@ -278,13 +279,28 @@ def test_capability_pattern_has_teeth(line: str) -> None:
     assert _CAPABILITY_BY_NAME.search(line)
 
 
-def test_nothing_shipped_imports_tests() -> None:
+def _notebook_imports(path: Path, tmp: Path) -> list[Import]:
+    """The imports of a notebook's code cells (shell ``!`` and ``%`` magic lines left out)."""
+    cells = json.loads(path.read_text(encoding="utf-8"))["cells"]
+    found: list[Import] = []
+    for n, cell in enumerate(c for c in cells if c.get("cell_type") == "code"):
+        source = "".join(cell.get("source", []))
+        code = "\n".join("" if line.lstrip().startswith(("!", "%")) else line for line in source.splitlines())
+        script = tmp / f"{path.stem}-cell{n}.py"
+        script.write_text(code, encoding="utf-8")
+        found += [Import(path, imp.line, imp.target) for imp in _imports(script, f"{path.stem}.cell{n}")]
+    return found
+
+
+def test_nothing_shipped_imports_tests(tmp_path: Path) -> None:
+    notebooks = sorted(p for top in SHIPPED if (REPO / top).is_dir() for p in (REPO / top).rglob("*.ipynb"))
+    assert notebooks, "no notebook found: the check below would read only .py files"
+    scripts = sorted(p for top in SHIPPED if (REPO / top).is_dir() for p in (REPO / top).rglob("*.py"))
+    imports = [imp for p in scripts for imp in _imports(p)]
+    imports += [imp for nb in notebooks for imp in _notebook_imports(nb, tmp_path)]
     found = [
         f"{imp.where()}: imports {imp.target}"
-        for top in SHIPPED
-        if (REPO / top).is_dir()
-        for path in sorted((REPO / top).rglob("*.py"))
-        for imp in _imports(path)
+        for imp in imports
         if imp.target == "tests" or imp.target.startswith("tests.")
     ]
     assert not found, (
