@@ -1,11 +1,11 @@
 """The shape of the house, as data: the layer order of ``ckptsdk``, and the rules of the root.
 
-Every ``import`` of every module under ``ckptsdk/`` (module level, inside functions, under
-``TYPE_CHECKING``, relative or absolute, and ``importlib.import_module("ckptsdk...")`` with a
-literal name) must point to its own layer or one below it; subpackages must not import each other
-in a circle. Also: the root holds at most ten modules, no module is over 500 lines, no code reaches
-a backend's optional operations with ``getattr``, and nothing shipped (notebooks included) imports ``tests``.
-What a layer may contain is DESIGN.md's business, not this file's.
+Every import of every module under ``ckptsdk/`` (module level, inside functions, under
+``TYPE_CHECKING``, relative or absolute, ``importlib.import_module("ckptsdk...")`` with a literal
+name, module names in lazy tables) must point to its own layer or one below it; subpackages must
+not import each other in a circle. Also: the root holds at most ten modules, no module is over 500
+lines, no code reaches a backend's optional operations with ``getattr``, and nothing shipped
+(notebooks included) imports ``tests``. What a layer may contain is DESIGN.md's business.
 """
 
 from __future__ import annotations
@@ -111,7 +111,23 @@ def _imports(path: Path, module: str | None = None) -> list[Import]:
             and isinstance(node.args[0].value, str)
         ):
             found.append(Import(path, node.lineno, node.args[0].value))
+        elif isinstance(node, ast.Dict | ast.Tuple | ast.List | ast.Set):
+            # A lazy table (scheme -> "ckptsdk.backends.gcs") imports by name later: count it.
+            items = [*node.keys, *node.values] if isinstance(node, ast.Dict) else node.elts
+            found += [
+                Import(path, item.lineno, item.value)
+                for item in items
+                if isinstance(item, ast.Constant) and isinstance(item.value, str) and _is_module(item.value)
+            ]
     return found
+
+
+def _is_module(name: str) -> bool:
+    """Whether ``name`` is a dotted ckptsdk module that exists in this repository."""
+    if not re.fullmatch(r"ckptsdk(\.[A-Za-z_]\w*)+", name):
+        return False
+    base = REPO.joinpath(*name.split("."))
+    return base.with_suffix(".py").is_file() or (base / "__init__.py").is_file()
 
 
 def _unit(module: str) -> str | None:
@@ -221,11 +237,14 @@ def test_the_checker_sees_lazy_relative_and_dynamic_imports(tmp_path: Path) -> N
         "    from ..manager import CheckpointManager\n"
         "    from . import record\n"
         "    import ckptsdk.cli\n"
-        "    return importlib.import_module('ckptsdk.state')\n",
+        "    return importlib.import_module('ckptsdk.state')\n"
+        "TABLE = {'gs': ('ckptsdk.runlog.writer', 'RunLog'), 'x': ('ckptsdk.not_a_module', 'X')}\n",
         encoding="utf-8",
     )
     targets = {(imp.line, imp.target) for imp in _imports(probe, "ckptsdk.lease.probe")}
     assert {(3, "ckptsdk.manager"), (4, "ckptsdk.lease.record"), (5, "ckptsdk.cli"), (6, "ckptsdk.state")} <= targets
+    assert (7, "ckptsdk.runlog.writer") in targets  # a lazy table's module name
+    assert not any(t == "ckptsdk.not_a_module" for _, t in targets)  # a string that names no module
     assert {_unit(t) for _, t in targets} >= {"manager", "lease", "cli", "state"}
 
 
