@@ -326,3 +326,43 @@ def test_nothing_shipped_imports_tests(tmp_path: Path) -> None:
         "shipped code imports the test suite (move what it needs into ckptsdk.testing or the shipped "
         "module itself):\n" + "\n".join(found)
     )
+
+
+#: Public top-level names that several modules define on purpose, each with why. Anything else
+#: defined twice is a rule with two homes (the two copies will drift): import it from one.
+SAME_NAME_ON_PURPOSE = {
+    "main": "each command-line entry point is its module's main()",
+    "register": "each cli/ module registers its own subcommands",
+    "FORMAT": "the format string of the document each module writes (checkpoint, dcp)",
+    "scan": "posix.scan lists a folder; checkpoint.catalog.scan reads a checkpoint root",
+}
+
+
+def _top_level_names(path: Path) -> set[str]:
+    names: set[str] = set()
+    for node in ast.parse(path.read_text(encoding="utf-8"), filename=str(path)).body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign):
+            names |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.value is not None:
+            names.add(node.target.id)
+    return {n for n in names if not n.startswith("_") and n not in {"logger", "__all__"}}
+
+
+def test_each_public_name_is_defined_in_one_module() -> None:
+    homes: dict[str, list[str]] = defaultdict(list)
+    for path in _package_files():
+        for name in _top_level_names(path):
+            homes[name].append(str(path.relative_to(REPO)))
+    twice = sorted(
+        f"{name}: {', '.join(paths)}"
+        for name, paths in homes.items()
+        if len(paths) > 1 and name not in SAME_NAME_ON_PURPOSE
+    )
+    assert not twice, (
+        "public names defined in more than one module (keep one home and import it, or, if they are "
+        "different things, rename one or add it to SAME_NAME_ON_PURPOSE with why):\n" + "\n".join(twice)
+    )
+    stale = sorted(n for n in SAME_NAME_ON_PURPOSE if len(homes.get(n, [])) < 2)
+    assert not stale, f"SAME_NAME_ON_PURPOSE lists {stale}, now defined once or not at all: remove them"
