@@ -27,9 +27,8 @@ from ckptsdk.backends import open_backend
 from ckptsdk.backends.base import Backend
 from ckptsdk.checkpoint.catalog import CheckpointInfo
 from ckptsdk.checkpoint.reader import CheckpointReader, ResumePoint, resume_point
-from ckptsdk.checkpoint.retention import Rule
+from ckptsdk.checkpoint.retention import Rule, describe_rules
 from ckptsdk.checkpoint.rotation import LEFTOVER_GRACE_S, RETENTION_MODES, GcReport, Rotation
-from ckptsdk.checkpoint.rotation import describe as _describe
 from ckptsdk.checkpoint.rotation import kept as _kept
 from ckptsdk.checkpoint.saving import SavePipeline
 from ckptsdk.errors import BackendError, CheckpointError, ConfigError, LeaseLostError, NoValidCheckpointError
@@ -510,7 +509,7 @@ class CheckpointManager(CheckpointReader):
 
     def rules(self, *, keep_last: int | None = None, keep: Sequence[Rule] | None = None) -> str:
         """The keep rules in force, as written (``keep_last=3, keep_best=2 by val_loss (min)``)."""
-        return _describe(self._rotation.retention_rules(keep_last, keep))
+        return describe_rules(self._rotation.retention_rules(keep_last, keep))
 
     # ------------------------------------------------------------------ step log, lifecycle
 

@@ -35,6 +35,7 @@ __all__ = [
     "decide",
     "default_mode",
     "describe",
+    "describe_rules",
     "keep_best",
     "keep_every",
     "keep_every_seconds",
@@ -287,6 +288,16 @@ def describe(rule: Rule) -> str:
     if isinstance(rule, Pinned):
         return f"{rule.why} {sorted(rule.steps)}"
     return repr(rule)  # a user's own Rule: its repr is all we know
+
+
+def describe_rules(rules: Iterable[Rule]) -> str:
+    """Rules as a user wrote them, comma-separated (``ckptsdk ls``'s footer, gc's reasons).
+
+    Example:
+        >>> describe_rules([keep_last(3), keep_best("val_loss", 2)])
+        'keep_last=3, keep_best=2 by val_loss (min)'
+    """
+    return ", ".join(describe(r) for r in rules)
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from ckptsdk.lease.acquire import Lease
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["GcReport", "Rotation", "RETENTION_MODES", "LEFTOVER_GRACE_S", "candidates", "describe", "kept"]
+__all__ = ["GcReport", "Rotation", "RETENTION_MODES", "LEFTOVER_GRACE_S", "candidates", "kept"]
 
 # "delete": rotated-out checkpoints are deleted. "recycle": the writer's oldest rotated-out
 # checkpoint gives its tensor file to the next save (renamed, rewritten in place), so a store
@@ -360,7 +360,7 @@ class Rotation:
         keeps = kept(cat, in_force, settle=self.late)
         for c in cat.checkpoints:
             if c.valid and c.step not in keeps:
-                reasons[c.key] = f"no rule keeps it ({describe(in_force)}){late}"
+                reasons[c.key] = f"no rule keeps it ({retention.describe_rules(in_force)}){late}"
         sizes = {c.key: c.size for c in cat.checkpoints if c.key in reasons}
         trash = sum(sizes.values()) if self.backend.capabilities.trash_on_delete else None
         if not dry_run:
@@ -402,8 +402,3 @@ def kept(cat: Catalog, rules: Sequence[Rule], *, settle: int = 0) -> dict[int, t
     if point is not None and not any(c.rank == cat.max_rank and c.step > point for c in valid):
         pinned[point] = retention.RESUME_POINT
     return retention.decide(candidates(valid), rules, pinned=pinned, settle=settle).kept
-
-
-def describe(rules: Sequence[Rule]) -> str:
-    """The rules as a user wrote them: ``keep_last=3, keep_best=2 by val_loss (min)``."""
-    return ", ".join(retention.describe(r) for r in rules)
