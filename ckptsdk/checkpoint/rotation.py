@@ -256,19 +256,29 @@ class Rotation:
     def beyond_retention(
         self,
         checkpoints: list[CheckpointInfo],
-        *,
+        keep_last: int | None = None,
         protected: Sequence[int] = (),
+        *,
         rules: Sequence[Rule] | None = None,
     ) -> list[CheckpointInfo]:
-        """The checkpoints retention lets go (rules from :meth:`retention_rules` unless given;
-        ``protected`` steps kept). Every folder of a step (several writers may hold one) shares its fate."""
+        """The checkpoints retention lets go; ``protected`` steps are kept. Every folder of a
+        step (several writers may hold one) shares its fate.
+
+        Args:
+            checkpoints: the candidates (valid checkpoints of this lineage).
+            keep_last: given, the newest this many steps over all of ``checkpoints`` (the caller
+                has added any save-late margin) with this rotation's other rules; None: the
+                rules of :meth:`retention_rules`, one save late where the store needs it.
+            protected: steps kept whatever the rules say (the resume point).
+            rules: instead of both (the rules in force, complete).
+        """
         by_step: dict[int, list[CheckpointInfo]] = {}
         for c in checkpoints:
             by_step.setdefault(c.step, []).append(c)
         pinned = dict.fromkeys(protected, retention.RESUME_POINT)
-        decision = retention.decide(
-            candidates(checkpoints), self.retention_rules() if rules is None else rules, pinned=pinned, settle=self.late
-        )
+        settle = 0 if keep_last is not None else self.late
+        in_force = rules if rules is not None else self.retention_rules(keep_last)
+        decision = retention.decide(candidates(checkpoints), in_force, pinned=pinned, settle=settle)
         return [c for step in decision.deleted for c in by_step[step]]
 
     def delete(self, info: CheckpointInfo) -> None:
@@ -360,7 +370,7 @@ class Rotation:
         keeps = kept(cat, in_force, settle=self.late)
         for c in cat.checkpoints:
             if c.valid and c.step not in keeps:
-                reasons[c.key] = f"no rule keeps it ({retention.describe_rules(in_force)}){late}"
+                reasons[c.key] = _why_not(in_force) + late
         sizes = {c.key: c.size for c in cat.checkpoints if c.key in reasons}
         trash = sum(sizes.values()) if self.backend.capabilities.trash_on_delete else None
         if not dry_run:
@@ -402,3 +412,10 @@ def kept(cat: Catalog, rules: Sequence[Rule], *, settle: int = 0) -> dict[int, t
     if point is not None and not any(c.rank == cat.max_rank and c.step > point for c in valid):
         pinned[point] = retention.RESUME_POINT
     return retention.decide(candidates(valid), rules, pinned=pinned, settle=settle).kept
+
+
+def _why_not(rules: Sequence[Rule]) -> str:
+    """gc's reason for a checkpoint no rule keeps."""
+    if len(rules) == 1 and isinstance(rules[0], retention.KeepLast):
+        return f"beyond keep_last={rules[0].n}"
+    return f"no rule keeps it ({retention.describe_rules(rules)})"

@@ -205,3 +205,16 @@ def test_decide_settle_beyond_the_steps_keeps_them_all_and_rules_cannot_invent_s
     assert retention.decide(cands, [retention.keep_last(1)], settle=3).kept == {1: ("settling",), 2: ("newest",)}
     d = retention.decide(cands, [retention.keep_if(lambda c: True), lambda _cands: {99: "made up"}])
     assert d.kept == {1: ("custom",), 2: ("custom", "newest")} and d.deleted == []
+
+
+def test_gc_names_the_rules_that_let_a_checkpoint_go(tmp_path):
+    url = str(tmp_path / "run")
+    state = TrainState(model=torch.nn.Linear(1, 1))
+    with _manager(url, keep_last=4) as mgr:  # keeps all four: gc then decides alone
+        for step, loss in ((1, 0.1), (2, 0.5), (3, 0.9), (4, 0.8)):
+            mgr.save(state, step=step, metrics={"val_loss": loss})
+        report = mgr.gc(keep_last=1, keep=[retention.keep_best("val_loss", 1)], dry_run=True)
+    assert report.reasons == {
+        "step-0000000002.e1": "no rule keeps it (keep_last=1, keep_best=1 by val_loss (min))",
+        "step-0000000003.e1": "no rule keeps it (keep_last=1, keep_best=1 by val_loss (min))",
+    }
