@@ -25,6 +25,7 @@ _REGISTRY: dict[str, tuple[str, str, str | None]] = {
     "drive": ("ckptsdk.backends.drive", "DriveBackend", None),
     "memory": ("ckptsdk.backends.memory", "MemoryBackend", None),
     "gs": ("ckptsdk.backends.gcs", "GCSBackend", "gcs"),
+    "s3": ("ckptsdk.backends.s3", "S3Backend", "s3"),
 }
 
 
