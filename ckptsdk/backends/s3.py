@@ -113,7 +113,7 @@ class S3Backend(S3Transport):
         'a1b2c3...'
     """
 
-    capabilities = Capabilities(exclusive_create=True, compare_and_swap=True, durable_on_return=True)
+    capabilities = Capabilities(exclusive_create=True, compare_and_swap=True, remote_conditions=True)
     multipart_threshold = 16 * _MiB
     part_size = 16 * _MiB  # >= 5 MiB (S3's minimum part but the last); grown to fit 10,000 parts
     read_block = 16 * _MiB  # one ranged GET per block when streaming through open()
