@@ -10,17 +10,15 @@ not belong here.
 
 from __future__ import annotations
 
-import base64
 import builtins
 import io
 import logging
 import zlib
 from collections.abc import Callable, Iterator
-from datetime import datetime
-from email.utils import parsedate_to_datetime
 from typing import Any, BinaryIO
 
 from ckptsdk.backends.base import Capabilities, Data, ObjectInfo, check_key, check_prefix
+from ckptsdk.backends.s3_payload import Ranged, chain, crc_b64, etag_of, http_date, stamp
 from ckptsdk.backends.s3_transport import Answer, S3Transport
 from ckptsdk.errors import BackendError, ConfigError, ObjectNotFound, PreconditionFailed
 
@@ -30,53 +28,7 @@ __all__ = ["S3Backend"]
 
 _MiB = 1 << 20
 _MAX_PARTS = 10_000  # S3's limit per multi-part upload
-
-
-def _crc(value: int) -> str:
-    return base64.b64encode(value.to_bytes(4, "big")).decode("ascii")
-
-
-def _etag(raw: Any) -> str:
-    return str(raw or "").strip('"')
-
-
-def _stamp(value: Any) -> float | None:
-    return value.timestamp() if isinstance(value, datetime) else None
-
-
-class _Ranged(io.RawIOBase):
-    """Seekable raw reads through ``fetch(offset, n)`` (wrapped in a BufferedReader by ``open``)."""
-
-    def __init__(self, fetch: Callable[[int, int], bytes], size: int) -> None:
-        super().__init__()
-        self._fetch, self._size, self._pos = fetch, size, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
-        if base + offset < 0:
-            raise ValueError(f"negative seek position {base + offset}")
-        self._pos = base + offset
-        return self._pos
-
-    def readinto(self, b: Any) -> int:
-        out = memoryview(b).cast("B")
-        want = min(out.nbytes, self._size - self._pos)
-        if want <= 0:
-            return 0
-        data = self._fetch(self._pos, want)
-        n = min(len(data), want)
-        out[:n] = data[:n]
-        self._pos += n
-        return n
+_COPY_PART = 1 << 30  # UploadPartCopy copies at most 5 GiB per part; 1 GiB keeps each call short
 
 
 class S3Backend(S3Transport):
@@ -113,7 +65,12 @@ class S3Backend(S3Transport):
         'a1b2c3...'
     """
 
-    capabilities = Capabilities(exclusive_create=True, compare_and_swap=True, remote_conditions=True)
+    capabilities = Capabilities(
+        exclusive_create=True,
+        compare_and_swap=True,
+        cheap_copy=True,  # UploadPartCopy: the bytes stay in the store (see copy)
+        remote_conditions=True,
+    )
     multipart_threshold = 16 * _MiB
     part_size = 16 * _MiB  # >= 5 MiB (S3's minimum part but the last); grown to fit 10,000 parts
     read_block = 16 * _MiB  # one ranged GET per block when streaming through open()
@@ -172,7 +129,7 @@ class S3Backend(S3Transport):
     def stat(self, key: str) -> ObjectInfo:
         """Size, ETag and LastModified of ``key``; ``ObjectNotFound`` if absent."""
         head = self._head(key)
-        return ObjectInfo(key, int(head["ContentLength"]), _etag(head["ETag"]), _stamp(head.get("LastModified")))
+        return ObjectInfo(key, int(head["ContentLength"]), etag_of(head["ETag"]), stamp(head.get("LastModified")))
 
     def exists(self, key: str) -> bool:
         """Whether ``key`` exists now (S3 is strongly consistent)."""
@@ -208,7 +165,7 @@ class S3Backend(S3Transport):
             )
             if answer.status in (404, 412):
                 raise ObjectNotFound(
-                    f"{key!r} in {self.url} was replaced or deleted while being read (ETag {_etag(etag)} "
+                    f"{key!r} in {self.url} was replaced or deleted while being read (ETag {etag_of(etag)} "
                     "is gone); open it again",
                     url=self.url,
                     key=key,
@@ -218,7 +175,7 @@ class S3Backend(S3Transport):
                 raise BackendError(f"S3 returned no bytes for {key!r} at offset {offset} in {self.url}; retry the read")
             return bytes(data)
 
-        return io.BufferedReader(_Ranged(fetch, int(head["ContentLength"])), buffer_size=self.read_block)
+        return io.BufferedReader(Ranged(fetch, int(head["ContentLength"])), buffer_size=self.read_block)
 
     def list(self, prefix: str = "") -> list[ObjectInfo]:
         """Every object whose key starts with ``prefix``, sorted; always a fresh listing."""
@@ -239,7 +196,7 @@ class S3Backend(S3Transport):
                 if name.endswith("/"):  # folder placeholders made by consoles, not objects of ours
                     continue
                 out.append(
-                    ObjectInfo(name[len(root) :], int(item["Size"]), _etag(item["ETag"]), _stamp(item["LastModified"]))
+                    ObjectInfo(name[len(root) :], int(item["Size"]), etag_of(item["ETag"]), stamp(item["LastModified"]))
                 )
             if not page.get("IsTruncated"):
                 break
@@ -284,7 +241,7 @@ class S3Backend(S3Transport):
         for chunk in chunks:
             buffered += memoryview(chunk).cast("B")
             if len(buffered) > self.multipart_threshold:
-                return self._multipart(key, name, self._parts(_chain(buffered, chunks), None), cond)
+                return self._multipart(key, name, self._parts(chain(buffered, chunks), None), cond)
         return self._put(key, name, bytes(buffered), cond)
 
     def _put(self, key: str, name: str, body: bytes, cond: dict[str, Any]) -> ObjectInfo:
@@ -292,7 +249,7 @@ class S3Backend(S3Transport):
         answer = self._call("put_object", key, Key=name, Body=body, ChecksumAlgorithm="CRC32", **cond)
         if answer.response is not None:
             self._bucket_seen = True
-            return ObjectInfo(key, len(body), _etag(answer.response["ETag"]))
+            return ObjectInfo(key, len(body), etag_of(answer.response["ETag"]))
         return self._refused(answer, key, cond, len(body), zlib.crc32(body), body)
 
     def _parts(self, pieces: Iterator[memoryview], total: int | None) -> Iterator[bytes]:
@@ -337,7 +294,7 @@ class S3Backend(S3Transport):
                 Key=name,
                 UploadId=upload_id,
                 MultipartUpload={"Parts": done},
-                ChecksumCRC32=_crc(crc),
+                ChecksumCRC32=crc_b64(crc),
                 ChecksumType="FULL_OBJECT",
                 **cond,
             )
@@ -345,7 +302,7 @@ class S3Backend(S3Transport):
                 return self._refused(answer, key, cond, size, crc, None)
             self._bucket_seen = True
             self._verify(key, answer.response, size, crc)
-            return ObjectInfo(key, size, _etag(answer.response["ETag"]))
+            return ObjectInfo(key, size, etag_of(answer.response["ETag"]))
         except BaseException:
             # Abort so the parts stop costing storage now, not when a lifecycle rule runs.
             try:
@@ -362,10 +319,10 @@ class S3Backend(S3Transport):
             reported = head.get("ChecksumCRC32")
             if int(head["ContentLength"]) != size:
                 reported = "size " + str(head["ContentLength"])
-        if reported is not None and reported != _crc(crc):
+        if reported is not None and reported != crc_b64(crc):
             raise BackendError(
                 f"S3 assembled {key!r} in {self.url} with checksum {reported}, but the bytes sent have "
-                f"CRC32 {_crc(crc)} ({size} bytes): the object is corrupt; write it again",
+                f"CRC32 {crc_b64(crc)} ({size} bytes): the object is corrupt; write it again",
                 url=self.url,
                 key=key,
             )
@@ -392,11 +349,11 @@ class S3Backend(S3Transport):
             head = self._head(key, checksum=True)
         except ObjectNotFound:
             return None
-        if int(head["ContentLength"]) != size or head.get("ChecksumCRC32") not in (None, _crc(crc)):
+        if int(head["ContentLength"]) != size or head.get("ChecksumCRC32") not in (None, crc_b64(crc)):
             return None
         if body is not None and self.read(key) != body:
             return None
-        return ObjectInfo(key, size, _etag(head["ETag"]), _stamp(head.get("LastModified")))
+        return ObjectInfo(key, size, etag_of(head["ETag"]), stamp(head.get("LastModified")))
 
     def _precondition(self, key: str, cond: dict[str, Any]) -> PreconditionFailed:
         actual = self._current(key)
@@ -404,12 +361,68 @@ class S3Backend(S3Transport):
             msg = f"{key!r} already exists in {self.url} (ETag {actual}); create() publishes only new keys"
             expected = None
         else:
-            expected = _etag(cond.get("IfMatch"))
+            expected = etag_of(cond.get("IfMatch"))
             msg = (
                 f"{key!r} in {self.url} is no longer version {expected} (now {actual or 'absent'}): "
                 "another writer changed it; re-read and decide"
             )
         return PreconditionFailed(msg, url=self.url, key=key, expected=expected, actual=actual)
+
+    def copy(self, src: str, dst: str) -> ObjectInfo:
+        """Server-side copy, published only if ``dst`` is absent: no byte passes through here.
+
+        CopyObject takes no ``If-None-Match`` for its target, so the copy is a multi-part upload
+        of ``UploadPartCopy`` parts (each ``CopySourceIfMatch`` the source's ETag: one version
+        throughout) completed with ``If-None-Match: *``.
+
+        Raises:
+            ObjectNotFound: ``src`` does not exist.
+            PreconditionFailed: ``dst`` exists already.
+        """
+        head, name, source = self._head(src), self._name(dst), f"{self.bucket}/{self._name(src)}"
+        size = int(head["ContentLength"])
+        cond: dict[str, Any] = {"IfNoneMatch": "*"}
+        if size == 0:  # UploadPartCopy cannot copy an empty range
+            return self.create(dst, b"")
+        if self.exists(dst):
+            raise self._precondition(dst, cond)
+        upload_id = self._check(self._call("create_multipart_upload", dst, Key=name), dst, "start copying")["UploadId"]
+        try:
+            step = max(_COPY_PART, -(-size // _MAX_PARTS))
+            done = []
+            for number, start in enumerate(range(0, size, step), start=1):
+                answer = self._call(
+                    "upload_part_copy",
+                    dst,
+                    Key=name,
+                    UploadId=upload_id,
+                    PartNumber=number,
+                    CopySource=source,
+                    CopySourceIfMatch=head["ETag"],
+                    CopySourceRange=f"bytes={start}-{min(start + step, size) - 1}",
+                )
+                if answer.status in (404, 412):
+                    raise self._not_found(src, "copy")  # gone or replaced while being copied
+                etag = self._check(answer, dst, "copy")["CopyPartResult"]["ETag"]
+                done.append({"PartNumber": number, "ETag": etag})
+            answer = self._call(
+                "complete_multipart_upload", dst, Key=name, UploadId=upload_id, MultipartUpload={"Parts": done}, **cond
+            )
+            if answer.response is None:
+                if answer.status == 412 and not answer.ambiguous:
+                    raise self._precondition(dst, cond)
+                if answer.status != 412:
+                    raise self._fail(answer, "complete_multipart_upload", dst, "copy")
+            info = self.stat(dst)
+            if info.size != size:
+                raise PreconditionFailed(f"{dst!r} exists in {self.url} with other bytes", url=self.url, key=dst)
+            return info
+        except BaseException:
+            try:
+                self._call("abort_multipart_upload", dst, Key=name, UploadId=upload_id)
+            except BackendError as exc:
+                logger.warning("could not abort the copy to %r in %s: %s", dst, self.url, exc)
+            raise
 
     def delete(self, key: str, *, version: str | None = None) -> None:
         """Delete ``key``; with ``version``, only if that is still its ETag (``If-Match``)."""
@@ -444,11 +457,11 @@ class S3Backend(S3Transport):
         root = f"{self.prefix}/" if self.prefix else ""
         answer = self._call("list_multipart_uploads", None, Prefix=root)
         page = self._check(answer, "", "list uploads")
-        now = _http_date(answer.response["ResponseMetadata"]["HTTPHeaders"].get("date") if answer.response else None)
+        now = http_date(answer.response["ResponseMetadata"]["HTTPHeaders"].get("date") if answer.response else None)
         removed = []
         for upload in page.get("Uploads") or []:
             key = upload["Key"][len(root) :]
-            started = _stamp(upload.get("Initiated"))
+            started = stamp(upload.get("Initiated"))
             if only is not None and not only(key):
                 continue
             if older_than > 0 and (now is None or started is None or now - started < older_than):
@@ -457,18 +470,3 @@ class S3Backend(S3Transport):
             if done.ok or done.status == 404:
                 removed.append(key)
         return sorted(removed)
-
-
-def _chain(first: bytearray, rest: Iterator[Any]) -> Iterator[memoryview]:
-    yield memoryview(first)
-    for chunk in rest:
-        yield memoryview(chunk).cast("B")
-
-
-def _http_date(value: str | None) -> float | None:
-    if not value:
-        return None
-    try:
-        return parsedate_to_datetime(value).timestamp()
-    except (TypeError, ValueError):
-        return None

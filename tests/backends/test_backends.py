@@ -46,8 +46,7 @@ EXPECTED_CAPABILITIES = {
         rewrite_in_place=True,
     ),
     "gcs": Capabilities(exclusive_create=True, compare_and_swap=True, cheap_copy=True, remote_conditions=True),
-    # No cheap_copy: CopyObject takes no If-None-Match for its target (a copy could overwrite).
-    "s3": Capabilities(exclusive_create=True, compare_and_swap=True, remote_conditions=True),
+    "s3": Capabilities(exclusive_create=True, compare_and_swap=True, cheap_copy=True, remote_conditions=True),
 }
 
 
