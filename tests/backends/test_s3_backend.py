@@ -312,3 +312,23 @@ def test_sigkill_mid_upload_leaves_old_or_new_and_sweep_aborts_the_parts(target,
         zygote.wait(timeout=60)
         zygote.stdout.close()
     assert seen["aborted"] >= 2, seen  # kills really landed mid-upload
+
+
+def test_a_frozen_server_fails_a_call_instead_of_hanging_it_and_is_used_again_after():
+    """SIGSTOP the server (its socket stays open: the kernel still accepts and buffers): each call
+    ends with BackendError after its attempts time out; after SIGCONT the same backend works."""
+    with start_s3_server() as server:
+        server.make_bucket("frozen")
+        b = open_backend("s3://frozen/run", **server.storage_options)
+        b.write("k", b"before")
+        b.connect_timeout_s = b.read_timeout_s = 1.0
+        b.max_attempts, b.backoff_s = 2, 0.01
+        b._client = None  # a client with the short timeouts (the cache is keyed by them)
+        os.kill(server.proc.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(BackendError, match="failed 2 times") as exc_info:
+                b.read("k")
+            assert exc_info.value.key == "k"
+        finally:
+            os.kill(server.proc.pid, signal.SIGCONT)
+        assert b.read("k") == b"before"
