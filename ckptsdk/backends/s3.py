@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import builtins
 import io
+import itertools
 import logging
 import zlib
 from collections.abc import Callable, Iterator
 from typing import Any, BinaryIO
 
-from ckptsdk.backends.base import Capabilities, Data, ObjectInfo, check_key, check_prefix
-from ckptsdk.backends.s3_payload import Ranged, chain, crc_b64, etag_of, http_date, stamp
+from ckptsdk.backends.base import Capabilities, Data, ObjectInfo, check_key, check_prefix, iter_chunks
+from ckptsdk.backends.s3_payload import Ranged, crc_b64, etag_of, http_date, store_time
 from ckptsdk.backends.s3_transport import Answer, S3Transport
 from ckptsdk.errors import BackendError, ConfigError, ObjectNotFound, PreconditionFailed
 
@@ -129,7 +130,7 @@ class S3Backend(S3Transport):
     def stat(self, key: str) -> ObjectInfo:
         """Size, ETag and LastModified of ``key``; ``ObjectNotFound`` if absent."""
         head = self._head(key)
-        return ObjectInfo(key, int(head["ContentLength"]), etag_of(head["ETag"]), stamp(head.get("LastModified")))
+        return ObjectInfo(key, int(head["ContentLength"]), etag_of(head["ETag"]), store_time(head.get("LastModified")))
 
     def exists(self, key: str) -> bool:
         """Whether ``key`` exists now (S3 is strongly consistent)."""
@@ -177,7 +178,7 @@ class S3Backend(S3Transport):
 
         return io.BufferedReader(Ranged(fetch, int(head["ContentLength"])), buffer_size=self.read_block)
 
-    def list(self, prefix: str = "") -> list[ObjectInfo]:
+    def list(self, prefix: str = "") -> builtins.list[ObjectInfo]:
         """Every object whose key starts with ``prefix``, sorted; always a fresh listing."""
         check_prefix(prefix, url=self.url)
         root = f"{self.prefix}/" if self.prefix else ""
@@ -196,7 +197,9 @@ class S3Backend(S3Transport):
                 if name.endswith("/"):  # folder placeholders made by consoles, not objects of ours
                     continue
                 out.append(
-                    ObjectInfo(name[len(root) :], int(item["Size"]), etag_of(item["ETag"]), stamp(item["LastModified"]))
+                    ObjectInfo(
+                        name[len(root) :], int(item["Size"]), etag_of(item["ETag"]), store_time(item["LastModified"])
+                    )
                 )
             if not page.get("IsTruncated"):
                 break
@@ -241,7 +244,9 @@ class S3Backend(S3Transport):
         for chunk in chunks:
             buffered += memoryview(chunk).cast("B")
             if len(buffered) > self.multipart_threshold:
-                return self._multipart(key, name, self._parts(chain(buffered, chunks), None), cond)
+                return self._multipart(
+                    key, name, self._parts(itertools.chain([memoryview(buffered)], iter_chunks(chunks)), None), cond
+                )
         return self._put(key, name, bytes(buffered), cond)
 
     def _put(self, key: str, name: str, body: bytes, cond: dict[str, Any]) -> ObjectInfo:
@@ -353,7 +358,7 @@ class S3Backend(S3Transport):
             return None
         if body is not None and self.read(key) != body:
             return None
-        return ObjectInfo(key, size, etag_of(head["ETag"]), stamp(head.get("LastModified")))
+        return ObjectInfo(key, size, etag_of(head["ETag"]), store_time(head.get("LastModified")))
 
     def _precondition(self, key: str, cond: dict[str, Any]) -> PreconditionFailed:
         actual = self._current(key)
@@ -461,7 +466,7 @@ class S3Backend(S3Transport):
         removed = []
         for upload in page.get("Uploads") or []:
             key = upload["Key"][len(root) :]
-            started = stamp(upload.get("Initiated"))
+            started = store_time(upload.get("Initiated"))
             if only is not None and not only(key):
                 continue
             if older_than > 0 and (now is None or started is None or now - started < older_than):

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import base64
 import io
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import datetime
 from email.utils import parsedate_to_datetime
 from typing import Any
 
-__all__ = ["Ranged", "chain", "crc_b64", "etag_of", "http_date", "stamp"]
+__all__ = ["Ranged", "crc_b64", "etag_of", "http_date", "store_time"]
 
 
 def crc_b64(value: int) -> str:
@@ -26,7 +26,7 @@ def etag_of(raw: Any) -> str:
     return str(raw or "").strip('"')
 
 
-def stamp(value: Any) -> float | None:
+def store_time(value: Any) -> float | None:
     """A botocore datetime (LastModified, Initiated) as POSIX seconds; None if absent."""
     return value.timestamp() if isinstance(value, datetime) else None
 
@@ -64,13 +64,6 @@ class Ranged(io.RawIOBase):
         out[:n] = data[:n]
         self._pos += n
         return n
-
-
-def chain(first: bytearray, rest: Iterator[Any]) -> Iterator[memoryview]:
-    """``first``, then every chunk of ``rest``, as byte views."""
-    yield memoryview(first)
-    for chunk in rest:
-        yield memoryview(chunk).cast("B")
 
 
 def http_date(value: str | None) -> float | None:

@@ -30,8 +30,8 @@ logger = logging.getLogger(__name__)
 # Answers worth another attempt. A 5xx may mean "done, but the reply was lost", so a 412 after one
 # of them is checked against what we wrote (s3.py). 409 ConditionalRequestConflict: AWS's answer
 # to two conditional writes of one key at the same moment; AWS says to retry.
-RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
-RETRY_CODES = frozenset({"ConditionalRequestConflict", "SlowDown", "RequestTimeout", "InternalError"})
+_RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
+_RETRY_CODES = frozenset({"ConditionalRequestConflict", "SlowDown", "RequestTimeout", "InternalError"})
 _REGION_CODES = frozenset({"PermanentRedirect", "AuthorizationHeaderMalformed", "IllegalLocationConstraintException"})
 _CREDENTIAL_CODES = frozenset({"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken"})
 # The storage options ``open_backend("s3://...", **options)`` accepts (anything else is refused).
@@ -232,7 +232,7 @@ class S3Transport:
                         body.close()
             except botocore.exceptions.ClientError as exc:
                 answer = _answer_of(exc, ambiguous)
-                if answer.status not in RETRY_STATUSES and answer.code not in RETRY_CODES:
+                if answer.status not in _RETRY_STATUSES and answer.code not in _RETRY_CODES:
                     return answer
                 ambiguous = ambiguous or answer.status >= 500 or answer.code == "ConditionalRequestConflict"
                 last = exc

@@ -2,7 +2,7 @@
 
 ``python -m ckptsdk.testing.s3_server --bucket NAME`` serves in memory on a free port and prints
 the environment to export; ``start_s3_server()`` runs the same as a subprocess for tests. moto as
-shipped (PINNED_VERSION) checks ``If-None-Match``/``If-Match`` and then writes *without a lock*
+shipped (MOTO_VERSION) checks ``If-None-Match``/``If-Match`` and then writes *without a lock*
 between the two (two creators of one key can both win), ignores ``If-Match`` on
 CompleteMultipartUpload, and can answer a read racing an overwrite with a server error. The patch
 (server side of this module, a WSGI shim around moto's app) fixes exactly that:
@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs
 
-PINNED_VERSION = "5.2.4"
+MOTO_VERSION = "5.2.4"
 GATE_S = 0.5
 REGION = "us-east-1"
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}
@@ -169,8 +169,8 @@ def _install_patches(*, write_gate: int) -> None:
     from moto.s3.exceptions import MissingKey, PreconditionFailed
 
     installed = importlib.metadata.version("moto")
-    if installed != PINNED_VERSION:
-        raise RuntimeError(f"ckptsdk.testing.s3_server patches moto {PINNED_VERSION}, found {installed}")
+    if installed != MOTO_VERSION:
+        raise RuntimeError(f"ckptsdk.testing.s3_server patches moto {MOTO_VERSION}, found {installed}")
 
     original_post = responses.S3Response._key_response_post
 
@@ -213,7 +213,7 @@ def _exit_with_parent() -> None:
     threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
 
 
-def serve(
+def run_server(
     port: int,
     *,
     patched: bool = True,
@@ -399,7 +399,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--write-gate", type=int, default=0, help="hold PutObject writes until N arrive")
     parser.add_argument("--exit-with-parent", action="store_true", help="exit when the parent dies")
     args = parser.parse_args(argv)
-    serve(
+    run_server(
         args.port,
         patched=not args.unpatched,
         ignore_if_match=args.ignore_if_match,
@@ -412,4 +412,4 @@ def main(argv: list[str] | None = None) -> None:
 if __name__ == "__main__":
     main()
 
-__all__ = ["S3Server", "start_s3_server", "serve", "PINNED_VERSION"]
+__all__ = ["S3Server", "start_s3_server", "run_server", "MOTO_VERSION"]
