@@ -2,13 +2,14 @@
 
     CkptError                                  anything ckptsdk raises on purpose
      ├── ConfigError (ValueError)              a bad URL, option or argument
-     │    ├── UnknownSchemeError                open_backend() got a scheme it does not know
-     │    └── MissingDependencyError (ImportError)  an optional extra is not installed
+     │    └── UnknownSchemeError                open_backend() got a scheme it does not know
+     ├── MissingDependencyError (ImportError)  an optional extra is not installed (names the extra)
      ├── BackendError (OSError)                storage failed
      │    ├── ObjectNotFound (FileNotFoundError)    the key does not exist
      │    ├── InvalidKey (ValueError)               '..', absolute or empty key components
      │    ├── PreconditionFailed                    a conditional write/delete lost (GCS 412)
      │    └── StorageUnavailable                    bucket missing, root unreadable, mount gone
+     │         └── PreconditionsNotHonoured         the store ignores a condition: refused for writing
      ├── LeaseError
      │    ├── LeaseHeldError                   another live writer holds the lease
      │    └── LeaseLostError                   this writer was fenced; it must stop writing
@@ -27,6 +28,9 @@
           └── DatasetMismatchError             decoded tensors differ from the recorded hash
 
 Errors that refine a builtin also inherit it, so ``except FileNotFoundError`` keeps working.
+``MissingDependencyError`` is an ``ImportError``, not a ``ConfigError``: the arguments were fine,
+the environment lacks a package, and ``except ImportError`` is how Python code already guards an
+optional import. tests/project/test_error_tree.py checks this drawing against the classes.
 Each carries the fields a caller needs (``url``, ``key``, ``step``, ``holder``...) and a message
 that says what happened, where, and what to do next.
 """
@@ -103,6 +107,17 @@ class PreconditionFailed(BackendError):
 
 class StorageUnavailable(BackendError):
     """The storage itself cannot be used: missing bucket, unreadable root, dropped mount."""
+
+
+class PreconditionsNotHonoured(StorageUnavailable):
+    """The store failed the precondition probe (``ckptsdk/backends/probe.py``): a writer is refused.
+
+    ``lacks`` names what it did not honour (create-if-absent, compare-and-swap).
+    """
+
+    def __init__(self, message: str, *, url: str = "", key: str | None = None, lacks: tuple[str, ...] = ()) -> None:
+        super().__init__(message, url=url, key=key)
+        self.lacks = lacks
 
 
 class LeaseError(CkptError):

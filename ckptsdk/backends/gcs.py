@@ -71,6 +71,7 @@ class GCSBackend(JsonApiTransport):
         durable_on_return=True,
         immediately_consistent=True,
         cheap_copy=True,  # rewriteTo: the bytes never leave Google
+        remote_conditions=True,  # an emulator may ignore them: proven at open (probe.py)
     )
     # Tunables (class attributes so a test can shrink them on one instance).
     # Bigger objects go through a resumable session (as google-cloud-storage does): fewer bytes
@@ -222,7 +223,7 @@ class GCSBackend(JsonApiTransport):
         raw = RangeReader(fetch, int(meta["size"]), url=self.url, key=key)
         return io.BufferedReader(raw, buffer_size=self.read_block)
 
-    def list(self, prefix: str = "") -> list[ObjectInfo]:
+    def list(self, prefix: str = "") -> builtins.list[ObjectInfo]:
         """Every object whose key starts with ``prefix``, sorted; always a fresh listing."""
         check_prefix(prefix, url=self.url)
         root = f"{self.prefix}/" if self.prefix else ""

@@ -8,6 +8,7 @@ was fenced. Tensors go through DCP with :mod:`.storage`; each rank's RNG states 
 
 from __future__ import annotations
 
+import builtins
 import copy
 import logging
 import warnings
@@ -475,7 +476,7 @@ class DistributedCheckpointManager:
         """The resume audit (see :meth:`ckptsdk.CheckpointManager.audit`); rank 0 only, else None."""
         return self._core.audit(tolerance) if self._core is not None else None
 
-    def list(self) -> list[CheckpointInfo]:
+    def list(self) -> builtins.list[CheckpointInfo]:  # `list`: this method, in the class
         """Every checkpoint folder under the root, oldest first (any rank; read-only)."""
         return _catalog.scan(self.backend).checkpoints
 

@@ -1,8 +1,8 @@
 """``LEASE.json``, the writer lease's one document: its model, how it is read, where it lives.
 
-Taking, renewing and fencing the lease belong to ``ckptsdk.lease.acquire`` (and ``lease_renewal``); this
-module only says what the record holds and reads it, so read-only tools (``catalog``, the CLI)
-need nothing else.
+Taking, renewing and fencing the lease belong to ``ckptsdk.lease.acquire`` (and ``.renewal``); this
+module only says what the record holds (and the writer tag its nonce gives) and reads it, so
+read-only tools (``catalog``, the CLI) need nothing else.
 """
 
 from __future__ import annotations
@@ -16,15 +16,21 @@ from ckptsdk.backends.base import Backend
 from ckptsdk.errors import CkptError, LeaseError, ObjectNotFound
 from ckptsdk.format.document import Document, Strict, UtcTime, parse_document
 
+# The writer tag is a function of the lease nonce; its one home is the root's layout, which the
+# folder and lineage names it appears in are parsed by. Imported here for the lease's users.
+from ckptsdk.format.layout import TAG_DIGITS, writer_tag
+
 __all__ = [
     "LEASE_FORMAT",
     "LEASE_KEY",
     "MAX_TTL",
+    "TAG_DIGITS",
     "LeaseHolder",
     "LeaseRecord",
     "best_effort_epoch",
     "parse_lease",
     "read_lease",
+    "writer_tag",
 ]
 
 #: Where the lease lives, relative to the checkpoint root (the one definition).
