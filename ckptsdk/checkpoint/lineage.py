@@ -1,6 +1,6 @@
 """Which writer supersedes which: the lineage and fencing rule, in one place.
 
-A writer is its lease epoch, its tag and the step it resumed from (a frozen :class:`Writer`,
+A writer is its lease epoch, its tag and the step it resumed from (a frozen :class:`LineageWriter`,
 in the spirit of orbax's ``_src/path/step.py``). A higher writer fences a lower one, and a lower
 writer's checkpoint past the point a higher one resumed from is an orphan. Key formats are
 :mod:`ckptsdk.format.layout`'s; what a root holds is the catalog's; acting on a fence is the lease's.
@@ -13,11 +13,11 @@ from dataclasses import dataclass
 
 from ckptsdk.format.layout import Rank, checkpoint_dir, lineage_key, outranks, writer_tag
 
-__all__ = ["Writer", "superseded_by"]
+__all__ = ["LineageWriter", "superseded_by"]
 
 
 @dataclass(frozen=True)
-class Writer:
+class LineageWriter:
     """One writer of a root, as its names and its lineage record say.
 
     Attributes:
@@ -26,7 +26,7 @@ class Writer:
         resumed_from: the step it resumed from (None: a fresh start, or not restored yet).
 
     Example:
-        >>> w = Writer.of(epoch=2, nonce="0123456789abcdef", compare_and_swap=True)
+        >>> w = LineageWriter.of(epoch=2, nonce="0123456789abcdef", compare_and_swap=True)
         >>> w.folder(100), w.fenced_by((3, ""))
         ('step-0000000100.e2', True)
     """
@@ -36,7 +36,7 @@ class Writer:
     resumed_from: int | None = None
 
     @classmethod
-    def of(cls, *, epoch: int, nonce: str, compare_and_swap: bool, resumed_from: int | None = None) -> Writer:
+    def of(cls, *, epoch: int, nonce: str, compare_and_swap: bool, resumed_from: int | None = None) -> LineageWriter:
         """The writer holding the lease of ``epoch`` with ``nonce`` on a store with or without CAS."""
         return cls(epoch=epoch, tag=writer_tag(nonce, compare_and_swap=compare_and_swap), resumed_from=resumed_from)
 

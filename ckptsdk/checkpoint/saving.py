@@ -33,7 +33,7 @@ import torch
 
 from ckptsdk.backends.base import Backend, copier
 from ckptsdk.checkpoint.catalog import Catalog, CheckpointInfo
-from ckptsdk.checkpoint.lineage import Writer
+from ckptsdk.checkpoint.lineage import LineageWriter
 from ckptsdk.checkpoint.rotation import Rotation
 from ckptsdk.checkpoint.scheduling import SaveSlots, SaveStats, _Job
 from ckptsdk.checkpoint.staging import tensor_key
@@ -106,7 +106,7 @@ class SavePipeline:
         self._clock = clock
         record = lease.record
         assert record is not None
-        self.writer = Writer.of(
+        self.writer = LineageWriter.of(
             epoch=lease.epoch, nonce=record.holder.nonce, compare_and_swap=backend.capabilities.compare_and_swap
         )
         self._resumed_from: CheckpointInfo | None = None

@@ -1,6 +1,6 @@
 """The lean commit: storage calls per save on every backend, saves that never queue, the single-renewal fence.
 
-Calls are counted at the backend API (``tests/support/counting.py``): a multi-part upload is one
+Calls are counted at the backend API (``ckptsdk.testing.counting``): a multi-part upload is one
 ``write``. A slow store is a gate (an event) a tensor write waits on, never a sleep.
 """
 
@@ -22,7 +22,7 @@ from ckptsdk.format.layout import MANIFEST, TENSORS, checkpoint_dir
 from ckptsdk.lease.record import LEASE_KEY
 from ckptsdk.manager import Simulation
 from ckptsdk.testing import FaultyBackend
-from tests.support.counting import CountingBackend
+from ckptsdk.testing.counting import CountingBackend
 
 NO_HEARTBEAT = Simulation(heartbeat=False)  # only saves touch the lease: every call is the save's
 
