@@ -373,6 +373,7 @@ class SavePipeline:
 
     def _after_commit(self, info: CheckpointInfo) -> None:
         """Off the critical path (the checkpoint is committed): the catalog, rotation, step log."""
+        rotate = True
         if not self.backend.capabilities.compare_and_swap:
             # Drive: no renewal can prove that no newer writer appeared during the upload, so
             # rotation looks at a fresh listing (as it always did there): a newer writer's name
@@ -381,14 +382,20 @@ class SavePipeline:
             self._listed_at, self._tidy_due = self._clock(), True
         else:
             cat = self.catalog() if self._catalog is None else self._catalog
-        self._catalog = replace(
-            cat,
-            checkpoints=[c for c in cat.checkpoints if c.key != info.key] + [info],
-            max_rank=max(cat.max_rank, self.rank),
-        )
-        tidy, self._tidy_due = self._tidy_due, False
-        gone = self.rotation.rotate(self.lease, self.rank, self._catalog, self.resumed_from, tidy=tidy)
-        self._forget(gone)
+            # The fence for rotation's deletes (one call, after the commit): a takeover during the
+            # manifest upload must not let this writer rotate its lineage under a newcomer.
+            try:
+                self.lease.renew()
+            except LeaseLostError:
+                pass  # fenced now: rotate() deletes nothing and says so
+            except BackendError as exc:
+                rotate = False
+                logger.warning("lease renewal after a commit under %s failed (%s): rotating later", self.url, exc)
+        mine = [c for c in cat.checkpoints if c.key != info.key] + [info]
+        self._catalog = replace(cat, checkpoints=mine, max_rank=max(cat.max_rank, self.rank))
+        if rotate:
+            tidy, self._tidy_due = self._tidy_due, False
+            self._forget(self.rotation.rotate(self.lease, self.rank, self._catalog, self.resumed_from, tidy=tidy))
         if self.runlog is not None:
             try:
                 self.runlog.flush()
@@ -397,13 +404,8 @@ class SavePipeline:
                 logger.warning("run log under %s: could not publish the steps after a commit (%s)", self.url, exc)
 
     def _forget(self, keys: set[str]) -> None:
-        """Drop folders that are gone (or no longer committed) from the catalog and the scan's memo.
-
-        The memo holds what the root holds now: without a listing per save nothing else prunes
-        it, and a writer saving every few seconds for days would keep every manifest it wrote.
-        """
-        if not keys:
-            return
+        """Drop folders gone (or no longer committed) from the catalog and the scan's memo: with no
+        listing per save nothing else prunes it, and a long run would keep every manifest it wrote."""
         if self._catalog is not None:
             kept = [c for c in self._catalog.checkpoints if c.key not in keys]
             self._catalog = replace(self._catalog, checkpoints=kept)
