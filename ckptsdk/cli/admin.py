@@ -20,8 +20,8 @@ from ckptsdk.cli.common import (
     backend,
     emit_json,
     human_size,
-    manager,
     parse_wall,
+    reader,
     require_root,
     table,
 )
@@ -30,7 +30,10 @@ from ckptsdk.errors import LeaseError
 if TYPE_CHECKING:
     from ckptsdk.lease.acquire import LeaseRecord
 
-__all__ = ["cmd_gc", "cmd_lease", "register"]
+__all__ = ["MANAGER_KEEP_LAST", "cmd_gc", "cmd_lease", "register"]
+
+#: ``gc``'s default ``--keep-last``: CheckpointManager's default keep_last (a test holds them equal).
+MANAGER_KEEP_LAST = 3
 
 
 def _lease_doc(record: LeaseRecord) -> dict[str, Any]:
@@ -117,12 +120,19 @@ def cmd_lease(args: argparse.Namespace) -> int:
 def cmd_gc(args: argparse.Namespace) -> int:
     if args.keep_last is not None and args.keep_last < 1:
         raise UsageError(f"--keep-last must be >= 1 (the newest checkpoint is always kept), got {args.keep_last}")
-    mgr = manager(args)
+    from ckptsdk.checkpoint.catalog import scan
+    from ckptsdk.checkpoint.rotation import Rotation
+
+    mgr = reader(args)
     require_root(mgr.backend, args.url)
+    # What CheckpointManager.gc runs, without the manager's torch import. The retention mode
+    # only words a Drive warning here: gc deletes, it never recycles.
+    rotation = Rotation(mgr.backend, keep_last=MANAGER_KEEP_LAST, keep_every=None)
+    cat = scan(mgr.backend)
     if args.grace is not None:
-        report = mgr.gc(keep_last=args.keep_last, dry_run=args.dry_run, grace=args.grace)
+        report = rotation.gc(cat, keep_last=args.keep_last, dry_run=args.dry_run, grace=args.grace)
     else:
-        report = mgr.gc(keep_last=args.keep_last, dry_run=args.dry_run)
+        report = rotation.gc(cat, keep_last=args.keep_last, dry_run=args.dry_run)
     deleted, reasons, sizes = list(report.deleted), dict(report.reasons), dict(report.sizes)
     if args.json:
         emit_json(
@@ -162,7 +172,7 @@ def register(add: Callable[[str, str], argparse.ArgumentParser]) -> None:
     sp.add_argument("--yes-i-am-sure", action="store_true", help="confirm --break")
     sp.set_defaults(fn=cmd_lease)
     sp = add("gc", "delete rotated-out checkpoints, orphans of superseded writers and crashed leftovers")
-    sp.add_argument("--keep-last", type=int, help="checkpoints to keep (default: the manager's, 3)")
+    sp.add_argument("--keep-last", type=int, help=f"checkpoints to keep (default: the manager's, {MANAGER_KEEP_LAST})")
     sp.add_argument("--dry-run", action="store_true", help="only print what would be deleted")
     sp.add_argument("--grace", type=float, help="seconds a crashed write's leftovers must be old to go")
     sp.set_defaults(fn=cmd_gc)

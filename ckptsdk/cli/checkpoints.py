@@ -12,7 +12,7 @@ import json
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ckptsdk.cli.common import EXIT_OK, Failed, emit_json, human_size, manager, require_root, short_time, table
+from ckptsdk.cli.common import EXIT_OK, Failed, emit_json, human_size, reader, require_root, short_time, table
 from ckptsdk.errors import CorruptCheckpointError, NoValidCheckpointError, ObjectNotFound
 
 if TYPE_CHECKING:
@@ -60,7 +60,7 @@ def _status(info: CheckpointInfo) -> str:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    mgr = manager(args)
+    mgr = reader(args)
     require_root(mgr.backend, args.url)
     infos = mgr.list()
     rows = [_info_dict(i) for i in infos]
@@ -93,7 +93,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 def _tensor_rows(mgr: Any, key: str) -> list[dict[str, Any]]:
     """Tensor name, dtype, shape and byte size from a tensor file's header (bounded, checked)."""
-    from ckptsdk.format.tensorfile import read_header  # the one header parser (torch: only when showing tensors)
+    from ckptsdk.format.tensorfile import read_header  # the one header parser; no torch
 
     rows = [
         {"name": e.name, "dtype": e.code, "shape": e.shape, "bytes": e.nbytes} for e in read_header(mgr.backend, key)
@@ -104,7 +104,8 @@ def _tensor_rows(mgr: Any, key: str) -> list[dict[str, Any]]:
 def cmd_show(args: argparse.Namespace) -> int:
     from ckptsdk.checkpoint.catalog import TENSORS
 
-    mgr = manager(args)
+    mgr = reader(args)
+    require_root(mgr.backend, args.url)  # a mistyped URL says so, as `ls` does, not "no valid checkpoint"
     info = mgr.pick(args.step)
     manifest = info.manifest
     assert manifest is not None  # pick() returns only checkpoints whose manifest reads
@@ -166,7 +167,7 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    mgr = manager(args)
+    mgr = reader(args)
     require_root(mgr.backend, args.url)
     infos = mgr.list()
     if args.all:
