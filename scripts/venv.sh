@@ -70,7 +70,7 @@ PY
             cpu_index="${CKPTSDK_TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}"
             echo "[setup] no GPU: installing the CPU build of torch and torchvision from $cpu_index (about 200 MB download, under 1 GB installed)" >&2
             if ! pip --index-url "$cpu_index" --timeout 15 --retries 1 torch torchvision; then
-                echo "[setup] $cpu_index is unreachable from here: installing the default build instead (CUDA, a 2-3 GB download, about 6 GB installed)" >&2
+                echo "[setup] no CPU build from $cpu_index (pip's message above): installing the default build instead (CUDA, a 2-3 GB download, about 6 GB installed)" >&2
                 pip "torch==2.14.1" "torchvision==0.29.1" || pip torch torchvision
             fi
         fi
