@@ -313,6 +313,7 @@ class DriveSim:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 with open(tmp, "wb") as f:
                     f.write(data)
+                    f.flush()  # the bytes in the file, so that its size and mtime are final
                     # The signature before the rename, which keeps it (same inode, size, mtime):
                     # the VM may unlink `path` the moment it appears, and a stat after the rename
                     # would kill this thread with FileNotFoundError (issue 28).
