@@ -1,7 +1,8 @@
 """Tensor files: reading a safetensors file back verified, and the one parser of its header.
 
-A checkpoint's tensors are one safetensors file (written by tensorwriter.py, re-exported here so
-that ``ckptsdk.format.tensorfile`` is the whole API), plus a content digest of the whole file that every
+A checkpoint's tensors are one safetensors file (written by tensorwriter.py; ``write_tensorfile``
+is also importable from here, loaded on first use, so that ``ckptsdk.format.tensorfile`` is the
+whole API without importing torch at import time), plus a content digest of the whole file that every
 read checks. Nothing here knows about manifests, state trees or leases; the dtype table is
 dtype.py's and the digest table digest.py's. torch is imported only to make tensors (reading,
 writing): checking a header and re-hashing a file, as ``ckptsdk show``/``verify`` do, need none.
@@ -26,9 +27,10 @@ from ckptsdk.format.dtype import BY_CODE, byte_view, to_torch
 if TYPE_CHECKING:
     import torch
 
-    from ckptsdk.format.tensorwriter import write_tensorfile
+    from ckptsdk.format.tensorwriter import write_tensorfile as write_tensorfile  # for type checkers
 
-__all__ = ["HeaderEntry", "read_header", "read_tensorfile", "verify_file", "write_tensorfile"]
+# write_tensorfile is not listed: it resolves lazily (__getattr__ below), which pdoc cannot follow.
+__all__ = ["HeaderEntry", "read_header", "read_tensorfile", "verify_file"]
 
 # Reads go in chunks of this size: big enough for one syscall (or one ranged GET) to be cheap,
 # small enough that each chunk is hashed while it is still in the CPU cache.
