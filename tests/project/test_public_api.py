@@ -35,6 +35,7 @@ EXPECTED = {
     "MissingDependencyError",
     "NoCheckpointRootError",
     "StorageUnavailable",
+    "PreconditionsNotHonoured",
     "UnknownSchemeError",
     "UnsafeArchiveError",
 }
