@@ -32,32 +32,51 @@ def no_search(monkeypatch):
     monkeypatch.setattr(gauth, "default", default)
 
 
+@pytest.fixture
+def warnings_said():
+    """The warnings ckptsdk's loggers emit during the test (a handler of our own on "ckptsdk")."""
+    said: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            said.append(record.getMessage())
+
+    handler = Keep(level=logging.WARNING)
+    logger = logging.getLogger("ckptsdk")
+    logger.addHandler(handler)
+    logging.getLogger("ckptsdk.backends.gcs").warning("canary")  # the handler does hear them
+    assert said == ["canary"]
+    said.clear()
+    yield said
+    logger.removeHandler(handler)
+
+
 def _fresh() -> str:
     return f"p-{uuid.uuid4().hex}"  # gcsfs caches one filesystem per option set: never reuse one
 
 
-def test_a_plain_http_endpoint_is_an_emulator_and_searches_for_nothing(no_search, caplog):
-    with caplog.at_level(logging.WARNING, logger="ckptsdk"):
-        b = GCSBackend("bucket/run", endpoint_url="http://127.0.0.1:9/", project=_fresh())
+def test_a_plain_http_endpoint_is_an_emulator_and_searches_for_nothing(no_search, warnings_said):
+    b = GCSBackend("bucket/run", endpoint_url="http://127.0.0.1:9/", project=_fresh())
     assert b.credentials_method == "anon" and b.endpoint == "http://127.0.0.1:9"
-    assert caplog.records == []  # not the "no Google credentials found" warning either
+    assert warnings_said == []  # not the "no Google credentials found" warning either
 
 
 @pytest.mark.parametrize("token", ["anon", AnonymousCredentials()], ids=["anon", "credentials-object"])
-def test_given_credentials_are_used_without_a_search(no_search, caplog, token):
-    with caplog.at_level(logging.WARNING, logger="ckptsdk"):
-        GCSBackend("bucket/run", token=token, project=_fresh())
-    assert not [r for r in caplog.records if "looking for Google credentials" in r.getMessage()]
+def test_given_credentials_are_used_without_a_search(no_search, warnings_said, token):
+    GCSBackend("bucket/run", token=token, project=_fresh())
+    assert not [m for m in warnings_said if "looking for Google credentials" in m]
 
 
-def test_a_search_that_takes_long_says_what_it_is_waiting_for(monkeypatch, caplog):
+def test_a_search_that_takes_long_says_what_it_is_waiting_for(monkeypatch):
     monkeypatch.delenv("STORAGE_EMULATOR_HOST", raising=False)
     monkeypatch.setattr(GCSBackend, "credential_notice_s", 0.0)
     told = threading.Event()
+    notices: list[str] = []
 
     class Watch(logging.Handler):
         def emit(self, record: logging.LogRecord) -> None:
             if "looking for Google credentials" in record.getMessage():
+                notices.append(record.getMessage())
                 told.set()
 
     def slow_default(*args, **kwargs):
@@ -67,14 +86,12 @@ def test_a_search_that_takes_long_says_what_it_is_waiting_for(monkeypatch, caplo
 
     project = _fresh()
     monkeypatch.setattr(gauth, "default", slow_default)
-    watch = Watch()
+    watch = Watch(level=logging.WARNING)
     logging.getLogger("ckptsdk").addHandler(watch)
     try:
-        with caplog.at_level(logging.WARNING, logger="ckptsdk"):
-            b = GCSBackend("bucket/run", project=project)
+        b = GCSBackend("bucket/run", project=project)
     finally:
         logging.getLogger("ckptsdk").removeHandler(watch)
-    assert told.is_set()
-    notice = next(r.getMessage() for r in caplog.records if "looking for Google credentials" in r.getMessage())
-    assert "gs://bucket/run" in notice and "token=" in notice
+    assert len(notices) == 1  # said once, while it waited
+    assert "gs://bucket/run" in notices[0] and "token=" in notices[0]
     assert b.credentials_method == "google_default"
