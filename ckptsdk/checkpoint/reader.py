@@ -22,11 +22,9 @@ from ckptsdk.checkpoint import catalog as _catalog
 from ckptsdk.checkpoint.catalog import MANIFEST, TENSORS, CheckpointInfo
 from ckptsdk.checkpoint.retention import Candidate, Mode, best_order, default_mode
 from ckptsdk.errors import CorruptCheckpointError, ManifestError, NoValidCheckpointError
-from ckptsdk.format import codec
 from ckptsdk.format.manifest import Manifest
 from ckptsdk.format.skeleton import tensor_paths
-from ckptsdk.format.tensorfile import read_tensorfile, verify_file
-from ckptsdk.rng import check_rng
+from ckptsdk.format.tensorfile import verify_file
 
 logger = logging.getLogger(__name__)
 
@@ -307,6 +305,12 @@ class CheckpointReader:
             CorruptCheckpointError: a file fails its check, or the tree does not match the tensors.
             ManifestError: the manifest lists no tensor file.
         """
+        # torch (tensors, the codec, RNG checks) only here: listing and verifying a root, as the
+        # CLI does, never pays its import.
+        from ckptsdk.format import codec
+        from ckptsdk.format.tensorfile import read_tensorfile
+        from ckptsdk.rng import check_rng
+
         manifest = info.manifest
         assert manifest is not None
         entry = next((f for f in manifest.files if f.name == TENSORS), None)
