@@ -3,14 +3,17 @@
 Writing the log (buffering, chunks, retries) is ``ckptsdk.runlog.writer``'s; comparing attempts is
 ``ckptsdk.runlog.audit``'s. Format ``ckptsdk.runlog/1.1`` stores a non-finite scalar as
 ``{"$float": "nan"}`` (``document``'s one encoding); 1.0 wrote the strings "NaN", "Infinity" and
-"-Infinity", which are still read.
+"-Infinity", which are still read. 1.2 adds a row's ``digests`` (what data the step ran on, e.g.
+the ckptsdk loader's batch indices), written only when there are some. Chunks are read line by
+line with a cap on a line (:func:`iter_chunk`), so a damaged or hostile object costs bounded memory.
 """
 
 from __future__ import annotations
 
 import math
 import re
-from typing import Annotated, Any, ClassVar, Final
+from collections.abc import Iterator
+from typing import IO, Annotated, Any, ClassVar, Final
 
 from pydantic import BeforeValidator, Field, PlainSerializer
 
@@ -34,13 +37,19 @@ __all__ = [
     "attempt_prefix",
     "chunk_key",
     "parse_attempt_record",
+    "iter_chunk",
     "parse_chunk",
     "parse_runlog_key",
 ]
 
 RUNLOG_PREFIX = "runlog/"
-#: 1.1: non-finite scalars as {"$float": ...} (1.0: "NaN"/"Infinity" strings, still read).
-RUNLOG_FORMAT: Final = "ckptsdk.runlog/1.1"
+#: 1.2: rows may carry ``digests``; 1.1: non-finite scalars as {"$float": ...} (1.0:
+#: "NaN"/"Infinity" strings, still read).
+RUNLOG_FORMAT: Final = "ckptsdk.runlog/1.2"
+#: The longest line a reader parses: a header or a row is a few hundred bytes; a line longer than
+#: this is damage (or an attack) and is skipped with a warning without being held in memory.
+MAX_LINE_BYTES: Final = 1 << 20
+_READ_PIECE = 1 << 16
 
 _KEY_RE = re.compile(r"^runlog/attempt-(\d+)/(attempt\.json|chunk-(\d+)\.jsonl)$")
 # How format 1.0 wrote non-finite scalars; read, never written.
@@ -117,10 +126,11 @@ class StepRow(Strict):
     step: int = Field(ge=0)
     time: float = Field(description="the logging host's wall clock, seconds since the epoch")
     scalars: dict[str, LogFloat]
+    digests: dict[str, str] = Field(default_factory=dict, description="what data the step ran on (format 1.2)")
 
     def to_line(self) -> str:
-        """The row as one line of strict JSON (no newline)."""
-        return dumps(self.model_dump(mode="json")).decode().rstrip("\n")
+        """The row as one line of strict JSON (no newline); ``digests`` only when there are some."""
+        return dumps(self.model_dump(mode="json", exclude=set() if self.digests else {"digests"})).decode().rstrip("\n")
 
 
 def _parse_error(message: str, step: int | None) -> CkptError:
@@ -171,3 +181,68 @@ def parse_chunk(data: bytes, *, key: str = "") -> tuple[AttemptRecord, list[Step
                 f"{key}: line {n} is not a step record ({str(exc).splitlines()[0]})", key=key or None
             ) from exc
     return header, rows
+
+
+def _lines(stream: IO[bytes], max_line: int) -> Iterator[tuple[int, bytes | None]]:
+    """(line number, line) of a byte stream, read in pieces; a line over ``max_line`` bytes is
+    yielded as None and never held whole (its bytes are dropped as they are read)."""
+    n = 0
+    carry = b""  # the unfinished line from earlier pieces (at most max_line bytes)
+    too_long = False
+    while piece := stream.read(_READ_PIECE):
+        start = 0
+        while (cut := piece.find(b"\n", start)) >= 0:
+            n += 1
+            if too_long or len(carry) + cut - start > max_line:
+                yield n, None
+            else:
+                yield n, carry + piece[start:cut]
+            carry, too_long, start = b"", False, cut + 1
+        if not too_long:
+            carry += piece[start:]
+            if len(carry) > max_line:
+                carry, too_long = b"", True
+    if carry or too_long:
+        yield n + 1, (None if too_long else carry)
+
+
+def iter_chunk(
+    stream: IO[bytes], *, key: str = "", max_line: int = MAX_LINE_BYTES
+) -> Iterator[AttemptRecord | StepRow | str]:
+    """A chunk read line by line: its header, then each step row, in bounded memory.
+
+    A line that is not a step row (or is longer than ``max_line`` bytes) is yielded as a
+    warning string saying which line and why, and reading goes on: one damaged line loses
+    that line only.
+
+    Raises:
+        ManifestError: the chunk is empty or its first line is not an attempt record.
+
+    Example:
+        >>> import io
+        >>> header = AttemptRecord(attempt=1, run_id="r", host="h", pid=1, device="cpu",
+        ...                        started_at="2026-11-30T06:10:00.123Z")
+        >>> rows = [StepRow(step=s, time=1.0, scalars={"loss": 0.5}).to_line() for s in (1, 2)]
+        >>> data = "\\n".join([header.to_json().decode().strip(), rows[0], "x" * 50, rows[1]])
+        >>> [type(x).__name__ for x in iter_chunk(io.BytesIO(data.encode()), max_line=40)]
+        ['AttemptRecord', 'StepRow', 'str', 'StepRow']
+    """
+    header_seen = False
+    for n, line in _lines(stream, max_line):
+        if line is not None and not line.strip():
+            continue
+        if not header_seen:
+            if line is None:
+                raise ManifestError(f"{key}: the header line is longer than {max_line} bytes", key=key or None)
+            header_seen = True
+            yield parse_attempt_record(line, key=key)
+            continue
+        if line is None:
+            yield f"{key}: line {n} is longer than {max_line} bytes; skipped unread"
+            continue
+        try:
+            yield StepRow.model_validate_json(line, strict=True)
+        except (ValueError, OverflowError, RecursionError, TypeError) as exc:
+            yield f"{key}: line {n} is not a step record ({str(exc).splitlines()[0][:200]}); skipped"
+    if not header_seen:
+        raise ManifestError(f"{key}: empty chunk", key=key or None)
