@@ -348,6 +348,15 @@ def check_loader(name: str, obj: Any) -> None:
                 "after it. Leave generator=None (the order then comes from torch's global RNG, which "
                 "the TrainState saves and restores) or use ckptsdk.DataLoader(..., seed=...)"
             )
+        if getattr(obj, "num_workers", 0) > 0:
+            logger.warning(
+                "TrainState(%s=StatefulDataLoader(num_workers=%d)): after a mid-epoch restore, random "
+                "draws inside its workers (augmentation) differ from the uninterrupted run: each "
+                "worker's RNG stream depends on the batches it fetched before. ckptsdk.DataLoader "
+                "seeds every batch's fetch and reproduces them",
+                name,
+                obj.num_workers,
+            )
         dataset = getattr(obj, "dataset", None)
         if isinstance(dataset, tud.IterableDataset) and not callable(getattr(dataset, "state_dict", None)):
             logger.warning(

@@ -398,6 +398,8 @@ class CheckpointManager(CheckpointReader):
         epoch, batch_idx = resolve_position(state, epoch, batch_idx)  # checked against its loader
         blocking = (not self.async_save) if blocking is None else blocking
         position = Position(epoch=epoch, batch_idx=batch_idx, extra=dict(extra or {}))
+        if self.runlog is not None:
+            self.runlog.flush_soon()  # the steps up to a save reach storage now, off this thread
         if self.preempted:
             return self._save_and_stop(
                 state, step=step, position=position, metrics=metrics, tags=tags, extra_files=extra_files

@@ -20,12 +20,14 @@ from tests.support._integration_jobs import assert_same, run_job, weights
     [
         # accelerate: save_every=5, 6 steps per epoch, 24 steps; killed as step 14 begins (mid epoch 2)
         ("accelerate", 14, [5, 10], 20),
+        # the same through ckptsdk.DataLoader(shuffle=True), registered for checkpointing
+        ("accelerate_loader", 14, [5, 10], 20),
         # Trainer: save_steps=5 and at the end, 18 steps; killed as step 13 begins
         ("transformers", 13, [5, 10], 18),
     ],
 )
 def test_sigkilled_run_resumes_bit_exact(mode, kill_at, saved, last, tmp_path):
-    pytest.importorskip(mode)
+    pytest.importorskip(mode.split("_")[0])
     run_job(mode, str(tmp_path / "ref-root"), tmp_path / "ref", tmp_path / "ref.safetensors")
     url = str(tmp_path / "root")
     run_job(mode, url, tmp_path / "w", tmp_path / "a.safetensors", kill_at=kill_at)

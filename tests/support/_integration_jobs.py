@@ -152,6 +152,46 @@ def run_accelerate(args: argparse.Namespace) -> dict[str, torch.Tensor]:
     return {**out, "custom.ema": ema.value.clone(), "custom.updates": torch.tensor(ema.updates)}
 
 
+def run_accelerate_loader(args: argparse.Namespace) -> dict[str, torch.Tensor]:
+    """Accelerate with a standard shuffled map-style dataset through ``ckptsdk.DataLoader``.
+
+    The loader is registered for checkpointing (its position goes into the checkpoint as
+    ``custom_0``) instead of prepared: one process on the CPU needs no sharding, and the resume
+    then skips the consumed batches by index rather than by ``skip_first_batches``.
+    """
+    from accelerate import Accelerator
+
+    import ckptsdk
+    from ckptsdk.integrations.accelerate import AcceleratorCheckpoints
+
+    acc = Accelerator(cpu=True)
+    x, y = _data()
+    loader = ckptsdk.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=BATCH, shuffle=True, seed=5)
+    model = _net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.8)
+    model, opt, sched = acc.prepare(model, opt, sched)
+    acc.register_for_checkpointing(loader)
+    with AcceleratorCheckpoints(
+        acc, args.url, save_every=5, lease_ttl=LEASE_TTL, storage_options=args.storage_options
+    ) as ckpt:
+        pos = ckpt.restore()
+        step = 0 if pos is None else pos.step
+        for _epoch in range(loader.epoch, 4):
+            for xb, yb in loader:
+                step += 1
+                _kill_if(step, args.kill_at)
+                loss = torch.nn.functional.binary_cross_entropy_with_logits(model(xb), yb)
+                acc.backward(loss)
+                opt.step()
+                sched.step()
+                opt.zero_grad()
+                ckpt.log_step(step, loss=loss.item())
+                if ckpt.should_save(step):
+                    ckpt.save(step)  # epoch and batch_idx: from the loader
+    return {k: v.detach().clone() for k, v in acc.unwrap_model(model).state_dict().items()}
+
+
 class LossEMA:
     """A user object registered for checkpointing: a running average of the loss."""
 
@@ -264,7 +304,7 @@ def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("mode", choices=["lightning", "accelerate", "transformers"])
+    p.add_argument("mode", choices=["lightning", "accelerate", "accelerate_loader", "transformers"])
     p.add_argument("--url", required=True)
     p.add_argument("--work", required=True)
     p.add_argument("--out", required=True)
