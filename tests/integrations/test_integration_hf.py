@@ -37,8 +37,14 @@ def test_sigkilled_run_resumes_bit_exact(mode, kill_at, saved, last, tmp_path):
     assert_same(weights(tmp_path / "b.safetensors"), weights(tmp_path / "ref.safetensors"))
     with CheckpointManager(url, read_only=True) as mgr:
         assert mgr.latest().step == last
-        attempts = mgr.audit().attempts
+        report = mgr.audit()
+        attempts = report.attempts
     assert [a.resumed_from_step for a in attempts] == [None, saved[-1]]
+    # The killed attempt's steps after its last save reached the log (the flusher thread): they
+    # were run again and compared.
+    assert report.verdict == "bit-exact" and report.overlap_steps == kill_at - 1 - saved[-1], report
+    if mode == "accelerate_loader":
+        assert report.data_compared == {"data/custom_0": report.overlap_steps}
     if mode == "transformers":  # GPT-2 ties lm_head to wte: exported once, as save_model would
         _export_tied_gpt2(url, tmp_path, weights(tmp_path / "b.safetensors"))
 

@@ -55,10 +55,32 @@ def _net() -> torch.nn.Module:
     )
 
 
+# The root whose run log a kill waits for (set by main() for the jobs that log their steps), so the
+# steps run after the last save are on storage and the audit has something to compare.
+_WAIT_FOR_LOG: dict[str, object] = {}
+
+
 def _kill_if(step: int, kill_at: int | None) -> None:
     if kill_at is not None and step == kill_at:
+        if "url" in _WAIT_FOR_LOG:
+            _wait_for_logged(step - 1)
         sys.stdout.flush()
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _wait_for_logged(step: int) -> None:
+    """Until the run log's flusher thread has published ``step`` (bounded: 60 s)."""
+    import threading
+
+    from ckptsdk.backends import open_backend
+    from ckptsdk.runlog.audit import read_runlog
+
+    backend = open_backend(str(_WAIT_FOR_LOG["url"]), **dict(_WAIT_FOR_LOG["options"]))
+    pause = threading.Event()
+    for _ in range(600):
+        if any(step in rows for rows in read_runlog(backend)[1].values()):
+            return
+        pause.wait(0.1)
 
 
 def run_lightning(args: argparse.Namespace) -> dict[str, torch.Tensor]:
@@ -311,6 +333,8 @@ def main() -> None:
     p.add_argument("--kill-at", type=int)
     p.add_argument("--storage-options", type=json.loads, default={})
     args = p.parse_args()
+    if args.mode != "lightning":  # the others log every step through ckptsdk
+        _WAIT_FOR_LOG.update(url=args.url, options=args.storage_options)
     torch.use_deterministic_algorithms(True)
     weights = globals()[f"run_{args.mode}"](args)
     safetensors.torch.save_file({k: v.contiguous() for k, v in weights.items()}, args.out)
