@@ -7,6 +7,8 @@
    through a plain ``torch.utils.data.DataLoader`` (load and drop the consumed batches).
 2. Step-log cost on the training thread: ``log_step`` per call with the flusher thread publishing
    every second to a local disk, against ``log_step`` with no publishing at all.
+3. ``--audit-lines N``: the audit of a run log of N step lines (two attempts, half overlapping)
+   plus one ``--garbage-mb`` garbage line, in a child process: wall time and peak RSS.
 
     python -m benchmarks.bench_data                 # ~1-2 min on a 2-core VM
     python -m benchmarks.bench_data --reps 3 --workers 2
@@ -98,6 +100,34 @@ def log_cost(n: int, background: bool, tmp: Path) -> tuple[float, int]:
     return spent / n, len(backend.list("runlog/"))
 
 
+def audit_cost(lines: int, garbage_mb: int, tmp: Path) -> str:
+    """Write the log, then time ``ckptsdk audit`` of it in a fresh process (its peak RSS too)."""
+    import subprocess
+
+    backend = open_backend(str(tmp))
+    half = lines // 2
+    for attempt, steps in ((1, range(0, half)), (2, range(half // 2, half // 2 + half))):
+        log = RunLog(backend, run_id="bench", attempt=attempt, lease_epoch=attempt, resumed_from_step=None)
+        log.flush_every = 50_000
+        for step in steps:
+            log.log_step(step, loss=1.0 / (step + 1))
+        log.close()
+    with open(tmp / "runlog" / "attempt-000002" / "chunk-000000.jsonl", "ab") as f:
+        for _ in range(garbage_mb):
+            f.write(b"z" * (1 << 20))
+        f.write(b"\n")
+    code = (
+        "import resource, time, sys; from ckptsdk.backends import open_backend; from ckptsdk.runlog.audit import audit;"
+        "rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024;"
+        "t = time.perf_counter(); r = audit(open_backend(sys.argv[1]));"
+        "rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024;"
+        "print(f'{r.verdict}, {r.overlap_steps} shared steps, {len(r.warnings)} warning(s): '"
+        "f'{time.perf_counter() - t:.1f} s, peak RSS {rss:.0f} MiB ({rss0:.0f} MiB after the imports)')"
+    )
+    out = subprocess.run([sys.executable, "-c", code, str(tmp)], capture_output=True, text=True, cwd=REPO, check=True)
+    return out.stdout.strip()
+
+
 def fmt(xs: list[float], scale: float, unit: str) -> str:
     return f"median {statistics.median(xs) * scale:.3g} {unit} (min {min(xs) * scale:.3g}, max {max(xs) * scale:.3g})"
 
@@ -109,7 +139,14 @@ def main() -> int:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--log-steps", type=int, default=20_000)
+    ap.add_argument("--audit-lines", type=int, default=0)
+    ap.add_argument("--garbage-mb", type=int, default=200)
     args = ap.parse_args()
+    if args.audit_lines:
+        with tempfile.TemporaryDirectory() as tmp:
+            result = audit_cost(args.audit_lines, args.garbage_mb, Path(tmp))
+        print(f"audit of {args.audit_lines} step lines + one {args.garbage_mb} MB garbage line: {result}")
+        return 0
     ds = Cifarish(args.samples)
     per_epoch = -(-args.samples // args.batch_size)
     done = int(per_epoch * 0.9)
