@@ -1,9 +1,10 @@
 """A real DataLoader (shuffle, 2 workers, random augmentation in them) SIGKILLed and resumed ends
 with the same model and optimizer bytes as an uninterrupted run, and the audit proves it.
 
-torchdata's StatefulDataLoader runs with ``num_workers=0``: with workers it does not reproduce
-the random draws inside them after a mid-epoch resume (each worker's RNG stream depends on the
-batches it fetched before; measured: the final weights differ), which the TrainState warns about.
+torchdata's StatefulDataLoader (``generator=None``, ``num_workers=0``) is a strict xfail: after a
+mid-epoch restore its ``iter()`` draws the workers' base_seed from torch's global RNG once more
+than the uninterrupted run did, so the next dropout mask differs (the TrainState warns). With
+workers the draws inside them differ as well. If torchdata fixes it, these start passing and fail.
 
 The job is tests/support/_loader_child.py (5 batches an epoch, 3 epochs, a save every 3 or 5
 steps); each kill lands after the run log's flusher thread, not a save, published the step.
@@ -85,9 +86,14 @@ CASES = {
 }
 
 
+_STATEFUL_XFAIL = pytest.mark.xfail(
+    strict=True, reason="torchdata 0.11: the resumed iter() draws base_seed from the global RNG once more"
+)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("kind", ["ckptsdk", "stateful"])
+@pytest.mark.parametrize("kind", ["ckptsdk", pytest.param("stateful", marks=_STATEFUL_XFAIL)])
 @pytest.mark.parametrize("case", list(CASES))
 def test_sigkill_and_resume_ends_equal_and_audited(tmp_path, reference, kind, case):
     every, kill = CASES[case]
