@@ -87,9 +87,8 @@ def cmd_audit(args: argparse.Namespace) -> int:
                 print(f"data digest {name}: compared at {n} step{'' if n == 1 else 's'}")
             if report.first_divergence is not None:
                 d = report.first_divergence
-                shown = d.data or d.values
-                vals = ", ".join(f"attempt {a}: {v!r}" for a, v in shown.items())
-                kind = "the data differs" if d.data else "the values differ"
+                vals = ", ".join(f"attempt {a}: {v!r}" for a, v in d.values.items())
+                kind = "the data differs" if d.in_data else "the values differ"
                 print(f"\nfirst divergence: step {d.step}, {d.scalar} ({kind}): {vals}")
         else:
             print(f"unverified: {report.unverified_reason}")

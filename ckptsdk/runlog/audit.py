@@ -21,6 +21,7 @@ from ckptsdk.backends.base import Backend
 from ckptsdk.errors import ConfigError, ManifestError, ObjectNotFound
 from ckptsdk.format.document import Document
 from ckptsdk.runlog.record import (
+    DATA_PREFIX,
     RUNLOG_PREFIX,
     AttemptRecord,
     LogFloat,
@@ -94,7 +95,7 @@ class ScalarDiff(BaseModel):
 
 class Divergence(BaseModel):
     """The first step where attempts disagree: a scalar beyond the tolerance, or a data digest
-    (then ``data`` holds each attempt's digest, ``values`` is empty and ``abs_diff`` is inf)."""
+    (``scalar`` under ``data/``: ``values`` are the digests, ``abs_diff`` is inf)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -102,9 +103,13 @@ class Divergence(BaseModel):
     scalar: str
     values: dict[int, LogFloat]
     abs_diff: LogFloat
-    data: dict[int, str] = Field(default_factory=dict)
 
-    @field_validator("values", "data", mode="before")
+    @property
+    def in_data(self) -> bool:
+        """Whether the attempts ran this step on different data (a digest differs)."""
+        return self.scalar.startswith(DATA_PREFIX)
+
+    @field_validator("values", mode="before")
     @classmethod
     def _attempt_keys(cls, value: Any) -> Any:
         # JSON keys are strings: {"1": ...} is attempt 1 (read strictly, as every document is).
@@ -378,9 +383,18 @@ def audit(backend: Backend, *, tolerance: float = 0.0) -> AuditReport:
             by_attempt = {a: r.scalars[name] for a, r in per.items() if name in r.scalars}
             if len(by_attempt) < 2:
                 continue  # a scalar only one attempt logged here cannot be compared
-            d = _spread(by_attempt.values())
             first = next(iter(by_attempt.values()))
-            if not all(_same(first, v) for v in by_attempt.values()):
+            same = all(_same(first, v) for v in by_attempt.values())
+            if name.startswith(DATA_PREFIX):
+                # The same step ran on other data: no tolerance applies, whatever the losses say.
+                data_compared[name] = data_compared.get(name, 0) + 1
+                if not same:
+                    bit_exact = False
+                    if first_div is None:
+                        first_div = Divergence(step=step, scalar=name, values=by_attempt, abs_diff=math.inf)
+                continue
+            d = _spread(by_attempt.values())
+            if not same:
                 bit_exact = False
             entry = diffs.setdefault(name, [0.0, None, 0])
             entry[2] += 1
@@ -388,16 +402,6 @@ def audit(backend: Backend, *, tolerance: float = 0.0) -> AuditReport:
                 entry[0], entry[1] = d, step
             if first_div is None and d > tolerance:
                 first_div = Divergence(step=step, scalar=name, values=by_attempt, abs_diff=d)
-        for name in sorted({n for row in per.values() for n in row.digests}):
-            data = {a: r.digests[name] for a, r in per.items() if name in r.digests}
-            if len(data) < 2:
-                continue
-            data_compared[name] = data_compared.get(name, 0) + 1
-            if len(set(data.values())) > 1:
-                # The same step ran on other data: no tolerance applies, whatever the losses say.
-                bit_exact = False
-                if first_div is None:
-                    first_div = Divergence(step=step, scalar=name, values={}, abs_diff=math.inf, data=data)
 
     overlaps: list[OverlapRange] = []
     groups: dict[tuple[int, ...], list[int]] = {}
@@ -418,7 +422,10 @@ def audit(backend: Backend, *, tolerance: float = 0.0) -> AuditReport:
         verdict = "bit-exact"
     else:
         verdict = "within tolerance"
-    series = {a: [(s, dict(rows[s].scalars)) for s in sorted(rows)] for a, rows in steps.items()}
+    series = {
+        a: [(s, {n: v for n, v in rows[s].scalars.items() if not n.startswith(DATA_PREFIX)}) for s in sorted(rows)]
+        for a, rows in steps.items()
+    }
     report = AuditReport(
         url=backend.url,
         tolerance=float(tolerance),

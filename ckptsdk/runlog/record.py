@@ -3,13 +3,15 @@
 Writing the log (buffering, chunks, retries) is ``ckptsdk.runlog.writer``'s; comparing attempts is
 ``ckptsdk.runlog.audit``'s. Format ``ckptsdk.runlog/1.1`` stores a non-finite scalar as
 ``{"$float": "nan"}`` (``document``'s one encoding); 1.0 wrote the strings "NaN", "Infinity" and
-"-Infinity", which are still read. 1.2 adds a row's ``digests`` (what data the step ran on, e.g.
-the ckptsdk loader's batch indices), written only when there are some. Chunks are read line by
-line with a cap on a line (:func:`iter_chunk`), so a damaged or hostile object costs bounded memory.
+"-Infinity", which are still read. Scalars named ``data/...`` are digests of the data a step ran
+on (the ckptsdk loader's batch indices, :func:`digest_value`): plain numbers, so every reader of
+1.1 reads them, and the audit compares them exactly. Chunks are read line by line with a cap on a
+line (:func:`iter_chunk`), so a damaged or hostile object costs bounded memory.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 import re
 from collections.abc import Iterator
@@ -29,6 +31,7 @@ from ckptsdk.format.document import (
 )
 
 __all__ = [
+    "DATA_PREFIX",
     "RUNLOG_FORMAT",
     "RUNLOG_PREFIX",
     "AttemptRecord",
@@ -36,6 +39,7 @@ __all__ = [
     "StepRow",
     "attempt_prefix",
     "chunk_key",
+    "digest_value",
     "parse_attempt_record",
     "iter_chunk",
     "parse_chunk",
@@ -43,9 +47,10 @@ __all__ = [
 ]
 
 RUNLOG_PREFIX = "runlog/"
-#: 1.2: rows may carry ``digests``; 1.1: non-finite scalars as {"$float": ...} (1.0:
-#: "NaN"/"Infinity" strings, still read).
-RUNLOG_FORMAT: Final = "ckptsdk.runlog/1.2"
+#: 1.1: non-finite scalars as {"$float": ...} (1.0: "NaN"/"Infinity" strings, still read).
+RUNLOG_FORMAT: Final = "ckptsdk.runlog/1.1"
+#: Scalars under this prefix are data digests (:func:`digest_value`), compared exactly by the audit.
+DATA_PREFIX: Final = "data/"
 #: The longest line a reader parses: a header or a row is a few hundred bytes; a line longer than
 #: this is damage (or an attack) and is skipped with a warning without being held in memory.
 MAX_LINE_BYTES: Final = 1 << 20
@@ -126,11 +131,20 @@ class StepRow(Strict):
     step: int = Field(ge=0)
     time: float = Field(description="the logging host's wall clock, seconds since the epoch")
     scalars: dict[str, LogFloat]
-    digests: dict[str, str] = Field(default_factory=dict, description="what data the step ran on (format 1.2)")
 
     def to_line(self) -> str:
-        """The row as one line of strict JSON (no newline); ``digests`` only when there are some."""
-        return dumps(self.model_dump(mode="json", exclude=set() if self.digests else {"digests"})).decode().rstrip("\n")
+        """The row as one line of strict JSON (no newline)."""
+        return dumps(self.model_dump(mode="json")).decode().rstrip("\n")
+
+
+def digest_value(text: str) -> float:
+    """A data digest as a run log scalar: 53 bits of its blake2b, an integer a float holds exactly.
+
+    Example:
+        >>> v = digest_value("0:3:9f2c"); v == int(v) and 0 <= v < 2**53 and v == digest_value("0:3:9f2c")
+        True
+    """
+    return float(int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 11)
 
 
 def _parse_error(message: str, step: int | None) -> CkptError:
@@ -223,8 +237,8 @@ def iter_chunk(
         >>> header = AttemptRecord(attempt=1, run_id="r", host="h", pid=1, device="cpu",
         ...                        started_at="2026-11-30T06:10:00.123Z")
         >>> rows = [StepRow(step=s, time=1.0, scalars={"loss": 0.5}).to_line() for s in (1, 2)]
-        >>> data = "\\n".join([header.to_json().decode().strip(), rows[0], "x" * 50, rows[1]])
-        >>> [type(x).__name__ for x in iter_chunk(io.BytesIO(data.encode()), max_line=40)]
+        >>> data = "\\n".join([header.to_json().decode().strip(), rows[0], "x" * 500, rows[1]])
+        >>> [type(x).__name__ for x in iter_chunk(io.BytesIO(data.encode()), max_line=400)]
         ['AttemptRecord', 'StepRow', 'str', 'StepRow']
     """
     header_seen = False

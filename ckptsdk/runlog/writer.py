@@ -40,12 +40,14 @@ from ckptsdk.backends.base import Backend
 from ckptsdk.errors import BackendError, ConfigError, ObjectNotFound, PreconditionFailed
 from ckptsdk.format.document import utc_now
 from ckptsdk.runlog.record import (
+    DATA_PREFIX,
     RUNLOG_FORMAT,
     RUNLOG_PREFIX,
     AttemptRecord,
     StepRow,
     attempt_prefix,
     chunk_key,
+    digest_value,
     parse_runlog_key,
 )
 
@@ -154,8 +156,8 @@ class RunLog:
             started_at=utc_now(),
             resumed_from_step=resumed_from_step,
         )
-        # (step, wall time, {name: float or a 0-d tensor not yet read back}, {digest name: digest})
-        self._buffer: list[tuple[int, float, dict[str, Any], dict[str, str]]] = []
+        # (step, wall time, {name: float or a 0-d tensor not yet read back})
+        self._buffer: list[tuple[int, float, dict[str, Any]]] = []
         self._oldest: float | None = None
         self._next_seq: int | None = None  # found by listing at the first flush
         self._pending: tuple[str, bytes, int] | None = None  # a built chunk not yet stored
@@ -219,12 +221,20 @@ class RunLog:
             raise ConfigError(f"log_step: step must be an int >= 0, got {step!r}")
         if not scalars:
             raise ConfigError(f"log_step({step}) got no scalars: pass at least one, e.g. loss=...")
+        if any(name.startswith(DATA_PREFIX) for name in scalars):
+            raise ConfigError(
+                f"log_step({step}): scalar names under {DATA_PREFIX!r} are reserved for data digests "
+                "(the ckptsdk loader's); rename it"
+            )
         values = {name: _check_scalar(name, value, step) for name, value in scalars.items()}
-        digests = {name: d for name, source in self._digest_sources.items() if (d := source()) is not None}
+        for name, source in self._digest_sources.items():
+            digest = source()
+            if digest is not None:
+                values[name] = digest_value(digest)
         with self._lock:
             if self._oldest is None:
                 self._oldest = self._clock()
-            self._buffer.append((int(step), time.time(), values, digests))
+            self._buffer.append((int(step), time.time(), values))
             due = len(self._buffer) >= self.flush_every or self._clock() - self._oldest >= self.flush_interval
         if self._background:
             self._ensure_flusher()
@@ -241,12 +251,13 @@ class RunLog:
         shows even when the losses happen to agree.
 
         Args:
-            name: the digest's name in the log (e.g. ``loader/batch``).
+            name: the digest's name in the log, under ``data/`` (e.g. ``data/loader``).
             source: called by ``log_step`` on the training thread; returns a short string or
-                None (nothing to record for this step).
+                None (nothing to record for this step). It is stored as a scalar
+                (:func:`ckptsdk.runlog.record.digest_value`), so any 1.1 reader reads it.
         """
-        if not _SCALAR_NAME_RE.match(name):
-            raise ConfigError(f"watch_data: bad digest name {name!r} (letters, digits, _ . / -)")
+        if not (_SCALAR_NAME_RE.match(name) and name.startswith(DATA_PREFIX)):
+            raise ConfigError(f"watch_data: bad digest name {name!r} (data/ then letters, digits, _ . / -)")
         self._digest_sources[name] = source
 
     def flush_soon(self) -> None:
@@ -357,7 +368,7 @@ class RunLog:
             self._write_start()
             with self._lock:
                 raw, self._buffer, self._oldest = self._buffer, [], None
-            rows = [(step, t, {k: _resolve(v) for k, v in vals.items()}, dig) for step, t, vals, dig in raw]
+            rows = [(step, t, {k: _resolve(v) for k, v in vals.items()}) for step, t, vals in raw]
             seen = [r[0] for r in rows] + ([self._record.last_step] if self._record.last_step is not None else [])
             seq = self._next_seq
             header = self._record.model_copy(
@@ -370,9 +381,7 @@ class RunLog:
                 }
             )
             lines = [header.to_json().decode().rstrip("\n")]
-            lines += [
-                StepRow(step=step, time=round(t, 3), scalars=vals, digests=dig).to_line() for step, t, vals, dig in rows
-            ]
+            lines += [StepRow(step=step, time=round(t, 3), scalars=vals).to_line() for step, t, vals in rows]
             self._pending = (chunk_key(self.attempt, seq), ("\n".join(lines) + "\n").encode(), len(rows))
             self._next_seq = seq + 1
             self._record = header

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import tracemalloc
 
@@ -10,7 +11,7 @@ import pytest
 from ckptsdk.backends import open_backend
 from ckptsdk.errors import ConfigError
 from ckptsdk.runlog.audit import audit, read_runlog
-from ckptsdk.runlog.record import chunk_key
+from ckptsdk.runlog.record import chunk_key, digest_value
 from ckptsdk.runlog.writer import RunLog
 
 
@@ -74,8 +75,24 @@ def test_a_data_digest_that_differs_diverges_even_when_losses_agree():
     report = audit(backend, tolerance=1.0)  # no tolerance applies to data
     assert report.verdict == "DIVERGED at step 8" and not report.ok and not report.verified
     div = report.first_divergence
-    assert (div.scalar, div.values, div.data) == ("data/loader", {}, {1: "0:8:aaaa", 2: "0:8:bbbb"})
+    assert (div.scalar, div.in_data, div.abs_diff) == ("data/loader", True, float("inf"))
+    assert div.values == {1: digest_value("0:8:aaaa"), 2: digest_value("0:8:bbbb")}
     assert report.scalars["loss"].max_abs_diff == 0.0 and report.data_compared == {"data/loader": 4}
+    assert "data/loader" not in report.scalars  # digests are not differences to report
+
+
+def test_digests_are_plain_scalars_a_format_1_1_reader_reads():
+    backend = open_backend("memory://digest-format")
+    run(backend, 1, range(0, 3), lambda s: f"0:{s}:aaaa")
+    header, row = backend.read(chunk_key(1, 0)).decode().splitlines()[:2]
+    assert json.loads(header)["format"] == "ckptsdk.runlog/1.1"
+    assert json.loads(row)["scalars"]["data/loader"] == digest_value("0:0:aaaa")
+    log = RunLog(backend, run_id="r", attempt=2, lease_epoch=2, resumed_from_step=None)
+    with pytest.raises(ConfigError, match="reserved for data digests"):
+        log.log_step(1, **{"data/x": 1.0})
+    with pytest.raises(ConfigError, match="data/"):
+        log.watch_data("loader", lambda: None)
+    log.close()
 
 
 def test_same_digests_are_bit_exact_and_counted():

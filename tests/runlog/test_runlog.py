@@ -517,7 +517,7 @@ def test_chunks_store_non_finite_scalars_with_the_document_float_tag(backend):
     log.log_step(1, loss=math.nan, g=-math.inf, ok=0.5)
     log.close()
     header, row = backend.read(chunk_key(1, 0)).decode().splitlines()
-    assert json.loads(header)["format"] == RUNLOG_FORMAT == "ckptsdk.runlog/1.2"
+    assert json.loads(header)["format"] == RUNLOG_FORMAT == "ckptsdk.runlog/1.1"
     assert json.loads(header)["started_at"].endswith("Z")
     assert json.loads(row)["scalars"] == {"loss": {"$float": "nan"}, "g": {"$float": "-inf"}, "ok": 0.5}
     assert "NaN" not in row and "Infinity" not in row
