@@ -62,6 +62,7 @@ _LAZY = {
     "CheckpointInfo": "checkpoint.catalog",
     "CheckpointManager": "manager",
     "DataCache": "data.cache",
+    "DataLoader": "loader",
     "GcReport": "manager",
     "ResumePoint": "checkpoint.reader",
     "TrainState": "state",
@@ -71,6 +72,7 @@ if TYPE_CHECKING:
     from ckptsdk.checkpoint.catalog import CheckpointInfo
     from ckptsdk.checkpoint.reader import ResumePoint
     from ckptsdk.data.cache import DataCache
+    from ckptsdk.loader import DataLoader
     from ckptsdk.manager import CheckpointManager, GcReport
     from ckptsdk.runlog.audit import AuditReport
     from ckptsdk.state import TrainState
@@ -99,6 +101,7 @@ __all__ = [
     "CorruptCheckpointError",
     "DataCache",
     "DataError",
+    "DataLoader",
     "DatasetMismatchError",
     "DigestMismatchError",
     "DownloadError",

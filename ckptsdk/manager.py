@@ -36,6 +36,7 @@ from ckptsdk.errors import BackendError, CheckpointError, ConfigError, LeaseLost
 from ckptsdk.format.manifest import FileEntry, Position
 from ckptsdk.format.userfield import user_fields
 from ckptsdk.lease.acquire import Lease
+from ckptsdk.loader import loaders_of, resolve_position
 from ckptsdk.preemption import DEFAULT_DEADLINE, Preemption
 from ckptsdk.runlog.writer import RunLog
 from ckptsdk.state import Restorable, Stateful, TrainState, preflight
@@ -313,6 +314,9 @@ class CheckpointManager(CheckpointReader):
         if self._saving is not None:
             self._saving.wait()  # a pipelined copy may still read the live tensors
         fixed = self._saving is not None and self._saving.lineage_written
+        if self.runlog is not None:  # each step logs which samples it ran on (the audit compares them)
+            for name, loader in loaders_of(state).items():
+                self.runlog.watch_data(f"data/{name}", loader.batch_digest)
         try:
             tree, info = self._read_newest()
         except NoValidCheckpointError as exc:
@@ -375,7 +379,9 @@ class CheckpointManager(CheckpointReader):
         Args:
             state: a :class:`~ckptsdk.TrainState` (or a plain state tree).
             step: the global step just completed.
-            epoch, batch_idx: where to resume (``batch_idx`` = batches of ``epoch`` already done).
+            epoch, batch_idx: where to resume (``batch_idx`` = batches of ``epoch`` already done);
+                with one :class:`ckptsdk.DataLoader` in ``state`` they default to its position
+                and must agree with it.
             metrics: numbers to keep in the manifest.
             extra: more JSON position fields the job needs to resume.
             tags: string tags (e.g. ``{"data_hash": ...}``) checked by the job on resume.
@@ -405,8 +411,11 @@ class CheckpointManager(CheckpointReader):
             raise ConfigError(f"step must be >= 0, got {step}")
         preflight(state, "save", encode=False)
         metrics, extra = user_fields(metrics=metrics, extra=extra)
+        epoch, batch_idx = resolve_position(state, epoch, batch_idx)  # checked against its loader
         blocking = (not self.async_save) if blocking is None else blocking
         position = Position(epoch=epoch, batch_idx=batch_idx, extra=dict(extra or {}))
+        if self.runlog is not None:
+            self.runlog.flush_soon()  # the steps up to a save reach storage now, off this thread
         if self.preempted:
             return self._save_and_stop(
                 state, step=step, position=position, metrics=metrics, tags=tags, extra_files=extra_files

@@ -32,6 +32,7 @@ LAYERS: list[tuple[str, ...]] = [
     # SIGTERM/SIGINT flag the manager polls.
     ("rng", "preemption"),
     ("data",),
+    ("loader",),  # ckptsdk.DataLoader: a position in the TrainState (torch only, no storage)
     ("lease",),
     ("runlog",),
     ("checkpoint",),

@@ -11,6 +11,7 @@ EXPECTED = {
     "CorruptCheckpointError",
     "DataCache",
     "DataError",
+    "DataLoader",
     "GcReport",
     "LeaseHeldError",
     "LeaseLostError",
