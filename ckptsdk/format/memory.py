@@ -1,0 +1,74 @@
+"""How much memory this process can still allocate: the one rule readers check a size against.
+
+A size read from storage (a tensor header, an archive member) is compared with this before
+anything is allocated, so a torn or hostile file becomes a ckptsdk error instead of an
+allocator failure or an out-of-memory kill. Reading files belongs to the readers, not here.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+
+__all__ = ["available_memory", "describe"]
+
+_CGROUP_V2 = "/sys/fs/cgroup"
+
+
+def _meminfo_available() -> int | None:
+    """``MemAvailable`` of /proc/meminfo (Linux), else free physical pages."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def _cgroup_headroom() -> int | None:
+    """What the memory cgroup (a container, Colab's runtime) still lets this process take."""
+    try:
+        with open(os.path.join(_CGROUP_V2, "memory.max"), encoding="ascii") as f:
+            limit = f.read().strip()
+        if limit == "max":
+            return None
+        with open(os.path.join(_CGROUP_V2, "memory.current"), encoding="ascii") as f:
+            used = int(f.read().strip())
+        return max(0, int(limit) - used)
+    except (OSError, ValueError):
+        return None
+
+
+def _address_space_headroom() -> int | None:
+    """What ``ulimit -v`` (RLIMIT_AS) leaves above this process's current virtual size."""
+    soft, _hard = resource.getrlimit(resource.RLIMIT_AS)
+    if soft == resource.RLIM_INFINITY:
+        return None
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmSize:"):
+                    return max(0, soft - int(line.split()[1]) * 1024)
+    except (OSError, ValueError, IndexError):
+        pass
+    return soft
+
+
+def available_memory() -> int | None:
+    """Bytes this process can still allocate, the smallest of what the machine, its memory
+    cgroup and its address-space limit allow; None when none of them can be read."""
+    known = [n for n in (_meminfo_available(), _cgroup_headroom(), _address_space_headroom()) if n is not None]
+    return min(known) if known else None
+
+
+def describe(n: int) -> str:
+    """``n`` bytes for a message: exact, and in GiB/MiB for a reader."""
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift:
+            return f"{n} bytes ({n / (1 << shift):.1f} {unit})"
+    return f"{n} bytes"
