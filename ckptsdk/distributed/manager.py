@@ -466,13 +466,28 @@ class DistributedCheckpointManager:
     # ------------------------------------------------------------------ step log, lifecycle
 
     def log_step(self, step: int, **scalars: float | torch.Tensor | np.generic) -> None:
-        """Append ``scalars`` for ``step`` to the step log (rank 0's; other ranks: no-op)."""
+        """Append ``scalars`` for ``step`` to the step log: rank 0's only, other ranks: a no-op.
+
+        No collective runs per step, so another rank's scalars never reach the log; log a value
+        that is the same on every rank (an all-reduced loss) to have the audit cover them all.
+        """
         if self._core is not None:
             self._core.log_step(step, **scalars)
 
     def audit(self, tolerance: float = 0.0) -> AuditReport | None:
-        """The resume audit (see :meth:`ckptsdk.CheckpointManager.audit`); rank 0 only, else None."""
-        return self._core.audit(tolerance) if self._core is not None else None
+        """The resume audit (see :meth:`ckptsdk.CheckpointManager.audit`); rank 0 only, else None.
+
+        It compares rank 0's logged scalars only (see :meth:`log_step`), and says so in the log.
+        """
+        if self._core is None:
+            return None
+        logger.info(
+            "audit of %s compares rank 0's logged scalars only (%d ranks): a divergence seen only "
+            "in another rank's values is not detected; log all-reduced values to cover every rank",
+            self.url,
+            self.world_size,
+        )
+        return self._core.audit(tolerance)
 
     def list(self) -> list[CheckpointInfo]:
         """Every checkpoint folder under the root, oldest first (any rank; read-only)."""
