@@ -265,7 +265,9 @@ class CheckpointManager(CheckpointReader):
 
     # ------------------------------------------------------------------ restoring
 
-    def restore(self, state: TrainState | Restorable) -> ResumePoint | None:
+    def restore(
+        self, state: TrainState | Restorable, *, _accept: Callable[[Any, CheckpointInfo], None] | None = None
+    ) -> ResumePoint | None:
         """Load the newest valid checkpoint into ``state`` (objects and RNGs).
 
         Torn, corrupt, unknown-format or orphaned checkpoints are skipped with a warning naming
@@ -298,7 +300,7 @@ class CheckpointManager(CheckpointReader):
             self._saving.wait()  # a pipelined copy may still read the live tensors
         fixed = self._saving is not None and self._saving.lineage_written
         try:
-            tree, info = self._read_newest()
+            tree, info = self._read_newest(_accept)  # _accept: ckptsdk.distributed's all-rank check
         except NoValidCheckpointError as exc:
             if not exc.tried:
                 if self._saving is not None:
