@@ -9,6 +9,7 @@ Restoring (offer, load, agree, fall back together) is restoring.py's.
 
 from __future__ import annotations
 
+import builtins
 import copy
 import logging
 from collections.abc import Mapping
@@ -26,7 +27,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from ckptsdk.backends import open_backend
 from ckptsdk.backends.base import Backend
 from ckptsdk.checkpoint import catalog as _catalog
-from ckptsdk.checkpoint.catalog import CheckpointInfo, checkpoint_dir, writer_tag
+from ckptsdk.checkpoint.catalog import CheckpointInfo, checkpoint_dir
 from ckptsdk.distributed import restoring
 from ckptsdk.distributed.collective import broadcast_json, describe_error, gather_json, rebuild_error
 from ckptsdk.distributed.payload import PAYLOAD_FORMAT, local_file
@@ -36,6 +37,7 @@ from ckptsdk.format import codec
 from ckptsdk.format.digest import DEFAULT as DIGEST_ALGORITHM
 from ckptsdk.format.manifest import FileEntry
 from ckptsdk.format.tensorfile import write_tensorfile
+from ckptsdk.lease.record import writer_tag
 from ckptsdk.manager import CheckpointManager, ResumePoint, Simulation, save_due
 from ckptsdk.rng import capture_rng
 
@@ -413,7 +415,7 @@ class DistributedCheckpointManager:
         )
         return self._core.audit(tolerance)
 
-    def list(self) -> list[CheckpointInfo]:
+    def list(self) -> builtins.list[CheckpointInfo]:  # `list`: this method, in the class
         """Every checkpoint folder under the root, oldest first (any rank; read-only)."""
         return _catalog.scan(self.backend).checkpoints
 

@@ -1,4 +1,4 @@
-"""Lint (ruff) and type check (mypy) as tests, so the README's test command runs them in CI.
+"""Lint and format (ruff) and type check (mypy) as tests, so the README's test command runs them in CI.
 
 Both read their configuration from pyproject.toml ([tool.ruff], [tool.mypy]); the versions are
 pinned in the ``dev`` extra so a finding here is the same on every machine.
@@ -10,6 +10,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -30,8 +31,46 @@ def test_ruff_finds_nothing() -> None:
     assert proc.returncode == 0, f"ruff check . found problems:\n{proc.stdout}{proc.stderr}"
 
 
+@pytest.mark.timeout(120)
+def test_ruff_format_changes_nothing() -> None:
+    proc = _run("ruff", "format", "--check", "--no-cache", ".", timeout=100)
+    assert proc.returncode == 0, (
+        f"ruff format --check . would reformat files (run `ruff format <files>`):\n{proc.stdout}{proc.stderr}"
+    )
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_mypy_finds_nothing() -> None:
     proc = _run("mypy", timeout=280)
     assert proc.returncode == 0, f"mypy (files, options: pyproject.toml) found problems:\n{proc.stdout}{proc.stderr}"
+
+
+def test_pre_commit_runs_the_same_checks(tmp_path: Path) -> None:
+    """.pre-commit-config.yaml: ruff, ruff format and mypy, each as a command that works here."""
+    yaml = pytest.importorskip("yaml")
+    config = yaml.safe_load((Path(REPO) / ".pre-commit-config.yaml").read_text(encoding="utf-8"))
+    hooks = {hook["id"]: hook for repo in config["repos"] for hook in repo["hooks"]}
+    assert set(hooks) == {"ruff", "ruff-format", "mypy"}
+    assert all(hook["language"] == "system" for hook in hooks.values())
+    assert hooks["mypy"]["pass_filenames"] is False
+    # The two ruff hooks, run as pre-commit would (entry + the staged file), on a clean file and a bad one.
+    clean = Path(REPO) / "tests" / "project" / "test_static_checks.py"
+    bad = tmp_path / "bad.py"
+    bad.write_text("import os\nx=1\n", encoding="utf-8")
+    for hook_id in ("ruff", "ruff-format"):
+        entry = hooks[hook_id]["entry"]
+        ok = subprocess.run(
+            f"{entry} {clean}", shell=True, cwd=REPO, capture_output=True, text=True, timeout=100, check=False
+        )
+        assert ok.returncode == 0, f"{hook_id} hook failed on a clean file:\n{ok.stdout}{ok.stderr}"
+    lint = subprocess.run(
+        f"{hooks['ruff']['entry']} --no-cache {bad}",
+        shell=True,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=100,
+        check=False,
+    )
+    assert lint.returncode != 0 and "F401" in lint.stdout, lint.stdout + lint.stderr
