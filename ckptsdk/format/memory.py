@@ -16,18 +16,24 @@ _CGROUP_V2 = "/sys/fs/cgroup"
 
 
 def _meminfo_available() -> int | None:
-    """``MemAvailable`` of /proc/meminfo (Linux), else free physical pages."""
+    """``MemAvailable`` plus ``SwapFree`` of /proc/meminfo (Linux); None elsewhere.
+
+    Swap counts: a restore into swap is slow but works, and refusing it would be a false alarm.
+    There is no fallback to "free pages" (``SC_AVPHYS_PAGES``): with the page cache full it is
+    far below what can be allocated, and a verified checkpoint would be refused.
+    """
+    fields: dict[str, int] = {}
     try:
         with open("/proc/meminfo", encoding="ascii") as f:
             for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                name, _, rest = line.partition(":")
+                if name in ("MemAvailable", "SwapFree"):
+                    fields[name] = int(rest.split()[0]) * 1024
     except (OSError, ValueError, IndexError):
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, AttributeError):
         return None
+    if "MemAvailable" not in fields:
+        return None
+    return fields["MemAvailable"] + fields.get("SwapFree", 0)
 
 
 def _cgroup_headroom() -> int | None:
@@ -60,8 +66,9 @@ def _address_space_headroom() -> int | None:
 
 
 def available_memory() -> int | None:
-    """Bytes this process can still allocate, the smallest of what the machine, its memory
-    cgroup and its address-space limit allow; None when none of them can be read."""
+    """Bytes this process can still allocate, the smallest of what the machine (RAM and swap),
+    its memory cgroup and its address-space limit allow; None when none of them can be read
+    (the caller then allocates unchecked, as torch would)."""
     known = [n for n in (_meminfo_available(), _cgroup_headroom(), _address_space_headroom()) if n is not None]
     return min(known) if known else None
 
