@@ -25,9 +25,12 @@ import torch
 
 from ckptsdk.backends import open_backend
 from ckptsdk.backends.base import Backend
+from ckptsdk.backends.probe import prove_preconditions
 from ckptsdk.checkpoint.catalog import CheckpointInfo
 from ckptsdk.checkpoint.reader import CheckpointReader, ResumePoint, resume_point
+from ckptsdk.checkpoint.retention import Rule, describe_rules
 from ckptsdk.checkpoint.rotation import LEFTOVER_GRACE_S, RETENTION_MODES, GcReport, Rotation
+from ckptsdk.checkpoint.rotation import kept as _kept
 from ckptsdk.checkpoint.saving import SavePipeline
 from ckptsdk.errors import BackendError, CheckpointError, ConfigError, LeaseLostError, NoValidCheckpointError
 from ckptsdk.format.manifest import FileEntry, Position
@@ -82,6 +85,11 @@ class CheckpointManager(CheckpointReader):
         url: the root: a path, ``file://``, ``drive://REL``, ``gs://bucket/prefix``, ``memory://name``.
         keep_last: committed checkpoints to keep (the newest is always kept).
         keep_every: also keep, forever, every checkpoint whose step is a multiple of this.
+        keep: more keep rules, kept by union with ``keep_last`` / ``keep_every`` (which are
+            shorthands for ``retention.keep_last`` / ``retention.keep_every``): e.g.
+            ``[retention.keep_best("val_loss", 2), retention.keep_every_seconds(3600)]`` from
+            :mod:`ckptsdk.checkpoint.retention`. They are judged from the committed manifests (a
+            metric a save passes in ``metrics``), so a restart, a takeover and ``gc`` decide alike.
         save_every: ``should_save(step)`` is true every this many steps.
         lease_ttl: seconds a silent lease must stay unchanged before a newcomer takes over.
             None: 60 s on local disk and GCS, 300 s on Drive (see :mod:`ckptsdk.lease.acquire`).
@@ -135,6 +143,7 @@ class CheckpointManager(CheckpointReader):
         *,
         keep_last: int = 3,
         keep_every: int | None = None,
+        keep: Rule | Sequence[Rule] = (),
         save_every: int | None = None,
         lease_ttl: float | None = None,
         lease_wait: float | None = None,
@@ -183,8 +192,14 @@ class CheckpointManager(CheckpointReader):
             retention_mode = "recycle" if caps.trash_on_delete and caps.rewrite_in_place else "delete"
         if retention_mode not in RETENTION_MODES:
             raise ConfigError(f"retention_mode must be one of {RETENTION_MODES}, got {retention_mode!r}")
+        self.keep: tuple[Rule, ...] = (keep,) if isinstance(keep, Rule) else tuple(keep)
         self._rotation = Rotation(
-            self.backend, keep_last=keep_last, keep_every=keep_every, mode=retention_mode, leftover_grace=leftover_grace
+            self.backend,
+            keep_last=keep_last,
+            keep_every=keep_every,
+            rules=self.keep,
+            mode=retention_mode,
+            leftover_grace=leftover_grace,
         )
         self._saving: SavePipeline | None = None
         self.resumed_from: CheckpointInfo | None = None
@@ -192,6 +207,7 @@ class CheckpointManager(CheckpointReader):
         self.runlog: RunLog | None = None
         if read_only:
             return
+        prove_preconditions(self.backend)  # a writer trusts no server's word for its conditions
         self.lease = Lease(
             self.backend,
             ttl=lease_ttl,
@@ -470,13 +486,34 @@ class CheckpointManager(CheckpointReader):
         """Wait for a background save; re-raise its failure. False if it is still running."""
         return True if self._saving is None else self._saving.wait(timeout)
 
-    def gc(self, *, keep_last: int | None = None, dry_run: bool = False, grace: float = 3600.0) -> GcReport:
+    def gc(
+        self,
+        *,
+        keep_last: int | None = None,
+        keep: Sequence[Rule] | None = None,
+        dry_run: bool = False,
+        grace: float = 3600.0,
+    ) -> GcReport:
         """Remove orphans of superseded writers, torn checkpoints and rotated-out checkpoints.
 
-        See :meth:`ckptsdk.checkpoint.rotation.Rotation.gc`: works without the lease, keeps the newest
-        ``keep_last`` steps, sweeps temp files older than ``grace`` seconds.
+        See :meth:`ckptsdk.checkpoint.rotation.Rotation.gc`: works without the lease, keeps what
+        the rules keep (this manager's, or ``keep_last`` / ``keep`` instead), sweeps temp files
+        older than ``grace`` seconds.
         """
-        return self._rotation.gc(self._scan(), keep_last=keep_last, dry_run=dry_run, grace=grace)
+        return self._rotation.gc(self._scan(), keep_last=keep_last, rules=keep, dry_run=dry_run, grace=grace)
+
+    def kept(self, *, keep_last: int | None = None, keep: Sequence[Rule] | None = None) -> dict[int, tuple[str, ...]]:
+        """Each step the keep rules keep, with why (``latest``, ``best val_loss #1``, ``resume point``).
+
+        Decided from the committed manifests as rotation and :meth:`gc` decide; a step missing
+        here is one they let go. ``keep_last`` / ``keep``: instead of this manager's, as for gc.
+        """
+        rules = self._rotation.retention_rules(keep_last, keep)
+        return _kept(self._scan(), rules, settle=self._rotation.late)
+
+    def rules(self, *, keep_last: int | None = None, keep: Sequence[Rule] | None = None) -> str:
+        """The keep rules in force, as written (``keep_last=3, keep_best=2 by val_loss (min)``)."""
+        return describe_rules(self._rotation.retention_rules(keep_last, keep))
 
     # ------------------------------------------------------------------ step log, lifecycle
 

@@ -350,7 +350,7 @@ def _exit_with_parent() -> None:
     threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
 
 
-def serve(port: int, *, patched: bool = True, exit_with_parent: bool = False) -> None:
+def serve(port: int, *, patched: bool = True, exit_with_parent: bool = False, bucket: str | None = None) -> None:
     """Run the emulator in this process until killed; print ``PORT <n>`` once listening."""
     from gcp_storage_emulator import server
     from gcp_storage_emulator.storage import Storage
@@ -370,7 +370,17 @@ def serve(port: int, *, patched: bool = True, exit_with_parent: bool = False) ->
 
     httpd = Server(("127.0.0.1", port), functools.partial(Handler, Storage(use_memory_fs=True)))
     print(f"PORT {httpd.server_address[1]}", flush=True)
+    if bucket:  # `python -m` for a person: make the bucket once serving, then say what to export
+        threading.Thread(target=_announce, args=(httpd.server_address[1], bucket), daemon=True).start()
     httpd.serve_forever()
+
+
+def _announce(port: int, bucket: str) -> None:
+    emulator = Emulator(None, port, None, True)
+    emulator.make_bucket(bucket)
+    lines = [f"export {k}={v}" for k, v in emulator.env.items()]
+    lines.append(f"# bucket {bucket!r} is ready: use gs://{bucket}/RUN as the storage URL (Ctrl-C stops)")
+    print("\n".join(lines), flush=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -521,8 +531,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, default=0, help="0 picks a free port (printed)")
     parser.add_argument("--unpatched", action="store_true", help="run the emulator as shipped")
     parser.add_argument("--exit-with-parent", action="store_true", help="exit when the parent dies")
+    parser.add_argument("--bucket", help="create this bucket and print the environment to export")
     args = parser.parse_args(argv)
-    serve(args.port, patched=not args.unpatched, exit_with_parent=args.exit_with_parent)
+    serve(args.port, patched=not args.unpatched, exit_with_parent=args.exit_with_parent, bucket=args.bucket)
 
 
 if __name__ == "__main__":

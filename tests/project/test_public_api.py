@@ -36,6 +36,7 @@ EXPECTED = {
     "MissingDependencyError",
     "NoCheckpointRootError",
     "StorageUnavailable",
+    "PreconditionsNotHonoured",
     "UnknownSchemeError",
     "UnsafeArchiveError",
 }
