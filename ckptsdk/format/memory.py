@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import resource
 
-__all__ = ["available_memory", "describe"]
+__all__ = ["available_memory", "describe_size"]
 
 _CGROUP_V2 = "/sys/fs/cgroup"
 
@@ -73,7 +73,7 @@ def available_memory() -> int | None:
     return min(known) if known else None
 
 
-def describe(n: int) -> str:
+def describe_size(n: int) -> str:
     """``n`` bytes for a message: exact, and in GiB/MiB for a reader."""
     for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
         if n >= 1 << shift:

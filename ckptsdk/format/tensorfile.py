@@ -23,7 +23,7 @@ from ckptsdk.backends.base import Backend
 from ckptsdk.errors import CheckpointTooLargeError, CkptError, ConfigError, CorruptCheckpointError, ObjectNotFound
 from ckptsdk.format.digest import CHECKPOINT_ALGORITHMS, DEFAULT, new_hasher
 from ckptsdk.format.dtype import BY_CODE, byte_view, to_torch
-from ckptsdk.format.memory import available_memory, describe
+from ckptsdk.format.memory import available_memory, describe_size
 from ckptsdk.format.tensorwriter import write_tensorfile
 
 __all__ = ["HeaderEntry", "read_header", "read_tensorfile", "verify_file", "write_tensorfile"]
@@ -392,8 +392,9 @@ def _too_large(reader: _Reader, need: int, room: int) -> CkptError:
     """
     reader.finish()  # raises CorruptCheckpointError when the bytes are not what was written
     return CheckpointTooLargeError(
-        f"tensor file {reader.key!r} at {reader.backend.url} holds {describe(need)} of tensors, but this process can "
-        f"allocate only {describe(room)} now (RAM, cgroup and ulimit -v); its bytes verify, so it is not corrupt. "
+        f"tensor file {reader.key!r} at {reader.backend.url} holds {describe_size(need)} of tensors, but this "
+        f"process can allocate only {describe_size(room)} now (RAM and swap, cgroup, ulimit -v); its bytes verify, "
+        "so it is not corrupt. "
         "Free memory, or restore on a machine with more",
         url=reader.backend.url,
         key=reader.key,

@@ -12,7 +12,7 @@ import os
 import zipfile
 
 from ckptsdk.errors import ConfigError
-from ckptsdk.format.memory import available_memory, describe
+from ckptsdk.format.memory import available_memory, describe_size
 
 __all__ = ["MAX_EXPANSION", "MAX_RATIO", "check_torch_archive"]
 
@@ -58,7 +58,7 @@ def check_torch_archive(path: str) -> int:
 
     def refuse(why: str) -> ConfigError:
         return ConfigError(
-            f"refusing to import {path} ({describe(size)}): {why}. Nothing was decompressed. A file torch.save "
+            f"refusing to import {path} ({describe_size(size)}): {why}. Nothing was decompressed. A file torch.save "
             "wrote stores its tensors uncompressed; re-save it from the program that wrote it"
         )
 
@@ -72,16 +72,16 @@ def check_torch_archive(path: str) -> int:
             raise refuse(f"member {m.filename!r} is stored as {m.compress_size} bytes but declares {m.file_size}")
         if m.file_size > _SMALL_MEMBER and m.file_size > MAX_RATIO * max(m.compress_size, 1):
             raise refuse(
-                f"member {m.filename!r} would inflate {m.compress_size} bytes to {describe(m.file_size)} "
+                f"member {m.filename!r} would inflate {m.compress_size} bytes to {describe_size(m.file_size)} "
                 f"(more than {MAX_RATIO} times: a zip bomb)"
             )
         total += m.file_size
     if total > max(MAX_EXPANSION * size, size + _SLACK):
-        raise refuse(f"its members declare {describe(total)}, more than {MAX_EXPANSION} times the file")
+        raise refuse(f"its members declare {describe_size(total)}, more than {MAX_EXPANSION} times the file")
     room = available_memory()
     if room is not None and total > room:
         raise ConfigError(
-            f"cannot import {path}: its tensors need {describe(total)} and this process can allocate only "
-            f"{describe(room)} now; free memory or import on a machine with more"
+            f"cannot import {path}: its tensors need {describe_size(total)} and this process can allocate only "
+            f"{describe_size(room)} now; free memory or import on a machine with more"
         )
     return total
