@@ -282,7 +282,9 @@ class CheckpointManager(CheckpointReader):
 
     # ------------------------------------------------------------------ restoring
 
-    def restore(self, state: TrainState | Restorable) -> ResumePoint | None:
+    def restore(
+        self, state: TrainState | Restorable, *, _accept: Callable[[Any, CheckpointInfo], None] | None = None
+    ) -> ResumePoint | None:
         """Load the newest valid checkpoint into ``state`` (objects and RNGs).
 
         Torn, corrupt, unknown-format or orphaned checkpoints are skipped with a warning naming
@@ -318,7 +320,7 @@ class CheckpointManager(CheckpointReader):
             for name, loader in loaders_of(state).items():
                 self.runlog.watch_data(f"data/{name}", loader.batch_digest)
         try:
-            tree, info = self._read_newest()
+            tree, info = self._read_newest(_accept)  # _accept: ckptsdk.distributed's all-rank check
         except NoValidCheckpointError as exc:
             if not exc.tried:
                 if self._saving is not None:

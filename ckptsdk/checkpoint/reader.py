@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import builtins
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -261,8 +261,12 @@ class CheckpointReader:
             )
         return usable[0]
 
-    def _read_newest(self) -> tuple[Any, CheckpointInfo]:
+    def _read_newest(self, accept: Callable[[Any, CheckpointInfo], None] | None = None) -> tuple[Any, CheckpointInfo]:
         """The newest checkpoint that reads back whole, skipping (and naming) damaged ones.
+
+        ``accept(tree, info)``, when given, is one more check of a candidate that read back
+        whole (the distributed manager: every rank's files); raising ``CorruptCheckpointError``
+        skips it like a damaged one, before anything (lineage, anchor) is decided from it.
 
         Raises:
             NoValidCheckpointError: with ``tried`` empty when the root holds no committed
@@ -280,7 +284,10 @@ class CheckpointReader:
                     logger.info("not restoring %s/%s: %s", self.url, info.key, info.reason)
                 continue
             try:
-                return self.read_tree(info), info
+                tree = self.read_tree(info)
+                if accept is not None:
+                    accept(tree, info)
+                return tree, info
             except (CorruptCheckpointError, ManifestError) as exc:
                 logger.warning("skipping checkpoint %s/%s: %s", self.url, info.key, exc)
                 tried[info.key] = str(exc)

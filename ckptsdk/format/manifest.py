@@ -179,6 +179,9 @@ class Manifest(Document):
 
     FORMAT: ClassVar[str] = FORMAT
     CHECKSUM_SINCE: ClassVar[int | None] = _CHECKSUM_MINOR
+    # The skeleton grows with the tensor count (a distributed one with ranks x chunks): a few
+    # MiB for the largest trees seen; the cap leaves room for ten times that.
+    MAX_BYTES: ClassVar[int] = 64 << 20
 
     format: str = Field(default=FORMAT, pattern=r"^ckptsdk\.checkpoint/1(\.[0-9]+)?$")
     step: int = Field(ge=0)
@@ -220,6 +223,7 @@ class LineageRecord(Document):
 
     FORMAT: ClassVar[str] = LINEAGE_FORMAT
     CHECKSUM_SINCE: ClassVar[int | None] = _CHECKSUM_MINOR
+    MAX_BYTES: ClassVar[int] = 1 << 20  # a few hundred bytes are written
 
     format: str = Field(default=LINEAGE_FORMAT, pattern=r"^ckptsdk\.lineage/1(\.[0-9]+)?$")
     epoch: int = Field(ge=0)

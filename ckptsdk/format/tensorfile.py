@@ -20,9 +20,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, BinaryIO
 
 from ckptsdk.backends.base import Backend
-from ckptsdk.errors import ConfigError, CorruptCheckpointError, ObjectNotFound
+from ckptsdk.errors import CheckpointTooLargeError, CkptError, ConfigError, CorruptCheckpointError, ObjectNotFound
 from ckptsdk.format.digest import CHECKPOINT_ALGORITHMS, DEFAULT, new_hasher
 from ckptsdk.format.dtype import BY_CODE, byte_view, to_torch
+from ckptsdk.format.memory import available_memory, describe_size
 
 if TYPE_CHECKING:
     import torch
@@ -356,6 +357,8 @@ def read_tensorfile(
     Raises:
         CorruptCheckpointError: missing, truncated, too long, different digest or a malformed
             header; the message names the key and why.
+        CheckpointTooLargeError: the tensors verify but exceed the memory this process can
+            allocate (checked before allocating; the message names both sizes).
         ConfigError: a digest algorithm a checkpoint file may not name, or a negative size.
         BackendError: the storage failed while reading.
 
@@ -391,7 +394,14 @@ def read_tensorfile(
             # and the header's own problem only for a file that is what was written.
             reader.finish()
             raise
-        tensors = _read_entries(reader, entries)
+        need = sum(e.nbytes for e in entries)
+        room = available_memory()
+        if room is not None and need > room:
+            raise _too_large(reader, need, room)
+        try:
+            tensors = _read_entries(reader, entries)
+        except RuntimeError as exc:  # torch's allocator said no after all (overcommit, another thread)
+            raise _too_large(reader, need, available_memory() or 0) from exc
         reader.finish()
     return tensors
 
@@ -403,3 +413,23 @@ def __getattr__(name: str) -> Any:
 
         return write_tensorfile
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _too_large(reader: _Reader, need: int, room: int) -> CkptError:
+    """The error for tensors that do not fit, decided without allocating them.
+
+    The rest of the file is hashed through the small scratch buffer first: a torn copy (a
+    sparse file whose header and manifest agree on 100 GB, the digest stale) is corrupt, and
+    restore falls back; only verified bytes make the "too large" error.
+    """
+    reader.finish()  # raises CorruptCheckpointError when the bytes are not what was written
+    return CheckpointTooLargeError(
+        f"tensor file {reader.key!r} at {reader.backend.url} holds {describe_size(need)} of tensors, but this "
+        f"process can allocate only {describe_size(room)} now (RAM and swap, cgroup, ulimit -v); its bytes verify, "
+        "so it is not corrupt. "
+        "Free memory, or restore on a machine with more",
+        url=reader.backend.url,
+        key=reader.key,
+        needed=need,
+        available=room,
+    )

@@ -57,7 +57,6 @@ OVERSIZE_AWAITING_SPLIT = {
     "adapters/cifar10/train.py",
     "ckptsdk/backends/gcs.py",
     "ckptsdk/data/cache.py",
-    "ckptsdk/distributed/manager.py",
     "ckptsdk/manager.py",
     "ckptsdk/testing/gcs_server.py",
 }

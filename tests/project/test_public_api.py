@@ -27,6 +27,7 @@ EXPECTED = {
     # the rest of the error tree: every error a public call raises is catchable as ckptsdk.X
     "AllSourcesFailedError",
     "CheckpointError",
+    "CheckpointTooLargeError",
     "ConfigError",
     "DatasetMismatchError",
     "DigestMismatchError",
