@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import state_dict_loader, state_dict_saver
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 
@@ -297,7 +297,7 @@ class DistributedCheckpointManager:
             except CkptError as exc:
                 decision, error = _describe(exc), exc
         decision = self._agree(decision, error, group)
-        folder = decision["folder"]
+        folder: str = decision["folder"]
         if decision.get("existing"):
             return folder
         mine: dict[str, Any]
@@ -355,7 +355,7 @@ class DistributedCheckpointManager:
         writer = CkptStorageWriter(self.backend, folder, commit=commit)
         failure: BaseException | None = None
         try:
-            dcp.save(state, storage_writer=writer, planner=JsonSavePlanner(), process_group=group)
+            state_dict_saver.save(state, storage_writer=writer, planner=JsonSavePlanner(), process_group=group)
         except CheckpointException as exc:
             failure = writer.commit_error or unwrap(exc)
         outcome = {"ok": True, "key": folder} if failure is None else _describe(failure)
@@ -508,7 +508,9 @@ def load_quietly(state: dict[str, Any], reader: CkptStorageReader, *, flatten: b
         # DCP warns that no_dist "assumes a single process"; here it is the intent.
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         try:
-            dcp.load(state, storage_reader=reader, planner=JsonLoadPlanner(flatten_state_dict=flatten), no_dist=True)
+            state_dict_loader.load(
+                state, storage_reader=reader, planner=JsonLoadPlanner(flatten_state_dict=flatten), no_dist=True
+            )
         except CheckpointException as exc:
             cause: BaseException = unwrap(exc)
             if isinstance(cause, CkptError):
