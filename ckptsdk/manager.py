@@ -27,8 +27,9 @@ from ckptsdk.backends import open_backend
 from ckptsdk.backends.base import Backend
 from ckptsdk.checkpoint.catalog import CheckpointInfo
 from ckptsdk.checkpoint.reader import CheckpointReader, ResumePoint, resume_point
-from ckptsdk.checkpoint.rotation import LEFTOVER_GRACE_S, RETENTION_MODES, GcReport, Rotation
+from ckptsdk.checkpoint.rotation import LEFTOVER_GRACE_S, RETENTION_MODES, GcReport, RetentionMode, Rotation
 from ckptsdk.checkpoint.saving import SavePipeline
+from ckptsdk.checkpoint.staging import SNAPSHOT_MODES, SnapshotMode
 from ckptsdk.errors import BackendError, CheckpointError, ConfigError, LeaseLostError, NoValidCheckpointError
 from ckptsdk.format.manifest import FileEntry, Position
 from ckptsdk.format.userfield import user_fields
@@ -143,11 +144,11 @@ class CheckpointManager(CheckpointReader):
         read_only: bool = False,
         storage_options: Mapping[str, object] | None = None,
         async_save: bool = False,
-        snapshot: str = "pipelined",
+        snapshot: SnapshotMode = "pipelined",
         save_on_signal: bool | None = None,
         signal_deadline: float = DEFAULT_DEADLINE,
         run_id: str | None = None,
-        retention_mode: str | None = None,
+        retention_mode: RetentionMode | None = None,
         leftover_grace: float = LEFTOVER_GRACE_S,
         _simulation: Simulation | None = None,
     ) -> None:
@@ -155,8 +156,8 @@ class CheckpointManager(CheckpointReader):
             raise ConfigError(f"keep_last must be >= 1, got {keep_last}: the newest checkpoint is always kept")
         if save_every is not None and save_every < 1:
             raise ConfigError(f"save_every must be >= 1 or None, got {save_every}")
-        if snapshot not in ("pipelined", "copy"):
-            raise ConfigError(f"snapshot must be 'pipelined' or 'copy', got {snapshot!r}")
+        if snapshot not in SNAPSHOT_MODES:
+            raise ConfigError(f"snapshot must be one of {SNAPSHOT_MODES}, got {snapshot!r}")
         main = threading.current_thread() is threading.main_thread()
         if save_on_signal and not main:
             raise ConfigError(

@@ -35,7 +35,7 @@ from ckptsdk.checkpoint.catalog import (
     writer_tag,
 )
 from ckptsdk.checkpoint.rotation import Rotation
-from ckptsdk.checkpoint.staging import Stager, tensor_key
+from ckptsdk.checkpoint.staging import SnapshotMode, Stager, tensor_key
 from ckptsdk.errors import CheckpointError, LeaseLostError, ObjectNotFound, PreconditionFailed
 from ckptsdk.format import codec
 from ckptsdk.format.digest import DEFAULT as DIGEST_ALGORITHM
@@ -181,7 +181,7 @@ class SavePipeline:
         metrics: Mapping[str, Any] | None,
         tags: Mapping[str, str] | None,
         blocking: bool,
-        snapshot: str = "pipelined",
+        snapshot: SnapshotMode = "pipelined",
         extra_files: Sequence[FileEntry] = (),
     ) -> CheckpointInfo:
         """See :meth:`ckptsdk.CheckpointManager.save`.
