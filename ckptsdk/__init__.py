@@ -62,6 +62,9 @@ _LAZY = {
     "CheckpointManager": "manager",
     "DataCache": "data.cache",
     "GcReport": "manager",
+    "LeaseOptions": "options",
+    "Retention": "options",
+    "SaveOptions": "options",
     "ResumePoint": "checkpoint.reader",
     "TrainState": "state",
 }
@@ -71,6 +74,7 @@ if TYPE_CHECKING:
     from ckptsdk.checkpoint.reader import ResumePoint
     from ckptsdk.data.cache import DataCache
     from ckptsdk.manager import CheckpointManager, GcReport
+    from ckptsdk.options import LeaseOptions, Retention, SaveOptions
     from ckptsdk.runlog.audit import AuditReport
     from ckptsdk.state import TrainState
 
@@ -106,6 +110,7 @@ __all__ = [
     "LeaseError",
     "LeaseHeldError",
     "LeaseLostError",
+    "LeaseOptions",
     "ManifestError",
     "MissingDependencyError",
     "NoCheckpointRootError",
@@ -113,6 +118,8 @@ __all__ = [
     "ObjectNotFound",
     "PreconditionFailed",
     "ResumePoint",
+    "Retention",
+    "SaveOptions",
     "StateMismatchError",
     "StorageUnavailable",
     "TrainState",
