@@ -39,7 +39,8 @@ from ckptsdk.checkpoint.staging import SnapshotMode, Stager, tensor_key
 from ckptsdk.errors import CheckpointError, LeaseLostError, ObjectNotFound, PreconditionFailed
 from ckptsdk.format import codec
 from ckptsdk.format.digest import DEFAULT as DIGEST_ALGORITHM
-from ckptsdk.format.manifest import Environment, FileEntry, LineageRecord, Manifest, Position, Writer
+from ckptsdk.format.environment import Environment
+from ckptsdk.format.manifest import FileEntry, LineageRecord, Manifest, Position, Writer
 from ckptsdk.format.tensorfile import write_tensorfile
 from ckptsdk.lease.acquire import Lease
 from ckptsdk.runlog.writer import RunLog
