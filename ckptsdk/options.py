@@ -13,7 +13,7 @@ import dataclasses
 import operator
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, SupportsIndex, TypeVar
 
 from ckptsdk.checkpoint.rotation import LEFTOVER_GRACE_S, RETENTION_MODES, RetentionMode
 from ckptsdk.checkpoint.staging import SNAPSHOT_MODES, SnapshotMode
@@ -35,11 +35,7 @@ def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
 def _check_count(name: str, value: object, *, optional: bool, why: str = "") -> None:
     if value is None and optional:
         return
-    try:
-        count = None if isinstance(value, bool) else operator.index(value)  # type: ignore[arg-type]
-    except TypeError:
-        count = None
-    if count is None or count < 1:
+    if isinstance(value, bool) or not isinstance(value, SupportsIndex) or operator.index(value) < 1:
         allowed = ">= 1 or None" if optional else ">= 1"
         raise ConfigError(f"{name} must be an integer {allowed}, got {value!r}{why}")
 
@@ -84,7 +80,7 @@ class Retention:
         _check_count("keep_last", self.keep_last, optional=False, why=": the newest checkpoint is always kept")
         _check_count("keep_every", self.keep_every, optional=True)
         if self.mode is not None:
-            _check_choice("retention_mode", self.mode, RETENTION_MODES)
+            _check_choice("retention_mode (Retention.mode)", self.mode, RETENTION_MODES)
         if isinstance(self.leftover_grace, bool) or not (
             isinstance(self.leftover_grace, (int, float)) and self.leftover_grace >= 0  # nan fails too
         ):
@@ -161,7 +157,7 @@ class SaveOptions:
     signal_deadline: float = DEFAULT_DEADLINE
 
     def __post_init__(self) -> None:
-        _check_count("save_every", self.every, optional=True)
+        _check_count("save_every (SaveOptions.every)", self.every, optional=True)
         _check_choice("snapshot", self.snapshot, SNAPSHOT_MODES)
 
 

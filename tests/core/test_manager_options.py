@@ -186,3 +186,12 @@ def test_retention_mode_none_is_the_stores_choice_and_reads_back_resolved(
         assert mgr.retention.mode == "delete"
     with CheckpointManager("drive://run", read_only=True, retention=Retention(mode="delete")) as mgr:
         assert mgr.retention.mode == "delete"
+
+
+def test_counts_from_numpy_or_a_config_file_are_accepted_as_integers() -> None:
+    import numpy as np
+
+    assert Retention(keep_last=np.int64(2), keep_every=np.int32(5)).keep_last == 2  # type: ignore[arg-type]
+    assert SaveOptions(every=np.int64(10)).every == 10  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"save_every \(SaveOptions.every\) must be an integer >= 1 or None"):
+        SaveOptions(every=np.float64(10.0))  # type: ignore[arg-type]
