@@ -9,7 +9,6 @@ belong here.
 
 from __future__ import annotations
 
-import dataclasses
 import operator
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -35,7 +34,8 @@ def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
 def _check_count(name: str, value: object, *, optional: bool, why: str = "") -> None:
     if value is None and optional:
         return
-    if isinstance(value, bool) or not isinstance(value, SupportsIndex) or operator.index(value) < 1:
+    # int first: isinstance against a runtime Protocol (SupportsIndex: numpy ints) costs microseconds.
+    if isinstance(value, bool) or not isinstance(value, (int, SupportsIndex)) or operator.index(value) < 1:
         allowed = ">= 1 or None" if optional else ">= 1"
         raise ConfigError(f"{name} must be an integer {allowed}, got {value!r}{why}")
 
@@ -180,7 +180,7 @@ def grouped(keyword: str, group: _Group | None, cls: type[_Group], flat: Mapping
     """
     given = {kw: flat[kw] for kw in cls.SHORTHAND if flat.get(kw) is not None}
     if group is None:
-        return dataclasses.replace(cls(), **{cls.SHORTHAND[kw]: value for kw, value in given.items()})
+        return cls(**{cls.SHORTHAND[kw]: value for kw, value in given.items()})
     if not isinstance(group, cls):
         raise ConfigError(f"{keyword}= takes a ckptsdk.{cls.__name__}, got {type(group).__name__}: {group!r}")
     if given:
