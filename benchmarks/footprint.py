@@ -29,6 +29,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.footprint_child import read_line as _line  # noqa: E402
 from benchmarks.footprint_child import state  # noqa: E402
 from ckptsdk import CheckpointManager  # noqa: E402
 from ckptsdk.backends import open_backend  # noqa: E402
@@ -36,7 +37,6 @@ from ckptsdk.checkpoint.catalog import TENSORS  # noqa: E402
 from ckptsdk.checkpoint.usage import usage  # noqa: E402
 from ckptsdk.manager import Simulation  # noqa: E402
 from ckptsdk.testing.drive_sim import DriveSim  # noqa: E402
-from tests.stories.test_leftovers import _line  # noqa: E402
 
 KEEP_LAST = 3
 SAVES = 40

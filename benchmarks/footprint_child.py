@@ -10,25 +10,54 @@ counting wrapper around its backend (benchmarks/footprint.py reuses this).
 
 Protocol lines (stdout): ``zygote-ready``; per writer: ``ready PID``, ``saved STEP``...,
 ``restored STEP WRITTEN`` (bytes written by the restore: the anchor), ``closed WRITTEN``,
-``reaped PID STATUS``.
+``reaped PID STATUS``; ``read_line`` reads them (the parent's side, shared by the tests).
 """
 
 from __future__ import annotations
 
 import os
+import select
+import subprocess
 import sys
+import time
 
 import torch
 
 from ckptsdk import CheckpointManager, TrainState
 from ckptsdk.backends import open_backend
-from tests.support.counting import CountingBackend
+from ckptsdk.testing.counting import CountingBackend
 
 MAX_SAVES = 400  # bounded even if the parent forgets to kill a writer
 
 
 def _say(line: str) -> None:
     os.write(1, (line + "\n").encode())  # not print: a forked child must not share the buffer
+
+
+def read_line(proc: subprocess.Popen[bytes], timeout: float) -> str:
+    """The zygote's next protocol line, read from ``proc``'s stdout (the parent's side).
+
+    Byte by byte with ``select``, so a line never waits in a buffer the parent cannot see.
+
+    Raises:
+        AssertionError: no whole line within ``timeout`` seconds, or the zygote closed its stdout
+            (the tests and benchmarks that call this treat it as a failed check).
+    """
+    if proc.stdout is None:
+        raise AssertionError("the zygote was started without stdout=subprocess.PIPE")
+    deadline = time.monotonic() + timeout
+    buf = b""
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
+        if not ready:
+            break
+        ch = os.read(proc.stdout.fileno(), 1)
+        if not ch:
+            break
+        if ch == b"\n":
+            return buf.decode()
+        buf += ch
+    raise AssertionError(f"no line from the zygote within {timeout} s (got {buf!r})")
 
 
 def state(size: int = 724) -> TrainState:

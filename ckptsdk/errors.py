@@ -2,8 +2,8 @@
 
     CkptError                                  anything ckptsdk raises on purpose
      ├── ConfigError (ValueError)              a bad URL, option or argument
-     │    ├── UnknownSchemeError                open_backend() got a scheme it does not know
-     │    └── MissingDependencyError (ImportError)  an optional extra is not installed
+     │    └── UnknownSchemeError                open_backend() got a scheme it does not know
+     ├── MissingDependencyError (ImportError)  an optional extra is not installed (names the extra)
      ├── BackendError (OSError)                storage failed
      │    ├── ObjectNotFound (FileNotFoundError)    the key does not exist
      │    ├── InvalidKey (ValueError)               '..', absolute or empty key components
@@ -27,6 +27,9 @@
           └── DatasetMismatchError             decoded tensors differ from the recorded hash
 
 Errors that refine a builtin also inherit it, so ``except FileNotFoundError`` keeps working.
+``MissingDependencyError`` is an ``ImportError``, not a ``ConfigError``: the arguments were fine,
+the environment lacks a package, and ``except ImportError`` is how Python code already guards an
+optional import. tests/project/test_error_tree.py checks this drawing against the classes.
 Each carries the fields a caller needs (``url``, ``key``, ``step``, ``holder``...) and a message
 that says what happened, where, and what to do next.
 """

@@ -146,7 +146,7 @@ class Backend(Protocol):
         """Whether ``key`` exists now (as this host sees it)."""
         ...
 
-    def list(self, prefix: str = "") -> list[ObjectInfo]:
+    def list(self, prefix: str = "") -> builtins.list[ObjectInfo]:  # `list`: this method, in the class
         """Every object whose key starts with ``prefix`` (recursively), sorted by key.
 
         Hint: temp files of in-flight or crashed writes are never listed; a missing root lists

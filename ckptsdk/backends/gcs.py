@@ -223,7 +223,7 @@ class GCSBackend(JsonApiTransport):
         raw = RangeReader(fetch, int(meta["size"]), url=self.url, key=key)
         return io.BufferedReader(raw, buffer_size=self.read_block)
 
-    def list(self, prefix: str = "") -> list[ObjectInfo]:
+    def list(self, prefix: str = "") -> builtins.list[ObjectInfo]:
         """Every object whose key starts with ``prefix``, sorted; always a fresh listing."""
         check_prefix(prefix, url=self.url)
         root = f"{self.prefix}/" if self.prefix else ""

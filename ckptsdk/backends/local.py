@@ -129,7 +129,7 @@ class LocalBackend:
             return False
         return True
 
-    def list(self, prefix: str = "") -> list[ObjectInfo]:
+    def list(self, prefix: str = "") -> builtins.list[ObjectInfo]:
         """Every object whose key starts with ``prefix``, recursively, sorted by key.
 
         A prefix is a string match (``"a/b"`` matches ``a/b``, ``a/bc`` and ``a/b/c``); only the

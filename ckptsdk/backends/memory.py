@@ -85,7 +85,7 @@ class MemoryBackend:
         with self._store.lock:
             return key in self._store.objects
 
-    def list(self, prefix: str = "") -> list[ObjectInfo]:
+    def list(self, prefix: str = "") -> builtins.list[ObjectInfo]:
         """Every object whose key starts with ``prefix``, sorted by key."""
         check_prefix(prefix, url=self.url)
         with self._store.lock:

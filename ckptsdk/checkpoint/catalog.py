@@ -33,15 +33,6 @@ _LINEAGE_RE = re.compile(r"^lineage/epoch-(\d+)(?:\.([0-9a-f]{8}))?\.json$")
 # their names apart and orders them: the lower rank is superseded, exactly like a lower epoch.
 Rank = tuple[int, str]
 
-#: Hex digits of the lease nonce that make a writer's tag (and order writers of one epoch).
-TAG_DIGITS = 8
-
-
-def writer_tag(nonce: str, *, compare_and_swap: bool) -> str:
-    """The tag a writer carries in its names: empty where compare-and-swap makes every epoch
-    exclusive, else the first ``TAG_DIGITS`` hex digits of its lease nonce (see ``Rank``)."""
-    return "" if compare_and_swap else nonce[:TAG_DIGITS]
-
 
 def checkpoint_dir(step: int, epoch: int, tag: str = "") -> str:
     """The folder of one checkpoint: unique per (step, writer), so two writers never collide."""

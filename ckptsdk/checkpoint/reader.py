@@ -8,6 +8,7 @@ use (:meth:`CheckpointReader.check`). The lease, saving and restore's lineage li
 
 from __future__ import annotations
 
+import builtins
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -119,7 +120,7 @@ class CheckpointReader:
 
     # ------------------------------------------------------------------ the read API
 
-    def list(self) -> list[CheckpointInfo]:
+    def list(self) -> builtins.list[CheckpointInfo]:  # `list`: this method, in the class
         """One row per step, oldest first (valid or not, with why): the highest writer's folder
         of the step, its other folders in ``copies``, a takeover's re-commit marked ``anchor``."""
         return self._scan().rows()

@@ -32,7 +32,6 @@ from ckptsdk.checkpoint.catalog import (
     Rank,
     checkpoint_dir,
     lineage_key,
-    writer_tag,
 )
 from ckptsdk.checkpoint.rotation import Rotation
 from ckptsdk.checkpoint.staging import SnapshotMode, Stager, tensor_key
@@ -43,6 +42,7 @@ from ckptsdk.format.environment import Environment
 from ckptsdk.format.manifest import FileEntry, LineageRecord, Manifest, Position, Writer
 from ckptsdk.format.tensorfile import write_tensorfile
 from ckptsdk.lease.acquire import Lease
+from ckptsdk.lease.record import writer_tag
 from ckptsdk.runlog.writer import RunLog
 
 logger = logging.getLogger(__name__)

@@ -8,6 +8,7 @@ was fenced. Tensors go through DCP with :mod:`.storage`; each rank's RNG states 
 
 from __future__ import annotations
 
+import builtins
 import copy
 import logging
 import warnings
@@ -27,7 +28,7 @@ from ckptsdk import errors
 from ckptsdk.backends import open_backend
 from ckptsdk.backends.base import Backend
 from ckptsdk.checkpoint import catalog as _catalog
-from ckptsdk.checkpoint.catalog import CheckpointInfo, checkpoint_dir, writer_tag
+from ckptsdk.checkpoint.catalog import CheckpointInfo, checkpoint_dir
 from ckptsdk.distributed.collective import all_min, broadcast_json, gather_json
 from ckptsdk.distributed.metadata import metadata_from_json
 from ckptsdk.distributed.payload import PAYLOAD_FORMAT, file_table, local_file, read_payload
@@ -37,6 +38,7 @@ from ckptsdk.format import codec
 from ckptsdk.format.digest import DEFAULT as DIGEST_ALGORITHM
 from ckptsdk.format.manifest import FileEntry
 from ckptsdk.format.tensorfile import read_tensorfile, write_tensorfile
+from ckptsdk.lease.record import writer_tag
 from ckptsdk.manager import CheckpointManager, ResumePoint, Simulation, save_due
 from ckptsdk.rng import capture_rng, restore_rng
 
@@ -474,7 +476,7 @@ class DistributedCheckpointManager:
         """The resume audit (see :meth:`ckptsdk.CheckpointManager.audit`); rank 0 only, else None."""
         return self._core.audit(tolerance) if self._core is not None else None
 
-    def list(self) -> list[CheckpointInfo]:
+    def list(self) -> builtins.list[CheckpointInfo]:  # `list`: this method, in the class
         """Every checkpoint folder under the root, oldest first (any rank; read-only)."""
         return _catalog.scan(self.backend).checkpoints
 

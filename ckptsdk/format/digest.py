@@ -8,14 +8,11 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Collection
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import xxhash
 
 from ckptsdk.errors import ConfigError
-
-if TYPE_CHECKING:
-    from _typeshed import ReadableBuffer
 
 __all__ = ["ALGORITHMS", "CHECKPOINT_ALGORITHMS", "DEFAULT", "Hasher", "new_hasher"]
 
@@ -23,7 +20,7 @@ __all__ = ["ALGORITHMS", "CHECKPOINT_ALGORITHMS", "DEFAULT", "Hasher", "new_hash
 class Hasher(Protocol):
     """What ``new_hasher`` returns: the part of hashlib's interface ckptsdk uses."""
 
-    def update(self, data: ReadableBuffer, /) -> None: ...
+    def update(self, data: bytes | bytearray | memoryview, /) -> None: ...
 
     def hexdigest(self) -> str: ...
 

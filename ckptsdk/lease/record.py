@@ -1,8 +1,8 @@
 """``LEASE.json``, the writer lease's one document: its model, how it is read, where it lives.
 
-Taking, renewing and fencing the lease belong to ``ckptsdk.lease.acquire`` (and ``lease_renewal``); this
-module only says what the record holds and reads it, so read-only tools (``catalog``, the CLI)
-need nothing else.
+Taking, renewing and fencing the lease belong to ``ckptsdk.lease.acquire`` (and ``.renewal``); this
+module only says what the record holds (and the writer tag its nonce gives) and reads it, so
+read-only tools (``catalog``, the CLI) need nothing else.
 """
 
 from __future__ import annotations
@@ -20,11 +20,13 @@ __all__ = [
     "LEASE_FORMAT",
     "LEASE_KEY",
     "MAX_TTL",
+    "TAG_DIGITS",
     "LeaseHolder",
     "LeaseRecord",
     "best_effort_epoch",
     "parse_lease",
     "read_lease",
+    "writer_tag",
 ]
 
 #: Where the lease lives, relative to the checkpoint root (the one definition).
@@ -36,6 +38,8 @@ LEASE_FORMAT: Final = "ckptsdk.lease/1"
 #: The longest ttl (and settle) a lease may have, ours or one read from LEASE.json: a newcomer
 #: waits up to five ttl windows, so this bounds every wait (an infinite ttl would be forever).
 MAX_TTL: Final = 3600.0
+#: Hex digits of the lease nonce that make a writer's tag (and order writers of one epoch).
+TAG_DIGITS: Final = 8
 _BREAK_HINT = "if no writer is running, break it with force=True or `ckptsdk lease URL --break --yes-i-am-sure`"
 
 
@@ -143,3 +147,13 @@ def best_effort_epoch(data: bytes) -> int:
     except (ValueError, AttributeError, RecursionError):
         return 0
     return value if isinstance(value, int) and value > 0 else 0
+
+
+def writer_tag(nonce: str, *, compare_and_swap: bool) -> str:
+    """The tag a writer carries in its names: empty where compare-and-swap makes every epoch
+    exclusive, else the first ``TAG_DIGITS`` hex digits of its lease nonce.
+
+    It lives with the lease record (not the catalog) because it is a function of the lease's
+    nonce, and the lease layer orders same-epoch writers by it (``ckptsdk.lease.renewal``).
+    """
+    return "" if compare_and_swap else nonce[:TAG_DIGITS]

@@ -13,10 +13,9 @@ from collections.abc import Callable
 from typing import Any
 
 from ckptsdk.backends.base import Backend
-from ckptsdk.checkpoint.catalog import writer_tag
 from ckptsdk.errors import BackendError, LeaseError, LeaseLostError, ObjectNotFound, PreconditionFailed
 from ckptsdk.format.document import utc_now
-from ckptsdk.lease.record import LEASE_KEY, LeaseRecord, parse_lease
+from ckptsdk.lease.record import LEASE_KEY, LeaseRecord, parse_lease, writer_tag
 
 # One logger for the whole lease protocol, whichever module a message comes from.
 logger = logging.getLogger("ckptsdk.lease.acquire")

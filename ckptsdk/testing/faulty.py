@@ -82,7 +82,7 @@ class FaultyBackend:
         self.fail_on = fail_on
         self.fail_after = fail_after
         self.calls: Counter[str] = Counter()
-        self.log: list[tuple[str, str]] = []
+        self.log: builtins.list[tuple[str, str]] = []
         self._lock = threading.Lock()
 
     @property
@@ -108,7 +108,7 @@ class FaultyBackend:
     def exists(self, key: str) -> bool:
         return self._call("exists", key, lambda: self.inner.exists(key))
 
-    def list(self, prefix: str = "") -> list[ObjectInfo]:
+    def list(self, prefix: str = "") -> builtins.list[ObjectInfo]:
         return self._call("list", prefix, lambda: self.inner.list(prefix))
 
     def write(self, key: str, data: Data) -> ObjectInfo:

@@ -21,6 +21,7 @@ from collections.abc import Iterator
 import pytest
 
 from ckptsdk.testing.gcs_server import Emulator, start_emulator
+from tests.support.waiting import poll_until
 
 pytestmark = pytest.mark.gcs
 
@@ -375,7 +376,7 @@ def test_listen_backlog(server: Emulator) -> None:
             b"POST /upload/storage/v1/b/x/o?uploadType=media&name=y HTTP/1.1\r\n"
             b"Host: 127.0.0.1\r\nContent-Length: 10\r\n\r\n"
         )
-        time.sleep(0.2)
+        time.sleep(0.2)  # left: nothing outside the server says it is now reading the blocker
         waiting, connected = [], 0
         for _ in range(20):
             sock = socket.socket()
@@ -409,11 +410,15 @@ def test_server_exits_when_the_process_that_started_it_is_killed() -> None:
         parent.kill()
         parent.wait(timeout=10)
         parent.stdout.close()
-    for _ in range(100):  # the watchdog polls every 0.5 s
+
+    def gone() -> bool:
         try:
             os.kill(server_pid, 0)
         except ProcessLookupError:
-            return
-        time.sleep(0.1)
+            return True
+        return False
+
+    if poll_until(gone, 30):  # the watchdog polls every 0.5 s
+        return
     os.kill(server_pid, 9)
     pytest.fail(f"emulator {server_pid} outlived the process that started it")

@@ -24,6 +24,7 @@ import torch
 from ckptsdk import CheckpointManager
 from ckptsdk.backends import open_backend
 from ckptsdk.distributed import export_consolidated
+from tests.support.waiting import poll_until
 
 pytestmark = pytest.mark.slow
 
@@ -113,10 +114,9 @@ class Job:
         return int(path.read_text()) if path.exists() else None
 
     def wait_rank(self, rank: int, timeout: float) -> int | None:
-        deadline = time.monotonic() + timeout
-        while (code := self.code(rank)) is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        return code
+        # poll_until wants a truthy value: a rank's exit code may be 0.
+        found = poll_until(lambda: (code,) if (code := self.code(rank)) is not None else None, timeout)
+        return None if found is None else found[0]
 
     def wait(self, timeout: float = 90.0) -> list[int]:
         deadline = time.monotonic() + timeout
@@ -147,12 +147,13 @@ class Job:
         return json.loads((self.out / name).read_text())
 
     def wait_for(self, name: str, timeout: float = 90.0) -> None:
-        deadline = time.monotonic() + timeout
-        while not (self.out / name).exists():
-            if any(self.code(r) is not None for r in range(len(self.pids))) or time.monotonic() > deadline:
-                self.kill()
-                pytest.fail(f"{name} never appeared in {self.out}:\n{self.logs()}")
-            time.sleep(0.05)
+        def settled() -> str | None:
+            ended = any(self.code(r) is not None for r in range(len(self.pids)))  # before looking
+            return "there" if (self.out / name).exists() else ("ended" if ended else None)
+
+        if poll_until(settled, timeout) != "there":
+            self.kill()
+            pytest.fail(f"{name} never appeared in {self.out}:\n{self.logs()}")
 
 
 @pytest.mark.timeout(240)

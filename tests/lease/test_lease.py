@@ -32,6 +32,7 @@ from ckptsdk.errors import (
 )
 from ckptsdk.lease.acquire import LEASE_KEY, Lease, LeaseRecord, parse_lease, read_lease
 from ckptsdk.testing.drive_sim import DriveSim
+from tests.support.waiting import poll_until, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -541,16 +542,11 @@ def test_heartbeat_renews_and_stops_when_fenced(make_backend_target: Any) -> Non
     lease = Lease(backend, ttl=0.3)
     lease.acquire()
     lease.start_heartbeat()
-    deadline = time.monotonic() + 5
-    while read_lease(backend).renewals < 2 and time.monotonic() < deadline:  # type: ignore[union-attr]
-        time.sleep(0.02)
-    assert read_lease(backend).renewals >= 2  # type: ignore[union-attr]
+    wait_for(lambda: read_lease(backend).renewals >= 2, 30, "two heartbeat renewals")  # type: ignore[union-attr]
     taker = Lease(backend, ttl=0.3, force=True)
     taker.acquire()
-    deadline = time.monotonic() + 5
-    while not lease.fenced and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert lease.fenced and lease.newer_epoch == 2
+    wait_for(lambda: lease.fenced, 30, "the heartbeat to see the takeover")
+    assert lease.newer_epoch == 2
     thread = lease._hb_thread
     assert thread is not None
     thread.join(2)
@@ -573,10 +569,7 @@ def test_heartbeat_fences_after_a_ttl_of_storage_failures(make_backend_target: A
     lease.acquire()
     lease.start_heartbeat()
     broken["on"] = True
-    deadline = time.monotonic() + 5
-    while not lease.fenced and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert lease.fenced
+    wait_for(lambda: lease.fenced, 30, "a ttl of failed renewals to fence the writer")
     with pytest.raises(LeaseLostError, match="could not renew"):
         lease.check()
     lease.release()
@@ -589,7 +582,6 @@ def test_drive_sim_propagates_with_delay_and_last_writer_wins(tmp_path: Path) ->
     with DriveSim(tmp_path / "sim", delay=0.5, poll=0.02) as sim:
         a, b = sim.backend("vm1", "run"), sim.backend("vm2", "run")
         a.write("x/one", b"1")
-        time.sleep(0.2)
         assert not b.exists("x/one")  # not yet: the delay
         sim.wait_synced(5)
         assert b.read("x/one") == b"1"
@@ -600,12 +592,14 @@ def test_drive_sim_propagates_with_delay_and_last_writer_wins(tmp_path: Path) ->
         sim.wait_synced(5)
         assert not b.exists("x/one") and b.list() == []
         a.write("y", b"from-a")
-        time.sleep(0.1)
+        time.sleep(0.1)  # the scenario: B writes a tenth of a second after A (scans every 0.02 s)
         b.write("y", b"from-b")  # seen later: wins everywhere
         sim.wait_synced(5)
         assert a.read("y") == b.read("y") == b"from-b"
         (sim.root("vm1") / "run" / ".ckptsdk-tmp.z").write_bytes(b"temp")
-        time.sleep(0.8)
+        a.write("after-temp", b"x")  # once this arrived, the syncer has scanned vm1 with the temp file there
+        sim.wait_synced(5)
+        assert b.read("after-temp") == b"x"
         assert not (sim.root("vm2") / "run" / ".ckptsdk-tmp.z").exists()
         assert sim.applied >= 4
 
@@ -629,7 +623,7 @@ def test_lease_across_two_simulated_vms(tmp_path: Path) -> None:
         assert record.epoch == 2
         assert_took_over_by_the_rule(events[1:], ttl=1.5, settle=1.2, record=record)
         with pytest.raises(LeaseLostError):  # A thaws after > ttl: it stops, whatever it sees
-            time.sleep(0.2)
+            time.sleep(0.2)  # the scenario: A stays frozen a while longer, then thaws
             a.renew()
         sim.wait_synced(5)
         assert read_lease(a_back).holder == read_lease(b_back).holder == record.holder  # type: ignore[union-attr]
@@ -717,19 +711,23 @@ def _events(path: Path) -> list[dict[str, Any]]:
 
 
 def _wait_event(path: Path, name: str, timeout: float, proc: subprocess.Popen[bytes]) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    def seen() -> dict[str, Any] | None:
+        exited = proc.poll() is not None  # before reading: an event written just before exiting counts
         for ev in _events(path):
             if ev["event"] == name:
                 return ev
             if ev["event"] == "error":
                 raise AssertionError(f"child failed: {ev}\n{path.with_suffix('.log').read_text()}")
-        if proc.poll() is not None and not any(e["event"] == name for e in _events(path)):
+        if exited:
             raise AssertionError(
                 f"child exited {proc.returncode} before {name!r}:\n{path.with_suffix('.log').read_text()}"
             )
-        time.sleep(0.02)
-    raise AssertionError(f"no {name!r} event within {timeout} s:\n{path.with_suffix('.log').read_text()}")
+        return None
+
+    found = poll_until(seen, timeout)
+    if found is None:
+        raise AssertionError(f"no {name!r} event within {timeout} s:\n{path.with_suffix('.log').read_text()}")
+    return found
 
 
 def _reap(*procs: subprocess.Popen[bytes]) -> None:

@@ -1,4 +1,4 @@
-"""Lint (ruff) and type check (mypy) as tests, so the README's test command runs them in CI.
+"""Lint and format (ruff) and type check (mypy) as tests, so the README's test command runs them in CI.
 
 Both read their configuration from pyproject.toml ([tool.ruff], [tool.mypy]); the versions are
 pinned in the ``dev`` extra so a finding here is the same on every machine. The mypy configuration
@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import tomllib
+from pathlib import Path
 
 import pytest
 
@@ -30,6 +31,14 @@ def _run(tool: str, *args: str, timeout: float) -> subprocess.CompletedProcess[s
 def test_ruff_finds_nothing() -> None:
     proc = _run("ruff", "check", "--no-cache", "--output-format", "concise", ".", timeout=100)
     assert proc.returncode == 0, f"ruff check . found problems:\n{proc.stdout}{proc.stderr}"
+
+
+@pytest.mark.timeout(120)
+def test_ruff_format_changes_nothing() -> None:
+    proc = _run("ruff", "format", "--check", "--no-cache", ".", timeout=100)
+    assert proc.returncode == 0, (
+        f"ruff format --check . would reformat files (run `ruff format <files>`):\n{proc.stdout}{proc.stderr}"
+    )
 
 
 @pytest.mark.slow
@@ -52,3 +61,33 @@ def test_mypy_config_is_strict_over_the_whole_package() -> None:
         ours = [m for m in modules if m.split(".")[0] in ("ckptsdk", "adapters")]
         assert not (ours and loosening & set(override)), f"override {override} loosens the check for {ours}"
         assert override.get("ignore_errors") is not True, f"override {override} ignores errors"
+
+
+def test_pre_commit_runs_the_same_checks(tmp_path: Path) -> None:
+    """.pre-commit-config.yaml: ruff, ruff format and mypy, each as a command that works here."""
+    yaml = pytest.importorskip("yaml")
+    config = yaml.safe_load((Path(REPO) / ".pre-commit-config.yaml").read_text(encoding="utf-8"))
+    hooks = {hook["id"]: hook for repo in config["repos"] for hook in repo["hooks"]}
+    assert set(hooks) == {"ruff", "ruff-format", "mypy"}
+    assert all(hook["language"] == "system" for hook in hooks.values())
+    assert hooks["mypy"]["pass_filenames"] is False
+    # The two ruff hooks, run as pre-commit would (entry + the staged file), on a clean file and a bad one.
+    clean = Path(REPO) / "tests" / "project" / "test_static_checks.py"
+    bad = tmp_path / "bad.py"
+    bad.write_text("import os\nx=1\n", encoding="utf-8")
+    for hook_id in ("ruff", "ruff-format"):
+        entry = hooks[hook_id]["entry"]
+        ok = subprocess.run(
+            f"{entry} {clean}", shell=True, cwd=REPO, capture_output=True, text=True, timeout=100, check=False
+        )
+        assert ok.returncode == 0, f"{hook_id} hook failed on a clean file:\n{ok.stdout}{ok.stderr}"
+    lint = subprocess.run(
+        f"{hooks['ruff']['entry']} --no-cache {bad}",
+        shell=True,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=100,
+        check=False,
+    )
+    assert lint.returncode != 0 and "F401" in lint.stdout, lint.stdout + lint.stderr

@@ -16,6 +16,7 @@ import sys
 import time
 from collections import Counter, OrderedDict, defaultdict, deque
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -25,6 +26,7 @@ import ckptsdk
 from ckptsdk.backends import open_backend
 from ckptsdk.format import codec
 from ckptsdk.lease import waiting
+from tests.support.drive_deterministic_sim import FakeClock
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(ckptsdk.__file__)))
 
@@ -293,12 +295,17 @@ def test_a_rerun_after_a_crash_says_it_waits_who_holds_and_how_to_skip(tmp_path,
     assert len(err) == 2  # one line per ~10 s without a terminal: this wait took ~2 s
 
 
-def test_without_a_terminal_the_line_repeats_about_every_interval():
+def test_without_a_terminal_the_line_repeats_about_every_interval(monkeypatch):
+    # The notice's own clock, faked: the test says when time passes (a loaded machine cannot
+    # slip an extra interval between the first three updates).
+    clock = FakeClock(start=100.0)
+    monkeypatch.setattr(waiting, "time", SimpleNamespace(monotonic=clock))
     out = io.StringIO()
-    notice = waiting.WaitNotice("waiting for x", stream=out, every=0.05)
+    notice = waiting.WaitNotice("waiting for x", stream=out, every=10.0)
     for remaining in (3.0, 2.9, 2.8):
         notice.update(remaining=remaining, total=3.0, detail="held by y", goal="take over")
-    time.sleep(0.06)
+        clock.now += 3.0
+    clock.now += 1.0  # 10 s since the first line
     notice.update(remaining=2.0, total=3.0, detail="held by y", goal="take over")
     notice.close("took it")
     assert out.getvalue().splitlines() == [

@@ -29,6 +29,7 @@ import pytest
 from ckptsdk.backends import open_backend
 from ckptsdk.manager import CheckpointManager
 from ckptsdk.testing.drive_sim import DriveSim
+from tests.support.waiting import poll_until
 
 REPO = Path(__file__).resolve().parents[2]
 SIM_DELAY = 3.0
@@ -95,18 +96,22 @@ def _log(path: Path) -> str:
 
 
 def _wait(path: Path, proc: subprocess.Popen[bytes], timeout: float, pred: Any, what: str) -> list[dict[str, Any]]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    def seen() -> list[dict[str, Any]] | None:
+        exited = proc.poll() is not None  # before reading: an event written just before exiting counts
         evs = _events(path)
         if pred(evs):
             return evs
         errors = [e for e in evs if e["event"] == "error"]
         if errors:
             raise AssertionError(f"{path.name}: {errors[0]}\n{_log(path)}")
-        if proc.poll() is not None and not pred(_events(path)):
+        if exited:
             raise AssertionError(f"{path.name} exited {proc.returncode} before {what}\n{_log(path)}")
-        time.sleep(0.02)
-    raise AssertionError(f"{path.name}: no {what} within {timeout} s\n{_log(path)}")
+        return None
+
+    found = poll_until(seen, timeout)
+    if found is None:
+        raise AssertionError(f"{path.name}: no {what} within {timeout} s\n{_log(path)}")
+    return found
 
 
 def _count(name: str) -> Any:

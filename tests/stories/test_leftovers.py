@@ -3,14 +3,13 @@ anchor still protects a takeover's resume point from a live zombie on Drive.
 
 Kills are real SIGKILLs of forked writer processes (benchmarks/footprint_child.py) on local disk, a
 Drive folder and GCS (the patched emulator on 127.0.0.1). Bytes are counted by a wrapper around
-the backend (tests/support/counting.py), so a full copy cannot hide behind a cheap one.
+the backend (ckptsdk/testing/counting.py), so a full copy cannot hide behind a cheap one.
 """
 
 from __future__ import annotations
 
 import os
 import random
-import select
 import signal
 import subprocess
 import sys
@@ -20,12 +19,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from benchmarks.footprint_child import read_line as _line
 from ckptsdk import CheckpointManager, TrainState
 from ckptsdk.backends.local import TMP_PREFIX
 from ckptsdk.checkpoint.catalog import TENSORS, scan
 from ckptsdk.manager import Simulation
+from ckptsdk.testing.counting import CountingBackend
 from ckptsdk.testing.drive_sim import DriveSim
-from tests.support.counting import CountingBackend
 
 REPO = Path(__file__).resolve().parents[2]
 KILLS = 10
@@ -34,23 +34,6 @@ KILLS = 10
 MAX_KILLS = 30
 KEEP_LAST = 3
 GRACE = {"local": 3600.0, "gcs": 3600.0, "drive": 1.0}  # CAS stores never need the grace
-
-
-def _line(proc: subprocess.Popen[bytes], timeout: float) -> str:
-    assert proc.stdout is not None
-    deadline = time.monotonic() + timeout
-    buf = b""
-    while time.monotonic() < deadline:
-        ready, _, _ = select.select([proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
-        if not ready:
-            break
-        ch = os.read(proc.stdout.fileno(), 1)
-        if not ch:
-            break
-        if ch == b"\n":
-            return buf.decode()
-        buf += ch
-    raise AssertionError(f"no line from the zygote within {timeout} s (got {buf!r})")
 
 
 def _step_temp_files(root: Path) -> list[str]:
@@ -229,8 +212,8 @@ def test_zombie_late_rotation_cannot_take_the_resume_point_on_drive(tmp_path):
         for step in (4, 5):
             a.save(state, step=step)
         assert not a_backend.exists(f"step-{3:010d}.e1.{a._saving.tag}/manifest.json")
+        a.wait()  # A's last rotation (its late deletes) has run, so the wait below carries it
         sim.wait_delivered(timeout=30)
-        time.sleep(0.5)
         b.wait()
         cat = scan(b_backend)
         anchor = [c for c in cat.checkpoints if c.step == 3 and c.rank == b._saving.rank]
