@@ -1,6 +1,6 @@
 """Storage footprint: what a run with kills and restarts leaves behind, and Drive's trash per mode.
 
-Part 1, per backend (local disk, a Drive folder, GCS on the patched emulator at 127.0.0.1): a
+Part 1, per backend (local disk, a Drive folder, GCS and S3 on the patched servers at 127.0.0.1): a
 40-save run by real processes, 5 of them SIGKILLed at a random moment inside a save and 3 closed
 and reopened cleanly; prints the bytes held at the end against keep_last x checkpoint size, and
 the bytes each restart wrote before training on (the anchor). Part 2: the story's schedule
@@ -8,7 +8,7 @@ the bytes each restart wrote before training on (the anchor). Part 2: the story'
 modes, counting what the files' changes would send to Drive's trash (ckptsdk/testing/drive_sim.py), scaled
 to the story's 89.5 MB checkpoint. Not a test: it prints numbers; nothing fails on a target.
 
-    python -m benchmarks.footprint [--no-gcs] [--json-out FILE]
+    python -m benchmarks.footprint [--no-gcs] [--no-s3] [--json-out FILE]
 """
 
 from __future__ import annotations
@@ -176,6 +176,7 @@ def story_trash(tmp: Path, mode: str, *, steps: int = 7800, every: int = 100, si
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--no-gcs", action="store_true", help="skip the GCS emulator")
+    p.add_argument("--no-s3", action="store_true", help="skip the S3 server")
     p.add_argument("--json-out", help="also write the numbers as JSON here")
     args = p.parse_args()
     out: dict[str, Any] = {"load_average": os.getloadavg(), "runs": [], "story": []}
@@ -198,6 +199,15 @@ def main() -> None:
             emulator.make_bucket(bucket)
             os.environ.update(emulator.env)
             targets.append(("gcs", emulator.url(bucket, "run"), dict(emulator.env), None, None))
+        s3 = None
+        if not args.no_s3:
+            from ckptsdk.testing.s3_server import start_s3_server
+
+            s3 = start_s3_server()
+            bucket = f"ckpt-{uuid.uuid4().hex[:12]}"
+            s3.make_bucket(bucket)
+            os.environ.update(s3.env)
+            targets.append(("s3", s3.url(bucket, "run"), dict(s3.env), None, None))
         try:
             for kind, url, env, root, mode in targets:
                 r = kill_run(kind, url, env, root, mode)
@@ -220,6 +230,8 @@ def main() -> None:
         finally:
             if emulator is not None:
                 emulator.stop()
+            if s3 is not None:
+                s3.stop()
         for mode in ("delete", "recycle"):
             t = story_trash(tmp, mode)
             out["story"].append(t)

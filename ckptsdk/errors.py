@@ -9,6 +9,7 @@
      │    ├── InvalidKey (ValueError)               '..', absolute or empty key components
      │    ├── PreconditionFailed                    a conditional write/delete lost (GCS 412)
      │    └── StorageUnavailable                    bucket missing, root unreadable, mount gone
+     │         └── PreconditionsNotHonoured         the store ignores a condition: refused for writing
      ├── LeaseError
      │    ├── LeaseHeldError                   another live writer holds the lease
      │    └── LeaseLostError                   this writer was fenced; it must stop writing
@@ -106,6 +107,17 @@ class PreconditionFailed(BackendError):
 
 class StorageUnavailable(BackendError):
     """The storage itself cannot be used: missing bucket, unreadable root, dropped mount."""
+
+
+class PreconditionsNotHonoured(StorageUnavailable):
+    """The store failed the precondition probe (``ckptsdk/backends/probe.py``): a writer is refused.
+
+    ``lacks`` names what it did not honour (create-if-absent, compare-and-swap).
+    """
+
+    def __init__(self, message: str, *, url: str = "", key: str | None = None, lacks: tuple[str, ...] = ()) -> None:
+        super().__init__(message, url=url, key=key)
+        self.lacks = lacks
 
 
 class LeaseError(CkptError):

@@ -26,6 +26,7 @@ import torch
 
 from ckptsdk.backends import open_backend
 from ckptsdk.backends.base import Backend
+from ckptsdk.backends.probe import prove_preconditions
 from ckptsdk.checkpoint.catalog import CheckpointInfo
 from ckptsdk.checkpoint.reader import CheckpointReader, ResumePoint, resume_point
 from ckptsdk.checkpoint.rotation import GcReport, RetentionMode, Rotation
@@ -187,6 +188,7 @@ class CheckpointManager(CheckpointReader):
         self.runlog: RunLog | None = None
         if read_only:
             return
+        prove_preconditions(self.backend)  # a writer trusts no server's word for its conditions
         self.lease = Lease(
             self.backend,
             ttl=leasing.ttl,

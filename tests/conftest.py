@@ -5,6 +5,9 @@ Fixtures (all storage is fresh per test and lives under ``tmp_path`` or in the e
 - ``gcs_emulator`` (session): the running ``ckptsdk.testing.gcs_server.Emulator`` (patched), started on
   first use and stopped at the end of the session (one per pytest-xdist worker, each on its own
   free port).
+- ``s3_server`` (session): the running ``ckptsdk.testing.s3_server.S3Server`` (moto, patched to be
+  atomic); ``make_backend_target("s3")`` gives ``s3://<fresh bucket>/run`` on it (``backend_url``
+  does not include s3: tests that want it name the kind).
 - ``backend_url`` (parametrized, ids ``memory``/``local``/``drive``/``gcs``; the gcs one is marked
   ``gcs``): a :class:`BackendTarget`, which *is* the URL (a ``str``) and also carries
   ``.url`` (the same str), ``.kind`` (the id), ``.options`` (storage options for
@@ -67,7 +70,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable: file order within
 
 
-KINDS = ("memory", "local", "drive", "gcs")
+KINDS = ("memory", "local", "drive", "gcs", "s3")
 
 
 class BackendTarget(str):
@@ -110,6 +113,20 @@ def gcs_emulator() -> Iterator[Any]:
         emulator.stop()
 
 
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[Any]:
+    """The S3 server (moto, patched to be atomic: ckptsdk.testing.s3_server) on 127.0.0.1, one per session."""
+    pytest.importorskip("moto")
+    pytest.importorskip("botocore")
+    from ckptsdk.testing.s3_server import start_s3_server
+
+    server = start_s3_server()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
 @pytest.fixture
 def make_backend_target(
     request: pytest.FixtureRequest, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
@@ -136,6 +153,11 @@ def make_backend_target(
             return BackendTarget(
                 emulator.url(bucket, name), kind=kind, options=emulator.storage_options, env=emulator.env
             )
+        if kind == "s3":
+            server = request.getfixturevalue("s3_server")
+            bucket = f"ckpt-{uuid.uuid4().hex[:16]}"
+            server.make_bucket(bucket)
+            return BackendTarget(server.url(bucket, name), kind=kind, options=server.storage_options, env=server.env)
         raise ValueError(f"unknown backend kind {kind!r}; kinds are {KINDS}")
 
     yield make

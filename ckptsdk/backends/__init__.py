@@ -1,7 +1,7 @@
 """Storage backends, chosen by URL. ``open_backend(url)`` is the one door in.
 
 A lazy table maps each URL scheme to the module that implements it, so an optional dependency
-(gcsfs) is imported only when its scheme is used, and a missing one names the extra to install.
+(gcsfs, botocore) is imported only when its scheme is used, and a missing one names the extra to install.
 Implementations live in sibling modules; the contract in ``base.py``.
 """
 
@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ckptsdk.backends.base import Backend, Capabilities, ObjectInfo, check_key
+from ckptsdk.backends.probe import ADVISORY, advisory
 from ckptsdk.errors import ConfigError, MissingDependencyError, UnknownSchemeError
 
 __all__ = ["Backend", "Capabilities", "ObjectInfo", "open_backend", "check_key", "DRIVE_MOUNT"]
@@ -26,6 +27,7 @@ _REGISTRY: dict[str, tuple[str, str, str | None]] = {
     "drive": ("ckptsdk.backends.drive", "DriveBackend", None),
     "memory": ("ckptsdk.backends.memory", "MemoryBackend", None),
     "gs": ("ckptsdk.backends.gcs", "GCSBackend", "gcs"),
+    "s3": ("ckptsdk.backends.s3", "S3Backend", "s3"),
 }
 
 
@@ -57,9 +59,14 @@ def open_backend(url: str, **storage_options: Any) -> Backend:
         url: a plain path or ``file://PATH`` (local disk); ``drive://REL`` (the Colab Drive mount,
             ``$CKPTSDK_DRIVE_ROOT`` or ``/content/drive/MyDrive``, plus REL); a path under
             ``/content/drive/`` (detected as Drive); ``gs://BUCKET/PREFIX`` (GCS through gcsfs);
+            ``s3://BUCKET/PREFIX`` (AWS S3 or an S3-compatible store, through botocore);
             ``memory://NAME`` (in-process, shared by every ``open_backend`` of the same NAME).
         **storage_options: passed to fsspec/gcsfs for ``gs://`` (``endpoint_url``, ``token``,
-            ``project``...). ``STORAGE_EMULATOR_HOST`` is honoured too.
+            ``project``...; ``STORAGE_EMULATOR_HOST`` is honoured too), to botocore for ``s3://``
+            (``endpoint_url``, ``region``, ``profile``, keys...; see ``S3Backend``). One is ours:
+            ``preconditions="advisory"`` (or ``$CKPTSDK_PRECONDITIONS=advisory``) declares that
+            the store's conditional writes are not to be trusted: the backend then claims none,
+            the writer lease works as on Drive (advisory, docs/GUARANTEES.md) and no probe runs.
 
     Returns:
         A :class:`Backend`.
@@ -81,6 +88,20 @@ def open_backend(url: str, **storage_options: Any) -> Backend:
     if not sep:
         scheme, rest = "file", url
     scheme = scheme.lower()
+    declared = storage_options.pop("preconditions", None) or os.environ.get("CKPTSDK_PRECONDITIONS") or None
+    if declared not in (None, "proven", ADVISORY):
+        raise ConfigError(
+            f"preconditions={declared!r} for {url!r}: use 'advisory' (trust no conditional write: the "
+            "advisory lease of docs/GUARANTEES.md) or leave it out (they are proven at open)"
+        )
+    backend = _open(url, scheme, rest, storage_options)
+    if declared == ADVISORY:
+        # An instance attribute shadows the class's record: this store, as the user declared it.
+        backend.capabilities = advisory(backend.capabilities)
+    return backend
+
+
+def _open(url: str, scheme: str, rest: str, storage_options: dict[str, Any]) -> Backend:
     if scheme == "file" and not rest.strip():
         # "" would silently mean the current directory (LEASE.json written where the job runs).
         raise ConfigError(

@@ -40,6 +40,10 @@ class Capabilities:
         cheap_copy: the backend has ``copy(src, dst)``, which duplicates an object inside the
             store without sending its bytes through this machine (a hard link on local disk, a
             server-side rewrite on GCS). False on the Drive mount: neither exists there.
+        remote_conditions: the conditional writes are evaluated by a server this code does not
+            control (GCS, S3 and S3-compatibles), so a writer proves them at open
+            (``ckptsdk/backends/probe.py``) instead of trusting them: an emulator or an
+            S3-compatible store may answer 200 and overwrite.
     """
 
     exclusive_create: bool
@@ -50,6 +54,7 @@ class Capabilities:
     trash_on_delete: bool = False
     cheap_copy: bool = False
     rewrite_in_place: bool = False
+    remote_conditions: bool = False
 
 
 @dataclass(frozen=True)

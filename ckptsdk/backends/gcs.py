@@ -71,6 +71,7 @@ class GCSBackend(JsonApiTransport):
         durable_on_return=True,
         immediately_consistent=True,
         cheap_copy=True,  # rewriteTo: the bytes never leave Google
+        remote_conditions=True,  # an emulator may ignore them: proven at open (probe.py)
     )
     # Tunables (class attributes so a test can shrink them on one instance).
     # Bigger objects go through a resumable session (as google-cloud-storage does): fewer bytes

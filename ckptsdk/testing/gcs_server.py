@@ -353,7 +353,7 @@ def _exit_with_parent() -> None:
     threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
 
 
-def serve(port: int, *, patched: bool = True, exit_with_parent: bool = False) -> None:
+def serve(port: int, *, patched: bool = True, exit_with_parent: bool = False, bucket: str | None = None) -> None:
     """Run the emulator in this process until killed; print ``PORT <n>`` once listening."""
     from gcp_storage_emulator import server
     from gcp_storage_emulator.storage import Storage
@@ -373,7 +373,17 @@ def serve(port: int, *, patched: bool = True, exit_with_parent: bool = False) ->
 
     httpd = Server(("127.0.0.1", port), functools.partial(Handler, Storage(use_memory_fs=True)))
     print(f"PORT {httpd.server_address[1]}", flush=True)
+    if bucket:  # `python -m` for a person: make the bucket once serving, then say what to export
+        threading.Thread(target=_announce, args=(httpd.server_address[1], bucket), daemon=True).start()
     httpd.serve_forever()
+
+
+def _announce(port: int, bucket: str) -> None:
+    emulator = Emulator(None, port, None, True)
+    emulator.make_bucket(bucket)
+    lines = [f"export {k}={v}" for k, v in emulator.env.items()]
+    lines.append(f"# bucket {bucket!r} is ready: use gs://{bucket}/RUN as the storage URL (Ctrl-C stops)")
+    print("\n".join(lines), flush=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -382,9 +392,13 @@ def serve(port: int, *, patched: bool = True, exit_with_parent: bool = False) ->
 
 
 class Emulator:
-    """A running emulator subprocess. Use ``start_emulator()``; stop with ``.stop()`` or ``with``."""
+    """A running emulator subprocess. Use ``start_emulator()``; stop with ``.stop()`` or ``with``.
 
-    def __init__(self, proc: subprocess.Popen[bytes], port: int, log: IO[bytes], patched: bool) -> None:
+    ``proc`` and ``log`` are None for a client of a server this object did not start (``serve``
+    announcing its own bucket): then there is nothing to stop or read.
+    """
+
+    def __init__(self, proc: subprocess.Popen[bytes] | None, port: int, log: IO[bytes] | None, patched: bool) -> None:
         self.proc = proc
         self.port = port
         self.patched = patched
@@ -443,14 +457,18 @@ class Emulator:
 
     def log(self) -> str:
         """What the server wrote to stderr so far (for failure messages)."""
+        if self._log is None:
+            return ""
         self._log.seek(0)
         return self._log.read().decode("utf-8", "replace")
 
     def alive(self) -> bool:
-        return self.proc.poll() is None
+        return self.proc is not None and self.proc.poll() is None
 
     def stop(self) -> None:
         """Terminate the server (SIGTERM, then SIGKILL after 5 s)."""
+        if self.proc is None:
+            return
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
@@ -460,7 +478,8 @@ class Emulator:
                 self.proc.wait(timeout=5)
         if self.proc.stdout:
             self.proc.stdout.close()
-        self._log.close()
+        if self._log is not None:
+            self._log.close()
 
     def __enter__(self) -> Emulator:
         return self
@@ -524,8 +543,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, default=0, help="0 picks a free port (printed)")
     parser.add_argument("--unpatched", action="store_true", help="run the emulator as shipped")
     parser.add_argument("--exit-with-parent", action="store_true", help="exit when the parent dies")
+    parser.add_argument("--bucket", help="create this bucket and print the environment to export")
     args = parser.parse_args(argv)
-    serve(args.port, patched=not args.unpatched, exit_with_parent=args.exit_with_parent)
+    serve(args.port, patched=not args.unpatched, exit_with_parent=args.exit_with_parent, bucket=args.bucket)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """The shipped conformance suite (ckptsdk.testing.conformance) run on every backend of ours (memory,
-local, drive on a folder, gcs on the emulator).
+local, drive on a folder, gcs on the emulator, s3 on the patched moto server).
 
 Then what only the file backends (local, Drive) have: temp files, sweep, folders, the lock, errno
 mapping; and the fault-injecting wrapper of ckptsdk.testing.
@@ -45,7 +45,8 @@ EXPECTED_CAPABILITIES = {
         trash_on_delete=True,
         rewrite_in_place=True,
     ),
-    "gcs": Capabilities(exclusive_create=True, compare_and_swap=True, cheap_copy=True),
+    "gcs": Capabilities(exclusive_create=True, compare_and_swap=True, cheap_copy=True, remote_conditions=True),
+    "s3": Capabilities(exclusive_create=True, compare_and_swap=True, cheap_copy=True, remote_conditions=True),
 }
 
 
@@ -91,10 +92,17 @@ class TestGCSBackend(_OurBackend):
     kind = "gcs"
 
 
+@pytest.mark.s3
+class TestS3Backend(_OurBackend):
+    kind = "s3"
+    versions_name_content = True  # the ETag is the bytes' MD5
+    reports_mtime = False  # PutObject answers no time; stat/list do (tests/backends/test_s3_backend.py)
+
+
 def test_the_suite_runs_on_every_kind():
     """No kind of ours is left out of the shipped suite (a new backend gets a Test class)."""
     covered = {cls.kind for cls in _OurBackend.__subclasses__()}
-    assert covered == set(EXPECTED_CAPABILITIES) == {"memory", "local", "drive", "gcs"}
+    assert covered == set(EXPECTED_CAPABILITIES) == {"memory", "local", "drive", "gcs", "s3"}
 
 
 def test_is_a_backend_with_its_url(backend, backend_url):

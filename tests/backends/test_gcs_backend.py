@@ -126,6 +126,7 @@ def test_is_a_backend_with_honest_capabilities(backend: GCSBackend) -> None:
         durable_on_return=True,
         immediately_consistent=True,
         cheap_copy=True,
+        remote_conditions=True,
     )
     assert backend.url.startswith("gs://b-") and backend.url.endswith("/run")
     assert backend.sweep(0) == []

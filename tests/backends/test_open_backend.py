@@ -95,7 +95,7 @@ def test_gs_url_is_gcs(gcs_emulator):
     assert open_backend("gs://open-backend-test/runs", **gcs_emulator.storage_options).read("a/k") == b"v"
 
 
-@pytest.mark.parametrize("url", ["s3://bucket/key", "http://127.0.0.1/x", "hdfs://x", "GS2://b"])
+@pytest.mark.parametrize("url", ["s4://bucket/key", "http://127.0.0.1/x", "hdfs://x", "GS2://b"])
 def test_unknown_scheme(url):
     with pytest.raises(UnknownSchemeError) as exc_info:
         open_backend(url)
@@ -171,3 +171,30 @@ def test_missing_gcsfs_names_the_extra(tmp_path):
     assert result["extra"] == "gcs"
     assert "gcsfs" in result["message"] and "pip install 'ckptsdk[gcs]'" in result["message"]
     assert result["local_still_works"]
+
+
+def test_preconditions_advisory_is_the_users_word_and_anything_else_is_refused(monkeypatch):
+    """``preconditions="advisory"`` (or $CKPTSDK_PRECONDITIONS) makes a store claim no condition:
+    the lease then works as on Drive; a misspelt value is a ConfigError, not silently ignored."""
+    plain = open_backend("memory://preconditions-a")
+    declared = open_backend("memory://preconditions-a", preconditions="advisory")
+    assert plain.capabilities.compare_and_swap and not declared.capabilities.compare_and_swap
+    assert not declared.capabilities.exclusive_create and not declared.capabilities.immediately_consistent
+    assert type(plain).capabilities.compare_and_swap  # the class's record is untouched
+    monkeypatch.setenv("CKPTSDK_PRECONDITIONS", "advisory")
+    assert not open_backend("memory://preconditions-a").capabilities.compare_and_swap
+    with pytest.raises(ConfigError, match="preconditions='trust-me'"):
+        open_backend("memory://preconditions-a", preconditions="trust-me")
+
+
+@pytest.mark.s3
+def test_s3_url_opens_the_s3_backend(s3_server):
+    from ckptsdk.backends.s3 import S3Backend
+
+    s3_server.make_bucket("open-backend-s3")
+    b = open_backend("s3://open-backend-s3/runs/a", **s3_server.storage_options)
+    assert type(b) is S3Backend and b.url == "s3://open-backend-s3/runs/a" and b.prefix == "runs/a"
+    b.write("k", b"v")
+    assert open_backend("s3://open-backend-s3/runs", **s3_server.storage_options).read("a/k") == b"v"
+    with pytest.raises(ConfigError, match="names no bucket"):
+        open_backend("s3://", **s3_server.storage_options)

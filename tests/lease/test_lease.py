@@ -738,7 +738,9 @@ def _reap(*procs: subprocess.Popen[bytes]) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["local", pytest.param("gcs", marks=pytest.mark.gcs)])
+@pytest.mark.parametrize(
+    "kind", ["local", pytest.param("gcs", marks=pytest.mark.gcs), pytest.param("s3", marks=pytest.mark.s3)]
+)
 def test_two_processes_race_for_a_stale_lease(kind: str, make_backend_target: Any, tmp_path: Path) -> None:
     target = make_backend_target(kind)
     Lease(target.open(), ttl=1.0).acquire()  # a holder that never renews: stale after 1 s
@@ -766,7 +768,10 @@ TAKEOVER: dict[str, float] = {}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["local", "drive", pytest.param("gcs", marks=pytest.mark.gcs)])
+@pytest.mark.parametrize(
+    "kind",
+    ["local", "drive", pytest.param("gcs", marks=pytest.mark.gcs), pytest.param("s3", marks=pytest.mark.s3)],
+)
 def test_dead_holder_is_taken_over_after_about_one_ttl(kind: str, make_backend_target: Any, tmp_path: Path) -> None:
     ttl = 2.0
     target = make_backend_target(kind)

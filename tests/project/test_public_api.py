@@ -39,6 +39,7 @@ EXPECTED = {
     "MissingDependencyError",
     "NoCheckpointRootError",
     "StorageUnavailable",
+    "PreconditionsNotHonoured",
     "UnknownSchemeError",
     "UnsafeArchiveError",
 }

@@ -165,6 +165,7 @@ REPORT: dict[str, dict[str, Any]] = {}
     [
         "local",
         pytest.param("gcs", marks=pytest.mark.gcs),
+        pytest.param("s3", marks=pytest.mark.s3),
         "drive-sim",
         "drive-sim-force",
     ],
