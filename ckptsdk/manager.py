@@ -29,7 +29,9 @@ from ckptsdk.backends.base import Backend
 from ckptsdk.backends.probe import prove_preconditions
 from ckptsdk.checkpoint.catalog import CheckpointInfo
 from ckptsdk.checkpoint.reader import CheckpointReader, ResumePoint, resume_point
+from ckptsdk.checkpoint.retention import Rule, describe_rules
 from ckptsdk.checkpoint.rotation import GcReport, RetentionMode, Rotation
+from ckptsdk.checkpoint.rotation import kept as _kept
 from ckptsdk.checkpoint.saving import SavePipeline
 from ckptsdk.checkpoint.staging import SnapshotMode
 from ckptsdk.errors import BackendError, CheckpointError, ConfigError, LeaseLostError, NoValidCheckpointError
@@ -89,7 +91,9 @@ class CheckpointManager(CheckpointReader):
     Args:
         url: the root: a path, ``file://``, ``drive://REL``, ``gs://bucket/prefix``, ``memory://name``.
         retention: what rotation keeps (:class:`~ckptsdk.options.Retention`). Shorthand:
-            ``keep_last`` (default 3), ``keep_every``, ``retention_mode``, ``leftover_grace``.
+            ``keep_last`` (default 3), ``keep_every``, ``keep`` (more keep rules, e.g.
+            ``[retention.keep_best("val_loss", 2)]`` from :mod:`ckptsdk.checkpoint.retention`),
+            ``retention_mode``, ``leftover_grace``.
         lease_options: how the writer lease is taken (:class:`~ckptsdk.options.LeaseOptions`).
             Shorthand: ``lease_ttl``, ``lease_wait``, ``lease_settle``, ``force``.
         save_options: when saves are due and how they run (:class:`~ckptsdk.options.SaveOptions`).
@@ -128,6 +132,7 @@ class CheckpointManager(CheckpointReader):
         run_id: str | None = None,
         keep_last: int | None = None,
         keep_every: int | None = None,
+        keep: Rule | Sequence[Rule] | None = None,
         retention_mode: RetentionMode | None = None,
         leftover_grace: float | None = None,
         lease_ttl: float | None = None,
@@ -142,8 +147,10 @@ class CheckpointManager(CheckpointReader):
         _simulation: Simulation | None = None,
     ) -> None:
         # Every option is checked here, by its group, before the store is opened.
-        flat: dict[str, Any] = dict(keep_last=keep_last, keep_every=keep_every, retention_mode=retention_mode)
-        flat.update(leftover_grace=leftover_grace, lease_ttl=lease_ttl, lease_wait=lease_wait)
+        flat: dict[str, Any] = dict(keep_last=keep_last, keep_every=keep_every, keep=keep)
+        flat.update(
+            retention_mode=retention_mode, leftover_grace=leftover_grace, lease_ttl=lease_ttl, lease_wait=lease_wait
+        )
         flat.update(lease_settle=lease_settle, force=force, save_every=save_every, async_save=async_save)
         flat.update(snapshot=snapshot, save_on_signal=save_on_signal, signal_deadline=signal_deadline)
         kept = grouped("retention", retention, Retention, flat)
@@ -175,10 +182,12 @@ class CheckpointManager(CheckpointReader):
         caps = self._backend.capabilities
         mode = kept.mode or ("recycle" if caps.trash_on_delete and caps.rewrite_in_place else "delete")
         self.retention = dataclasses.replace(kept, mode=mode)  # as applied: the store's choice filled in
+        self.keep: tuple[Rule, ...] = (kept.keep,) if isinstance(kept.keep, Rule) else tuple(kept.keep)
         self._rotation = Rotation(
             self.backend,
             keep_last=kept.keep_last,
             keep_every=kept.keep_every,
+            rules=self.keep,
             mode=mode,
             leftover_grace=kept.leftover_grace,
         )
@@ -465,13 +474,34 @@ class CheckpointManager(CheckpointReader):
         """Wait for a background save; re-raise its failure. False if it is still running."""
         return True if self._saving is None else self._saving.wait(timeout)
 
-    def gc(self, *, keep_last: int | None = None, dry_run: bool = False, grace: float = 3600.0) -> GcReport:
+    def gc(
+        self,
+        *,
+        keep_last: int | None = None,
+        keep: Sequence[Rule] | None = None,
+        dry_run: bool = False,
+        grace: float = 3600.0,
+    ) -> GcReport:
         """Remove orphans of superseded writers, torn checkpoints and rotated-out checkpoints.
 
-        See :meth:`ckptsdk.checkpoint.rotation.Rotation.gc`: works without the lease, keeps the newest
-        ``keep_last`` steps, sweeps temp files older than ``grace`` seconds.
+        See :meth:`ckptsdk.checkpoint.rotation.Rotation.gc`: works without the lease, keeps what
+        the rules keep (this manager's, or ``keep_last`` / ``keep`` instead), sweeps temp files
+        older than ``grace`` seconds.
         """
-        return self._rotation.gc(self._scan(), keep_last=keep_last, dry_run=dry_run, grace=grace)
+        return self._rotation.gc(self._scan(), keep_last=keep_last, rules=keep, dry_run=dry_run, grace=grace)
+
+    def kept(self, *, keep_last: int | None = None, keep: Sequence[Rule] | None = None) -> dict[int, tuple[str, ...]]:
+        """Each step the keep rules keep, with why (``latest``, ``best val_loss #1``, ``resume point``).
+
+        Decided from the committed manifests as rotation and :meth:`gc` decide; a step missing
+        here is one they let go. ``keep_last`` / ``keep``: instead of this manager's, as for gc.
+        """
+        rules = self._rotation.retention_rules(keep_last, keep)
+        return _kept(self._scan(), rules, settle=self._rotation.late)
+
+    def rules(self, *, keep_last: int | None = None, keep: Sequence[Rule] | None = None) -> str:
+        """The keep rules in force, as written (``keep_last=3, keep_best=2 by val_loss (min)``)."""
+        return describe_rules(self._rotation.retention_rules(keep_last, keep))
 
     # ------------------------------------------------------------------ step log, lifecycle
 

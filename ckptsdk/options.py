@@ -10,10 +10,11 @@ belong here.
 from __future__ import annotations
 
 import operator
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, SupportsIndex, TypeVar
 
+from ckptsdk.checkpoint.retention import Rule
 from ckptsdk.checkpoint.rotation import LEFTOVER_GRACE_S, RETENTION_MODES, RetentionMode
 from ckptsdk.checkpoint.staging import SNAPSHOT_MODES, SnapshotMode
 from ckptsdk.errors import ConfigError
@@ -44,11 +45,17 @@ def _check_count(name: str, value: object, *, optional: bool, why: str = "") -> 
 class Retention:
     """Which committed checkpoints rotation keeps, and how the others go.
 
-    Shorthand: ``CheckpointManager(keep_last=, keep_every=, retention_mode=, leftover_grace=)``.
+    Shorthand: ``CheckpointManager(keep_last=, keep_every=, keep=, retention_mode=, leftover_grace=)``.
 
     Attributes:
         keep_last: committed checkpoints to keep (the newest is always kept).
         keep_every: also keep, forever, every checkpoint whose step is a multiple of this.
+        keep: more keep rules, kept by union with ``keep_last`` / ``keep_every``: e.g.
+            ``[retention.keep_best("val_loss", 2), retention.keep_every_seconds(3600)]`` from
+            :mod:`ckptsdk.checkpoint.retention`. They are judged from the committed manifests (a
+            metric a save passes in ``metrics``), so a restart, a takeover and ``gc`` decide
+            alike. Stored as a tuple; that each is a rule is checked by the rotation that applies
+            them.
         mode: ``"delete"`` rotated-out checkpoints, or ``"recycle"`` the oldest one's file for
             the next save (renamed and rewritten in place, so nothing full-size goes to Drive's
             trash; see docs/DRIVE.md). None: ``"recycle"`` where the store has a trash and can
@@ -67,16 +74,20 @@ class Retention:
     SHORTHAND: ClassVar[Mapping[str, str]] = {
         "keep_last": "keep_last",
         "keep_every": "keep_every",
+        "keep": "keep",
         "retention_mode": "mode",
         "leftover_grace": "leftover_grace",
     }
 
     keep_last: int = 3
     keep_every: int | None = None
+    keep: Rule | Sequence[Rule] = ()
     mode: RetentionMode | None = None
     leftover_grace: float = LEFTOVER_GRACE_S
 
     def __post_init__(self) -> None:
+        if not isinstance(self.keep, tuple):  # a list or one rule: a tuple keeps the group hashable
+            object.__setattr__(self, "keep", (self.keep,) if isinstance(self.keep, Rule) else tuple(self.keep))
         _check_count("keep_last", self.keep_last, optional=False, why=": the newest checkpoint is always kept")
         _check_count("keep_every", self.keep_every, optional=True)
         if self.mode is not None:

@@ -2,8 +2,9 @@
 
 :class:`CheckpointReader` is the read half of :class:`~ckptsdk.CheckpointManager` (all a
 ``read_only`` manager does): the listing, the newest restorable checkpoint with fallback past
-damage, and the one re-hash of a checkpoint's files that ``verify()`` and ``ckptsdk verify`` both
-use (:meth:`CheckpointReader.check`). The lease, saving and restore's lineage live elsewhere.
+damage, the best one by a metric, and the one re-hash of a checkpoint's files that ``verify()``
+and ``ckptsdk verify`` both use (:meth:`CheckpointReader.check`).
+The lease, saving and restore's lineage live elsewhere.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pydantic import JsonValue
 from ckptsdk.backends.base import Backend
 from ckptsdk.checkpoint import catalog as _catalog
 from ckptsdk.checkpoint.catalog import MANIFEST, TENSORS, CheckpointInfo
+from ckptsdk.checkpoint.retention import Candidate, Mode, best_order, default_mode
 from ckptsdk.errors import CorruptCheckpointError, ManifestError, NoValidCheckpointError
 from ckptsdk.format import codec
 from ckptsdk.format.manifest import Manifest
@@ -129,6 +131,34 @@ class CheckpointReader:
         """The newest restorable checkpoint (sizes checked, digests not yet), or None."""
         good = self._scan().restorable()
         return good[0] if good else None
+
+    def best(self, metric: str, mode: Mode | None = None) -> CheckpointInfo | None:
+        """The restorable checkpoint with the best ``metric``, or None when none holds it.
+
+        Judged from the committed manifests, as ``keep_best`` judges: NaN/inf are never best, a
+        checkpoint without the metric is not a candidate, a tie goes to the older step, and a
+        zombie's orphans are never candidates (they are not restorable).
+
+        Args:
+            metric: a name the saves passed in ``metrics``.
+            mode: ``"min"`` or ``"max"``; None: :func:`~ckptsdk.checkpoint.retention.default_mode`
+                (``min`` for a name ending in ``loss``).
+
+        Example:
+            >>> from ckptsdk import CheckpointManager, TrainState
+            >>> import torch
+            >>> with CheckpointManager("memory://best-doc", lease_ttl=5) as mgr:
+            ...     state = TrainState(model=torch.nn.Linear(1, 1))
+            ...     for step, loss in ((10, 0.5), (20, 0.2), (30, float("nan"))):
+            ...         _ = mgr.save(state, step=step, metrics={"val_loss": loss})
+            ...     mgr.best("val_loss").step
+            20
+        """
+        rows = {c.step: c for c in self._scan().rows() if c.valid and c.manifest is not None}
+        order = best_order(
+            (Candidate.of(c.manifest) for c in rows.values() if c.manifest), metric, mode or default_mode(metric)
+        )
+        return rows[order[0].step] if order else None
 
     def load_manifest(self, step: int | None = None) -> Manifest:
         """The manifest of ``step`` (newest restorable if None)."""

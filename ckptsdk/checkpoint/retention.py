@@ -1,75 +1,370 @@
-"""Which committed checkpoints to keep: small pure policies that compose.
+"""Which committed checkpoints to keep: small pure rules over committed manifests, kept by union.
 
-A policy maps the sorted committed steps of one lineage to the set of steps it wants kept; the
-plan keeps the union and deletes the rest. Nothing here touches storage, leases or epochs: the
-manager decides *which* checkpoints are candidates (its own lineage, never while fenced) and the
-order of deletion (manifest first).
+A rule looks at the committed steps of one lineage (as :class:`Candidate` records: step, the
+manifest's own time, its metrics) and says which steps it keeps and why; :func:`decide` keeps the
+union, plus the newest and any pinned step (the resume point), and lets the rest go. Nothing here
+touches storage, leases or epochs: rotation decides which checkpoints are candidates (its own
+lineage, never a zombie's, never while fenced) and the order of deletion (manifest first).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
 
-# A policy: sorted unique steps -> the steps it keeps.
-Policy = Callable[[Sequence[int]], set[int]]
+from ckptsdk.errors import ConfigError
+
+if TYPE_CHECKING:
+    from ckptsdk.format.manifest import Manifest
+
+__all__ = [
+    "Candidate",
+    "Decision",
+    "KeepBest",
+    "KeepEvery",
+    "KeepEverySeconds",
+    "KeepIf",
+    "KeepLast",
+    "Mode",
+    "Pinned",
+    "Rule",
+    "best_order",
+    "decide",
+    "default_mode",
+    "describe",
+    "describe_rules",
+    "keep_best",
+    "keep_every",
+    "keep_every_seconds",
+    "keep_if",
+    "keep_last",
+    "plan",
+    "protect",
+]
+
+Mode = Literal["min", "max"]
+#: Why a step is kept when no rule but the safety rules keep it.
+NEWEST = "newest"
+RESUME_POINT = "resume point"
 
 
-def keep_last(n: int) -> Policy:
+@dataclass(frozen=True)
+class Candidate:
+    """One committed step as the rules see it: what its manifest says, nothing of this machine.
+
+    Attributes:
+        step: the training step saved.
+        time: the manifest's ``created_at`` as POSIX seconds (the writer's clock when it
+            committed), or None when unknown (then no time rule counts it).
+        metrics: the metrics saved with it.
+        manifest: the parsed manifest, for custom predicates (None in pure step lists).
+    """
+
+    step: int
+    time: float | None = None
+    metrics: Mapping[str, object] = field(default_factory=dict)
+    manifest: Manifest | None = field(default=None, repr=False, compare=False)
+
+    @classmethod
+    def of(cls, manifest: Manifest) -> Candidate:
+        """The candidate a committed manifest describes."""
+        when = datetime.fromisoformat(manifest.created_at.replace("Z", "+00:00")).timestamp()
+        return cls(step=manifest.step, time=when, metrics=dict(manifest.metrics), manifest=manifest)
+
+
+@runtime_checkable
+class Rule(Protocol):
+    """A keep rule: the candidates (sorted by step, one per step) in, ``{step: why}`` out."""
+
+    def __call__(self, candidates: Sequence[Candidate]) -> dict[int, str]: ...
+
+
+@dataclass(frozen=True)
+class KeepLast:
+    """Keep the ``n`` highest steps."""
+
+    n: int
+
+    def __post_init__(self) -> None:
+        if self.n < 1:
+            raise ConfigError(f"keep_last must be >= 1 (got {self.n}): the newest checkpoint is never deleted")
+
+    def __call__(self, candidates: Sequence[Candidate]) -> dict[int, str]:
+        return {c.step: "latest" for c in candidates[-self.n :]}
+
+
+@dataclass(frozen=True)
+class KeepEvery:
+    """Keep, forever, every step that is a multiple of ``k`` (milestones)."""
+
+    k: int
+
+    def __post_init__(self) -> None:
+        if self.k < 1:
+            raise ConfigError(f"keep_every must be >= 1 (got {self.k})")
+
+    def __call__(self, candidates: Sequence[Candidate]) -> dict[int, str]:
+        return {c.step: f"every {self.k}" for c in candidates if c.step % self.k == 0}
+
+
+@dataclass(frozen=True)
+class KeepEverySeconds:
+    """Keep checkpoints at least ``seconds`` apart by their manifests' times, forever.
+
+    The oldest timed checkpoint is kept; then, in step order, each one whose time is at least
+    ``seconds`` after the last one this rule kept. The times are the manifests' own (never this
+    machine's clock), so every reader decides alike; a step this rule lets go never changes what
+    it keeps later, so deleting it is safe. A clock that went back (another VM) only delays the
+    next keep.
+    """
+
+    seconds: float
+
+    def __post_init__(self) -> None:
+        if not (self.seconds > 0 and math.isfinite(self.seconds)):
+            raise ConfigError(f"keep_every_seconds must be a positive number of seconds (got {self.seconds})")
+
+    def __call__(self, candidates: Sequence[Candidate]) -> dict[int, str]:
+        out: dict[int, str] = {}
+        last: float | None = None
+        for c in candidates:
+            if c.time is None:
+                continue
+            if last is None or c.time - last >= self.seconds:
+                out[c.step] = f"every {self.seconds:g} s"
+                last = c.time
+        return out
+
+
+def default_mode(metric: str) -> Mode:
+    """The direction a metric is better in when none is given: ``"min"`` for a name ending in
+    ``loss`` (Hugging Face's rule for ``greater_is_better``), else ``"max"``.
+
+    Example:
+        >>> default_mode("val_loss"), default_mode("accuracy")
+        ('min', 'max')
+    """
+    return "min" if metric.lower().endswith("loss") else "max"
+
+
+def _score(value: object) -> float | None:
+    """A metric value as a rankable number; None for anything that must never be best."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None  # a flag or a string is not a score
+    score = float(value)
+    return score if math.isfinite(score) else None  # NaN and inf are never best
+
+
+def best_order(candidates: Iterable[Candidate], metric: str, mode: Mode) -> list[Candidate]:
+    """The candidates that hold a finite number for ``metric``, best first.
+
+    Ties go to the older step (it reached that value first), so a later equal score never
+    displaces a kept one. A checkpoint without the metric, or with NaN/inf, is not a candidate.
+    """
+    scored = [(s, c) for c in candidates if (s := _score(c.metrics.get(metric))) is not None]
+    sign = 1.0 if mode == "min" else -1.0
+    return [c for _s, c in sorted(scored, key=lambda sc: (sign * sc[0], sc[1].step))]
+
+
+@dataclass(frozen=True)
+class KeepBest:
+    """Keep the ``k`` best checkpoints by ``metric`` (``mode="min"``: lowest is best)."""
+
+    metric: str
+    k: int = 1
+    mode: Mode = "min"
+
+    def __post_init__(self) -> None:
+        if not self.metric:
+            raise ConfigError("keep_best needs the name of a metric saved with the checkpoints")
+        if self.k < 1:
+            raise ConfigError(f"keep_best must keep >= 1 checkpoint (got k={self.k})")
+        if self.mode not in ("min", "max"):
+            raise ConfigError(f"keep_best mode must be 'min' or 'max' (got {self.mode!r})")
+
+    def __call__(self, candidates: Sequence[Candidate]) -> dict[int, str]:
+        best = best_order(candidates, self.metric, self.mode)[: self.k]
+        return {c.step: f"best {self.metric} #{i}" for i, c in enumerate(best, 1)}
+
+
+@dataclass(frozen=True)
+class KeepIf:
+    """Keep every checkpoint for which ``predicate(candidate)`` is true; ``name`` says why."""
+
+    predicate: Callable[[Candidate], bool] = field(compare=False)
+    name: str = "custom"
+
+    def __call__(self, candidates: Sequence[Candidate]) -> dict[int, str]:
+        return {c.step: self.name for c in candidates if self.predicate(c)}
+
+
+@dataclass(frozen=True)
+class Pinned:
+    """Keep these steps whatever the other rules say (the step a run resumed from)."""
+
+    steps: frozenset[int]
+    why: str = RESUME_POINT
+
+    def __call__(self, candidates: Sequence[Candidate]) -> dict[int, str]:
+        return {c.step: self.why for c in candidates if c.step in self.steps}
+
+
+def keep_last(n: int) -> KeepLast:
     """Keep the ``n`` highest steps.
 
     Example:
-        >>> sorted(keep_last(2)([100, 200, 300]))
+        >>> sorted(keep_last(2)([Candidate(100), Candidate(200), Candidate(300)]))
         [200, 300]
     """
-    if n < 1:
-        raise ValueError(f"keep_last must be >= 1 (got {n}): the newest checkpoint is never deleted")
-
-    def policy(steps: Sequence[int]) -> set[int]:
-        return set(steps[-n:])
-
-    return policy
+    return KeepLast(n)
 
 
-def keep_every(k: int) -> Policy:
-    """Keep, forever, every step that is a multiple of ``k`` (milestones).
+def keep_every(k: int) -> KeepEvery:
+    """Keep, forever, every step that is a multiple of ``k``.
 
     Example:
-        >>> sorted(keep_every(1000)([500, 1000, 1500, 2000]))
+        >>> sorted(keep_every(1000)([Candidate(s) for s in (500, 1000, 1500, 2000)]))
         [1000, 2000]
     """
-    if k < 1:
-        raise ValueError(f"keep_every must be >= 1 (got {k})")
-
-    def policy(steps: Sequence[int]) -> set[int]:
-        return {s for s in steps if s % k == 0}
-
-    return policy
+    return KeepEvery(k)
 
 
-def protect(protected: Iterable[int]) -> Policy:
-    """Keep these steps whatever the other policies say (e.g. the step a run resumed from)."""
-    fixed = set(protected)
+def keep_every_seconds(seconds: float) -> KeepEverySeconds:
+    """Keep checkpoints ``seconds`` apart by their manifests' times (see :class:`KeepEverySeconds`).
 
-    def policy(steps: Sequence[int]) -> set[int]:
-        return fixed.intersection(steps)
+    Example:
+        >>> sorted(keep_every_seconds(60)([Candidate(s, time=t) for s, t in ((1, 0), (2, 30), (3, 61))]))
+        [1, 3]
+    """
+    return KeepEverySeconds(seconds)
 
-    return policy
+
+def keep_best(metric: str, k: int = 1, mode: Mode | None = None) -> KeepBest:
+    """Keep the ``k`` best checkpoints by ``metric``; ``mode`` None: :func:`default_mode`.
+
+    Example:
+        >>> rule = keep_best("val_loss", 1)
+        >>> rule([Candidate(1, metrics={"val_loss": 0.5}), Candidate(2, metrics={"val_loss": float("nan")})])
+        {1: 'best val_loss #1'}
+    """
+    return KeepBest(metric, k, mode or default_mode(metric))
 
 
-def plan(steps: Iterable[int], policies: Iterable[Policy]) -> tuple[list[int], list[int]]:
-    """Split ``steps`` into (kept, deleted), both sorted ascending.
+def keep_if(predicate: Callable[[Candidate], bool], name: str = "custom") -> KeepIf:
+    """Keep what ``predicate`` accepts (e.g. ``lambda c: c.metrics.get("milestone") is True``).
 
-    The newest step is always kept, whatever the policies: losing the last committed checkpoint
+    Example:
+        >>> keep_if(lambda c: c.step == 7, "the demo")([Candidate(6), Candidate(7)])
+        {7: 'the demo'}
+    """
+    return KeepIf(predicate, name)
+
+
+def protect(protected: Iterable[int], why: str = RESUME_POINT) -> Pinned:
+    """Keep these steps whatever the other rules say (e.g. the step a run resumed from)."""
+    return Pinned(frozenset(protected), why)
+
+
+def describe(rule: Rule) -> str:
+    """One rule as a user would write it (gc's reasons, ``ckptsdk ls``'s header).
+
+    Example:
+        >>> describe(keep_best("val_loss", 2))
+        'keep_best=2 by val_loss (min)'
+    """
+    if isinstance(rule, KeepLast):
+        return f"keep_last={rule.n}"
+    if isinstance(rule, KeepEvery):
+        return f"keep_every={rule.k}"
+    if isinstance(rule, KeepEverySeconds):
+        return f"keep_every_seconds={rule.seconds:g}"
+    if isinstance(rule, KeepBest):
+        return f"keep_best={rule.k} by {rule.metric} ({rule.mode})"
+    if isinstance(rule, KeepIf):
+        return f"keep_if {rule.name!r}"
+    if isinstance(rule, Pinned):
+        return f"{rule.why} {sorted(rule.steps)}"
+    return repr(rule)  # a user's own Rule: its repr is all we know
+
+
+def describe_rules(rules: Iterable[Rule]) -> str:
+    """Rules as a user wrote them, comma-separated (``ckptsdk ls``'s footer, gc's reasons).
+
+    Example:
+        >>> describe_rules([keep_last(3), keep_best("val_loss", 2)])
+        'keep_last=3, keep_best=2 by val_loss (min)'
+    """
+    return ", ".join(describe(r) for r in rules)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What :func:`decide` found: each kept step with why, and the steps to let go (ascending)."""
+
+    kept: dict[int, tuple[str, ...]]
+    deleted: list[int]
+
+
+def decide(
+    candidates: Iterable[Candidate],
+    rules: Iterable[Rule],
+    *,
+    pinned: Mapping[int, str] | None = None,
+    settle: int = 0,
+) -> Decision:
+    """Keep the union of what ``rules`` keep, the newest step and the ``pinned`` ones.
+
+    Args:
+        candidates: one per step (the first of a repeated step counts).
+        rules: the keep rules.
+        pinned: steps kept whatever the rules say, each with why (the resume point).
+        settle: steps by which the decision runs late: the newest ``settle`` steps are kept and
+            the rules judge the others only, as if those had not committed yet (Drive, where the
+            newest checkpoint may still be uploading when a delete of an older one arrives).
+
+    Returns:
+        A :class:`Decision`; kept steps map to their reasons in rule order, safety rules last.
+
+    Example:
+        >>> d = decide([Candidate(s) for s in (1, 2, 3, 4)], [keep_last(2)], pinned={1: "resume point"})
+        >>> d.kept, d.deleted
+        ({1: ('resume point',), 3: ('latest',), 4: ('latest', 'newest')}, [2])
+    """
+    by_step: dict[int, Candidate] = {}
+    for c in candidates:
+        by_step.setdefault(c.step, c)
+    ordered = [by_step[s] for s in sorted(by_step)]
+    if not ordered:
+        return Decision({}, [])
+    judged = ordered[: max(0, len(ordered) - settle)] if settle > 0 else ordered
+    why: dict[int, list[str]] = {}
+    for rule in rules:
+        for step, reason in rule(judged).items():
+            if step in by_step:  # a user's rule cannot keep what is not there
+                why.setdefault(step, []).append(reason)
+    for c in ordered[len(judged) :]:
+        why.setdefault(c.step, []).append("settling" if c is not ordered[-1] else NEWEST)
+    if settle <= 0:  # else the loop above named it
+        why.setdefault(ordered[-1].step, []).append(NEWEST)
+    for step, reason in (pinned or {}).items():
+        if step in by_step:
+            why.setdefault(step, []).append(reason)
+    kept = {s: tuple(why[s]) for s in sorted(why)}
+    return Decision(kept, [c.step for c in ordered if c.step not in kept])
+
+
+def plan(steps: Iterable[int], rules: Iterable[Rule]) -> tuple[list[int], list[int]]:
+    """Split bare ``steps`` into (kept, deleted), both sorted ascending (no times, no metrics).
+
+    The newest step is always kept, whatever the rules: losing the last committed checkpoint
     is never the right answer to a retention setting.
 
     Example:
         >>> plan([1, 2, 3, 4], [keep_last(2), protect([1])])
         ([1, 3, 4], [2])
     """
-    ordered = sorted(set(steps))
-    if not ordered:
-        return [], []
-    keep = {ordered[-1]}
-    for policy in policies:
-        keep |= policy(ordered)
-    return [s for s in ordered if s in keep], [s for s in ordered if s not in keep]
+    decision = decide((Candidate(s) for s in steps), rules)
+    return list(decision.kept), decision.deleted

@@ -17,13 +17,14 @@ from typing import Literal, get_args
 from ckptsdk.backends.base import Backend, rewriter
 from ckptsdk.checkpoint import retention
 from ckptsdk.checkpoint.catalog import MANIFEST, Catalog, CheckpointInfo, Rank, folder_rank
+from ckptsdk.checkpoint.retention import Rule
 from ckptsdk.checkpoint.usage import record_trash
-from ckptsdk.errors import LeaseLostError, ObjectNotFound
+from ckptsdk.errors import ConfigError, LeaseLostError, ObjectNotFound
 from ckptsdk.lease.acquire import Lease
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["GcReport", "Rotation", "RETENTION_MODES", "LEFTOVER_GRACE_S", "RetentionMode"]
+__all__ = ["GcReport", "Rotation", "RETENTION_MODES", "LEFTOVER_GRACE_S", "RetentionMode", "candidates", "kept"]
 
 # "delete": rotated-out checkpoints are deleted. "recycle": the writer's oldest rotated-out
 # checkpoint gives its tensor file to the next save (renamed, rewritten in place), so a store
@@ -54,6 +55,7 @@ class Rotation:
         backend: the checkpoint root.
         keep_last: committed steps to keep.
         keep_every: also keep every step that is a multiple of this.
+        rules: more keep rules (:mod:`ckptsdk.checkpoint.retention`), kept by union with these.
         mode: one of ``RETENTION_MODES``; ``"recycle"`` acts only where the store can rewrite in
             place (``capabilities.rewrite_in_place``), else it deletes.
         leftover_grace: seconds of silence (by the store's times) after which an uncommitted
@@ -66,6 +68,7 @@ class Rotation:
         *,
         keep_last: int,
         keep_every: int | None,
+        rules: Sequence[Rule] = (),
         mode: RetentionMode = "delete",
         leftover_grace: float = LEFTOVER_GRACE_S,
     ) -> None:
@@ -75,6 +78,13 @@ class Rotation:
         self.url = backend.url
         self.keep_last = keep_last
         self.keep_every = keep_every
+        self.rules = tuple(rules)
+        for rule in self.rules:
+            if not isinstance(rule, Rule):
+                raise ConfigError(
+                    f"keep= takes keep rules (ckptsdk.checkpoint.retention.keep_best(...), keep_if(...)), "
+                    f"got {rule!r} of type {type(rule).__name__}"
+                )
         self.mode = mode
         self.leftover_grace = leftover_grace
         self.trashed_bytes = 0  # what this writer sent to the trash (stores with one)
@@ -121,7 +131,7 @@ class Rotation:
         # newest checkpoint has a whole save interval to upload before its predecessor goes.
         protected = self._protected(mine, rank, resumed_from)
         self._ledger_rank = rank
-        doomed = self.beyond_retention(mine, self.keep_last + self.late, protected)
+        doomed = self.beyond_retention(mine, protected=protected)
         for c in doomed:
             lease.check()
             self.delete(c)
@@ -202,9 +212,10 @@ class Rotation:
         lease.check()
         mine = [c for c in cat.checkpoints if c.valid and c.rank <= rank]
         probe = CheckpointInfo(step=step, epoch=rank[0], tag=rank[1], key="", size=0, committed=True, valid=True)
-        doomed = self.beyond_retention(
-            mine + [probe], self.keep_last + self.late, self._protected(mine, rank, resumed_from)
-        )
+        # The probe has no manifest yet (no metrics, no time): judged without them, the rules keep
+        # a superset of the other steps (a new score can only push one out of the best k), so a
+        # recycle never takes a file the rules keep once this save commits.
+        doomed = self.beyond_retention(mine + [probe], protected=self._protected(mine, rank, resumed_from))
         own = sorted((c for c in doomed if c.rank == rank and c.step != step), key=lambda c: c.step)
         if not own:
             return None
@@ -231,21 +242,46 @@ class Rotation:
             self.trashed_bytes / 1e6,
         )
 
+    def retention_rules(self, keep_last: int | None = None, rules: Sequence[Rule] | None = None) -> list[Rule]:
+        """The keep rules in force: ``keep_last`` and ``keep_every`` (the shorthands), then the others.
+
+        Args:
+            keep_last: instead of this rotation's ``keep_last`` (``gc --keep-last``).
+            rules: instead of this rotation's other rules (``gc --keep-best ...``).
+        """
+        out: list[Rule] = [retention.keep_last(keep_last or self.keep_last)]
+        if self.keep_every:
+            out.append(retention.keep_every(self.keep_every))
+        out.extend(self.rules if rules is None else rules)
+        return out
+
     def beyond_retention(
-        self, checkpoints: list[CheckpointInfo], keep_last: int, protected: Sequence[int] = ()
+        self,
+        checkpoints: list[CheckpointInfo],
+        keep_last: int | None = None,
+        protected: Sequence[int] = (),
+        *,
+        rules: Sequence[Rule] | None = None,
     ) -> list[CheckpointInfo]:
-        """The checkpoints retention lets go: keep_last steps, keep_every milestones, protected
-        steps kept. Every folder of a step (several writers may hold one) shares its fate."""
+        """The checkpoints retention lets go; ``protected`` steps are kept. Every folder of a
+        step (several writers may hold one) shares its fate.
+
+        Args:
+            checkpoints: the candidates (valid checkpoints of this lineage).
+            keep_last: given, the newest this many steps over all of ``checkpoints`` (the caller
+                has added any save-late margin) with this rotation's other rules; None: the
+                rules of :meth:`retention_rules`, one save late where the store needs it.
+            protected: steps kept whatever the rules say (the resume point).
+            rules: instead of both (the rules in force, complete).
+        """
         by_step: dict[int, list[CheckpointInfo]] = {}
         for c in checkpoints:
             by_step.setdefault(c.step, []).append(c)
-        policies = [retention.keep_last(keep_last)]
-        if self.keep_every:
-            policies.append(retention.keep_every(self.keep_every))
-        if protected:
-            policies.append(retention.protect(protected))
-        _kept, doomed = retention.plan(by_step, policies)
-        return [c for step in doomed for c in by_step[step]]
+        pinned = dict.fromkeys(protected, retention.RESUME_POINT)
+        settle = 0 if keep_last is not None else self.late
+        in_force = rules if rules is not None else self.retention_rules(keep_last)
+        decision = retention.decide(candidates(checkpoints), in_force, pinned=pinned, settle=settle)
+        return [c for step in decision.deleted for c in by_step[step]]
 
     def delete(self, info: CheckpointInfo) -> None:
         """Manifest first (the checkpoint stops existing), then the data."""
@@ -290,20 +326,34 @@ class Rotation:
             record_trash(self.backend, self._ledger_rank, total_bytes=self.trashed_bytes, files=self.trashed_files)
 
     def gc(
-        self, cat: Catalog, *, keep_last: int | None = None, dry_run: bool = False, grace: float = 3600.0
+        self,
+        cat: Catalog,
+        *,
+        keep_last: int | None = None,
+        rules: Sequence[Rule] | None = None,
+        dry_run: bool = False,
+        grace: float = 3600.0,
     ) -> GcReport:
         """Remove orphans of superseded writers, torn checkpoints and rotated-out checkpoints.
 
         Works without the lease, so a running writer is not disturbed: orphans are never
-        restorable, retention keeps the newest ``keep_last`` steps (one more where rotation runs
-        a save late, on Drive), uncommitted folders go once the store's own times say they have
+        restorable; retention is decided from the committed manifests exactly as the writer
+        decides it (:func:`kept`: the rules, the newest step, the live writer's resume point,
+        one save late on Drive); uncommitted folders go once the store's own times say they have
         been silent for ``grace`` seconds (a save in progress writes all the time), and temp
         files of crashed writes are swept when older than ``grace``. Where writes reach other
         hosts late (Drive), a checkpoint that looks torn here may still be uploading from the VM
         that wrote it, so gc keeps torn checkpoints there (delete them by hand once no VM is
         writing). On a store with a trash, the report says how many bytes these deletes send there.
+
+        Args:
+            cat: a fresh scan of the root.
+            keep_last: instead of this rotation's ``keep_last``.
+            rules: instead of this rotation's other keep rules (``keep_every`` stays).
+            dry_run: only report.
+            grace: seconds of silence before a leftover goes.
         """
-        keep = (keep_last or self.keep_last) + self.late
+        in_force = self.retention_rules(keep_last, rules)
         reasons: dict[str, str] = {}
         settled = self.backend.capabilities.immediately_consistent
         for c in cat.checkpoints:
@@ -319,8 +369,10 @@ class Rotation:
         for c, why in cat.leftovers(rank=None, grace=grace, exclusive=False):
             reasons[c.key] = f"{why}, {c.size} bytes" + ("; and an orphan" if c.key in reasons else "")
         late = f" (+{self.late}: on this store rotation runs one save late)" if self.late else ""
-        for c in self.beyond_retention([c for c in cat.checkpoints if c.valid], keep):
-            reasons[c.key] = f"beyond keep_last={keep - self.late}{late}"
+        keeps = kept(cat, in_force, settle=self.late)
+        for c in cat.checkpoints:
+            if c.valid and c.step not in keeps:
+                reasons[c.key] = _why_not(in_force) + late
         sizes = {c.key: c.size for c in cat.checkpoints if c.key in reasons}
         trash = sum(sizes.values()) if self.backend.capabilities.trash_on_delete else None
         if not dry_run:
@@ -330,3 +382,42 @@ class Rotation:
             for key in self.backend.sweep(grace):
                 reasons[key] = f"temp file of a crashed write, older than {grace:.0f} s"
         return GcReport(deleted=sorted(reasons), reasons=reasons, dry_run=dry_run, sizes=sizes, trash_bytes=trash)
+
+
+def candidates(checkpoints: Sequence[CheckpointInfo]) -> list[retention.Candidate]:
+    """One retention candidate per step: what the highest writer's readable manifest of it says.
+
+    A folder without a manifest (a save not yet committed, as :meth:`Rotation.recycle_source`
+    probes it) is a bare step: no time, no metrics, so only the step rules count it.
+    """
+    best: dict[int, CheckpointInfo] = {}
+    for c in checkpoints:
+        held = best.get(c.step)
+        if held is None or (c.manifest is not None, c.rank) > (held.manifest is not None, held.rank):
+            best[c.step] = c
+    return [
+        retention.Candidate.of(c.manifest) if c.manifest is not None else retention.Candidate(c.step)
+        for _step, c in sorted(best.items())
+    ]
+
+
+def kept(cat: Catalog, rules: Sequence[Rule], *, settle: int = 0) -> dict[int, tuple[str, ...]]:
+    """The steps retention keeps under ``cat``'s live lineage, each with why (``ckptsdk ls``, gc).
+
+    The candidates are the valid checkpoints (a zombie's orphans are not valid, so never "best");
+    the resume point of the highest writer stays until that writer has committed a newer step,
+    as its own rotation keeps it.
+    """
+    valid = [c for c in cat.checkpoints if c.valid]
+    pinned: dict[int, str] = {}
+    point = cat.resume_points.get(cat.max_rank)
+    if point is not None and not any(c.rank == cat.max_rank and c.step > point for c in valid):
+        pinned[point] = retention.RESUME_POINT
+    return retention.decide(candidates(valid), rules, pinned=pinned, settle=settle).kept
+
+
+def _why_not(rules: Sequence[Rule]) -> str:
+    """gc's reason for a checkpoint no rule keeps."""
+    if len(rules) == 1 and isinstance(rules[0], retention.KeepLast):
+        return f"beyond keep_last={rules[0].n}"
+    return f"no rule keeps it ({retention.describe_rules(rules)})"

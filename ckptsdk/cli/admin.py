@@ -1,8 +1,9 @@
 """``ckptsdk lease`` and ``gc``: the two commands that can change a root (``--break``, deletes).
 
-``lease`` shows the writer lease and, confirmed, breaks it; ``gc`` removes what retention and
-the lineage let go (``--dry-run`` only lists it). The rules themselves are :mod:`ckptsdk.lease.acquire`'s
-and :mod:`ckptsdk.checkpoint.rotation`'s; this module parses, calls and formats.
+``lease`` shows the writer lease and, confirmed, breaks it; ``gc`` removes what the keep rules
+and the lineage let go (``--dry-run`` only lists it); the keep-rule flags ``ls`` shares live here.
+The rules themselves are :mod:`ckptsdk.lease.acquire`'s and :mod:`ckptsdk.checkpoint.retention`'s;
+this module parses, calls and formats.
 """
 
 from __future__ import annotations
@@ -28,9 +29,58 @@ from ckptsdk.cli.common import (
 from ckptsdk.errors import LeaseError
 
 if TYPE_CHECKING:
+    from ckptsdk.checkpoint.retention import Rule
     from ckptsdk.lease.acquire import LeaseRecord
 
-__all__ = ["cmd_gc", "cmd_lease", "register"]
+__all__ = ["add_rule_flags", "cmd_gc", "cmd_lease", "register", "rules_from_args"]
+
+
+def add_rule_flags(sp: argparse.ArgumentParser) -> None:
+    """The keep-rule flags of ``gc`` and ``ls``: the writer's rules, as ``CheckpointManager`` takes them."""
+    sp.add_argument("--keep-last", type=int, help="checkpoints to keep (default: the manager's, 3)")
+    sp.add_argument("--keep-every", type=int, metavar="K", help="also keep every step that is a multiple of K")
+    sp.add_argument(
+        "--keep-every-seconds",
+        type=float,
+        metavar="T",
+        help="also keep checkpoints T seconds apart, by their manifests' times",
+    )
+    sp.add_argument("--keep-best", type=int, metavar="K", help="also keep the K best by --metric")
+    sp.add_argument("--metric", help="the metric --keep-best ranks (a name the saves passed in metrics)")
+    sp.add_argument(
+        "--mode",
+        choices=("min", "max"),
+        help="which way --metric is better (default: min for a name ending in 'loss', else max)",
+    )
+
+
+def rules_from_args(args: argparse.Namespace) -> tuple[int | None, list[Rule]]:
+    """``--keep-last`` and the other rules the flags ask for, checked.
+
+    Raises:
+        UsageError: a count below 1, ``--keep-best`` without ``--metric`` or the reverse.
+    """
+    from ckptsdk.checkpoint import retention
+
+    for flag in ("keep_last", "keep_every", "keep_best"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            what = " (the newest checkpoint is always kept)" if flag == "keep_last" else ""
+            raise UsageError(f"--{flag.replace('_', '-')} must be >= 1{what}, got {value}")
+    if (args.keep_best is None) != (args.metric is None):
+        raise UsageError("--keep-best K and --metric NAME go together (e.g. --keep-best 2 --metric val_loss)")
+    if args.mode is not None and args.metric is None:
+        raise UsageError("--mode says which way --metric is better: give --keep-best K --metric NAME with it")
+    rules: list[Rule] = []
+    if args.keep_every is not None:
+        rules.append(retention.keep_every(args.keep_every))
+    if args.keep_every_seconds is not None:
+        if not args.keep_every_seconds > 0:
+            raise UsageError(f"--keep-every-seconds must be > 0, got {args.keep_every_seconds}")
+        rules.append(retention.keep_every_seconds(args.keep_every_seconds))
+    if args.keep_best is not None:
+        rules.append(retention.keep_best(args.metric, args.keep_best, args.mode))
+    return args.keep_last, rules
 
 
 def _lease_doc(record: LeaseRecord) -> dict[str, Any]:
@@ -115,14 +165,13 @@ def cmd_lease(args: argparse.Namespace) -> int:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    if args.keep_last is not None and args.keep_last < 1:
-        raise UsageError(f"--keep-last must be >= 1 (the newest checkpoint is always kept), got {args.keep_last}")
+    keep_last, rules = rules_from_args(args)
     mgr = manager(args)
     require_root(mgr.backend, args.url)
     if args.grace is not None:
-        report = mgr.gc(keep_last=args.keep_last, dry_run=args.dry_run, grace=args.grace)
+        report = mgr.gc(keep_last=keep_last, keep=rules, dry_run=args.dry_run, grace=args.grace)
     else:
-        report = mgr.gc(keep_last=args.keep_last, dry_run=args.dry_run)
+        report = mgr.gc(keep_last=keep_last, keep=rules, dry_run=args.dry_run)
     deleted, reasons, sizes = list(report.deleted), dict(report.reasons), dict(report.sizes)
     if args.json:
         emit_json(
@@ -161,8 +210,8 @@ def register(add: Callable[[str, str], argparse.ArgumentParser]) -> None:
     )
     sp.add_argument("--yes-i-am-sure", action="store_true", help="confirm --break")
     sp.set_defaults(fn=cmd_lease)
-    sp = add("gc", "delete rotated-out checkpoints, orphans of superseded writers and crashed leftovers")
-    sp.add_argument("--keep-last", type=int, help="checkpoints to keep (default: the manager's, 3)")
+    sp = add("gc", "delete what no keep rule keeps, orphans of superseded writers and crashed leftovers")
+    add_rule_flags(sp)
     sp.add_argument("--dry-run", action="store_true", help="only print what would be deleted")
     sp.add_argument("--grace", type=float, help="seconds a crashed write's leftovers must be old to go")
     sp.set_defaults(fn=cmd_gc)

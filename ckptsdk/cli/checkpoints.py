@@ -1,8 +1,9 @@
 """``ckptsdk ls``, ``show``, ``verify`` and ``du``: what a root holds, read-only.
 
 Each prints a human table, or one JSON document with ``--json``; none takes the writer lease.
-Which checkpoint is valid and the re-hash of its files are the library's
-(:class:`ckptsdk.checkpoint.reader.CheckpointReader`); this module only formats them.
+Which checkpoint is valid, why it is kept, the best one and the re-hash of its files are the
+library's (:class:`ckptsdk.checkpoint.reader.CheckpointReader`, the keep rules); this module only
+formats them, and resolves a ``URL@STEP`` / ``URL@best:METRIC`` selector to a step.
 """
 
 from __future__ import annotations
@@ -12,13 +13,59 @@ import json
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ckptsdk.cli.common import EXIT_OK, Failed, emit_json, human_size, manager, require_root, short_time, table
+from ckptsdk.cli.admin import add_rule_flags, rules_from_args
+from ckptsdk.cli.common import (
+    EXIT_OK,
+    Failed,
+    UsageError,
+    emit_json,
+    human_size,
+    manager,
+    require_root,
+    short_time,
+    table,
+)
 from ckptsdk.errors import CorruptCheckpointError, NoValidCheckpointError, ObjectNotFound
 
 if TYPE_CHECKING:
     from ckptsdk.checkpoint.catalog import CheckpointInfo
 
-__all__ = ["cmd_du", "cmd_ls", "cmd_show", "cmd_verify", "register"]
+__all__ = ["cmd_du", "cmd_ls", "cmd_show", "cmd_verify", "register", "resolve_selector"]
+
+BEST = "best:"
+
+
+def resolve_selector(url: str, options: dict[str, Any]) -> tuple[str, int | None]:
+    """Split ``URL@STEP`` or ``URL@best:METRIC[:min|max]`` into the root and the step it names.
+
+    ``@best:`` is resolved from the committed manifests, as ``mgr.best`` does (NaN/inf never
+    best, a zombie's orphans never candidates; mode by default ``min`` for a name ending in
+    ``loss``). A URL without a selector names no step (None: the newest valid checkpoint).
+
+    Raises:
+        UsageError: ``@best:`` without a metric, or a mode other than min/max.
+        NoValidCheckpointError: no restorable checkpoint holds a finite value of the metric.
+    """
+    head, sep, tail = url.rpartition("@")
+    if sep and tail.isdigit():
+        return head, int(tail)
+    if not (sep and tail.startswith(BEST)):
+        return url, None
+    metric, _, mode = tail[len(BEST) :].partition(":")
+    if not metric or mode not in ("", "min", "max"):
+        raise UsageError(f"{url!r}: write URL@best:METRIC or URL@best:METRIC:min|max (e.g. run@best:val_loss)")
+    from ckptsdk.manager import CheckpointManager  # imports torch: only when a selector needs it
+
+    mgr = CheckpointManager(head, read_only=True, storage_options=options)
+    require_root(mgr.backend, head)
+    info = mgr.best(metric, mode or None)  # type: ignore[arg-type]  # checked above
+    if info is None:
+        raise NoValidCheckpointError(
+            f"no restorable checkpoint under {head} holds a finite {metric!r} (NaN/inf are never best); "
+            f"`ckptsdk ls {head} --json` shows each checkpoint's metrics",
+            url=head,
+        )
+    return head, info.step
 
 
 def _info_dict(info: CheckpointInfo) -> dict[str, Any]:
@@ -59,13 +106,22 @@ def _status(info: CheckpointInfo) -> str:
     return info.reason or "invalid"
 
 
+def _kept_by(info: CheckpointInfo, kept: dict[int, tuple[str, ...]]) -> str:
+    if not info.valid:
+        return "-"
+    return ", ".join(dict.fromkeys(kept[info.step])) if info.step in kept else "no rule: gc deletes it"
+
+
 def cmd_ls(args: argparse.Namespace) -> int:
+    keep_last, rules = rules_from_args(args)
     mgr = manager(args)
     require_root(mgr.backend, args.url)
     infos = mgr.list()
-    rows = [_info_dict(i) for i in infos]
+    kept = mgr.kept(keep_last=keep_last, keep=rules)
+    rows = [{**_info_dict(i), "kept_by": list(kept.get(i.step, ())) if i.valid else []} for i in infos]
+    said = mgr.rules(keep_last=keep_last, keep=rules)
     if args.json:
-        emit_json({"command": "ls", "url": args.url, "checkpoints": rows})
+        emit_json({"command": "ls", "url": args.url, "rules": said, "checkpoints": rows})
         return EXIT_OK
     if not rows:
         print(f"no checkpoints under {args.url}")
@@ -78,15 +134,20 @@ def cmd_ls(args: argparse.Namespace) -> int:
             f"e{r['lease_epoch']}/a{r['attempt'] if r['attempt'] is not None else '?'}",
             short_time(r["created_at"]),
             _status(i),
+            _kept_by(i, kept),
         ]
         for r, i in zip(rows, infos, strict=True)
     ]
-    print(table(cells, ["STEP", "EPOCH", "SIZE", "WRITER", "CREATED", "STATUS"]))
+    print(table(cells, ["STEP", "EPOCH", "SIZE", "WRITER", "CREATED", "STATUS", "KEPT BY"]))
     valid = sum(1 for r in rows if r["valid"])
     print(
         f"\n{len(rows)} steps under {args.url} (one row per step, the highest writer's), {valid} "
         "restorable by their manifest and file sizes (WRITER: lease epoch/attempt); "
         "`ckptsdk verify URL --all` re-hashes the bytes"
+    )
+    print(
+        f"KEPT BY: the keep rules {said}, judged from the manifests; pass the writer's own "
+        "(--keep-last, --keep-every, --keep-every-seconds, --keep-best K --metric NAME) to see its decision"
     )
     return EXIT_OK
 
@@ -239,9 +300,9 @@ def cmd_du(args: argparse.Namespace) -> int:
 
 def register(add: Callable[[str, str], argparse.ArgumentParser]) -> None:
     """Add these commands to the parser (``add(name, help)`` makes a subcommand taking URL)."""
-    add("ls", "list checkpoints: step, epoch, size, writer (lease epoch/attempt), valid or why not").set_defaults(
-        fn=cmd_ls
-    )
+    sp = add("ls", "list checkpoints: step, epoch, size, writer (lease epoch/attempt), valid or why not, kept by")
+    add_rule_flags(sp)
+    sp.set_defaults(fn=cmd_ls)
     sp = add("show", "show a checkpoint's manifest and tensor table (newest valid one by default)")
     sp.add_argument("--step", type=int, help="which step (default: the newest valid checkpoint)")
     sp.set_defaults(fn=cmd_show)

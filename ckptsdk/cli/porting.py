@@ -1,4 +1,4 @@
-"""``ckptsdk import FILE.pt URL`` and ``ckptsdk export URL[@STEP] OUT.safetensors``: the doors.
+"""``ckptsdk import FILE.pt URL`` and ``ckptsdk export URL[@STEP|@best:METRIC] OUT.safetensors``: the doors.
 
 The logic is :mod:`ckptsdk.porting.torch_import`'s and :mod:`ckptsdk.porting.export`'s, each imported only when
 its command runs: nothing else in the CLI ever imports the ``torch.load`` door.
@@ -40,12 +40,10 @@ def cmd_import(args: argparse.Namespace) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     """``ckptsdk export URL[@STEP] OUT.safetensors``: see :func:`ckptsdk.porting.export.export_safetensors`."""
+    from ckptsdk.cli.checkpoints import resolve_selector
     from ckptsdk.porting.export import export_safetensors
 
-    url, step = args.url, None
-    head, sep, tail = url.rpartition("@")
-    if sep and tail.isdigit():
-        url, step = head, int(tail)
+    url, step = resolve_selector(args.url, storage_options(args.storage_option))
     tied = []
     for pair in args.tied or ():
         gone, sep, kept = pair.partition("=")
@@ -94,7 +92,11 @@ def register(sub: Any) -> None:
     sp.add_argument("--force", action="store_true", help="break a live writer lease on URL")
     sp.set_defaults(fn=cmd_import)
     sp = sub.add_parser("export", parents=[common], help="write a checkpoint's model weights to one .safetensors file")
-    sp.add_argument("url", metavar="URL[@STEP]", help="checkpoint root, optionally @STEP (default: newest valid)")
+    sp.add_argument(
+        "url",
+        metavar="URL[@STEP]",
+        help="checkpoint root, optionally @STEP or @best:METRIC[:min|max] (default: newest valid)",
+    )
     sp.add_argument("out", metavar="OUT.safetensors")
     sp.add_argument(
         "--object",

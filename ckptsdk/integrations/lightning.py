@@ -14,8 +14,8 @@ import os
 import shutil
 import tempfile
 from collections import OrderedDict
-from collections.abc import Mapping
-from typing import Any, ClassVar
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from fsspec.implementations.local import LocalFileSystem
 from pydantic import Field
@@ -27,13 +27,17 @@ from lightning.fabric.plugins import CheckpointIO  # noqa: E402
 from lightning.fabric.utilities.cloud_io import get_filesystem  # noqa: E402
 from lightning.fabric.utilities.rank_zero import rank_zero_only  # noqa: E402
 
+from ckptsdk.checkpoint.retention import Rule, keep_best, keep_if  # noqa: E402
 from ckptsdk.errors import ConfigError, UnsupportedStateError  # noqa: E402
 from ckptsdk.format.document import Document, parse_document  # noqa: E402
 from ckptsdk.rng import capture_rng, restore_rng  # noqa: E402
 
+if TYPE_CHECKING:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
 logger = logging.getLogger(__name__)
 
-__all__ = ["CkptsdkCheckpointIO", "POINTER_FORMAT"]
+__all__ = ["CkptsdkCheckpointIO", "POINTER_FORMAT", "rules_for"]
 
 #: The ``format`` field of the JSON file left at Lightning's checkpoint path.
 POINTER_FORMAT = "ckptsdk.lightning_pointer/1.0"
@@ -81,6 +85,13 @@ class CkptsdkCheckpointIO(CheckpointIO):
         keep_last: committed checkpoints kept in the root (ckptsdk's retention, not
             ``ModelCheckpoint``'s: a ``best`` pointer to a step rotated away fails loudly).
         keep_every: also keep every checkpoint whose step is a multiple of this.
+        keep: more keep rules (:mod:`ckptsdk.checkpoint.retention`), kept by union.
+        model_checkpoint: the trainer's ``ModelCheckpoint``: its ``monitor``, ``save_top_k``
+            and ``mode`` become ``keep_best(monitor, save_top_k, mode)`` (``save_top_k=-1``:
+            keep every save), added to ``keep_last`` rather than replacing it, so the newest
+            checkpoint and a resume to it are never lost. Each save records the score
+            ``ModelCheckpoint`` judged it by as a manifest metric; a step saved under another
+            name only (``last.ckpt``) has none, so it is never "best".
         storage_options: fsspec options for ``gs://`` (``token``, ``endpoint_url``...).
         lease_ttl: seconds before a silent writer's lease may be taken over (None: ckptsdk's default).
         force: break a live lease at once (only when the other writer is surely dead).
@@ -101,6 +112,8 @@ class CkptsdkCheckpointIO(CheckpointIO):
         *,
         keep_last: int = 3,
         keep_every: int | None = None,
+        keep: Sequence[Rule] = (),
+        model_checkpoint: ModelCheckpoint | None = None,
         storage_options: Mapping[str, object] | None = None,
         lease_ttl: float | None = None,
         force: bool = False,
@@ -110,6 +123,7 @@ class CkptsdkCheckpointIO(CheckpointIO):
         self.url = url
         self.keep_last = keep_last
         self.keep_every = keep_every
+        self.keep = [*keep, *(rules_for(model_checkpoint) if model_checkpoint is not None else [])]
         self.storage_options = dict(storage_options or {})
         self.lease_ttl = lease_ttl
         self.force = force
@@ -130,6 +144,7 @@ class CkptsdkCheckpointIO(CheckpointIO):
                 self.url,
                 keep_last=self.keep_last,
                 keep_every=self.keep_every,
+                keep=self.keep,
                 lease_ttl=self.lease_ttl,
                 force=self.force,
                 storage_options=self.storage_options,
@@ -213,7 +228,13 @@ class CkptsdkCheckpointIO(CheckpointIO):
             )
         tree = {"lightning": _plain(checkpoint), "rng": capture_rng()}
         try:
-            info = mgr.save(tree, step=step, epoch=checkpoint.get("epoch"), tags={"framework": "lightning"})
+            info = mgr.save(
+                tree,
+                step=step,
+                epoch=checkpoint.get("epoch"),
+                metrics=_scores(checkpoint, os.fspath(path)),
+                tags={"framework": "lightning"},
+            )
         except UnsupportedStateError as exc:
             parts = exc.path.split("/")
             key = parts[1] if len(parts) > 1 and parts[0] == "lightning" else exc.path
@@ -317,3 +338,31 @@ class CkptsdkCheckpointIO(CheckpointIO):
             return {**doc, "format": POINTER_FORMAT} if doc.get("format") == _LEGACY_POINTER_FORMAT else None
 
         return parse_document(raw, Pointer, key=path, error=error, legacy=legacy)
+
+
+def rules_for(callback: ModelCheckpoint) -> list[Rule]:
+    """``ModelCheckpoint(monitor=, save_top_k=, mode=)`` as keep rules (none without a monitor:
+    then Lightning keeps the latest, which ``keep_last`` already does)."""
+    if callback.monitor is None or callback.save_top_k == 0:
+        return []
+    if callback.save_top_k < 0:
+        return [keep_if(lambda _c: True, "save_top_k=-1")]  # Lightning keeps every save
+    return [keep_best(callback.monitor, callback.save_top_k, "max" if callback.mode == "max" else "min")]
+
+
+def _scores(checkpoint: Mapping[str, Any], path: str) -> dict[str, float]:
+    """The score each ``ModelCheckpoint`` gave the file being saved (its ``best_k_models[path]``).
+
+    Not ``current_score``: a ``last.ckpt`` saved when the step did not make the top k would
+    carry an earlier step's score. Lightning stores a NaN score as the worst value (inf), which
+    is never best here either.
+    """
+    out: dict[str, float] = {}
+    for key, state in (checkpoint.get("callbacks") or {}).items():
+        if not (isinstance(key, str) and key.startswith("ModelCheckpoint") and isinstance(state, Mapping)):
+            continue
+        monitor, scores = state.get("monitor"), state.get("best_k_models") or {}
+        if isinstance(monitor, str) and path in scores:
+            score = scores[path]
+            out[monitor] = float(score.item() if hasattr(score, "item") else score)
+    return out

@@ -24,6 +24,7 @@ from transformers import Trainer  # noqa: E402
 from transformers.trainer_callback import ExportableState  # noqa: E402
 from transformers.trainer_utils import TrainOutput  # noqa: E402
 
+from ckptsdk.checkpoint.retention import KeepBest, keep_best  # noqa: E402
 from ckptsdk.errors import ConfigError, StateMismatchError  # noqa: E402
 from ckptsdk.manager import CheckpointManager  # noqa: E402
 from ckptsdk.rng import restore_rng  # noqa: E402
@@ -77,12 +78,17 @@ class CkptsdkTrainer(Trainer):
         *args, **kwargs: as for ``transformers.Trainer``.
         ckpt_url: the checkpoint root (``drive://``, ``gs://``, a path); its writer lease stops
             a zombie runtime from writing or rotating there while this one trains.
-        keep_last, keep_every, lease_ttl, force, storage_options: as for
-            :class:`~ckptsdk.CheckpointManager` (``save_total_limit`` plays no part).
+        keep_last: checkpoints kept (None: ``args.save_total_limit``, else 3).
+        keep_every, lease_ttl, force, storage_options: as for :class:`~ckptsdk.CheckpointManager`.
+
+    Retention maps onto ckptsdk's keep rules, by union: ``save_total_limit`` is ``keep_last``;
+    ``metric_for_best_model`` (``eval_`` prefixed as the Trainer does, ``greater_is_better``
+    as its mode) adds ``keep_best(metric, 1)``, so the best checkpoint survives rotation as
+    the Trainer keeps it; ``load_best_model_at_end`` loads that one's weights from the root at
+    the end of ``train()`` (judged from the committed manifests: NaN never best).
 
     Raises:
-        ConfigError: more than one process, or ``load_best_model_at_end`` (both need folders
-            or gathering this subclass does not do).
+        ConfigError: more than one process (per-rank RNG states need a gathering committer).
 
     Example (a training run, not a doctest: tests/integrations/test_integration_hf.py runs one)::
 
@@ -95,7 +101,7 @@ class CkptsdkTrainer(Trainer):
         self,
         *args: Any,
         ckpt_url: str,
-        keep_last: int = 3,
+        keep_last: int | None = None,
         keep_every: int | None = None,
         lease_ttl: float | None = None,
         force: bool = False,
@@ -108,15 +114,12 @@ class CkptsdkTrainer(Trainer):
                 f"CkptsdkTrainer supports one process, this run has {self.args.world_size}: "
                 "per-rank RNG states need a gathering committer"
             )
-        if self.args.load_best_model_at_end:
-            raise ConfigError(
-                "CkptsdkTrainer does not support load_best_model_at_end (it reloads from a "
-                "checkpoint folder); export the best step with `ckptsdk export URL@STEP`"
-            )
         self.ckpt_url = ckpt_url
+        self._best = _best_rule(self.args)
         self._ckpt_options: dict[str, Any] = dict(
-            keep_last=keep_last,
+            keep_last=keep_last if keep_last is not None else self.args.save_total_limit or 3,
             keep_every=keep_every,
+            keep=[self._best] if self._best is not None else [],
             lease_ttl=lease_ttl,
             force=force,
             storage_options=dict(storage_options or {}),
@@ -238,13 +241,59 @@ class CkptsdkTrainer(Trainer):
             scaler=_Deferred(self.accelerator.scaler),
             trainer=_TrainerStateJSON(self),
         )
+        step = self.state.global_step
         self._ckpt_mgr.save(
             state,
-            step=self.state.global_step,
+            step=step,
             epoch=int(self.state.epoch or 0),
-            metrics={k: v for k, v in (self.state.log_history[-1:] or [{}])[0].items() if isinstance(v, (int, float))},
+            metrics=_metrics_at(self.state.log_history, step),
             tags={"framework": "transformers"},
         )
+        if self._best is not None and self.args.load_best_model_at_end:
+            best = self._ckpt_mgr.best(self._best.metric, self._best.mode)
+            if best is not None:
+                # What the Trainer's end of train() looks at to call _load_best_model (below).
+                self.state.best_model_checkpoint = f"{self.ckpt_url}@{best.step}"
+                self.state.best_global_step = best.step
+
+    def _load_best_model(self) -> None:
+        """Load the best checkpoint's weights from the root (the Trainer calls this at the end)."""
+        if self._ckpt_mgr is None or self._best is None:
+            super()._load_best_model()
+            return
+        best = self._ckpt_mgr.best(self._best.metric, self._best.mode)
+        if best is None:
+            logger.warning(
+                "load_best_model_at_end: no checkpoint under %s holds a finite %s; keeping the final weights",
+                self.ckpt_url,
+                self._best.metric,
+            )
+            return None
+        tree = self._ckpt_mgr.load(step=best.step)
+        self.model.load_state_dict(tree["objects"]["model"])
+        logger.info(
+            "loaded the best model (%s) from %s/%s (step %d)", self._best.metric, self.ckpt_url, best.key, best.step
+        )
+        return None
+
+
+def _best_rule(args: Any) -> KeepBest | None:
+    """``metric_for_best_model`` as a keep rule, named and directed as the Trainer judges it."""
+    metric = args.metric_for_best_model
+    if metric is None:
+        return None
+    name = metric if metric.startswith("eval_") else f"eval_{metric}"
+    greater = args.greater_is_better if args.greater_is_better is not None else not name.endswith("loss")
+    return keep_best(name, 1, "max" if greater else "min")
+
+
+def _metrics_at(history: list[dict[str, Any]], step: int) -> dict[str, float]:
+    """The numbers the Trainer logged at ``step`` (training loss, then the evaluation's)."""
+    out: dict[str, float] = {}
+    for entry in history:
+        if entry.get("step") == step:
+            out.update({k: v for k, v in entry.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
+    return out
 
 
 class _Capture:

@@ -259,7 +259,7 @@ def test_human_tables(make_backend_target, capsys):
     target = make_run(make_backend_target("local"))
     assert cli.main(["ls", target.url]) == 0
     out = capsys.readouterr().out
-    assert out.splitlines()[0].split() == ["STEP", "EPOCH", "SIZE", "WRITER", "CREATED", "STATUS"]
+    assert out.splitlines()[0].split() == ["STEP", "EPOCH", "SIZE", "WRITER", "CREATED", "STATUS", "KEPT", "BY"]
     assert "e2/a2" in out and "3 restorable by their manifest and file sizes" in out  # one row per step
     assert "sizes ok" in out and "valid" not in out.split("\n\n")[0]
     assert cli.main(["show", target.url]) == 0

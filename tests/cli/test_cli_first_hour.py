@@ -115,7 +115,7 @@ def test_ls_says_what_it_checked_and_verify_finds_the_flipped_byte(tmp_path, cap
     code, out, err = run(capsys, "ls", url)
     assert code == 0 and err == ""
     table, summary = out.split("\n\n")
-    assert table.splitlines()[1].split()[-2:] == ["sizes", "ok"] and "valid" not in table
+    assert table.splitlines()[1].split()[-3:] == ["sizes", "ok", "latest"] and "valid" not in table
     assert "restorable by their manifest and file sizes" in summary and "verify URL --all" in summary
     code, out, err = run(capsys, "verify", url, "--all")
     assert code == cli.EXIT_FAILED and "CORRUPT" in out

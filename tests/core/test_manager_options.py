@@ -195,3 +195,26 @@ def test_counts_from_numpy_or_a_config_file_are_accepted_as_integers() -> None:
     assert SaveOptions(every=np.int64(10)).every == 10  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match=r"save_every \(SaveOptions.every\) must be an integer >= 1 or None"):
         SaveOptions(every=np.float64(10.0))  # type: ignore[arg-type]
+
+
+def test_keep_rules_belong_to_retention_either_way() -> None:
+    from ckptsdk.checkpoint import retention as rules
+
+    best = rules.keep_best("val_loss", 1)
+    assert Retention(keep=best).keep == (best,)  # one rule or a list: stored as a tuple
+    assert Retention(keep=[best]) == Retention(keep=(best,))
+    seen = []
+    for name, kwargs in (
+        ("flat", {"keep_last": 1, "keep": [best]}),
+        ("grouped", {"retention": Retention(1, keep=best)}),
+    ):
+        with CheckpointManager(f"memory://opts-keep-{name}", **kwargs) as mgr:
+            state = _state()
+            for step, loss in enumerate([0.9, 0.1, 0.5, 0.7], start=1):
+                mgr.save(state, step=step, metrics={"val_loss": loss}, blocking=True)
+            seen.append((mgr.keep, [c.step for c in mgr.list()]))
+    assert seen[0] == seen[1] == (((best,), [2, 4]))  # the best (step 2) and the newest
+    with pytest.raises(ConfigError, match="keep="):
+        CheckpointManager("memory://opts-keep-both", retention=Retention(), keep=[best])
+    with pytest.raises(ConfigError, match="keep= takes keep rules"):
+        CheckpointManager("memory://opts-keep-bad", keep=["val_loss"])  # type: ignore[list-item]

@@ -111,3 +111,58 @@ def test_trainer_refuses_to_train_over_checkpoints_without_resume(tmp_path):
         trainer.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-7"))
     with CheckpointManager(url, read_only=True) as mgr:
         assert [(c.key, c.valid) for c in mgr.list()] == [("step-0000000007.e1", True)]
+
+
+def test_trainer_keeps_the_best_and_loads_it_at_the_end(tmp_path):
+    """save_total_limit=1 + load_best_model_at_end: the root keeps the newest and the best by
+    eval_loss (NaN never best), and train() ends with the best checkpoint's weights."""
+    transformers = pytest.importorskip("transformers")
+    import math
+
+    import torch
+
+    from ckptsdk.integrations.transformers import CkptsdkTrainer
+
+    scores = {2: 0.5, 4: 0.1, 6: math.nan, 8: 0.3}
+
+    class Scripted(CkptsdkTrainer):
+        def evaluate(self, *args, **kwargs):  # the evaluation's number, scripted per step
+            metrics = {"eval_loss": scores[self.state.global_step]}
+            self.log(metrics)
+            return metrics
+
+    url = str(tmp_path / "root")
+    config = transformers.GPT2Config(vocab_size=16, n_positions=4, n_embd=8, n_layer=1, n_head=2)
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "out"),
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+        max_steps=8,
+        save_steps=2,
+        eval_strategy="steps",
+        eval_steps=2,
+        save_total_limit=1,
+        load_best_model_at_end=True,
+        learning_rate=0.1,
+        per_device_train_batch_size=1,
+    )
+    torch.manual_seed(0)
+    rows = [{"input_ids": torch.randint(0, 16, (4,)), "labels": torch.randint(0, 16, (4,))} for _ in range(8)]
+    trainer = Scripted(
+        model=transformers.GPT2LMHeadModel(config),
+        args=args,
+        ckpt_url=url,
+        lease_ttl=5,
+        train_dataset=rows,
+        eval_dataset=rows[:1],  # never read: evaluate() is scripted
+    )
+    trainer.train()
+    with CheckpointManager(url, read_only=True) as mgr:
+        assert [c.step for c in mgr.list()] == [4, 8]
+        assert mgr.best("eval_loss").step == 4  # type: ignore[union-attr]
+        best = mgr.load(step=4)["objects"]["model"]
+        final = mgr.load(step=8)["objects"]["model"]
+    live = trainer.model.state_dict()
+    assert all(torch.equal(live[k], v) for k, v in best.items())
+    assert any(not torch.equal(best[k], final[k]) for k in best)  # it really went back

@@ -153,3 +153,59 @@ def test_training_on_from_an_older_step_is_refused_before_it_is_shadowed(tmp_pat
     with CheckpointManager(url, read_only=True) as mgr:
         assert [c.step for c in mgr.list() if c.valid][-1] == 6
         assert 4 not in [c.step for c in mgr.list()]
+
+
+# Lightning 2.6 itself calls a torch API that torch now deprecates; not ours to fix.
+@pytest.mark.filterwarnings("ignore:`isinstance.treespec, LeafSpec.` is deprecated:FutureWarning")
+def test_model_checkpoint_top_k_maps_onto_keep_rules(tmp_path):
+    """ModelCheckpoint(monitor="val_loss", save_top_k=2) with keep_last=1: the root keeps the two
+    best scores and the newest, Lightning's NaN score (stored as inf) is never best, and the best
+    pointer Lightning holds still reads back."""
+    import math
+
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    scores = [0.5, 0.1, math.nan, 0.3, 0.9]  # by epoch; Lightning saves 0, 1, 3 (the top 2 as they stand)
+
+    class Module(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Linear(2, 1)
+
+        def training_step(self, batch, batch_idx):
+            return self.net(batch[0]).square().mean()
+
+        def validation_step(self, batch, batch_idx):
+            self.log("val_loss", scores[self.current_epoch])
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    data = torch.utils.data.TensorDataset(torch.randn(4, 2))
+    loader = torch.utils.data.DataLoader(data, batch_size=2)  # 2 steps per epoch
+    ckpt = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), monitor="val_loss", save_top_k=2, mode="min")
+    url = str(tmp_path / "root")
+    io = CkptsdkCheckpointIO(url, keep_last=1, model_checkpoint=ckpt, lease_ttl=5)
+    trainer = L.Trainer(
+        max_epochs=len(scores),
+        accelerator="cpu",
+        devices=1,
+        default_root_dir=str(tmp_path),
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        plugins=[io],
+        callbacks=[ckpt],
+    )
+    trainer.fit(Module(), loader, loader)
+    with CheckpointManager(url, read_only=True) as mgr:
+        assert {c.step: c.manifest.metrics.get("val_loss") for c in mgr.list()} == pytest.approx({4: 0.1, 8: 0.3})
+        assert mgr.best("val_loss").step == 4
+        assert mgr.kept(keep_last=1, keep=io.keep) == {
+            4: ("best val_loss #1",),
+            8: ("latest", "best val_loss #2", "newest"),
+        }
+    assert io.load_checkpoint(ckpt.best_model_path)["global_step"] == 4
+    io.teardown()
