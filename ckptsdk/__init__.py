@@ -65,6 +65,9 @@ _LAZY = {
     "DataCache": "data.cache",
     "DataLoader": "loader",
     "GcReport": "manager",
+    "LeaseOptions": "options",
+    "Retention": "options",
+    "SaveOptions": "options",
     "ResumePoint": "checkpoint.reader",
     "TrainState": "state",
 }
@@ -75,6 +78,7 @@ if TYPE_CHECKING:
     from ckptsdk.data.cache import DataCache
     from ckptsdk.loader import DataLoader
     from ckptsdk.manager import CheckpointManager, GcReport
+    from ckptsdk.options import LeaseOptions, Retention, SaveOptions
     from ckptsdk.runlog.audit import AuditReport
     from ckptsdk.state import TrainState
 
@@ -112,6 +116,7 @@ __all__ = [
     "LeaseError",
     "LeaseHeldError",
     "LeaseLostError",
+    "LeaseOptions",
     "ManifestError",
     "MissingDependencyError",
     "NoCheckpointRootError",
@@ -120,6 +125,8 @@ __all__ = [
     "PreconditionFailed",
     "PreconditionsNotHonoured",
     "ResumePoint",
+    "Retention",
+    "SaveOptions",
     "StateMismatchError",
     "StorageUnavailable",
     "TrainState",

@@ -169,7 +169,8 @@ class GCSBackend(JsonApiTransport):
         reply = self._request("GET", url, key=key)
         if reply.status == 200:
             self._bucket_seen = True
-            return json.loads(reply.body)
+            meta: dict[str, Any] = json.loads(reply.body)
+            return meta
         if reply.status == 404:
             raise self._not_found(key, "stat")
         raise self._fail(reply, "GET", url, key, "stat")

@@ -396,7 +396,7 @@ class LocalBackend:
     def _key_of(self, path: str) -> str:
         return os.path.relpath(path, self.root).replace(os.sep, "/")
 
-    def _scan(self, folder: str, descend: Callable[[str], bool]) -> Iterator[tuple[str, os.DirEntry]]:
+    def _scan(self, folder: str, descend: Callable[[str], bool]) -> Iterator[tuple[str, os.DirEntry[str]]]:
         """``posix.scan`` under the root; a missing root is empty, a root that is a file is not."""
         try:
             yield from scan(self.root, folder, descend)

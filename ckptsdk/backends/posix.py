@@ -204,7 +204,7 @@ def flock(fd: int, timeout: float) -> bool:
             delay = min(delay * 2, 0.05)
 
 
-def scan(root: str, folder: str, descend: Callable[[str], bool]) -> Iterator[tuple[str, os.DirEntry]]:
+def scan(root: str, folder: str, descend: Callable[[str], bool]) -> Iterator[tuple[str, os.DirEntry[str]]]:
     """Yield ``(key, entry)`` for every non-folder under ``folder`` (a key, "" for ``root``).
 
     Symlinked folders are not followed (no cycles); ``descend(folder_key)`` prunes the walk. A

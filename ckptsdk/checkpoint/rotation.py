@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Literal, get_args
 
 from ckptsdk.backends.base import Backend, rewriter
 from ckptsdk.checkpoint import retention
@@ -23,12 +24,13 @@ from ckptsdk.lease.acquire import Lease
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["GcReport", "Rotation", "RETENTION_MODES", "LEFTOVER_GRACE_S", "candidates", "kept"]
+__all__ = ["GcReport", "Rotation", "RETENTION_MODES", "LEFTOVER_GRACE_S", "RetentionMode", "candidates", "kept"]
 
 # "delete": rotated-out checkpoints are deleted. "recycle": the writer's oldest rotated-out
 # checkpoint gives its tensor file to the next save (renamed, rewritten in place), so a store
 # whose deletes go to a trash (Drive) receives no full-size file in the steady state.
-RETENTION_MODES = ("delete", "recycle")
+RetentionMode = Literal["delete", "recycle"]
+RETENTION_MODES: tuple[RetentionMode, ...] = get_args(RetentionMode)
 # Without compare-and-swap (Drive), an uncommitted folder of another writer may still be receiving
 # an upload from a VM whose writes reach us late: it goes only once the store's own times say it
 # has been silent this long.
@@ -67,7 +69,7 @@ class Rotation:
         keep_last: int,
         keep_every: int | None,
         rules: Sequence[Rule] = (),
-        mode: str = "delete",
+        mode: RetentionMode = "delete",
         leftover_grace: float = LEFTOVER_GRACE_S,
     ) -> None:
         if mode not in RETENTION_MODES:

@@ -34,11 +34,12 @@ from ckptsdk.checkpoint.catalog import (
     lineage_key,
 )
 from ckptsdk.checkpoint.rotation import Rotation
-from ckptsdk.checkpoint.staging import Stager, tensor_key
+from ckptsdk.checkpoint.staging import SnapshotMode, Stager, tensor_key
 from ckptsdk.errors import CheckpointError, LeaseLostError, ObjectNotFound, PreconditionFailed
 from ckptsdk.format import codec
 from ckptsdk.format.digest import DEFAULT as DIGEST_ALGORITHM
-from ckptsdk.format.manifest import Environment, FileEntry, LineageRecord, Manifest, Position, Writer
+from ckptsdk.format.environment import Environment
+from ckptsdk.format.manifest import FileEntry, LineageRecord, Manifest, Position, Writer
 from ckptsdk.format.tensorfile import write_tensorfile
 from ckptsdk.lease.acquire import Lease
 from ckptsdk.lease.record import writer_tag
@@ -181,7 +182,7 @@ class SavePipeline:
         metrics: Mapping[str, Any] | None,
         tags: Mapping[str, str] | None,
         blocking: bool,
-        snapshot: str = "pipelined",
+        snapshot: SnapshotMode = "pipelined",
         extra_files: Sequence[FileEntry] = (),
     ) -> CheckpointInfo:
         """See :meth:`ckptsdk.CheckpointManager.save`.

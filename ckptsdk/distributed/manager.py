@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import state_dict_saver
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 
@@ -283,7 +283,7 @@ class DistributedCheckpointManager:
             except CkptError as exc:
                 decision, error = describe_error(exc), exc
         decision = self._agree(decision, error, group)
-        folder = decision["folder"]
+        folder: str = decision["folder"]
         if decision.get("existing"):
             return folder
         mine: dict[str, Any]
@@ -341,7 +341,7 @@ class DistributedCheckpointManager:
         writer = CkptStorageWriter(self.backend, folder, commit=commit)
         failure: BaseException | None = None
         try:
-            dcp.save(state, storage_writer=writer, planner=JsonSavePlanner(), process_group=group)
+            state_dict_saver.save(state, storage_writer=writer, planner=JsonSavePlanner(), process_group=group)
         except CheckpointException as exc:
             failure = writer.commit_error or unwrap(exc)
         outcome = {"ok": True, "key": folder} if failure is None else describe_error(failure)

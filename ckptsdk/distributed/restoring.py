@@ -13,7 +13,7 @@ import logging
 import warnings
 from typing import TYPE_CHECKING, Any
 
-import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import state_dict_loader
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ckptsdk.checkpoint.catalog import CheckpointInfo
@@ -175,7 +175,9 @@ def load_quietly(state: dict[str, Any], reader: CkptStorageReader, *, flatten: b
         # DCP warns that no_dist "assumes a single process"; here it is the intent.
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         try:
-            dcp.load(state, storage_reader=reader, planner=JsonLoadPlanner(flatten_state_dict=flatten), no_dist=True)
+            state_dict_loader.load(
+                state, storage_reader=reader, planner=JsonLoadPlanner(flatten_state_dict=flatten), no_dist=True
+            )
         except CheckpointException as exc:
             cause: BaseException = unwrap(exc)
             if isinstance(cause, CkptError):

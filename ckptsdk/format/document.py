@@ -151,7 +151,7 @@ def decode_float(value: object) -> float:
         if text in named:
             return named[text]
         if re.fullmatch(r"[0-9a-f]{16}", text):
-            result = struct.unpack("<d", struct.pack("<Q", int(text, 16)))[0]
+            result: float = struct.unpack("<d", struct.pack("<Q", int(text, 16)))[0]
             if not math.isnan(result):
                 raise ValueError(f"bit pattern {text} is not a nan; write the number itself")
             return result

@@ -26,7 +26,6 @@ from __future__ import annotations
 import logging
 import numbers
 import os
-import platform
 import re
 import socket
 import sys
@@ -35,10 +34,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ckptsdk._version import __version__
 from ckptsdk.backends.base import Backend
 from ckptsdk.errors import BackendError, ConfigError, ObjectNotFound, PreconditionFailed
 from ckptsdk.format.document import utc_now
+from ckptsdk.format.environment import describe_device, versions
 from ckptsdk.runlog.record import (
     DATA_PREFIX,
     RUNLOG_FORMAT,
@@ -59,34 +58,6 @@ __all__ = ["RUNLOG_FORMAT", "RUNLOG_PREFIX", "AttemptRecord", "RunLog", "chunk_k
 _SCALAR_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_./-]{0,127}$")
 
 
-def _versions() -> dict[str, str]:
-    out = {"python": platform.python_version(), "ckptsdk": __version__}
-    for name in ("torch", "numpy"):
-        mod = sys.modules.get(name)
-        if mod is not None:
-            out[name] = str(getattr(mod, "__version__", "?"))
-    return out
-
-
-def _detect_device() -> str:
-    """``cuda:<name>`` once the job itself has initialised CUDA, else ``cpu``.
-
-    Only asks torch if the job already imported it (importing torch to name the device would add
-    seconds to a CLI), and never initialises CUDA: ``current_device()`` would create a context
-    (hundreds of MiB of GPU memory, seconds) in a CPU job on a GPU machine. A job that moves to
-    the GPU after the log is opened is named at the next flush (the header is re-detected).
-    """
-    torch = sys.modules.get("torch")
-    if torch is None:
-        return "cpu"
-    try:
-        if torch.cuda.is_initialized():
-            return f"cuda:{torch.cuda.get_device_name(torch.cuda.current_device())}"
-    except RuntimeError:  # a broken driver is not a reason to fail logging
-        return "cpu (cuda unusable)"
-    return "cpu"
-
-
 class RunLog:
     """One attempt's step log: buffered in memory, published as immutable chunks.
 
@@ -97,7 +68,8 @@ class RunLog:
         lease_epoch: the lease epoch this attempt writes under (recorded, not checked here).
         resumed_from_step: the checkpoint step this attempt resumed from, ``None`` if fresh.
         host: the host name to record (default: this host).
-        device: the device to record (default: detected, ``cuda:<name>`` or ``cpu``).
+        device: the device to record (default: detected by
+            :func:`~ckptsdk.format.environment.describe_device`, as the manifest names it).
         flush_every: publish a chunk once this many steps are buffered.
         flush_interval: also publish once the oldest buffered step is this many seconds old,
             so that a runtime killed between checkpoints still leaves its last steps behind
@@ -144,15 +116,17 @@ class RunLog:
         self.flush_every = int(flush_every)
         self.flush_interval = float(flush_interval)
         self._clock = clock
-        self._detect = device is None  # named again at each flush (see _detect_device)
+        # Named again at each flush: a job that moves to the GPU after the log is opened (CUDA is
+        # never initialised to name it; see describe_device) is named from then on.
+        self._detect = device is None
         self._record = AttemptRecord(
             attempt=attempt,
             run_id=str(run_id),
             lease_epoch=lease_epoch,
             host=host or socket.gethostname(),
             pid=os.getpid(),
-            device=device or _detect_device(),
-            versions=_versions(),
+            device=device or describe_device(),
+            versions=versions(),
             started_at=utc_now(),
             resumed_from_step=resumed_from_step,
         )
@@ -377,7 +351,7 @@ class RunLog:
                     "steps_logged": self._record.steps_logged + len(rows),
                     "chunk": seq,
                     "closed": closed,
-                    **({"device": _detect_device()} if self._detect else {}),
+                    **({"device": describe_device()} if self._detect else {}),
                 }
             )
             lines = [header.to_json().decode().rstrip("\n")]

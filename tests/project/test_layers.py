@@ -37,6 +37,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("runlog",),
     ("checkpoint",),
     ("state",),
+    ("options",),  # CheckpointManager's option groups (Retention, LeaseOptions, SaveOptions)
     ("manager",),
     ("distributed",),
     ("porting",),

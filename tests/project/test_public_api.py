@@ -24,6 +24,10 @@ EXPECTED = {
     "TrainState",
     "UnsupportedStateError",
     "open_backend",
+    # CheckpointManager's option groups (the flat keywords are their shorthand)
+    "LeaseOptions",
+    "Retention",
+    "SaveOptions",
     # the rest of the error tree: every error a public call raises is catchable as ckptsdk.X
     "AllSourcesFailedError",
     "CheckpointError",

@@ -587,5 +587,6 @@ def test_the_device_is_named_once_the_job_itself_initialised_cuda(backend, monke
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)  # the job moved to the GPU
     log.log_step(2, loss=0.5)
     log.close()
-    assert log.record.device == "cuda:NVIDIA H200"
-    assert json.loads(backend.read(chunk_key(1, 1)).decode().splitlines()[0])["device"] == "cuda:NVIDIA H200"
+    # The manifest's format (ckptsdk.format.environment.describe_device): index and model.
+    assert log.record.device == "cuda:0 (NVIDIA H200)"
+    assert json.loads(backend.read(chunk_key(1, 1)).decode().splitlines()[0])["device"] == "cuda:0 (NVIDIA H200)"
