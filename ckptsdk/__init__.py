@@ -30,6 +30,7 @@ from ckptsdk.errors import (
     AllSourcesFailedError,
     BackendError,
     CheckpointError,
+    CheckpointTooLargeError,
     CkptError,
     ConfigError,
     CorruptCheckpointError,
@@ -62,7 +63,11 @@ _LAZY = {
     "CheckpointInfo": "checkpoint.catalog",
     "CheckpointManager": "manager",
     "DataCache": "data.cache",
+    "DataLoader": "loader",
     "GcReport": "manager",
+    "LeaseOptions": "options",
+    "Retention": "options",
+    "SaveOptions": "options",
     "ResumePoint": "checkpoint.reader",
     "TrainState": "state",
 }
@@ -71,7 +76,9 @@ if TYPE_CHECKING:
     from ckptsdk.checkpoint.catalog import CheckpointInfo
     from ckptsdk.checkpoint.reader import ResumePoint
     from ckptsdk.data.cache import DataCache
+    from ckptsdk.loader import DataLoader
     from ckptsdk.manager import CheckpointManager, GcReport
+    from ckptsdk.options import LeaseOptions, Retention, SaveOptions
     from ckptsdk.runlog.audit import AuditReport
     from ckptsdk.state import TrainState
 
@@ -92,6 +99,7 @@ __all__ = [
     "AuditReport",
     "BackendError",
     "CheckpointError",
+    "CheckpointTooLargeError",
     "CheckpointInfo",
     "CheckpointManager",
     "CkptError",
@@ -99,6 +107,7 @@ __all__ = [
     "CorruptCheckpointError",
     "DataCache",
     "DataError",
+    "DataLoader",
     "DatasetMismatchError",
     "DigestMismatchError",
     "DownloadError",
@@ -107,6 +116,7 @@ __all__ = [
     "LeaseError",
     "LeaseHeldError",
     "LeaseLostError",
+    "LeaseOptions",
     "ManifestError",
     "MissingDependencyError",
     "NoCheckpointRootError",
@@ -115,6 +125,8 @@ __all__ = [
     "PreconditionFailed",
     "PreconditionsNotHonoured",
     "ResumePoint",
+    "Retention",
+    "SaveOptions",
     "StateMismatchError",
     "StorageUnavailable",
     "TrainState",

@@ -18,6 +18,7 @@
      │    ├── ManifestError                    unreadable, unknown-format or invalid manifest
      │    ├── NoValidCheckpointError           checkpoints exist but none could be restored
      │    ├── NoCheckpointRootError            nothing is stored at the URL (a typo?)
+     │    ├── CheckpointTooLargeError (MemoryError)  verified data this process cannot hold
      │    └── StateMismatchError (ValueError)  the saved tree does not fit the live objects
      ├── UnsupportedStateError (TypeError)     a state leaf the codec refuses (names the path)
      └── DataError                             the data cache and datasets
@@ -178,6 +179,29 @@ class NoValidCheckpointError(CheckpointError):
 
 class NoCheckpointRootError(CheckpointError):
     """Nothing at all is stored at the URL: no lease, no checkpoint, no step log."""
+
+
+class CheckpointTooLargeError(CheckpointError, MemoryError):
+    """A checkpoint whose bytes are good but larger than the memory this process can allocate.
+
+    Decided before anything is allocated. ``needed`` and ``available`` are in bytes. A file
+    that is too large *and* fails its digest is a :class:`CorruptCheckpointError` instead (restore
+    falls back); this one stops restore, because an older checkpoint is not what was asked for.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        url: str = "",
+        step: int | None = None,
+        key: str | None = None,
+        needed: int,
+        available: int,
+    ) -> None:
+        super().__init__(message, url=url, step=step, key=key)
+        self.needed = needed
+        self.available = available
 
 
 class StateMismatchError(CheckpointError, ValueError):

@@ -11,6 +11,7 @@ while the lease still checks out, are :mod:`ckptsdk.checkpoint.rotation`'s. This
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
 import os
 import threading
@@ -29,15 +30,18 @@ from ckptsdk.backends.probe import prove_preconditions
 from ckptsdk.checkpoint.catalog import CheckpointInfo
 from ckptsdk.checkpoint.reader import CheckpointReader, ResumePoint, resume_point
 from ckptsdk.checkpoint.retention import Rule, describe_rules
-from ckptsdk.checkpoint.rotation import LEFTOVER_GRACE_S, GcReport, Rotation
+from ckptsdk.checkpoint.rotation import GcReport, RetentionMode, Rotation
 from ckptsdk.checkpoint.rotation import kept as _kept
 from ckptsdk.checkpoint.saving import SavePipeline
 from ckptsdk.checkpoint.scheduling import SaveStats
+from ckptsdk.checkpoint.staging import SnapshotMode
 from ckptsdk.errors import BackendError, CheckpointError, ConfigError, LeaseLostError, NoValidCheckpointError
 from ckptsdk.format.manifest import FileEntry, Position
 from ckptsdk.format.userfield import user_fields
 from ckptsdk.lease.acquire import Lease
-from ckptsdk.preemption import DEFAULT_DEADLINE, Preemption
+from ckptsdk.loader import loaders_of, resolve_position
+from ckptsdk.options import LeaseOptions, Retention, SaveOptions, grouped
+from ckptsdk.preemption import Preemption
 from ckptsdk.runlog.writer import RunLog
 from ckptsdk.state import Restorable, Stateful, TrainState, preflight
 
@@ -82,54 +86,29 @@ class CheckpointManager(CheckpointReader):
     The read API (``list``, ``latest``, ``load``, ``load_manifest``, ``verify``) is
     :class:`~ckptsdk.checkpoint.reader.CheckpointReader`'s.
 
+    Options come in three groups (:mod:`ckptsdk.options`), each also reachable by flat keywords,
+    the documented shorthand; giving a group and one of its flat keywords is a ``ConfigError``.
+    A flat keyword left at None takes the group's default.
+
     Args:
         url: the root: a path, ``file://``, ``drive://REL``, ``gs://bucket/prefix``, ``memory://name``.
-        keep_last: committed checkpoints to keep (the newest is always kept).
-        keep_every: also keep, forever, every checkpoint whose step is a multiple of this.
-        keep: more keep rules, kept by union with ``keep_last`` / ``keep_every`` (which are
-            shorthands for ``retention.keep_last`` / ``retention.keep_every``): e.g.
-            ``[retention.keep_best("val_loss", 2), retention.keep_every_seconds(3600)]`` from
-            :mod:`ckptsdk.checkpoint.retention`. They are judged from the committed manifests (a
-            metric a save passes in ``metrics``), so a restart, a takeover and ``gc`` decide alike.
-        save_every: ``should_save(step)`` is true every this many steps.
-        lease_ttl: seconds a silent lease must stay unchanged before a newcomer takes over.
-            None: 60 s on local disk and GCS, 300 s on Drive (see :mod:`ckptsdk.lease.acquire`).
-        lease_wait: seconds to wait for a live holder before ``LeaseHeldError`` (None: five ttls).
-        lease_settle: on backends without compare-and-swap (Drive): seconds between writing the
-            lease and reading it back to confirm it is ours. Must exceed the time another VM's
-            write takes to reach this one. None: ttl/5 on Drive, 0 elsewhere.
-        force: break a live lease at once (only when you know the other writer is gone).
+        retention: what rotation keeps (:class:`~ckptsdk.options.Retention`). Shorthand:
+            ``keep_last`` (default 3), ``keep_every``, ``keep`` (more keep rules, e.g.
+            ``[retention.keep_best("val_loss", 2)]`` from :mod:`ckptsdk.checkpoint.retention`),
+            ``retention_mode``, ``leftover_grace``.
+        lease_options: how the writer lease is taken (:class:`~ckptsdk.options.LeaseOptions`).
+            Shorthand: ``lease_ttl``, ``lease_wait``, ``lease_settle``, ``force``.
+        save_options: when saves are due and how they run (:class:`~ckptsdk.options.SaveOptions`).
+            Shorthand: ``save_every``, ``async_save``, ``snapshot``, ``save_on_signal``,
+            ``signal_deadline``, ``max_staging_bytes``.
         read_only: inspect without taking the lease; ``save`` is refused.
         storage_options: passed to fsspec for ``gs://`` (``endpoint_url``, ``token``, ...).
-        async_save: make ``save`` non-blocking by default (see ``save(blocking=)``).
-        snapshot: how a non-blocking save copies the state. ``"pipelined"`` (default): at
-            ``save()`` only what can change before the next ``optimizer.step()`` is copied (RNG
-            states, module buffers, scheduler/scaler state, extras); parameters and optimizer
-            state are copied in the background, and each optimizer held by the
-            :class:`~ckptsdk.TrainState` waits for that copy at its next ``step()``. The rule a
-            job must follow: nothing but ``optimizer.step()`` changes parameters or optimizer
-            state between ``save()`` and the next step. ``"copy"``: copy everything at
-            ``save()`` (the opt-out; also what happens for a state without optimizers).
-        save_on_signal: on SIGTERM/SIGINT, make ``should_save`` true at the next step, commit
-            that save (blocking, within ``signal_deadline``), release the lease, then exit as
-            the signal asked (see :mod:`ckptsdk.preemption`). None: on when the manager is
-            created in the main thread for writing.
-        signal_deadline: seconds that final save may take before it is abandoned (no commit).
         run_id: name of the run (kept across takeovers); a new uuid on a fresh root by default.
-        retention_mode: ``"delete"`` rotated-out checkpoints, or ``"recycle"`` the oldest one's
-            file for the next save (renamed and rewritten in place, so nothing full-size goes to
-            Drive's trash; see docs/DRIVE.md). None: ``"recycle"`` where the store has a trash
-            and can rewrite in place (Drive), else ``"delete"``.
-        leftover_grace: seconds an uncommitted folder of an earlier writer must have been
-            silent, by the store's own times, before it is removed where the store has no
-            compare-and-swap (Drive: another VM may still be uploading it). Elsewhere such
-            folders go at once.
-        max_staging_bytes: host memory the snapshots of non-blocking saves may hold. A save due
-            while the previous one is still writing never waits: its snapshot goes to a second
-            staging buffer (a newer one replaces it while it waits). When that second buffer
-            would exceed this bound, the due save is skipped and counted in ``stats``. None: no
-            bound (at most two snapshots of the state).
         _simulation: tests and benchmarks only (see :class:`Simulation`).
+
+    Raises:
+        ConfigError: an option value out of range or not one of its choices, a group given
+            together with its flat keywords, ``save_on_signal=True`` off the main thread.
 
     Example:
         >>> import torch
@@ -147,34 +126,42 @@ class CheckpointManager(CheckpointReader):
         self,
         url: str | os.PathLike[str] | Backend,
         *,
-        keep_last: int = 3,
+        retention: Retention | None = None,
+        lease_options: LeaseOptions | None = None,
+        save_options: SaveOptions | None = None,
+        read_only: bool = False,
+        storage_options: Mapping[str, object] | None = None,
+        run_id: str | None = None,
+        keep_last: int | None = None,
         keep_every: int | None = None,
-        keep: Rule | Sequence[Rule] = (),
-        save_every: int | None = None,
+        keep: Rule | Sequence[Rule] | None = None,
+        retention_mode: RetentionMode | None = None,
+        leftover_grace: float | None = None,
         lease_ttl: float | None = None,
         lease_wait: float | None = None,
         lease_settle: float | None = None,
-        force: bool = False,
-        read_only: bool = False,
-        storage_options: Mapping[str, object] | None = None,
-        async_save: bool = False,
-        snapshot: str = "pipelined",
+        force: bool | None = None,
+        save_every: int | None = None,
+        async_save: bool | None = None,
+        snapshot: SnapshotMode | None = None,
         save_on_signal: bool | None = None,
-        signal_deadline: float = DEFAULT_DEADLINE,
-        run_id: str | None = None,
-        retention_mode: str | None = None,
-        leftover_grace: float = LEFTOVER_GRACE_S,
+        signal_deadline: float | None = None,
         max_staging_bytes: int | None = None,
         _simulation: Simulation | None = None,
     ) -> None:
-        if keep_last < 1:
-            raise ConfigError(f"keep_last must be >= 1, got {keep_last}: the newest checkpoint is always kept")
-        if save_every is not None and save_every < 1:
-            raise ConfigError(f"save_every must be >= 1 or None, got {save_every}")
-        if snapshot not in ("pipelined", "copy"):
-            raise ConfigError(f"snapshot must be 'pipelined' or 'copy', got {snapshot!r}")
+        # Every option is checked here, by its group, before the store is opened.
+        flat: dict[str, Any] = dict(keep_last=keep_last, keep_every=keep_every, keep=keep)
+        flat.update(
+            retention_mode=retention_mode, leftover_grace=leftover_grace, lease_ttl=lease_ttl, lease_wait=lease_wait
+        )
+        flat.update(lease_settle=lease_settle, force=force, save_every=save_every, async_save=async_save)
+        flat.update(snapshot=snapshot, save_on_signal=save_on_signal, signal_deadline=signal_deadline)
+        flat.update(max_staging_bytes=max_staging_bytes)
+        kept = grouped("retention", retention, Retention, flat)
+        leasing = grouped("lease_options", lease_options, LeaseOptions, flat)
+        saves = grouped("save_options", save_options, SaveOptions, flat)
         main = threading.current_thread() is threading.main_thread()
-        if save_on_signal and not main:
+        if saves.on_signal and not main:
             raise ConfigError(
                 "save_on_signal=True needs the manager to be created in the main "
                 "thread (Python delivers signals only there); pass save_on_signal=False"
@@ -185,26 +172,28 @@ class CheckpointManager(CheckpointReader):
         else:  # an already opened backend (custom storage, simulations)
             super().__init__(url)
         sim = _simulation or Simulation()
-        self.keep_last = keep_last
-        self.keep_every = keep_every
-        self.save_every = save_every
+        self.lease_options = leasing
+        self.save_options = saves
+        self.keep_last = kept.keep_last
+        self.keep_every = kept.keep_every
+        self.save_every = saves.every
         self.read_only = read_only
-        self.async_save = async_save
-        self.snapshot = snapshot
+        self.async_save = saves.asynchronous
+        self.snapshot = saves.snapshot
         self._preemption: Preemption | None = None
         self._lock = threading.RLock()
         self._closed = False
-        if retention_mode is None:
-            caps = self._backend.capabilities
-            retention_mode = "recycle" if caps.trash_on_delete and caps.rewrite_in_place else "delete"
-        self.keep: tuple[Rule, ...] = (keep,) if isinstance(keep, Rule) else tuple(keep)
+        caps = self._backend.capabilities
+        mode = kept.mode or ("recycle" if caps.trash_on_delete and caps.rewrite_in_place else "delete")
+        self.retention = dataclasses.replace(kept, mode=mode)  # as applied: the store's choice filled in
+        self.keep: tuple[Rule, ...] = (kept.keep,) if isinstance(kept.keep, Rule) else tuple(kept.keep)
         self._rotation = Rotation(
             self.backend,
-            keep_last=keep_last,
-            keep_every=keep_every,
+            keep_last=kept.keep_last,
+            keep_every=kept.keep_every,
             rules=self.keep,
-            mode=retention_mode,
-            leftover_grace=leftover_grace,
+            mode=mode,
+            leftover_grace=kept.leftover_grace,
         )
         self._saving: SavePipeline | None = None
         self.resumed_from: CheckpointInfo | None = None
@@ -215,11 +204,11 @@ class CheckpointManager(CheckpointReader):
         prove_preconditions(self.backend)  # a writer trusts no server's word for its conditions
         self.lease = Lease(
             self.backend,
-            ttl=lease_ttl,
-            force=force,
+            ttl=leasing.ttl,
+            force=leasing.force,
             run_id=run_id,
-            wait_timeout=lease_wait,
-            settle=lease_settle,
+            wait_timeout=leasing.wait,
+            settle=leasing.settle,
             clock=sim.clock,
             sleep=sim.sleep,
         )
@@ -242,13 +231,13 @@ class CheckpointManager(CheckpointReader):
             rotation=self._rotation,
             scan=self._scan,
             memo=self._memo,
-            max_staging_bytes=max_staging_bytes,
+            max_staging_bytes=saves.max_staging_bytes,
             clock=sim.clock,
         )
         # An interpreter exit with a save in flight waits for it (or says it abandons it).
         atexit.register(_close_at_exit, weakref.ref(self))
-        if save_on_signal or (save_on_signal is None and main):
-            preemption = Preemption(deadline=signal_deadline)
+        if saves.on_signal or (saves.on_signal is None and main):
+            preemption = Preemption(deadline=saves.signal_deadline)
             if preemption.install():
                 self._preemption = preemption
         logger.info(
@@ -306,7 +295,9 @@ class CheckpointManager(CheckpointReader):
 
     # ------------------------------------------------------------------ restoring
 
-    def restore(self, state: TrainState | Restorable) -> ResumePoint | None:
+    def restore(
+        self, state: TrainState | Restorable, *, _accept: Callable[[Any, CheckpointInfo], None] | None = None
+    ) -> ResumePoint | None:
         """Load the newest valid checkpoint into ``state`` (objects and RNGs).
 
         Torn, corrupt, unknown-format or orphaned checkpoints are skipped with a warning naming
@@ -338,8 +329,11 @@ class CheckpointManager(CheckpointReader):
         if self._saving is not None:
             self._saving.wait()  # a pipelined copy may still read the live tensors
         fixed = self._saving is not None and self._saving.lineage_written
+        if self.runlog is not None:  # each step logs which samples it ran on (the audit compares them)
+            for name, loader in loaders_of(state).items():
+                self.runlog.watch_data(f"data/{name}", loader.batch_digest)
         try:
-            tree, info = self._read_newest()
+            tree, info = self._read_newest(_accept)  # _accept: ckptsdk.distributed's all-rank check
         except NoValidCheckpointError as exc:
             if not exc.tried:
                 if self._saving is not None:
@@ -400,7 +394,9 @@ class CheckpointManager(CheckpointReader):
         Args:
             state: a :class:`~ckptsdk.TrainState` (or a plain state tree).
             step: the global step just completed.
-            epoch, batch_idx: where to resume (``batch_idx`` = batches of ``epoch`` already done).
+            epoch, batch_idx: where to resume (``batch_idx`` = batches of ``epoch`` already done);
+                with one :class:`ckptsdk.DataLoader` in ``state`` they default to its position
+                and must agree with it.
             metrics: numbers to keep in the manifest.
             extra: more JSON position fields the job needs to resume.
             tags: string tags (e.g. ``{"data_hash": ...}``) checked by the job on resume.
@@ -430,8 +426,11 @@ class CheckpointManager(CheckpointReader):
             raise ConfigError(f"step must be >= 0, got {step}")
         preflight(state, "save", encode=False)
         metrics, extra = user_fields(metrics=metrics, extra=extra)
+        epoch, batch_idx = resolve_position(state, epoch, batch_idx)  # checked against its loader
         blocking = (not self.async_save) if blocking is None else blocking
         position = Position(epoch=epoch, batch_idx=batch_idx, extra=dict(extra or {}))
+        if self.runlog is not None:
+            self.runlog.flush_soon()  # the steps up to a save reach storage now, off this thread
         if self.preempted:
             return self._save_and_stop(
                 state, step=step, position=position, metrics=metrics, tags=tags, extra_files=extra_files

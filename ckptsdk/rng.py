@@ -126,7 +126,7 @@ def check_rng(tree: Any) -> list[str]:
 _MT_WORDS = 624  # MT19937's state: 624 32-bit words and a position in [0, 624]
 
 
-def _rng_values(t: torch.Tensor, cuda: list[torch.Tensor] | None, npstate: Any, py: tuple) -> list[str]:
+def _rng_values(t: torch.Tensor, cuda: list[torch.Tensor] | None, npstate: Any, py: tuple[Any, ...]) -> list[str]:
     """Range checks of RNG states whose types are right; every problem found, or []."""
     problems = []
     try:

@@ -17,6 +17,7 @@ import torch
 from ckptsdk.checkpoint.staging import NO_STORAGE, tensor_key
 from ckptsdk.errors import ConfigError, StateMismatchError
 from ckptsdk.format import codec
+from ckptsdk.loader import check_loader
 from ckptsdk.rng import capture_rng, check_rng, problem_message, restore_rng
 
 logger = logging.getLogger(__name__)
@@ -125,6 +126,7 @@ class TrainState:
 
     def __init__(self, **objects: Stateful) -> None:
         for name, obj in objects.items():
+            check_loader(name, obj)  # a loader whose resume would be silently wrong is refused
             if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
                 raise ConfigError(
                     f"TrainState({name}=...) got a {type(obj).__name__}, which has no "

@@ -62,6 +62,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--data-seed", type=int, default=0, help="seed of the synthetic data set")
     p.add_argument(
+        "--hf-base", help="mirror of the Hugging Face parquet pair (cifar10 only; default: the pinned Hub revision)"
+    )
+    p.add_argument("--tv-url", help="mirror of cifar-10-python.tar.gz (cifar10 only; default: the Toronto URL)")
+    p.add_argument(
         "--preset",
         choices=sorted(PRESETS),
         default="full",
@@ -108,7 +112,7 @@ def load_data(args: argparse.Namespace, n_train: int, n_test: int):  # noqa: ANN
         return synthetic_cifar10(n_train=n_train, n_test=n_test, seed=args.data_seed)
     from adapters.cifar10.data import load_cifar10
 
-    return load_cifar10(cache=args.data_cache, local=args.data_dir)
+    return load_cifar10(cache=args.data_cache, local=args.data_dir, hf_base=args.hf_base, tv_url=args.tv_url)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,6 +2,8 @@
 # and activates a virtual environment with every dependency of the project, keyed by a hash of
 # pyproject.toml, this file and the interpreter ($PYTHON, else python3: two Pythons on one machine
 # get two venvs), so that a second run, or a second clone, reuses it in seconds.
+# First run: says where it looks and what it installs, shows pip's progress, reuses a torch that
+# $PYTHON can already import, and leaves nothing behind when killed (see _ckptsdk_setup).
 # The project itself is put on PYTHONPATH rather than installed, so two clones can share one
 # venv; the venv's `ckptsdk` command runs the ckptsdk of whichever clone's PYTHONPATH is active.
 # Sourcing changes only PATH, PYTHONPATH and GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT in your shell: the
@@ -13,10 +15,35 @@ _ckptsdk_setup() (
     venv="$2"
     py="${PYTHON:-python3}"
     if [ ! -f "$venv/.complete" ]; then
-        echo "[setup] creating $venv (first run only; torch is large)" >&2
+        # A set-up that is killed or fails leaves no half venv and no pip running: each pip runs
+        # in its own process group, stopped with it, and the folder goes (no .complete is made).
+        child=""
+        _stop() {
+            trap - INT TERM HUP
+            if [ -n "$child" ]; then
+                kill -TERM -- "-$child" 2>/dev/null || kill -TERM "$child" 2>/dev/null || true
+                wait "$child" 2>/dev/null || true
+            fi
+            rm -rf "$venv"
+            echo "[setup] interrupted: stopped pip and removed the unfinished $venv" >&2
+            exit 130
+        }
+        trap _stop INT TERM HUP
+        trap 'rc=$?; if [ "$rc" -ne 0 ] && [ ! -f "$venv/.complete" ]; then rm -rf "$venv"; fi' EXIT
+        # `setsid` puts pip in a group of its own (its build subprocesses too) so that _stop can
+        # end all of it; `wait` keeps this shell able to run the trap meanwhile.
+        run() {
+            if command -v setsid > /dev/null; then setsid "$@" & else "$@" & fi
+            child=$!
+            wait "$child"
+            local rc=$?
+            child=""
+            return "$rc"
+        }
+        pip() { run "$venv/bin/python" -m pip install --progress-bar on "$@"; }
+        echo "[setup] no complete venv at $venv: creating it (first run only; CKPTSDK_VENV=PATH reuses another)" >&2
         rm -rf "$venv"
-        "$py" -m venv "$venv"
-        "$venv/bin/python" -m pip install -q --upgrade pip
+        run "$py" -m venv "$venv"
         "$venv/bin/python" - "$repo/pyproject.toml" > "$venv/requirements.txt" <<'PY'
 import sys, tomllib
 proj = tomllib.load(open(sys.argv[1], "rb"))["project"]
@@ -26,11 +53,32 @@ for name in ("gcs", "cifar", "plot", "s3", "loader", "dev"):
     reqs += [r for r in extras[name] if not r.startswith("ckptsdk")]
 print("\n".join(dict.fromkeys(reqs)))
 PY
-        # torch/torchvision first, at the versions this platform ships on disk where it has them.
-        "$venv/bin/python" -m pip install -q "torch==2.14.1" "torchvision==0.29.1" \
-            || "$venv/bin/python" -m pip install -q torch torchvision
-        "$venv/bin/python" -m pip install -q -r "$venv/requirements.txt"
+        # torch: a torch the interpreter can already import (Colab, a user's environment) is
+        # reused, never replaced: the venv sees the folder holding it through a .pth file (the
+        # --system-site-packages of that one folder, which also works when $py is itself a venv),
+        # and pip then finds torch installed. Otherwise a CPU build on a machine without a GPU
+        # (a fraction of the CUDA build's size), else the default (CUDA) build.
+        if torch_at="$("$py" -c 'import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)), torch.__version__)' 2>/dev/null)"; then
+            site="${torch_at% *}"
+            echo "[setup] reusing torch ${torch_at##* } from $site (importable by $py): not installing another" >&2
+            "$venv/bin/python" -c 'import site, sys; print(site.getsitepackages()[0])' \
+                | { read -r own; printf '%s\n' "$site" > "$own/zz-ckptsdk-reused-torch.pth"; }
+        elif command -v nvidia-smi > /dev/null 2>&1 && nvidia-smi -L > /dev/null 2>&1; then
+            echo "[setup] a GPU is present: installing torch and torchvision with CUDA (a 2-3 GB download, about 6 GB installed)" >&2
+            pip "torch==2.14.1" "torchvision==0.29.1" || pip torch torchvision
+        else
+            cpu_index="${CKPTSDK_TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}"
+            echo "[setup] no GPU: installing the CPU build of torch and torchvision from $cpu_index (about 200 MB download, under 1 GB installed)" >&2
+            if ! pip --index-url "$cpu_index" --timeout 15 --retries 1 torch torchvision; then
+                echo "[setup] no CPU build from $cpu_index (pip's message above): installing the default build instead (CUDA, a 2-3 GB download, about 6 GB installed)" >&2
+                pip "torch==2.14.1" "torchvision==0.29.1" || pip torch torchvision
+            fi
+        fi
+        echo "[setup] installing the rest of the dependencies (pyproject.toml's extras)" >&2
+        pip -r "$venv/requirements.txt"
         touch "$venv/.complete"
+        trap - INT TERM HUP EXIT
+        echo "[setup] $venv is ready ($(du -sh "$venv" 2>/dev/null | cut -f1) on disk)" >&2
     fi
     # The `ckptsdk` command (pyproject's [project.scripts]) without installing one clone into the
     # shared venv: it runs `python -m ckptsdk` from the PYTHONPATH of the shell that calls it.

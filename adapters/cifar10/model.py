@@ -81,4 +81,5 @@ def build_model(*, width: int = 64, num_classes: int = 10) -> nn.Module:
         model: ResNet = resnet18(num_classes=num_classes)
     else:
         model = _NarrowResNet18(width, num_classes)
-    return _cifar_stem(model, width)
+    stem: nn.Module = _cifar_stem(model, width)
+    return stem

@@ -12,7 +12,7 @@ import logging
 import math
 import os
 import pickle
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -76,7 +76,7 @@ def numpy_reconstruct() -> Any:
 
 
 # Exactly what a pickled ndarray needs, whichever numpy wrote it. Nothing else can be built.
-_ALLOWED = {
+_ALLOWED: dict[tuple[str, str], Callable[[], Any]] = {
     ("numpy.core.multiarray", "_reconstruct"): numpy_reconstruct,
     ("numpy._core.multiarray", "_reconstruct"): numpy_reconstruct,
     ("numpy", "ndarray"): lambda: np.ndarray,
@@ -159,7 +159,8 @@ def _reconstruct_guard(limit: int, where: str) -> Any:
                 global_name="numpy.core.multiarray._reconstruct",
             )
         _bounded_nbytes(shape, dtype, limit, where)
-        return real(np.ndarray, shape, dtype)
+        array: np.ndarray = real(np.ndarray, shape, dtype)
+        return array
 
     return reconstruct
 

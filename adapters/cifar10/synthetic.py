@@ -14,7 +14,7 @@ import pickle
 import struct
 import tarfile
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -137,7 +137,7 @@ def _per_batch(data: CifarData) -> int:
     return n // 5
 
 
-def _batch_dict(images: np.ndarray, labels: np.ndarray, label: bytes, first: int) -> dict:
+def _batch_dict(images: np.ndarray, labels: np.ndarray, label: bytes, first: int) -> dict[bytes, Any]:
     # Rows are 3072 bytes: the 1024 red values, then green, then blue, each row-major.
     rows = np.ascontiguousarray(images.transpose(0, 3, 1, 2).reshape(len(images), 3072))
     return {

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import os
+from collections.abc import Callable
 from typing import Any
 
 from ckptsdk.backends.base import Backend, Capabilities, ObjectInfo, check_key
@@ -35,7 +36,7 @@ def drive_root() -> str:
     return os.environ.get("CKPTSDK_DRIVE_ROOT") or DRIVE_MOUNT
 
 
-def _load(scheme: str, url: str) -> Any:
+def _load(scheme: str, url: str) -> Callable[..., Backend]:
     module_name, class_name, extra = _REGISTRY[scheme]
     try:
         module = importlib.import_module(module_name)
@@ -47,7 +48,8 @@ def _load(scheme: str, url: str) -> Any:
             f"install it with: pip install 'ckptsdk[{extra}]'",
             extra=extra,
         ) from exc
-    return getattr(module, class_name)
+    cls: Callable[..., Backend] = getattr(module, class_name)  # a name in our own table, not a capability
+    return cls
 
 
 def open_backend(url: str, **storage_options: Any) -> Backend:

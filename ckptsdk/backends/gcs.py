@@ -23,7 +23,7 @@ from urllib.parse import quote
 
 from ckptsdk.backends.base import Capabilities, Data, ObjectInfo, check_key, check_prefix
 from ckptsdk.backends.gcs_payload import RangeReader, b64crc, chain, crc32c, persisted, rechunk, rfc3339, slices
-from ckptsdk.backends.gcs_transport import JsonApiTransport, Reply
+from ckptsdk.backends.gcs_transport import JsonApiTransport, Reply, endpoint_of
 from ckptsdk.errors import (
     BackendError,
     ConfigError,
@@ -57,7 +57,7 @@ class GCSBackend(JsonApiTransport):
         url: the URL it was opened as (for messages); default ``gs://<path>``.
         **storage_options: gcsfs's options: ``endpoint_url``, ``token``, ``project``, ``access``,
             ``session_kwargs`` (for the aiohttp session)... With ``STORAGE_EMULATOR_HOST`` set and
-            no ``token``, ``token="anon"`` is used.
+            no ``token`` (or with a plain-http ``endpoint_url``: an emulator), ``token="anon"`` is used.
 
     Example:
         >>> b = GCSBackend("my-bucket/runs/a", token="anon", endpoint_url="http://127.0.0.1:9023")
@@ -92,8 +92,13 @@ class GCSBackend(JsonApiTransport):
         self.bucket = bucket
         self.prefix = prefix
         options = dict(storage_options)
-        if os.environ.get("STORAGE_EMULATOR_HOST") and "token" not in options:
-            options["token"] = "anon"  # an emulator takes no credentials; never probe for them
+        emulated = os.environ.get("STORAGE_EMULATOR_HOST") or endpoint_of(options.get("endpoint_url")).startswith(
+            "http://"
+        )
+        if emulated and "token" not in options:
+            # An emulator takes no credentials: never wait for their discovery (Google's APIs are
+            # https only, so a plain-http endpoint_url is an emulator too).
+            options["token"] = "anon"
         self._init_transport(options)
         self._bucket_seen = False
         if "token" not in options and self.credentials_method == "anon":
@@ -164,7 +169,8 @@ class GCSBackend(JsonApiTransport):
         reply = self._request("GET", url, key=key)
         if reply.status == 200:
             self._bucket_seen = True
-            return json.loads(reply.body)
+            meta: dict[str, Any] = json.loads(reply.body)
+            return meta
         if reply.status == 404:
             raise self._not_found(key, "stat")
         raise self._fail(reply, "GET", url, key, "stat")

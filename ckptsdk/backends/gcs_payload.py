@@ -105,7 +105,8 @@ def rfc3339(stamp: Any) -> float | None:
 def crc32c(crc: int, data: Any) -> int:
     """Extend a CRC32C; google_crc32c takes only ``bytes``, so copy other buffers in 8 MiB slices."""
     if isinstance(data, bytes):
-        return google_crc32c.extend(crc, data)
+        extended: int = google_crc32c.extend(crc, data)
+        return extended
     view = memoryview(data).cast("B")
     for i in range(0, view.nbytes, 8 * _MiB):
         crc = google_crc32c.extend(crc, bytes(view[i : i + 8 * _MiB]))

@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import random
+import threading
 import time
 import weakref
 from collections.abc import AsyncIterator, Mapping
@@ -158,16 +159,37 @@ class JsonApiTransport:
     # still accepts connections and buffers a body) fails a call clearly instead of hanging it.
     request_deadline_s = 120.0
     min_rate_bps = 1 * _MiB
+    # Credential discovery (gcsfs -> google.auth.default) may probe the GCE metadata server, about
+    # 15 s off Google Cloud; a user who waits longer than this is told what the wait is.
+    credential_notice_s = 2.0
 
     def _init_transport(self, options: Mapping[str, Any]) -> None:
         """Resolve the endpoint and credentials from gcsfs-style ``storage_options``."""
         check_aiohttp(aiohttp.__version__)
         self.endpoint = endpoint_of(options.get("endpoint_url"))
         # gcsfs turns token=/project=/access=... into credentials; we only ask it to sign headers.
-        self._credentials = GCSFileSystem(**options).credentials
+        # Given a token it looks for nothing; without one it may wait, and then says so.
+        notice = None
+        if "token" not in options:
+            notice = threading.Timer(self.credential_notice_s, self._tell_about_discovery)
+            notice.daemon = True
+            notice.start()
+        try:
+            self._credentials = GCSFileSystem(**options).credentials
+        finally:
+            if notice is not None:
+                notice.cancel()
         self._session_kwargs = dict(options.get("session_kwargs") or {})
         self._session: aiohttp.ClientSession | None = None
         self._session_pid = -1
+
+    def _tell_about_discovery(self) -> None:
+        logger.warning(
+            "opening %s: looking for Google credentials (GOOGLE_APPLICATION_CREDENTIALS, gcloud's "
+            "application-default login, then the GCE metadata server, which takes about 15 s to give "
+            "up off Google Cloud); pass storage_options token=... (--storage-option token=PATH) to skip it",
+            getattr(self, "url", "gs://"),
+        )
 
     @property
     def credentials_method(self) -> str | None:

@@ -31,6 +31,7 @@ from ckptsdk.backends.posix import (
     discard,
     flock,
     fsync_dir,
+    no_fork,
     open_regular,
     prune,
     published_key,
@@ -337,18 +338,22 @@ class LocalBackend:
 
     @contextmanager
     def _locked(self, op: str, key: str | None) -> Iterator[None]:
-        """Hold the root's exclusive flock (bounded wait: a stuck holder raises, never hangs)."""
-        with self._errors(op, key):
-            os.makedirs(self.root, exist_ok=True)
-            fd = os.open(os.path.join(self.root, LOCK_NAME), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
-        try:
-            if self._flock(fd, op, key):
-                yield
-            else:  # no flock here (allowed on Drive only): at least exclude this process's threads
-                with thread_lock(self.root):
+        """Hold the root's exclusive flock (bounded wait: a stuck holder raises, never hangs).
+
+        No fork happens while the descriptor is open (``no_fork``): a child would inherit the lock.
+        """
+        with no_fork():
+            with self._errors(op, key):
+                os.makedirs(self.root, exist_ok=True)
+                fd = os.open(os.path.join(self.root, LOCK_NAME), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+            try:
+                if self._flock(fd, op, key):
                     yield
-        finally:
-            os.close(fd)  # closing the descriptor releases the flock
+                else:  # no flock here (allowed on Drive only): at least exclude this process's threads
+                    with thread_lock(self.root):
+                        yield
+            finally:
+                os.close(fd)  # closing the descriptor releases the flock
 
     def _flock(self, fd: int, op: str, key: str | None) -> bool:
         """Take the flock on ``fd``; False if this filesystem has none and ``_flock_optional``."""
@@ -391,7 +396,7 @@ class LocalBackend:
     def _key_of(self, path: str) -> str:
         return os.path.relpath(path, self.root).replace(os.sep, "/")
 
-    def _scan(self, folder: str, descend: Callable[[str], bool]) -> Iterator[tuple[str, os.DirEntry]]:
+    def _scan(self, folder: str, descend: Callable[[str], bool]) -> Iterator[tuple[str, os.DirEntry[str]]]:
         """``posix.scan`` under the root; a missing root is empty, a root that is a file is not."""
         try:
             yield from scan(self.root, folder, descend)

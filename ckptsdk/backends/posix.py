@@ -16,6 +16,7 @@ import stat as stat_mod
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from typing import BinaryIO
 
 logger = logging.getLogger(__name__)
@@ -43,6 +44,21 @@ LOCK_TIMEOUT_S = 120.0
 _clock_lock = threading.Lock()
 _last_stamp_ns = 0
 _thread_locks: dict[str, threading.Lock] = {}
+
+
+# A flock belongs to an open file description, which fork() shares with the child: a fork (a
+# DataLoader starting its workers) while one of our threads holds a root's lock leaves the child
+# holding it after the parent closes its descriptor, and every later write here waits the whole
+# LOCK_TIMEOUT_S, then fails. So this process never forks inside a locked section.
+_fork_guard = threading.RLock()
+os.register_at_fork(before=_fork_guard.acquire, after_in_parent=_fork_guard.release, after_in_child=_fork_guard.release)
+
+
+@contextmanager
+def no_fork() -> Iterator[None]:
+    """Hold off ``os.fork`` in this process (other threads' forks wait) while the block runs."""
+    with _fork_guard:
+        yield
 
 
 def thread_lock(root: str) -> threading.Lock:
@@ -188,7 +204,7 @@ def flock(fd: int, timeout: float) -> bool:
             delay = min(delay * 2, 0.05)
 
 
-def scan(root: str, folder: str, descend: Callable[[str], bool]) -> Iterator[tuple[str, os.DirEntry]]:
+def scan(root: str, folder: str, descend: Callable[[str], bool]) -> Iterator[tuple[str, os.DirEntry[str]]]:
     """Yield ``(key, entry)`` for every non-folder under ``folder`` (a key, "" for ``root``).
 
     Symlinked folders are not followed (no cycles); ``descend(folder_key)`` prunes the walk. A

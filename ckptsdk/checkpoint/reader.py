@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import builtins
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -22,12 +22,10 @@ from ckptsdk.checkpoint import catalog as _catalog
 from ckptsdk.checkpoint.catalog import CheckpointInfo
 from ckptsdk.checkpoint.retention import Candidate, Mode, best_order, default_mode
 from ckptsdk.errors import CorruptCheckpointError, ManifestError, NoValidCheckpointError
-from ckptsdk.format import codec
 from ckptsdk.format.layout import MANIFEST, TENSORS
 from ckptsdk.format.manifest import Manifest
 from ckptsdk.format.skeleton import tensor_paths
-from ckptsdk.format.tensorfile import read_tensorfile, verify_file
-from ckptsdk.rng import check_rng
+from ckptsdk.format.tensorfile import verify_file
 
 logger = logging.getLogger(__name__)
 
@@ -264,8 +262,12 @@ class CheckpointReader:
             )
         return usable[0]
 
-    def _read_newest(self) -> tuple[Any, CheckpointInfo]:
+    def _read_newest(self, accept: Callable[[Any, CheckpointInfo], None] | None = None) -> tuple[Any, CheckpointInfo]:
         """The newest checkpoint that reads back whole, skipping (and naming) damaged ones.
+
+        ``accept(tree, info)``, when given, is one more check of a candidate that read back
+        whole (the distributed manager: every rank's files); raising ``CorruptCheckpointError``
+        skips it like a damaged one, before anything (lineage, anchor) is decided from it.
 
         Raises:
             NoValidCheckpointError: with ``tried`` empty when the root holds no committed
@@ -283,7 +285,10 @@ class CheckpointReader:
                     logger.info("not restoring %s/%s: %s", self.url, info.key, info.reason)
                 continue
             try:
-                return self.read_tree(info), info
+                tree = self.read_tree(info)
+                if accept is not None:
+                    accept(tree, info)
+                return tree, info
             except (CorruptCheckpointError, ManifestError) as exc:
                 logger.warning("skipping checkpoint %s/%s: %s", self.url, info.key, exc)
                 tried[info.key] = str(exc)
@@ -308,6 +313,12 @@ class CheckpointReader:
             CorruptCheckpointError: a file fails its check, or the tree does not match the tensors.
             ManifestError: the manifest lists no tensor file.
         """
+        # torch (tensors, the codec, RNG checks) only here: listing and verifying a root, as the
+        # CLI does, never pays its import.
+        from ckptsdk.format import codec
+        from ckptsdk.format.tensorfile import read_tensorfile
+        from ckptsdk.rng import check_rng
+
         manifest = info.manifest
         assert manifest is not None
         entry = next((f for f in manifest.files if f.name == TENSORS), None)

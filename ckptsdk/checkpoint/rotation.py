@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, get_args
 
 from ckptsdk.backends.base import Backend, Rewritable, rewriter
 from ckptsdk.checkpoint import retention
@@ -25,15 +25,25 @@ from ckptsdk.lease.acquire import Lease
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["GcReport", "Rotation", "RETENTION_MODES", "LEFTOVER_GRACE_S", "candidates", "check_retention_mode", "kept"]
+__all__ = [
+    "GcReport",
+    "Rotation",
+    "RETENTION_MODES",
+    "LEFTOVER_GRACE_S",
+    "RetentionMode",
+    "candidates",
+    "check_retention_mode",
+    "kept",
+]
 
 # "delete": rotated-out checkpoints are deleted. "recycle": the writer's oldest rotated-out
 # checkpoint gives its tensor file to the next save (renamed, rewritten in place), so a store
 # whose deletes go to a trash (Drive) receives no full-size file in the steady state.
-RETENTION_MODES = ("delete", "recycle")
+RetentionMode = Literal["delete", "recycle"]
+RETENTION_MODES: tuple[RetentionMode, ...] = get_args(RetentionMode)
 
 
-def check_retention_mode(mode: str) -> str:
+def check_retention_mode(mode: str) -> RetentionMode:
     """``mode`` if it is one of ``RETENTION_MODES``: the one check of the option, wherever it comes from.
 
     Raises:
@@ -82,7 +92,7 @@ class Rotation:
         keep_last: int,
         keep_every: int | None,
         rules: Sequence[Rule] = (),
-        mode: str = "delete",
+        mode: RetentionMode = "delete",
         leftover_grace: float = LEFTOVER_GRACE_S,
     ) -> None:
         self.mode = check_retention_mode(mode)

@@ -36,12 +36,13 @@ from ckptsdk.checkpoint.catalog import Catalog, CheckpointInfo
 from ckptsdk.checkpoint.lineage import LineageWriter
 from ckptsdk.checkpoint.rotation import Rotation
 from ckptsdk.checkpoint.scheduling import SaveSlots, SaveStats, _Job
-from ckptsdk.checkpoint.staging import tensor_key
+from ckptsdk.checkpoint.staging import SnapshotMode, tensor_key
 from ckptsdk.errors import BackendError, CheckpointError, LeaseLostError, PreconditionFailed
 from ckptsdk.format import codec
 from ckptsdk.format.digest import DEFAULT as DIGEST_ALGORITHM
+from ckptsdk.format.environment import Environment
 from ckptsdk.format.layout import MANIFEST, TENSORS, Rank
-from ckptsdk.format.manifest import Environment, FileEntry, LineageRecord, Manifest, Position
+from ckptsdk.format.manifest import FileEntry, LineageRecord, Manifest, Position
 from ckptsdk.format.manifest import Writer as WriterRecord
 from ckptsdk.format.tensorfile import write_tensorfile
 from ckptsdk.lease.acquire import Lease
@@ -166,7 +167,7 @@ class SavePipeline:
         metrics: Mapping[str, Any] | None,
         tags: Mapping[str, str] | None,
         blocking: bool,
-        snapshot: str = "pipelined",
+        snapshot: SnapshotMode = "pipelined",
         extra_files: Sequence[FileEntry] = (),
     ) -> CheckpointInfo:
         """See :meth:`ckptsdk.CheckpointManager.save`.

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Collection, Mapping
-from typing import Any
+from typing import Any, Literal, get_args
 
 import numpy as np
 import torch
@@ -19,7 +19,12 @@ from ckptsdk.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["NO_STORAGE", "PendingSnapshot", "Stager", "tensor_key"]
+__all__ = ["NO_STORAGE", "SNAPSHOT_MODES", "PendingSnapshot", "SnapshotMode", "Stager", "tensor_key"]
+
+#: How a non-blocking save copies the state: "pipelined" defers the parameters and optimizer state
+#: to the next ``optimizer.step()``; "copy" copies everything at ``save()``.
+SnapshotMode = Literal["pipelined", "copy"]
+SNAPSHOT_MODES: tuple[SnapshotMode, ...] = get_args(SnapshotMode)
 
 
 class PendingSnapshot:

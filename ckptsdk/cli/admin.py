@@ -21,8 +21,8 @@ from ckptsdk.cli.common import (
     backend,
     emit_json,
     human_size,
-    manager,
     parse_wall,
+    reader,
     require_root,
     table,
 )
@@ -32,12 +32,15 @@ if TYPE_CHECKING:
     from ckptsdk.checkpoint.retention import Rule
     from ckptsdk.lease.acquire import LeaseRecord
 
-__all__ = ["add_rule_flags", "cmd_gc", "cmd_lease", "register", "rules_from_args"]
+__all__ = ["MANAGER_KEEP_LAST", "add_rule_flags", "cmd_gc", "cmd_lease", "register", "rules_from_args"]
+
+#: ``gc``'s default ``--keep-last``: CheckpointManager's default keep_last (a test holds them equal).
+MANAGER_KEEP_LAST = 3
 
 
 def add_rule_flags(sp: argparse.ArgumentParser) -> None:
     """The keep-rule flags of ``gc`` and ``ls``: the writer's rules, as ``CheckpointManager`` takes them."""
-    sp.add_argument("--keep-last", type=int, help="checkpoints to keep (default: the manager's, 3)")
+    sp.add_argument("--keep-last", type=int, help=f"checkpoints to keep (default: the manager's, {MANAGER_KEEP_LAST})")
     sp.add_argument("--keep-every", type=int, metavar="K", help="also keep every step that is a multiple of K")
     sp.add_argument(
         "--keep-every-seconds",
@@ -166,12 +169,19 @@ def cmd_lease(args: argparse.Namespace) -> int:
 
 def cmd_gc(args: argparse.Namespace) -> int:
     keep_last, rules = rules_from_args(args)
-    mgr = manager(args)
+    from ckptsdk.checkpoint.catalog import scan
+    from ckptsdk.checkpoint.rotation import Rotation
+
+    mgr = reader(args)
     require_root(mgr.backend, args.url)
+    # What CheckpointManager.gc runs, without the manager's torch import. The retention mode
+    # only words a Drive warning here: gc deletes, it never recycles.
+    rotation = Rotation(mgr.backend, keep_last=MANAGER_KEEP_LAST, keep_every=None)
+    cat = scan(mgr.backend)
     if args.grace is not None:
-        report = mgr.gc(keep_last=keep_last, keep=rules, dry_run=args.dry_run, grace=args.grace)
+        report = rotation.gc(cat, keep_last=keep_last, rules=rules, dry_run=args.dry_run, grace=args.grace)
     else:
-        report = mgr.gc(keep_last=keep_last, keep=rules, dry_run=args.dry_run)
+        report = rotation.gc(cat, keep_last=keep_last, rules=rules, dry_run=args.dry_run)
     deleted, reasons, sizes = list(report.deleted), dict(report.reasons), dict(report.sizes)
     if args.json:
         emit_json(

@@ -1,7 +1,8 @@
 """``ckptsdk audit``: did a resumed run continue the same run? Compares the steps attempts logged.
 
 The comparison is :func:`ckptsdk.runlog.audit.audit`'s and the plot :mod:`ckptsdk.runlog.plot`'s; this module
-parses, calls and formats (``--strict`` turns a DIVERGED verdict into exit 1).
+parses, calls and formats (``--strict`` turns a DIVERGED or an unverified verdict into exit 1,
+saying why: a run that proved nothing must not pass a script's check).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
             "command": "audit",
             "url": args.url,
             "ok": report.ok,
+            "verified": report.verified,
             "plot": plot_path,
             "report": json.loads(report.model_dump_json()),
         }
@@ -81,17 +83,24 @@ def cmd_audit(args: argparse.Namespace) -> int:
                     ["SCALAR", "MAX |DIFF|", "AT STEP", "COMPARED"],
                 )
             )
+            for name, n in report.data_compared.items():
+                print(f"data digest {name}: compared at {n} step{'' if n == 1 else 's'}")
             if report.first_divergence is not None:
                 d = report.first_divergence
                 vals = ", ".join(f"attempt {a}: {v!r}" for a, v in d.values.items())
-                print(f"\nfirst divergence: step {d.step}, {d.scalar}: {vals}")
+                kind = "the data differs" if d.in_data else "the values differ"
+                print(f"\nfirst divergence: step {d.step}, {d.scalar} ({kind}): {vals}")
         else:
-            print("no step was logged by more than one attempt: nothing to compare")
+            print(f"unverified: {report.unverified_reason}")
         for w in report.warnings:
             print(f"warning: {w}")
         if plot_path:
             print(f"plot written to {plot_path}")
     if args.strict and not report.ok:
+        logger.error("audit --strict: %s: the resumed run did not repeat the killed attempt's steps", report.verdict)
+        raise Failed()
+    if args.strict and not report.verified:
+        logger.error("audit --strict: unverified, nothing was compared: %s", report.unverified_reason)
         raise Failed()
     return EXIT_OK
 
@@ -99,7 +108,9 @@ def cmd_audit(args: argparse.Namespace) -> int:
 def register(add: Callable[[str, str], argparse.ArgumentParser]) -> None:
     """Add this command to the parser (``add(name, help)`` makes a subcommand taking URL)."""
     sp = add("audit", "compare the steps logged by several attempts (did the resume continue the same run?)")
-    sp.add_argument("--strict", action="store_true", help="exit 1 when the verdict is DIVERGED")
+    sp.add_argument(
+        "--strict", action="store_true", help="exit 1 when the verdict is DIVERGED or unverified (nothing compared)"
+    )
     sp.add_argument("--tolerance", type=float, default=0.0, help="largest |difference| accepted (default 0: bit-exact)")
     sp.add_argument("--plot", metavar="FILE.png", help="draw loss over steps by attempt (needs the 'plot' extra)")
     sp.set_defaults(fn=cmd_audit)

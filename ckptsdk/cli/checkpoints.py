@@ -13,14 +13,14 @@ import json
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ckptsdk.cli.admin import add_rule_flags, rules_from_args
+from ckptsdk.cli.admin import MANAGER_KEEP_LAST, add_rule_flags, rules_from_args
 from ckptsdk.cli.common import (
     EXIT_OK,
     Failed,
     UsageError,
     emit_json,
     human_size,
-    manager,
+    reader,
     require_root,
     short_time,
     table,
@@ -114,12 +114,20 @@ def _kept_by(info: CheckpointInfo, kept: dict[int, tuple[str, ...]]) -> str:
 
 def cmd_ls(args: argparse.Namespace) -> int:
     keep_last, rules = rules_from_args(args)
-    mgr = manager(args)
+    mgr = reader(args)
     require_root(mgr.backend, args.url)
     infos = mgr.list()
-    kept = mgr.kept(keep_last=keep_last, keep=rules)
+    # What CheckpointManager.kept/rules answer, without the manager's torch import.
+    from ckptsdk.checkpoint.catalog import scan
+    from ckptsdk.checkpoint.retention import describe_rules
+    from ckptsdk.checkpoint.rotation import Rotation
+    from ckptsdk.checkpoint.rotation import kept as kept_steps
+
+    rotation = Rotation(mgr.backend, keep_last=MANAGER_KEEP_LAST, keep_every=None)
+    in_force = rotation.retention_rules(keep_last, rules)
+    kept = kept_steps(scan(mgr.backend), in_force, settle=rotation.late)
     rows = [{**_info_dict(i), "kept_by": list(kept.get(i.step, ())) if i.valid else []} for i in infos]
-    said = mgr.rules(keep_last=keep_last, keep=rules)
+    said = describe_rules(in_force)
     if args.json:
         emit_json({"command": "ls", "url": args.url, "rules": said, "checkpoints": rows})
         return EXIT_OK
@@ -154,7 +162,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 def _tensor_rows(mgr: Any, key: str) -> list[dict[str, Any]]:
     """Tensor name, dtype, shape and byte size from a tensor file's header (bounded, checked)."""
-    from ckptsdk.format.tensorfile import read_header  # the one header parser (torch: only when showing tensors)
+    from ckptsdk.format.tensorfile import read_header  # the one header parser; no torch
 
     rows = [
         {"name": e.name, "dtype": e.code, "shape": e.shape, "bytes": e.nbytes} for e in read_header(mgr.backend, key)
@@ -165,7 +173,8 @@ def _tensor_rows(mgr: Any, key: str) -> list[dict[str, Any]]:
 def cmd_show(args: argparse.Namespace) -> int:
     from ckptsdk.format.layout import TENSORS
 
-    mgr = manager(args)
+    mgr = reader(args)
+    require_root(mgr.backend, args.url)  # a mistyped URL says so, as `ls` does, not "no valid checkpoint"
     info = mgr.pick(args.step)
     manifest = info.manifest
     assert manifest is not None  # pick() returns only checkpoints whose manifest reads
@@ -227,7 +236,7 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    mgr = manager(args)
+    mgr = reader(args)
     require_root(mgr.backend, args.url)
     infos = mgr.list()
     if args.all:

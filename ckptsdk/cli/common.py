@@ -1,7 +1,9 @@
 """What every ``ckptsdk`` command shares: opening the root, the two CLI-only errors, output.
 
 Tables, sizes, times and the one JSON document a ``--json`` command prints. Commands live in
-the sibling modules; checkpoint logic lives in the library, never here.
+the sibling modules; checkpoint logic lives in the library, never here. Nothing here imports
+torch or numpy: the everyday commands (``ls``, ``show``, ``audit``, ``du``, ``lease``, ``gc``) run
+without them (tests/cli/test_cli_imports.py holds it).
 """
 
 from __future__ import annotations
@@ -17,9 +19,9 @@ from typing import TYPE_CHECKING, Any
 from ckptsdk.errors import NoCheckpointRootError
 from ckptsdk.format.document import parse_utc
 
-if TYPE_CHECKING:  # both import torch or fsspec: commands import them when they run
+if TYPE_CHECKING:  # a backend may import fsspec: commands import them when they run
     from ckptsdk.backends.base import Backend
-    from ckptsdk.manager import CheckpointManager
+    from ckptsdk.checkpoint.reader import CheckpointReader
 
 __all__ = [
     "EXIT_BROKEN_PIPE",
@@ -35,8 +37,8 @@ __all__ = [
     "emit_json",
     "fmt_float",
     "human_size",
-    "manager",
     "parse_wall",
+    "reader",
     "require_root",
     "short_time",
     "storage_options",
@@ -76,11 +78,17 @@ def storage_options(pairs: Sequence[str] | None) -> dict[str, Any]:
     return out
 
 
-def manager(args: argparse.Namespace) -> CheckpointManager:
-    """A read-only manager of ``args.url`` (never the lease)."""
-    from ckptsdk.manager import CheckpointManager  # imports torch: only for commands that need it
+def reader(args: argparse.Namespace) -> CheckpointReader:
+    """What a ``read_only`` manager of ``args.url`` is (never the lease), without torch.
 
-    return CheckpointManager(args.url, read_only=True, storage_options=storage_options(args.storage_option))
+    :class:`~ckptsdk.CheckpointManager` would import torch for its saving half: seconds at
+    every ``ckptsdk ls`` after a reconnect, for nothing a read-only command uses.
+    """
+    from ckptsdk.checkpoint.reader import CheckpointReader
+
+    out = CheckpointReader(backend(args))
+    out.url = args.url  # messages name the root as the user typed it, as the manager's do
+    return out
 
 
 def backend(args: argparse.Namespace) -> Backend:

@@ -19,12 +19,19 @@ def cmd_import(args: argparse.Namespace) -> int:
     """``ckptsdk import FILE.pt URL``: see :func:`ckptsdk.porting.torch_import.import_torch_checkpoint`."""
     from ckptsdk.porting.torch_import import import_torch_checkpoint
 
+    mapping = {}
+    for pair in args.map or ():
+        src, sep, dest = pair.partition("=")
+        if not (sep and src and dest):
+            raise UsageError(f"--map expects ENTRY=DEST (e.g. ema=objects/ema), got {pair!r}")
+        mapping[src] = dest
     info = import_torch_checkpoint(
         args.file,
         args.url,
         allow_numpy_rng=args.allow_numpy_rng,
         step=args.step,
         drop=args.drop or (),
+        mapping=mapping,
         storage_options=storage_options(args.storage_option),
         force=args.force,
     )
@@ -58,6 +65,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         object_path=args.object,
         tied=tied,
         storage_options=storage_options(args.storage_option),
+        force=args.force,
     )
     if args.json:
         emit_json({"command": "export", "url": url, **report})
@@ -78,10 +86,11 @@ def register(sub: Any) -> None:
     sp = sub.add_parser(
         "import",
         parents=[common],
-        help="commit a torch.save checkpoint (.pt) as a new root's first checkpoint, read with weights_only=True",
+        help="commit a torch.save checkpoint (.pt, Lightning .ckpt, HF checkpoint-N/ folder) as a new root's "
+        "first checkpoint, read with weights_only=True",
     )
-    sp.add_argument("file", metavar="FILE.pt")
-    sp.add_argument("url", metavar="URL", help="a checkpoint root without checkpoints")
+    sp.add_argument("file", metavar="FILE.pt", help="the .pt/.ckpt file, or an HF Trainer checkpoint-N/ folder")
+    sp.add_argument("url", metavar="URL", help="a new checkpoint root (no checkpoints, not inside another root)")
     sp.add_argument(
         "--allow-numpy-rng",
         action="store_true",
@@ -89,6 +98,14 @@ def register(sub: Any) -> None:
     )
     sp.add_argument("--step", type=int, help="the step to record (default: the file's 'step'/'global_step')")
     sp.add_argument("--drop", action="append", metavar="KEY", help="leave this key of the file out (repeatable)")
+    sp.add_argument(
+        "--map",
+        action="append",
+        metavar="ENTRY=DEST",
+        help="place an entry the known layouts do not (repeatable; a/b reaches into a dict): DEST is model, "
+        "optimizer, scheduler, scaler, objects/NAME, rng/{torch,cuda,numpy,python}, step, epoch, batch_idx, "
+        "extra/NAME or drop",
+    )
     sp.add_argument("--force", action="store_true", help="break a live writer lease on URL")
     sp.set_defaults(fn=cmd_import)
     sp = sub.add_parser("export", parents=[common], help="write a checkpoint's model weights to one .safetensors file")
@@ -109,4 +126,5 @@ def register(sub: Any) -> None:
         metavar="REMOVED=KEPT",
         help="declare a tied weight: written once, recorded in the metadata as save_model does",
     )
+    sp.add_argument("--force", action="store_true", help="replace OUT if it exists (never inside a checkpoint root)")
     sp.set_defaults(fn=cmd_export)

@@ -2,18 +2,23 @@
 
 ``torch.distributed``'s ``*_object`` collectives pickle their payloads; the decisions ckptsdk
 broadcasts (fenced or not, which checkpoint to restore, what each rank wrote) are JSON, so they
-travel as UTF-8 bytes in uint8 tensors. Nothing here knows about checkpoints or storage.
+travel as UTF-8 bytes in uint8 tensors. Errors cross the same way, as (type name, message).
+Nothing here knows about checkpoints or storage.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["broadcast_json", "gather_json", "all_min"]
+from ckptsdk import errors
+from ckptsdk.errors import CkptError
+
+__all__ = ["all_min", "broadcast_json", "describe_error", "gather_json", "rebuild_error"]
 
 
 def _device(group: Any) -> torch.device:
@@ -74,3 +79,19 @@ def all_min(value: int, *, group: Any = None) -> int:
     t = torch.tensor([value], dtype=torch.int64, device=_device(group))
     dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
     return int(t.item())
+
+
+# Errors travel between ranks as (type name, message): a rank rebuilds the same ckptsdk error.
+def describe_error(exc: BaseException) -> dict[str, Any]:
+    return {"ok": False, "type": type(exc).__name__, "message": str(exc), "rank": dist.get_rank()}
+
+
+def rebuild_error(outcome: Mapping[str, Any]) -> CkptError:
+    cls = getattr(errors, str(outcome.get("type")), None)
+    message = f"(from rank {outcome.get('rank')}) {outcome.get('message')}"
+    if isinstance(cls, type) and issubclass(cls, CkptError):
+        try:
+            return cls(message)
+        except TypeError:  # an error whose fields are required: keep the message
+            pass
+    return errors.CheckpointError(message)

@@ -19,9 +19,9 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from ckptsdk.backends import open_backend
 from ckptsdk.backends.base import Backend
 from ckptsdk.checkpoint.catalog import CheckpointInfo
-from ckptsdk.distributed.manager import load_quietly
 from ckptsdk.distributed.metadata import metadata_from_json
 from ckptsdk.distributed.payload import file_table, read_payload
+from ckptsdk.distributed.restoring import load_quietly
 from ckptsdk.distributed.storage import CkptStorageReader
 from ckptsdk.errors import NoValidCheckpointError
 from ckptsdk.format import codec

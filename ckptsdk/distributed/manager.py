@@ -4,6 +4,7 @@ Rank 0 owns an ordinary :class:`ckptsdk.CheckpointManager` (lease, lineage, rota
 and commits; other ranks never touch the lease. Every decision (fenced or not, which folder, which
 checkpoint, did it commit) is made on rank 0 and broadcast as JSON, so no rank writes after rank 0
 was fenced. Tensors go through DCP with :mod:`.storage`; each rank's RNG states go to its own file.
+Restoring (offer, load, agree, fall back together) is restoring.py's.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from __future__ import annotations
 import builtins
 import copy
 import logging
-import warnings
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
@@ -20,49 +20,33 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import state_dict_saver
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 
-from ckptsdk import errors
 from ckptsdk.backends import open_backend
 from ckptsdk.backends.base import Backend
 from ckptsdk.checkpoint import catalog as _catalog
 from ckptsdk.checkpoint.catalog import CheckpointInfo
-from ckptsdk.distributed.collective import all_min, broadcast_json, gather_json
-from ckptsdk.distributed.metadata import metadata_from_json
-from ckptsdk.distributed.payload import PAYLOAD_FORMAT, file_table, local_file, read_payload
-from ckptsdk.distributed.storage import CkptStorageReader, CkptStorageWriter, JsonLoadPlanner, JsonSavePlanner, unwrap
-from ckptsdk.errors import CkptError, ConfigError, CorruptCheckpointError, StateMismatchError
+from ckptsdk.distributed import restoring
+from ckptsdk.distributed.collective import broadcast_json, describe_error, gather_json, rebuild_error
+from ckptsdk.distributed.payload import PAYLOAD_FORMAT, local_file
+from ckptsdk.distributed.storage import CkptStorageWriter, JsonSavePlanner, unwrap
+from ckptsdk.errors import CkptError, ConfigError, CorruptCheckpointError
 from ckptsdk.format import codec
 from ckptsdk.format.digest import DEFAULT as DIGEST_ALGORITHM
 from ckptsdk.format.layout import checkpoint_dir, writer_tag
 from ckptsdk.format.manifest import FileEntry
-from ckptsdk.format.tensorfile import read_tensorfile, write_tensorfile
+from ckptsdk.format.tensorfile import write_tensorfile
 from ckptsdk.manager import CheckpointManager, ResumePoint, Simulation, save_due
-from ckptsdk.rng import capture_rng, restore_rng
+from ckptsdk.rng import capture_rng
 
 if TYPE_CHECKING:
     from ckptsdk.runlog.audit import AuditReport
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DistributedCheckpointManager", "load_quietly"]
-
-
-class _Capture:
-    """What the core manager's ``restore`` loads into on rank 0: the payload, nothing else.
-
-    The core manager picks the checkpoint (skipping torn, corrupt and orphaned ones: the rank
-    files are in its manifest), records the lineage, and re-commits it under the new lease epoch
-    (its "anchor", copying the rank files) so a zombie cannot rotate the resume point away.
-    """
-
-    def __init__(self) -> None:
-        self.payload: dict[str, Any] | None = None
-
-    def load_state_dict(self, tree: Any) -> None:
-        self.payload = read_payload(tree)
+__all__ = ["DistributedCheckpointManager"]
 
 
 def _snapshot(obj: Any) -> Any:
@@ -165,7 +149,7 @@ class DistributedCheckpointManager:
                     save_on_signal=False,
                 )
             except CkptError as exc:
-                outcome, error = _describe(exc), exc
+                outcome, error = describe_error(exc), exc
         self._agree(outcome, error)
 
     # ------------------------------------------------------------------ helpers
@@ -177,9 +161,9 @@ class DistributedCheckpointManager:
         """Broadcast rank 0's outcome; every rank raises the same error type when it failed."""
         outcome = self._bcast(outcome, group)
         if error is not None:  # rank 0 raises its own exception, with its fields and cause
-            raise error if isinstance(error, Exception) else _rebuild(outcome)
+            raise error if isinstance(error, Exception) else rebuild_error(outcome)
         if not outcome.get("ok"):
-            raise _rebuild(outcome)
+            raise rebuild_error(outcome)
         return outcome
 
     def _writer(self) -> tuple[int, str]:
@@ -297,9 +281,9 @@ class DistributedCheckpointManager:
             try:
                 decision = self._preflight(step)
             except CkptError as exc:
-                decision, error = _describe(exc), exc
+                decision, error = describe_error(exc), exc
         decision = self._agree(decision, error, group)
-        folder = decision["folder"]
+        folder: str = decision["folder"]
         if decision.get("existing"):
             return folder
         mine: dict[str, Any]
@@ -315,13 +299,13 @@ class DistributedCheckpointManager:
                 "tree": skeleton,
             }
         except CkptError as exc:  # reported to every rank below, so that none waits for this one
-            mine, failed = {"error": _describe(exc)}, exc
+            mine, failed = {"error": describe_error(exc)}, exc
         locals_ = gather_json(mine, group=group)
         if failed is not None:
             raise failed
         bad = next((rec["error"] for rec in locals_ if "error" in rec), None)
         if bad is not None:
-            raise _rebuild(bad)
+            raise rebuild_error(bad)
 
         def commit(md: dict[str, Any], files: dict[str, dict[str, Any]]) -> None:
             core = self._core
@@ -357,10 +341,10 @@ class DistributedCheckpointManager:
         writer = CkptStorageWriter(self.backend, folder, commit=commit)
         failure: BaseException | None = None
         try:
-            dcp.save(state, storage_writer=writer, planner=JsonSavePlanner(), process_group=group)
+            state_dict_saver.save(state, storage_writer=writer, planner=JsonSavePlanner(), process_group=group)
         except CheckpointException as exc:
             failure = writer.commit_error or unwrap(exc)
-        outcome = {"ok": True, "key": folder} if failure is None else _describe(failure)
+        outcome = {"ok": True, "key": folder} if failure is None else describe_error(failure)
         self._agree(outcome, failure if self.rank == 0 else None, group)
         return folder
 
@@ -386,95 +370,50 @@ class DistributedCheckpointManager:
     def restore(self, state: dict[str, Any]) -> ResumePoint | None:
         """Load the newest valid checkpoint into ``state`` on every rank (the same step on all).
 
-        Rank 0 picks it through its core manager (skipping torn and orphaned ones: the rank files
-        are in the manifest) and broadcasts the choice; each rank loads what its shards need,
-        verified, through DCP (a checkpoint written by N ranks restores on M). When the world
-        size is unchanged each rank gets back its own RNG states and ``local`` extras
-        (``self.local``); otherwise they are left alone and a warning says so.
+        Rank 0 walks the checkpoints newest first through its core manager (skipping torn and
+        orphaned ones: the rank files are in the manifest) and offers each to every rank; each
+        rank loads what its shards need, verified, through DCP (a checkpoint written by N ranks
+        restores on M). A rank file that fails its digest makes every rank drop that checkpoint
+        together, with a warning naming the file, and the next older one is offered; rank 0's
+        lineage starts only from the one every rank loaded. When the world size is unchanged each
+        rank gets back its own RNG states and ``local`` extras (``self.local``); otherwise they
+        are left alone and a warning says so.
 
         Returns:
             The :class:`ckptsdk.ResumePoint` (same on every rank), or ``None`` on a fresh root.
 
         Raises:
-            CorruptCheckpointError: on every rank, when a rank file of the chosen checkpoint
-                fails its digest (not skipped: delete that folder to fall back to the previous one).
             StateMismatchError: on every rank, when ``state`` does not fit the checkpoint.
-            NoValidCheckpointError, LeaseLostError: on every rank, as rank 0 saw them.
+            NoValidCheckpointError, LeaseLostError: on every rank, as rank 0 saw them (every
+                checkpoint corrupt on some rank included).
         """
-        decision: dict[str, Any] = {"ok": True, "found": False}
-        error: BaseException | None = None
-        if self.rank == 0:
-            core = self._core
-            assert core is not None
-            capture = _Capture()
-            try:
-                pos = core.restore(capture)
-                if pos is not None:
-                    assert core.resumed_from is not None and core.resumed_from.manifest is not None
-                    _t, point = codec.encode({k: getattr(pos, k) for k in ResumePoint.__dataclass_fields__})
-                    decision = {
-                        "ok": True,
-                        "found": True,
-                        "source": core.resumed_from.key,
-                        "payload": capture.payload,
-                        "point": point,
-                        "files": file_table(core.resumed_from.manifest),
-                    }
-            except CkptError as exc:
-                decision, error = _describe(exc), exc
-        decision = self._agree(decision, error)
-        if not decision["found"]:
-            return None
-        payload, source = decision["payload"], decision["source"]
-        original: Exception | None = None
-        try:
-            self._load(state, payload, source, decision["files"])
-        except Exception as exc:  # any failure, on any rank, must reach every rank (none may hang)
-            original = exc
-        if not all_min(0 if original is not None else 1, group=self.group):
-            described = gather_json(None if original is None else _describe(original), group=self.group)
-            if original is not None:
-                raise original
-            raise _rebuild(next(d for d in described if d))
-        point = codec.decode(decision["point"], {})
-        return ResumePoint(**point)
-
-    def _load(
-        self, state: dict[str, Any], payload: dict[str, Any], source: str, files: dict[str, dict[str, Any]]
-    ) -> None:
-        md = metadata_from_json(payload["dcp"], where=f"{self.url}/{source}")
-        reader = CkptStorageReader(self.backend, source, metadata=md, files=files)
-        load_quietly(state, reader)
-        if payload["world_size"] != self.world_size:
-            logger.warning(
-                "%s/%s was written by %d ranks, this job has %d: RNG states and local extras "
-                "are not restored (the run continues, but not bit-for-bit)",
-                self.url,
-                source,
-                payload["world_size"],
-                self.world_size,
-            )
-            self.local = None
-            return
-        name = local_file(self.rank)
-        entry = files[name]
-        tensors = read_tensorfile(
-            self.backend, f"{source}/{name}", size=entry["size"], digest=entry["digest"], algorithm=entry["algorithm"]
-        )
-        mine = codec.decode(payload["local"][self.rank], tensors)
-        restore_rng(mine["rng"])
-        self.local = mine["local"]
+        return restoring.restore(self, state)
 
     # ------------------------------------------------------------------ step log, lifecycle
 
     def log_step(self, step: int, **scalars: float | torch.Tensor | np.generic) -> None:
-        """Append ``scalars`` for ``step`` to the step log (rank 0's; other ranks: no-op)."""
+        """Append ``scalars`` for ``step`` to the step log: rank 0's only, other ranks: a no-op.
+
+        No collective runs per step, so another rank's scalars never reach the log; log a value
+        that is the same on every rank (an all-reduced loss) to have the audit cover them all.
+        """
         if self._core is not None:
             self._core.log_step(step, **scalars)
 
     def audit(self, tolerance: float = 0.0) -> AuditReport | None:
-        """The resume audit (see :meth:`ckptsdk.CheckpointManager.audit`); rank 0 only, else None."""
-        return self._core.audit(tolerance) if self._core is not None else None
+        """The resume audit (see :meth:`ckptsdk.CheckpointManager.audit`); rank 0 only, else None.
+
+        It compares rank 0's logged scalars only (see :meth:`log_step`), and says so in the log.
+        """
+        if self._core is None:
+            return None
+        logger.info(
+            "audit of %s compares rank 0's logged scalars only (%d ranks): a divergence seen only "
+            "in another rank's values is not detected; log all-reduced values to cover every rank",
+            self.url,
+            self.world_size,
+        )
+        return self._core.audit(tolerance)
 
     def list(self) -> builtins.list[CheckpointInfo]:  # `list`: this method, in the class
         """Every checkpoint folder under the root, oldest first (any rank; read-only)."""
@@ -498,49 +437,3 @@ class DistributedCheckpointManager:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-# Errors travel between ranks as (type name, message): a rank rebuilds the same ckptsdk error.
-def load_quietly(state: dict[str, Any], reader: CkptStorageReader, *, flatten: bool = True) -> None:
-    """``dcp.load`` on this rank alone, re-raising the error a read hit (not DCP's wrapper).
-
-    Each rank plans its own reads: no collective, so nothing is pickled between ranks either.
-    """
-    with warnings.catch_warnings():
-        # DCP warns that no_dist "assumes a single process"; here it is the intent.
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        try:
-            dcp.load(state, storage_reader=reader, planner=JsonLoadPlanner(flatten_state_dict=flatten), no_dist=True)
-        except CheckpointException as exc:
-            cause: BaseException = unwrap(exc)
-            if isinstance(cause, CkptError):
-                raise cause from None
-        except (RuntimeError, ValueError) as exc:  # DCP's planning: missing keys, other shapes
-            if isinstance(exc, CkptError):
-                raise
-            cause = exc
-        else:
-            return
-    # Corrupt data is a ckptsdk error from the verified read; anything else is a state that
-    # does not fit the checkpoint (DCP names the key).
-    raise StateMismatchError(
-        f"{reader.backend.url}/{reader.folder} does not fit the state given to restore: {cause}. "
-        "Build the same model/optimizer (any parallelism) as the job that saved it",
-        url=reader.backend.url,
-        mismatches=[str(cause)],
-    ) from cause
-
-
-def _describe(exc: BaseException) -> dict[str, Any]:
-    return {"ok": False, "type": type(exc).__name__, "message": str(exc), "rank": dist.get_rank()}
-
-
-def _rebuild(outcome: Mapping[str, Any]) -> CkptError:
-    cls = getattr(errors, str(outcome.get("type")), None)
-    message = f"(from rank {outcome.get('rank')}) {outcome.get('message')}"
-    if isinstance(cls, type) and issubclass(cls, CkptError):
-        try:
-            return cls(message)
-        except TypeError:  # an error whose fields are required: keep the message
-            pass
-    return errors.CheckpointError(message)

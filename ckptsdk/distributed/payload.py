@@ -26,7 +26,7 @@ def local_file(rank: int) -> str:
 
 def read_payload(tree: Any, *, where: str = "") -> dict[str, Any]:
     """The distributed payload of a manifest tree, checked; CorruptCheckpointError if it is none."""
-    payload = codec.decode(tree, {}) if not is_payload(tree) else tree
+    payload: dict[str, Any] = codec.decode(tree, {}) if not is_payload(tree) else tree
     if not is_payload(payload):
         raise CorruptCheckpointError(
             f"{where}: not a distributed checkpoint (no {PAYLOAD_FORMAT} payload); open it with "

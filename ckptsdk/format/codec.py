@@ -223,7 +223,7 @@ class _Encoder:
             )
         return key
 
-    def mapping(self, obj: dict, path: tuple[str, ...], active: set[int]) -> Any:
+    def mapping(self, obj: dict[Any, Any], path: tuple[str, ...], active: set[int]) -> Any:
         for key in obj:
             if not (key is None or type(key) in (str, int, bool, float)):
                 raise _refuse(
@@ -353,7 +353,7 @@ def _decode(node: Any, tensors: Mapping[str, torch.Tensor], depth: int) -> Any:
         raise ManifestError(f"state skeleton has a malformed {tag} node: {exc}") from exc
 
 
-def _decode_tagged(tag: str, node: dict, tensors: Mapping[str, torch.Tensor], depth: int) -> Any:
+def _decode_tagged(tag: str, node: dict[str, Any], tensors: Mapping[str, torch.Tensor], depth: int) -> Any:
     value = node[tag]
     if tag == "$tuple":
         _expect_keys(node, {tag})
@@ -471,6 +471,6 @@ def _numeric_dtype(text: Any) -> np.dtype:
     return dt
 
 
-def _expect_keys(node: dict, keys: set[str]) -> None:
+def _expect_keys(node: dict[str, Any], keys: set[str]) -> None:
     if set(node) != keys:
         raise ValueError(f"fields {sorted(node)} (expected {sorted(keys)})")

@@ -34,6 +34,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "CHECKSUM_FIELD",
+    "DEFAULT_MAX_BYTES",
     "FLOAT_FORM",
     "Document",
     "Strict",
@@ -150,7 +151,7 @@ def decode_float(value: object) -> float:
         if text in named:
             return named[text]
         if re.fullmatch(r"[0-9a-f]{16}", text):
-            result = struct.unpack("<d", struct.pack("<Q", int(text, 16)))[0]
+            result: float = struct.unpack("<d", struct.pack("<Q", int(text, 16)))[0]
             if not math.isnan(result):
                 raise ValueError(f"bit pattern {text} is not a nan; write the number itself")
             return result
@@ -216,6 +217,11 @@ class Strict(BaseModel):
         return data
 
 
+#: ``Document.MAX_BYTES`` unless a kind sets its own: far above any document ckptsdk writes
+#: (kilobytes), far below what would take seconds or hundreds of MiB to parse.
+DEFAULT_MAX_BYTES = 16 << 20
+
+
 class Document(Strict):
     """Base of every JSON document ckptsdk writes.
 
@@ -226,6 +232,9 @@ class Document(Strict):
 
     FORMAT: ClassVar[str] = ""
     CHECKSUM_SINCE: ClassVar[int | None] = None
+    #: The most bytes ``parse_document`` reads as this document; larger ones are refused before
+    #: parsing (a padded or garbage file must cost a length check, not seconds and gigabytes).
+    MAX_BYTES: ClassVar[int] = DEFAULT_MAX_BYTES
 
     @model_validator(mode="before")
     @classmethod
@@ -333,8 +342,9 @@ def parse_document(
             then read as that.
 
     Raises:
-        ManifestError (or what ``error`` builds): not JSON, not an object, no or a foreign or
-            unreadable ``format``, a checksum that does not hold, or invalid fields; says which.
+        ManifestError (or what ``error`` builds): larger than ``model.MAX_BYTES`` (checked before
+            parsing), not JSON, not an object, no or a foreign or unreadable ``format``, a
+            checksum that does not hold, or invalid fields; says which.
 
     Example:
         >>> class Note(Document):
@@ -354,6 +364,13 @@ def parse_document(
     where = f"{place}: " if place else ""
     if not isinstance(data, (bytes, bytearray, memoryview, str)):
         raise error(f"{where}expected bytes, got {type(data).__name__}", None)
+    size = memoryview(data).nbytes if not isinstance(data, str) else len(data)  # str: chars <= bytes, bounded
+    if size > model.MAX_BYTES:
+        raise error(
+            f"{where}{size} bytes, more than the {model.MAX_BYTES} a {expected} document may have (they are "
+            f"kilobytes); not parsed: the file is padded, garbage or not a {expected} document",
+            None,
+        )
     try:
         obj = json.loads(bytes(data) if not isinstance(data, str) else data, parse_constant=_reject_constant)
     except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError included

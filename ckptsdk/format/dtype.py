@@ -26,39 +26,41 @@ class DType:
         code: its name in a safetensors header (``"F32"``).
         name: torch's name for it, which the skeleton's ``$tensor`` nodes use (``"float32"``).
         rank: its place in the order safetensors' own writer sorts tensors (see ``TABLE``).
+        itemsize: bytes per element, so that a header is checked without importing torch.
     """
 
     code: str
     name: str
     rank: int
+    itemsize: int
 
 
 # Every dtype safetensors can hold, in the order its writer sorts tensors (its Rust Dtype enum,
 # descending; then by name): writing in this order makes our files byte-identical to its own.
 _CODES = (
-    ("U64", "uint64"),
-    ("I64", "int64"),
-    ("F64", "float64"),
-    ("C64", "complex64"),
-    ("F32", "float32"),
-    ("U32", "uint32"),
-    ("I32", "int32"),
-    ("BF16", "bfloat16"),
-    ("F16", "float16"),
-    ("U16", "uint16"),
-    ("I16", "int16"),
-    ("F8_E5M2FNUZ", "float8_e5m2fnuz"),
-    ("F8_E4M3FNUZ", "float8_e4m3fnuz"),
-    ("F8_E8M0", "float8_e8m0fnu"),
-    ("F8_E4M3", "float8_e4m3fn"),
-    ("F8_E5M2", "float8_e5m2"),
-    ("I8", "int8"),
-    ("U8", "uint8"),
-    ("BOOL", "bool"),
+    ("U64", "uint64", 8),
+    ("I64", "int64", 8),
+    ("F64", "float64", 8),
+    ("C64", "complex64", 8),
+    ("F32", "float32", 4),
+    ("U32", "uint32", 4),
+    ("I32", "int32", 4),
+    ("BF16", "bfloat16", 2),
+    ("F16", "float16", 2),
+    ("U16", "uint16", 2),
+    ("I16", "int16", 2),
+    ("F8_E5M2FNUZ", "float8_e5m2fnuz", 1),
+    ("F8_E4M3FNUZ", "float8_e4m3fnuz", 1),
+    ("F8_E8M0", "float8_e8m0fnu", 1),
+    ("F8_E4M3", "float8_e4m3fn", 1),
+    ("F8_E5M2", "float8_e5m2", 1),
+    ("I8", "int8", 1),
+    ("U8", "uint8", 1),
+    ("BOOL", "bool", 1),
 )
 #: The table, in safetensors' file order. The same whatever torch is installed (the JSON Schema
 #: lists every name); ``to_torch`` says whether this torch has a dtype.
-TABLE: tuple[DType, ...] = tuple(DType(code, name, rank) for rank, (code, name) in enumerate(_CODES))
+TABLE: tuple[DType, ...] = tuple(DType(code, name, rank, size) for rank, (code, name, size) in enumerate(_CODES))
 BY_CODE: dict[str, DType] = {d.code: d for d in TABLE}
 BY_NAME: dict[str, DType] = {d.name: d for d in TABLE}
 #: The torch names, as the skeleton's ``$tensor`` nodes carry them.

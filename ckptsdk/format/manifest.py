@@ -10,20 +10,17 @@ here. Regenerate the schema with
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import math
 import os
-import platform
 import re
 import socket
 import sys
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 from pydantic import Field, JsonValue, field_serializer, field_validator
 from pydantic.json_schema import models_json_schema
 
-from ckptsdk._version import __version__
 from ckptsdk.errors import ManifestError
 from ckptsdk.format.document import (
     CHECKSUM_FIELD,
@@ -34,16 +31,13 @@ from ckptsdk.format.document import (
     parse_document,
     utc_now,
 )
+from ckptsdk.format.environment import Environment
 from ckptsdk.format.skeleton import skeleton_schema, tensor_paths
 from ckptsdk.format.userfield import Metric, decode_extra, encode_extra
-
-if TYPE_CHECKING:
-    from torch import device as TorchDevice  # not "torch": Environment has a field of that name
 
 __all__ = [
     "FORMAT",
     "LINEAGE_FORMAT",
-    "Environment",
     "FileEntry",
     "LineageRecord",
     "Manifest",
@@ -130,55 +124,14 @@ class Writer(Strict):
     resumed_from_step: int | None = Field(default=None, ge=0)
 
 
-class Environment(Strict):
-    """Versions and device of the process that wrote a checkpoint (informational)."""
-
-    python: str
-    torch: str
-    numpy: str
-    ckptsdk: str
-    platform: str
-    device: str
-    cuda: str | None = Field(description="the CUDA version torch was built with, if any")
-
-    @classmethod
-    def current(cls, device: TorchDevice | str | None = None) -> Environment:
-        """Describe this process. Never initialises CUDA.
-
-        Args:
-            device: the training device (``torch.device`` or str); default: the current CUDA
-                device when this process initialised CUDA, else ``"cpu"``.
-        """
-        import numpy
-        import torch
-
-        if device is None:
-            if torch.cuda.is_available() and torch.cuda.is_initialized():
-                index = torch.cuda.current_device()
-                device = f"cuda:{index} ({torch.cuda.get_device_name(index)})"
-            else:
-                device = "cpu"
-        return cls(
-            python=platform.python_version(),
-            torch=torch.__version__,
-            numpy=numpy.__version__,
-            ckptsdk=__version__,
-            platform=_platform(),
-            device=str(device),
-            cuda=torch.version.cuda,
-        )
-
-
-@functools.lru_cache(maxsize=1)
-def _platform() -> str:
-    return platform.platform()  # reads the interpreter binary to find libc: once is enough
-
-
 class Manifest(Document):
     """A checkpoint's manifest.json: published last, it is what makes a checkpoint exist."""
 
     FORMAT: ClassVar[str] = FORMAT
     CHECKSUM_SINCE: ClassVar[int | None] = _CHECKSUM_MINOR
+    # The skeleton grows with the tensor count (a distributed one with ranks x chunks): a few
+    # MiB for the largest trees seen; the cap leaves room for ten times that.
+    MAX_BYTES: ClassVar[int] = 64 << 20
 
     format: str = Field(default=FORMAT, pattern=r"^ckptsdk\.checkpoint/1(\.[0-9]+)?$")
     step: int = Field(ge=0)
@@ -220,6 +173,7 @@ class LineageRecord(Document):
 
     FORMAT: ClassVar[str] = LINEAGE_FORMAT
     CHECKSUM_SINCE: ClassVar[int | None] = _CHECKSUM_MINOR
+    MAX_BYTES: ClassVar[int] = 1 << 20  # a few hundred bytes are written
 
     format: str = Field(default=LINEAGE_FORMAT, pattern=r"^ckptsdk\.lineage/1(\.[0-9]+)?$")
     epoch: int = Field(ge=0)

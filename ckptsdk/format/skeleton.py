@@ -13,7 +13,6 @@ from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 from pydantic import JsonValue
 
 from ckptsdk.errors import ManifestError
@@ -76,6 +75,10 @@ _TAG_FIELDS: dict[str, set[str]] = {
 # Forms of the string fields, shared by the parser and the JSON Schema (one home each).
 _NUMPY_DTYPE = r"^[<>|=][biufc][0-9]+$"  # numpy's dtype.str of a numeric dtype
 _HEX_BYTES = r"^([0-9a-f]{2})*$"
+# The sizes numpy has for each numeric kind, so that parsing a manifest (every `ckptsdk ls`) needs
+# no numpy. f16/c32 are long double: where a numpy build lacks them, decoding fails, as damage.
+# tests/cli/test_cli_imports.py holds this table to numpy's own answer.
+_NUMPY_SIZES = {"b": (1,), "i": (1, 2, 4, 8), "u": (1, 2, 4, 8), "f": (2, 4, 8, 16), "c": (8, 16, 32)}
 _SCALAR_FORMS = {"$float": FLOAT_FORM, "$int": r"^-?0x[0-9a-f]+$"}
 
 
@@ -237,7 +240,4 @@ def _dtype_ok(text: Any, names: tuple[str, ...] | None) -> bool:
         return text in names
     if not (isinstance(text, str) and re.fullmatch(_NUMPY_DTYPE, text)):
         return False
-    try:
-        return np.dtype(text).kind in "biufc"
-    except TypeError:
-        return False
+    return int(text[2:]) in _NUMPY_SIZES[text[1]]

@@ -1,9 +1,11 @@
 """Tensor files: reading a safetensors file back verified, and the one parser of its header.
 
-A checkpoint's tensors are one safetensors file (written by tensorwriter.py, re-exported here so
-that ``ckptsdk.format.tensorfile`` is the whole API), plus a content digest of the whole file that every
+A checkpoint's tensors are one safetensors file (written by tensorwriter.py; ``write_tensorfile``
+is also importable from here, loaded on first use, so that ``ckptsdk.format.tensorfile`` is the
+whole API without importing torch at import time), plus a content digest of the whole file that every
 read checks. Nothing here knows about manifests, state trees or leases; the dtype table is
-dtype.py's and the digest table digest.py's.
+dtype.py's and the digest table digest.py's. torch is imported only to make tensors (reading,
+writing): checking a header and re-hashing a file, as ``ckptsdk show``/``verify`` do, need none.
 """
 
 from __future__ import annotations
@@ -15,17 +17,21 @@ import os
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import BinaryIO
-
-import torch
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from ckptsdk.backends.base import Backend
-from ckptsdk.errors import ConfigError, CorruptCheckpointError, ObjectNotFound
+from ckptsdk.errors import CheckpointTooLargeError, CkptError, ConfigError, CorruptCheckpointError, ObjectNotFound
 from ckptsdk.format.digest import CHECKPOINT_ALGORITHMS, DEFAULT, new_hasher
 from ckptsdk.format.dtype import BY_CODE, byte_view, to_torch
-from ckptsdk.format.tensorwriter import write_tensorfile
+from ckptsdk.format.memory import available_memory, describe_size
 
-__all__ = ["HeaderEntry", "read_header", "read_tensorfile", "verify_file", "write_tensorfile"]
+if TYPE_CHECKING:
+    import torch
+
+    from ckptsdk.format.tensorwriter import write_tensorfile as write_tensorfile  # for type checkers
+
+# write_tensorfile is not listed: it resolves lazily (__getattr__ below), which pdoc cannot follow.
+__all__ = ["HeaderEntry", "read_header", "read_tensorfile", "verify_file"]
 
 # Reads go in chunks of this size: big enough for one syscall (or one ranged GET) to be cheap,
 # small enough that each chunk is hashed while it is still in the CPU cache.
@@ -76,7 +82,9 @@ class _Reader:
     def scratch(self, n: int) -> memoryview:
         """A reusable uninitialised buffer of at least ``n`` bytes (n <= _READ_CHUNK)."""
         if self._scratch is None:
-            self._scratch = torch.empty(max(1, min(self.size, _READ_CHUNK)), dtype=torch.uint8).numpy().data
+            # A bytearray, not torch.empty: verify hashes without importing torch; its zero-fill
+            # is once per file, at most _READ_CHUNK bytes.
+            self._scratch = memoryview(bytearray(max(1, min(self.size, _READ_CHUNK))))
         return self._scratch[:n]
 
     def read_into(self, dest: memoryview) -> None:
@@ -134,6 +142,7 @@ def verify_file(backend: Backend, key: str, *, size: int, digest: str, algorithm
     Example:
         >>> import torch
         >>> from ckptsdk import open_backend
+        >>> from ckptsdk.format.tensorfile import write_tensorfile
         >>> b = open_backend("memory://verify-demo")
         >>> size, digest = write_tensorfile(b, "t.safetensors", {"w": torch.ones(2)})
         >>> verify_file(b, "t.safetensors", size=size, digest=digest)
@@ -149,7 +158,6 @@ class HeaderEntry:
 
     Attributes:
         name: the tensor's key in the file.
-        dtype: its torch dtype.
         code: its safetensors dtype code (``"F32"``).
         shape: its shape.
         begin: where its bytes start, counted from the end of the header.
@@ -157,7 +165,6 @@ class HeaderEntry:
     """
 
     name: str
-    dtype: torch.dtype
     code: str
     shape: list[int]
     begin: int
@@ -167,6 +174,11 @@ class HeaderEntry:
     def nbytes(self) -> int:
         """The tensor's size in bytes."""
         return self.end - self.begin
+
+    @property
+    def dtype(self) -> torch.dtype | None:
+        """Its torch dtype (imports torch), or None if this torch build lacks it."""
+        return to_torch(BY_CODE[self.code])
 
 
 def _header(backend: Backend, key: str, size: int, read: Callable[[int], bytes]) -> list[HeaderEntry]:
@@ -196,14 +208,7 @@ def _entries(backend: Backend, key: str, raw: bytes, data_len: int) -> list[Head
     for name, entry in header.items():
         try:
             code = entry["dtype"]
-            dtype = to_torch(BY_CODE[code])
-            if dtype is None:
-                raise _corrupt(
-                    backend,
-                    key,
-                    f"tensor {name!r} is {BY_CODE[code].name}, which torch "
-                    f"{torch.__version__} lacks; upgrade torch to read this file",
-                )
+            itemsize = BY_CODE[code].itemsize
             shape = entry["shape"]
             begin, end = entry["data_offsets"]
             if not isinstance(shape, list) or len(shape) > _MAX_DIMS:
@@ -212,11 +217,11 @@ def _entries(backend: Backend, key: str, raw: bytes, data_len: int) -> list[Head
                 raise ValueError("negative or non-integer shape/offset")
             # Zero-element tensors allocate nothing but their sizes must not overflow torch's
             # int64 size arithmetic either.
-            if math.prod(d for d in shape if d) * dtype.itemsize > _MAX_NBYTES:
+            if math.prod(d for d in shape if d) * itemsize > _MAX_NBYTES:
                 raise ValueError("dimensions too large")
         except (KeyError, TypeError, ValueError) as exc:
             raise _corrupt(backend, key, f"malformed header entry for {name!r}: {str(entry)[:200]}") from exc
-        nbytes = math.prod(shape) * dtype.itemsize
+        nbytes = math.prod(shape) * itemsize
         if end - begin != nbytes or end > data_len:
             raise _corrupt(
                 backend,
@@ -224,7 +229,7 @@ def _entries(backend: Backend, key: str, raw: bytes, data_len: int) -> list[Head
                 f"tensor {name!r} spans bytes [{begin}, {end}) of {data_len}, "
                 f"but {entry['dtype']}{shape} needs {nbytes}",
             )
-        entries.append(HeaderEntry(name, dtype, code, shape, begin, end))
+        entries.append(HeaderEntry(name, code, shape, begin, end))
     entries.sort(key=lambda e: (e.begin, e.end))
     pos = 0
     for e in entries:
@@ -236,8 +241,25 @@ def _entries(backend: Backend, key: str, raw: bytes, data_len: int) -> list[Head
     return entries
 
 
+def _torch_holds(backend: Backend, key: str, entries: list[HeaderEntry]) -> None:
+    """Raise if this torch build lacks a dtype of the file (checked here, not by the header
+    parser, so that listing a header needs no torch)."""
+    import torch
+
+    for e in entries:
+        if e.dtype is None:
+            raise _corrupt(
+                backend,
+                key,
+                f"tensor {e.name!r} is {BY_CODE[e.code].name}, which torch "
+                f"{torch.__version__} lacks; upgrade torch to read this file",
+            )
+
+
 def _read_entries(reader: _Reader, entries: list[HeaderEntry]) -> dict[str, torch.Tensor]:
     """Read the data section straight into one fresh tensor per entry, in file order."""
+    import torch
+
     out: dict[str, torch.Tensor] = {}
     views: list[tuple[memoryview, int]] = []  # small tensors waiting for one shared read
     pending = 0
@@ -335,12 +357,15 @@ def read_tensorfile(
     Raises:
         CorruptCheckpointError: missing, truncated, too long, different digest or a malformed
             header; the message names the key and why.
+        CheckpointTooLargeError: the tensors verify but exceed the memory this process can
+            allocate (checked before allocating; the message names both sizes).
         ConfigError: a digest algorithm a checkpoint file may not name, or a negative size.
         BackendError: the storage failed while reading.
 
     Example:
         >>> import torch
         >>> from ckptsdk import open_backend
+        >>> from ckptsdk.format.tensorfile import write_tensorfile
         >>> b = open_backend("memory://read-demo")
         >>> size, digest = write_tensorfile(b, "t.safetensors", {"w": torch.arange(3)})
         >>> read_tensorfile(b, "t.safetensors", size=size, digest=digest)
@@ -363,11 +388,48 @@ def read_tensorfile(
         reader = _Reader(backend, key, f, size, digest, algorithm)
         try:
             entries = _header(backend, key, size, reader.read_bytes)
+            _torch_holds(backend, key, entries)
         except CorruptCheckpointError:
             # A damaged header is usually a damaged file: report the digest if that differs,
             # and the header's own problem only for a file that is what was written.
             reader.finish()
             raise
-        tensors = _read_entries(reader, entries)
+        need = sum(e.nbytes for e in entries)
+        room = available_memory()
+        if room is not None and need > room:
+            raise _too_large(reader, need, room)
+        try:
+            tensors = _read_entries(reader, entries)
+        except RuntimeError as exc:  # torch's allocator said no after all (overcommit, another thread)
+            raise _too_large(reader, need, available_memory() or 0) from exc
         reader.finish()
     return tensors
+
+
+def __getattr__(name: str) -> Any:
+    # write_tensorfile is part of this module's API but imports torch: loaded on first use.
+    if name == "write_tensorfile":
+        from ckptsdk.format.tensorwriter import write_tensorfile
+
+        return write_tensorfile
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _too_large(reader: _Reader, need: int, room: int) -> CkptError:
+    """The error for tensors that do not fit, decided without allocating them.
+
+    The rest of the file is hashed through the small scratch buffer first: a torn copy (a
+    sparse file whose header and manifest agree on 100 GB, the digest stale) is corrupt, and
+    restore falls back; only verified bytes make the "too large" error.
+    """
+    reader.finish()  # raises CorruptCheckpointError when the bytes are not what was written
+    return CheckpointTooLargeError(
+        f"tensor file {reader.key!r} at {reader.backend.url} holds {describe_size(need)} of tensors, but this "
+        f"process can allocate only {describe_size(room)} now (RAM and swap, cgroup, ulimit -v); its bytes verify, "
+        "so it is not corrupt. "
+        "Free memory, or restore on a machine with more",
+        url=reader.backend.url,
+        key=reader.key,
+        needed=need,
+        available=room,
+    )

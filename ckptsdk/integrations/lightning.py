@@ -281,7 +281,8 @@ class CkptsdkCheckpointIO(CheckpointIO):
             tree = mgr.load(step)
         if self.restore_rng:
             restore_rng(tree["rng"])
-        return tree["lightning"]
+        lightning_state: dict[str, Any] = tree["lightning"]
+        return lightning_state
 
     def remove_checkpoint(self, path: str | os.PathLike[str]) -> None:
         """Remove the pointer only: the data belong to ckptsdk's retention (``keep_last``)."""

@@ -186,20 +186,23 @@ class CkptsdkTrainer(Trainer):
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
         if self._resume is None:
-            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+            super()._load_from_checkpoint(resume_from_checkpoint, model)
+            return None
         # restore() already loaded the weights into self.model (checked against its keys and shapes).
         return None
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if self._resume is None:
-            return super()._load_optimizer_and_scheduler(checkpoint)
+            super()._load_optimizer_and_scheduler(checkpoint)
+            return None
         self.optimizer.load_state_dict(self._resume["optimizer"].saved)
         self.lr_scheduler.load_state_dict(self._resume["scheduler"].saved)
         return None
 
     def _load_scaler(self, checkpoint: str | None) -> None:
         if self._resume is None:
-            return super()._load_scaler(checkpoint)
+            super()._load_scaler(checkpoint)
+            return None
         saved = self._resume["scaler"].saved
         if saved and self.accelerator.scaler is not None:
             self.accelerator.scaler.load_state_dict(saved)
@@ -208,7 +211,8 @@ class CkptsdkTrainer(Trainer):
     def _load_rng_state(self, checkpoint: str | None) -> None:
         # Called by the Trainer at the right moment: after skipping the batches already done.
         if self._resume is None:
-            return super()._load_rng_state(checkpoint)
+            super()._load_rng_state(checkpoint)
+            return None
         restore_rng(self._resume["rng"])
         return None
 
@@ -255,7 +259,8 @@ class CkptsdkTrainer(Trainer):
     def _load_best_model(self) -> None:
         """Load the best checkpoint's weights from the root (the Trainer calls this at the end)."""
         if self._ckpt_mgr is None or self._best is None:
-            return super()._load_best_model()
+            super()._load_best_model()
+            return
         best = self._ckpt_mgr.best(self._best.metric, self._best.mode)
         if best is None:
             logger.warning(

@@ -76,6 +76,7 @@ class LeaseRecord(Document):
     """
 
     FORMAT: ClassVar[str] = LEASE_FORMAT
+    MAX_BYTES: ClassVar[int] = 1 << 20  # a few hundred bytes are written; a bigger file is not a lease
 
     format: str = Field(default=LEASE_FORMAT, pattern=r"^ckptsdk\.lease/1(\.[0-9]+)?$")
     run_id: str = Field(min_length=1)

@@ -1,7 +1,7 @@
 """The door out: export one checkpoint's model weights to a standard safetensors file.
 
 Tied weights are handled as ``safetensors.torch.save_model`` does. Reads through a read-only
-CheckpointManager (verified, pickle-free); importing ``torch.save`` files is legacy_import.py's job,
+CheckpointManager (verified, pickle-free); importing ``torch.save`` files is torch_import.py's job,
 the ``ckptsdk export`` command ckptsdk/cli/porting.py's.
 """
 
@@ -15,7 +15,8 @@ from typing import Any, TypedDict
 import torch
 
 from ckptsdk.distributed.payload import is_payload
-from ckptsdk.errors import ConfigError
+from ckptsdk.errors import BackendError, ConfigError
+from ckptsdk.porting.guard import check_output_path, publish
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +46,14 @@ def _at(tree: Any, path: str) -> Any:
     return node
 
 
+def _discard(tmp: str) -> None:
+    """Remove a temp file a failed export left (an absent one is the normal case)."""
+    try:
+        os.unlink(tmp)
+    except FileNotFoundError:
+        pass
+
+
 def _storage_groups(model: torch.nn.Module) -> list[list[str]]:
     """Names of the model's state dict that are one tensor (tied), as save_model finds them."""
     groups: dict[tuple[Any, ...], list[str]] = {}
@@ -64,6 +73,7 @@ def export_safetensors(
     model: torch.nn.Module | None = None,
     tied: Iterable[tuple[str, str]] = (),
     storage_options: Mapping[str, object] | None = None,
+    force: bool = False,
 ) -> ExportReport:
     """Write one checkpoint's model weights to a standard safetensors file.
 
@@ -77,21 +87,25 @@ def export_safetensors(
 
     Args:
         url: the checkpoint root (opened read-only: no lease is taken; listed once).
-        out: the ``.safetensors`` file to write (atomically: a temp name, then a rename).
+        out: the ``.safetensors`` file to write (atomically: a temp name in its folder, then a
+            rename); never inside a checkpoint root (see :mod:`ckptsdk.porting.guard`).
         step: which checkpoint (the newest valid one by default).
         object_path: where the state dict sits in the tree (default: the first of
             ``objects/model``, ``objects/model_0``, ``lightning/state_dict`` that exists).
         model: a live model whose shared tensors define the tied groups.
         tied: ``(removed, kept)`` name pairs declared tied.
         storage_options: fsspec options for ``gs://``.
+        force: replace ``out`` if it exists (an ordinary file outside every checkpoint root).
 
     Returns:
         ``{"step", "object", "tensors", "removed": {removed: kept}, "out"}`` (``tensors`` is None
         for a distributed checkpoint: all of them).
 
     Raises:
-        ConfigError: no state dict at ``object_path``, "tied" weights whose values differ, or
-            ``object_path``/``model``/``tied`` given for a distributed checkpoint.
+        ConfigError: no state dict at ``object_path``, "tied" weights whose values differ,
+            ``object_path``/``model``/``tied`` given for a distributed checkpoint, or an ``out``
+            inside a checkpoint root, in a missing folder, or existing without ``force``.
+        BackendError: writing ``out`` failed (disk full, permissions); nothing was left there.
         NoValidCheckpointError: no such step, or nothing restorable.
 
     Example:
@@ -109,6 +123,8 @@ def export_safetensors(
     from ckptsdk.manager import CheckpointManager
 
     tied = list(tied)
+    out = check_output_path(out, force=force)  # before anything is read: a slip costs nothing
+    tmp = os.path.join(os.path.dirname(os.path.abspath(out)), f".{os.path.basename(out)}.tmp-{os.getpid()}")
     with CheckpointManager(url, read_only=True, storage_options=storage_options) as mgr:
         info = mgr.pick(step)
         assert info.manifest is not None  # pick() returns only checkpoints whose manifest reads
@@ -121,13 +137,17 @@ def export_safetensors(
                 )
             from ckptsdk.distributed.export import write_consolidated
 
-            write_consolidated(mgr.backend, info, out, source=url)
+            try:
+                write_consolidated(mgr.backend, info, tmp, source=url)
+                publish(tmp, out, force=force)
+            finally:
+                _discard(tmp)
             return {
                 "step": chosen,
                 "object": "distributed (all ranks, consolidated)",
                 "tensors": None,
                 "removed": {},
-                "out": os.fspath(out),
+                "out": out,
             }
         tree = mgr.read_tree(info)
     paths = (object_path,) if object_path else MODEL_PATHS
@@ -157,14 +177,14 @@ def export_safetensors(
         removed[gone] = kept
     for gone in removed:
         del tensors[gone]
-    out = os.fspath(out)
-    tmp = f"{out}.tmp-{os.getpid()}"
     try:
-        safetensors.torch.save_file(
-            {k: v.contiguous() for k, v in tensors.items()}, tmp, metadata={"format": "pt", **removed}
-        )
-        os.replace(tmp, out)
+        try:
+            safetensors.torch.save_file(
+                {k: v.contiguous() for k, v in tensors.items()}, tmp, metadata={"format": "pt", **removed}
+            )
+        except (OSError, safetensors.SafetensorError) as exc:
+            raise BackendError(f"could not write {out} (through {tmp}): {exc}; check the disk and the folder") from exc
+        publish(tmp, out, force=force)
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        _discard(tmp)
     return {"step": chosen, "object": where, "tensors": len(tensors), "removed": removed, "out": out}

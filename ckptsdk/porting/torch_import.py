@@ -1,51 +1,35 @@
-"""The door in: import a ``torch.save`` checkpoint into a ckptsdk root.
+"""The door in: import a ``torch.save`` checkpoint (or an HF Trainer folder) into a new ckptsdk root.
 
 The only module of the library that calls ``torch.load``, always with ``weights_only=True`` (plus,
-on request, the few numpy globals an RNG state needs); nothing on the restore path imports it
-(tests/porting/test_import_export.py checks). Exporting weights out is export.py's job; the ``ckptsdk import``
-command is ckptsdk/cli/porting.py's.
+on request, the few numpy globals an RNG state needs), and only after archive_bound.py has checked
+what the zip may expand to; nothing on the restore path imports it (tests/porting/ checks). Where
+the parts go is layout.py's; where we may write is guard.py's; exporting is export.py's job.
 """
 
 from __future__ import annotations
 
 import importlib
+import json
 import logging
 import os
 import pickle
 import random
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
 from ckptsdk.errors import ConfigError, UnsupportedStateError
+from ckptsdk.porting.archive_bound import check_torch_archive
+from ckptsdk.porting.guard import check_new_root_url
+from ckptsdk.porting.layout import Mapped, map_checkpoint
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["import_torch_checkpoint", "load_torch_checkpoint"]
 
-
-# Where the story's (and most hand-written loops') keys go. First match wins; each list is short
-# on purpose: an unknown key is reported, never guessed at.
-_OBJECT_KEYS: dict[str, tuple[str, ...]] = {
-    "model": ("model", "model_state_dict", "state_dict"),
-    "optimizer": ("optimizer", "optimizer_state_dict", "optim"),
-    "scheduler": ("scheduler", "lr_scheduler", "scheduler_state_dict"),
-    "scaler": ("scaler", "grad_scaler", "scaler_state_dict"),
-}
-_RNG_KEYS: dict[str, tuple[str, ...]] = {
-    "torch": ("torch_rng", "torch_rng_state", "cpu_rng_state", "rng_state"),
-    "cuda": ("cuda_rng", "cuda_rng_state"),
-    "numpy": ("numpy_rng", "np_rng", "numpy_rng_state"),
-    "python": ("python_rng", "py_rng", "python_rng_state", "random_state"),
-}
-_POSITION_KEYS: dict[str, tuple[str, ...]] = {
-    "step": ("step", "global_step"),
-    "epoch": ("epoch",),
-    "batch_idx": ("batch_idx",),
-}
 
 _GLOBAL_IN_ERROR = re.compile(r"GLOBAL ([\w.]+)")
 
@@ -84,9 +68,15 @@ def load_torch_checkpoint(path: str | os.PathLike[str], *, allow_numpy_rng: bool
     Raises:
         UnsupportedStateError: the file names a global outside the allowlist (``type_name``
             holds it); nothing of the file was executed.
-        ConfigError: the file cannot be read as a torch checkpoint.
+        ConfigError: the file cannot be read as a torch checkpoint, or its zip members declare
+            more than it can honestly hold (checked before anything is decompressed:
+            :func:`~ckptsdk.porting.archive_bound.check_torch_archive`).
     """
     path = os.fspath(path)
+    try:
+        check_torch_archive(path)
+    except OSError as exc:
+        raise ConfigError(f"cannot read {path}: {exc}; check the path") from exc
     if not hasattr(torch.serialization, "safe_globals"):
         raise ConfigError(
             f"importing {path} needs torch >= 2.5 (torch.serialization.safe_globals); this is torch {torch.__version__}"
@@ -111,56 +101,8 @@ def load_torch_checkpoint(path: str | os.PathLike[str], *, allow_numpy_rng: bool
             path=path,
             type_name=name,
         ) from exc
-    except (OSError, RuntimeError, EOFError, ValueError) as exc:
+    except (OSError, RuntimeError, EOFError, ValueError, MemoryError) as exc:
         raise ConfigError(f"cannot read {path} as a torch.save checkpoint: {exc}") from exc
-
-
-def _take(saved: dict[str, Any], names: Iterable[str]) -> tuple[str, Any] | None:
-    for name in names:
-        if name in saved:
-            return name, saved.pop(name)
-    return None
-
-
-def _to_train_state_tree(saved: Any, source: str, drop: Sequence[str]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Map a story-layout dict to ``TrainState.state_dict()``'s shape plus position fields."""
-    if not isinstance(saved, Mapping):
-        raise ConfigError(
-            f"{source} holds a {type(saved).__name__}, not a dict of named parts; "
-            "import expects {'model': ..., 'optimizer': ..., 'step': ...}"
-        )
-    rest = dict(saved)
-    for key in drop:
-        if rest.pop(key, None) is None and key not in saved:
-            raise ConfigError(f"--drop {key}: {source} has no such key (keys: {sorted(map(str, saved))})")
-    objects = {}
-    for name, aliases in _OBJECT_KEYS.items():
-        hit = _take(rest, aliases)
-        if hit is not None:
-            objects[name] = hit[1]
-    if "model" not in objects:
-        raise ConfigError(f"{source} has no model state (looked for {', '.join(_OBJECT_KEYS['model'])})")
-    rng: dict[str, Any] = {}
-    for name, aliases in _RNG_KEYS.items():
-        hit = _take(rest, aliases)
-        rng[name] = None if hit is None else hit[1]
-    rng = _complete_rng(rng, source)
-    position = {}
-    for name, aliases in _POSITION_KEYS.items():
-        hit = _take(rest, aliases)
-        if hit is not None:
-            position[name] = int(hit[1])
-    extra = {}
-    for key, value in list(rest.items()):
-        if value is None or type(value) in (bool, int, float, str):  # harmless metadata: kept
-            extra[str(key)] = rest.pop(key)
-    if rest:
-        raise ConfigError(
-            f"{source} has entries import does not know where to put: {sorted(map(str, rest))}. Known: "
-            f"{sorted(a for v in (*_OBJECT_KEYS.values(), *_RNG_KEYS.values()) for a in v)}; "
-            "pass --drop KEY for each one the resumed job does not need"
-        )
-    return {"objects": objects, "rng": rng}, {**position, "extra": extra}
 
 
 def _complete_rng(rng: dict[str, Any], source: str) -> dict[str, Any]:
@@ -190,6 +132,70 @@ def _complete_rng(rng: dict[str, Any], source: str) -> dict[str, Any]:
     return rng
 
 
+_HF_TRAINER_STATE = "trainer_state.json"
+_HF_MODEL_FILES = ("model.safetensors", "pytorch_model.bin")
+_HF_PARTS = {"optimizer.pt": "optimizer", "scheduler.pt": "scheduler", "scaler.pt": "scaler"}
+
+
+def _read_hf_folder(folder: str, *, allow_numpy_rng: bool) -> dict[str, Any]:
+    """An HF Trainer ``checkpoint-N/`` folder as the story layout's dict (nothing is executed).
+
+    The model from ``model.safetensors`` (or its shards, or ``pytorch_model.bin``), the optimizer,
+    scheduler and scaler ``.pt`` files, ``rng_state.pth``, and ``trainer_state.json`` (kept whole
+    in ``extra``); ``training_args.bin`` pickles a class and is never read.
+    """
+    import safetensors.torch
+
+    with open(os.path.join(folder, _HF_TRAINER_STATE), encoding="utf-8") as f:
+        try:
+            trainer_state = json.load(f)
+        except ValueError as exc:
+            raise ConfigError(f"{folder}/{_HF_TRAINER_STATE} is not JSON ({exc})") from exc
+    names = sorted(os.listdir(folder))
+    shards = [n for n in names if n.startswith("model-") and n.endswith(".safetensors")]
+    model: dict[str, Any] = {}
+    if shards or _HF_MODEL_FILES[0] in names:
+        for name in shards or [_HF_MODEL_FILES[0]]:
+            model.update(safetensors.torch.load_file(os.path.join(folder, name)))
+    elif _HF_MODEL_FILES[1] in names:
+        model = load_torch_checkpoint(os.path.join(folder, _HF_MODEL_FILES[1]))
+    else:
+        raise ConfigError(f"{folder} holds no {' or '.join(_HF_MODEL_FILES)}: not an HF Trainer checkpoint folder")
+    saved: dict[str, Any] = {"model": model}
+    for name, part in _HF_PARTS.items():
+        if name in names:
+            saved[part] = load_torch_checkpoint(os.path.join(folder, name))
+    if "rng_state.pth" in names:
+        rng = load_torch_checkpoint(os.path.join(folder, "rng_state.pth"), allow_numpy_rng=allow_numpy_rng)
+        saved["rng"] = {k: v for k, v in rng.items() if k in ("python", "numpy", "cpu", "cuda")}
+    if "training_args.bin" in names:
+        logger.info("%s: training_args.bin is a pickled class and is not read (TrainingArguments rebuild it)", folder)
+    saved["step"] = trainer_state.get("global_step")
+    epoch = trainer_state.get("epoch")
+    if isinstance(epoch, (int, float)):  # HF counts fractional epochs (1.5: half-way through the second)
+        saved["epoch"] = int(epoch)
+    saved["trainer_state"] = trainer_state
+    return saved
+
+
+def _load_any(source: str, *, allow_numpy_rng: bool) -> tuple[Any, str]:
+    """What ``source`` holds, and its layout when the reading already tells (a folder)."""
+    if os.path.isdir(source):
+        if not os.path.exists(os.path.join(source, _HF_TRAINER_STATE)):
+            raise ConfigError(
+                f"{source} is a folder without {_HF_TRAINER_STATE}: the folders import reads are HF Trainer "
+                "checkpoint-N/ folders; for a .pt file, name the file"
+            )
+        return _read_hf_folder(source, allow_numpy_rng=allow_numpy_rng), "hf-trainer"
+    if not os.path.isfile(source):
+        raise ConfigError(f"{source} does not exist or is not a file; check the path")
+    return load_torch_checkpoint(source, allow_numpy_rng=allow_numpy_rng), ""
+
+
+def _train_state_tree(mapped: Mapped, source: str) -> dict[str, Any]:
+    return {"objects": mapped.objects, "rng": _complete_rng(dict(mapped.rng), source)}
+
+
 def import_torch_checkpoint(
     path: str | os.PathLike[str],
     url: str,
@@ -197,22 +203,28 @@ def import_torch_checkpoint(
     allow_numpy_rng: bool = False,
     step: int | None = None,
     drop: Sequence[str] = (),
+    mapping: Mapping[str, str] | None = None,
     storage_options: Mapping[str, Any] | None = None,
     force: bool = False,
 ) -> Any:
-    """Commit a ``torch.save`` checkpoint as the first checkpoint of a new ckptsdk root.
+    """Commit a foreign checkpoint as the first checkpoint of a new ckptsdk root.
 
-    The file is read with :func:`load_torch_checkpoint`; its parts are mapped to
-    ``TrainState(model=, optimizer=, scheduler=, scaler=)`` plus the RNG states, so the job
-    resumes with ``mgr.restore(TrainState(...))`` as from any ckptsdk checkpoint.
+    The file is read with :func:`load_torch_checkpoint` (an HF Trainer ``checkpoint-N/`` folder
+    file by file); its parts are sorted by :func:`ckptsdk.porting.layout.map_checkpoint` (the
+    story notebook's layout, top-level RNG keys, a bare state_dict, a Lightning ``.ckpt``, an HF
+    folder) into ``TrainState`` objects (``model``, ``optimizer``, ``scheduler``, ``scaler``, or
+    any name ``mapping`` gives) plus the RNG states, so the job resumes with
+    ``mgr.restore(TrainState(...))`` as from any ckptsdk checkpoint; the file's other JSON-able
+    entries come back in ``restore()``'s ``extra``.
 
     Args:
-        path: the ``.pt`` file (keys like ``model``, ``optimizer``, ``scheduler``, ``scaler``,
-            ``numpy_rng``, ``python_rng``, ``torch_rng``, ``step``, ``epoch``).
-        url: a checkpoint root without committed checkpoints.
+        path: the ``.pt``/``.ckpt`` file, or an HF Trainer ``checkpoint-N/`` folder.
+        url: a new checkpoint root: without committed checkpoints, and not inside another root.
         allow_numpy_rng: accept the numpy globals a numpy RNG state needs.
         step: the step to record when the file has none (or to override it).
-        drop: keys of the file to leave out.
+        drop: entries of the file to leave out (``a/b`` reaches into nested dicts).
+        mapping: ``{entry: destination}`` for entries the layouts do not place (see
+            :data:`ckptsdk.porting.layout.DESTINATIONS`).
         storage_options: fsspec options for ``gs://``.
         force: break a live writer lease on the root.
 
@@ -221,7 +233,9 @@ def import_torch_checkpoint(
 
     Raises:
         UnsupportedStateError: the file needs a pickle global outside the allowlist.
-        ConfigError: unknown keys, no model, no step, or the root already holds checkpoints.
+        ConfigError: unknown entries, no model, no step, a zip whose members declare more than
+            the file can hold, or a root that holds checkpoints or lies inside another root.
+            Nothing is written to ``url`` before the file has been read and mapped.
 
     Example (not a doctest: making the .pt file takes a pickle write, which the library's own
     source never holds; tests/porting/test_import_export.py runs this)::
@@ -232,11 +246,16 @@ def import_torch_checkpoint(
     from ckptsdk.manager import CheckpointManager
 
     source = os.fspath(path)
-    tree, position = _to_train_state_tree(load_torch_checkpoint(source, allow_numpy_rng=allow_numpy_rng), source, drop)
+    check_new_root_url(url, dict(storage_options or {}))
+    saved, layout = _load_any(source, allow_numpy_rng=allow_numpy_rng)
+    mapped = map_checkpoint(saved, source, drop=drop, mapping=mapping, layout=layout)
+    tree = _train_state_tree(mapped, source)
+    position = dict(mapped.position)
     if step is not None:
         position["step"] = step
     if "step" not in position:
         raise ConfigError(f"{source} records no step (looked for 'step', 'global_step'); pass --step N")
+    logger.info("%s: %s layout, objects %s", source, mapped.layout, sorted(mapped.objects))
     with CheckpointManager(url, storage_options=storage_options, force=force) as mgr:
         if mgr.latest() is not None:
             raise ConfigError(
@@ -249,8 +268,8 @@ def import_torch_checkpoint(
             step=position["step"],
             epoch=position.get("epoch"),
             batch_idx=position.get("batch_idx"),
-            extra=position["extra"],
-            tags={"imported_from": os.path.basename(source)},
+            extra=mapped.extra,
+            tags={"imported_from": os.path.basename(source.rstrip("/")), "layout": mapped.layout},
         )
 
 

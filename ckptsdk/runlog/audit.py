@@ -1,12 +1,14 @@
 """The resume audit: did the resumed run really continue the same run?
 
 Reads every attempt's step log (``ckptsdk.runlog.writer``) and compares the steps logged by more than one
-attempt: identical scalars mean the resume was bit-exact. Writing the log, checkpoints and
-plotting do not belong here.
+attempt: identical scalars and data digests mean the resume was bit-exact; when no step was run
+twice nothing was proven and the verdict says so (``unverified``, with the reason). Writing the
+log, checkpoints and plotting do not belong here.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 from collections.abc import Iterable
@@ -19,11 +21,13 @@ from ckptsdk.backends.base import Backend
 from ckptsdk.errors import ConfigError, ManifestError, ObjectNotFound
 from ckptsdk.format.document import Document
 from ckptsdk.runlog.record import (
+    DATA_PREFIX,
     RUNLOG_PREFIX,
     AttemptRecord,
     LogFloat,
+    StepRow,
+    iter_chunk,
     parse_attempt_record,
-    parse_chunk,
     parse_runlog_key,
 )
 
@@ -40,8 +44,10 @@ __all__ = [
     "read_runlog",
 ]
 
-#: 1.1: non-finite floats as {"$float": ...} (1.0: "NaN"/"Infinity" strings, still read).
-AUDIT_FORMAT: Final = "ckptsdk.audit/1.1"
+#: 1.2: "unverified" verdict and its reason, data digests compared; 1.1: non-finite floats as
+#: {"$float": ...} (1.0: "NaN"/"Infinity" strings, still read).
+AUDIT_FORMAT: Final = "ckptsdk.audit/1.2"
+UNVERIFIED: Final = "unverified"
 _READ_WORKERS = 8  # concurrent chunk reads (each a GCS/Drive round trip)
 
 
@@ -88,7 +94,8 @@ class ScalarDiff(BaseModel):
 
 
 class Divergence(BaseModel):
-    """The first step where attempts disagree beyond the tolerance."""
+    """The first step where attempts disagree: a scalar beyond the tolerance, or a data digest
+    (``scalar`` under ``data/``: ``values`` are the digests, ``abs_diff`` is inf)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -96,6 +103,11 @@ class Divergence(BaseModel):
     scalar: str
     values: dict[int, LogFloat]
     abs_diff: LogFloat
+
+    @property
+    def in_data(self) -> bool:
+        """Whether the attempts ran this step on different data (a digest differs)."""
+        return self.scalar.startswith(DATA_PREFIX)
 
     @field_validator("values", mode="before")
     @classmethod
@@ -108,7 +120,8 @@ class Divergence(BaseModel):
 
 class AuditReport(Document):
     """What :func:`audit` found. ``verdict`` is "bit-exact", "within tolerance",
-    "DIVERGED at step N", or "no overlap" (no step was logged by two attempts: nothing to prove).
+    "DIVERGED at step N", or "unverified" (no step was logged by two attempts: nothing was
+    proven; ``unverified_reason`` says why, e.g. a killed attempt's last steps never flushed).
 
     ``series`` (attempt -> [(step, {scalar: value})]) is kept for plotting in-process and left
     out of the JSON form. Read a saved report with ``parse_document(data, AuditReport)``. No
@@ -127,14 +140,22 @@ class AuditReport(Document):
     overlaps: list[OverlapRange]
     scalars: dict[str, ScalarDiff]
     first_divergence: Divergence | None = None
+    #: data digest name (e.g. ``loader/batch``) -> steps where several attempts logged it
+    data_compared: dict[str, int] = Field(default_factory=dict)
+    unverified_reason: str | None = None
     warnings: list[str] = Field(default_factory=list)
     # repr=False: every scalar of every step would bury the verdict in a REPL.
     series: dict[int, list[tuple[int, dict[str, float]]]] = Field(default_factory=dict, exclude=True, repr=False)
 
     @property
     def ok(self) -> bool:
-        """False only when the attempts diverged beyond the tolerance."""
+        """False only when the attempts diverged beyond the tolerance (see also :attr:`verified`)."""
         return self.diverged_at is None
+
+    @property
+    def verified(self) -> bool:
+        """True only when steps run by several attempts were compared and agreed."""
+        return self.diverged_at is None and self.overlap_steps > 0
 
     def __str__(self) -> str:
         """One line: the verdict, how many attempts and shared steps, each scalar's max |diff|.
@@ -150,6 +171,8 @@ class AuditReport(Document):
         )
         if self.scalars:
             text += "; " + ", ".join(f"max |{n} diff| {d.max_abs_diff:.6g}" for n, d in self.scalars.items())
+        if self.unverified_reason:
+            text += f"; {self.unverified_reason}"
         if self.warnings:
             text += f"; {len(self.warnings)} warning(s): see .warnings"
         return text
@@ -158,14 +181,23 @@ class AuditReport(Document):
 def read_runlog(
     backend: Backend,
 ) -> tuple[dict[int, AttemptSummary], dict[int, dict[int, dict[str, float]]], list[str]]:
-    """Read every attempt's log under ``runlog/``.
+    """Read every attempt's log under ``runlog/`` (scalars only; see :func:`read_runlog_rows`)."""
+    summaries, rows, warnings = read_runlog_rows(backend)
+    return summaries, {a: {s: dict(r.scalars) for s, r in per.items()} for a, per in rows.items()}, warnings
+
+
+def read_runlog_rows(
+    backend: Backend,
+) -> tuple[dict[int, AttemptSummary], dict[int, dict[int, StepRow]], list[str]]:
+    """Read every attempt's log under ``runlog/``, each chunk streamed line by line.
 
     Chunks are read in sequence order whatever order the store lists them in; missing chunks
-    (not yet visible on Drive, or lost) and unreadable ones are reported, never fatal.
+    (not yet visible on Drive, or lost), unreadable ones and damaged or overlong lines are
+    reported, never fatal. Memory holds the parsed rows, never a whole chunk.
 
     Returns:
-        (attempt -> summary, attempt -> {step: {scalar: value}}, warnings). Within one attempt a
-        step logged twice keeps the last value (later chunk, later line).
+        (attempt -> summary, attempt -> {step: row}, warnings). Within one attempt a step
+        logged twice keeps the last row (later chunk, later line).
     """
     found: dict[int, dict[str, Any]] = {}
     for info in backend.list(RUNLOG_PREFIX):
@@ -178,7 +210,7 @@ def read_runlog(
         else:
             entry["chunks"][parsed[1]] = info.key
     summaries: dict[int, AttemptSummary] = {}
-    steps: dict[int, dict[int, dict[str, float]]] = {}
+    steps: dict[int, dict[int, StepRow]] = {}
     warnings: list[str] = []
     contents = _read_all(backend, [k for e in found.values() for k in e["chunks"].values()])
     for attempt in sorted(found):
@@ -186,26 +218,25 @@ def read_runlog(
         record: AttemptRecord | None = None
         newest: AttemptRecord | None = None
         closed = False
-        rows: dict[int, dict[str, float]] = {}
+        rows: dict[int, StepRow] = {}
         read_chunks = 0
         for seq in sorted(entry["chunks"]):
             key = entry["chunks"][seq]
-            try:
-                data = contents[key]
-                if isinstance(data, BaseException):
-                    raise data
-                header, chunk_rows = parse_chunk(data, key=key)
-            except ObjectNotFound:
+            result = contents[key]
+            if isinstance(result, ObjectNotFound):
                 warnings.append(f"attempt {attempt}: chunk {key} was listed but is gone")
                 continue
-            except ManifestError as exc:  # parse_chunk says what is wrong with it: one bad chunk
-                warnings.append(f"attempt {attempt}: unreadable chunk {key} skipped ({_short(exc)})")
+            if isinstance(result, ManifestError):  # it says what is wrong: one bad chunk
+                warnings.append(f"attempt {attempt}: unreadable chunk {key} skipped ({_short(result)})")
                 continue
+            assert not isinstance(result, BaseException)
+            header, chunk_rows, chunk_warnings = result
+            warnings += [f"attempt {attempt}: {w}" for w in chunk_warnings]
             read_chunks += 1
             newest = header
             closed = closed or header.closed
             for row in chunk_rows:
-                rows[row.step] = dict(row.scalars)  # last wins
+                rows[row.step] = row  # last wins
         if newest is None and entry["start"] is not None:
             try:
                 record = parse_attempt_record(backend.read(entry["start"]), key=entry["start"])
@@ -244,16 +275,36 @@ def read_runlog(
     return summaries, steps, warnings
 
 
-def _read_all(backend: Backend, keys: list[str]) -> dict[str, bytes | BaseException]:
-    """Read many small objects; concurrently, since on GCS or Drive each read is a round trip.
+_Chunk = tuple[AttemptRecord, list[StepRow], list[str]]
 
-    A missing object maps to its ``ObjectNotFound``; any other storage error propagates.
+
+def _read_chunk(backend: Backend, key: str) -> _Chunk:
+    rows: list[StepRow] = []
+    notes: list[str] = []
+    header: AttemptRecord | None = None
+    with backend.open(key) as stream:
+        for item in iter_chunk(stream, key=key):
+            if isinstance(item, AttemptRecord):
+                header = item
+            elif isinstance(item, StepRow):
+                rows.append(item)
+            else:
+                notes.append(item)
+    assert header is not None  # iter_chunk raises on a chunk without one
+    return header, rows, notes
+
+
+def _read_all(backend: Backend, keys: list[str]) -> dict[str, _Chunk | ObjectNotFound | ManifestError]:
+    """Read and parse many small chunks; concurrently, since on GCS or Drive each is a round trip.
+
+    A missing object maps to its ``ObjectNotFound``, an unreadable chunk to its
+    ``ManifestError``; any other storage error propagates.
     """
 
-    def one(key: str) -> bytes | BaseException:
+    def one(key: str) -> _Chunk | ObjectNotFound | ManifestError:
         try:
-            return backend.read(key)
-        except ObjectNotFound as exc:
+            return _read_chunk(backend, key)
+        except (ObjectNotFound, ManifestError) as exc:
             return exc
 
     if len(keys) <= 2:
@@ -286,13 +337,15 @@ def audit(backend: Backend, *, tolerance: float = 0.0) -> AuditReport:
 
     Args:
         backend: the checkpoint root (its ``runlog/`` objects are read, nothing is written).
-        tolerance: the largest |difference| of any scalar at a shared step still accepted.
+        tolerance: the largest |difference| of any scalar at a shared step still accepted
+            (data digests must always be equal).
 
     Returns:
         An :class:`AuditReport`; ``verdict`` is "bit-exact" when every shared step has identical
-        scalars, "within tolerance" when differences are all <= ``tolerance``, "DIVERGED at step
-        N" at the first step where one exceeds it (a nan against a number always does), and
-        "no overlap" when no step was logged twice.
+        scalars and data digests, "within tolerance" when scalar differences are all <=
+        ``tolerance``, "DIVERGED at step N" at the first step where one exceeds it (a nan
+        against a number always does) or a data digest differs, and "unverified" when no step
+        was logged twice (``unverified_reason`` says why).
 
     Raises:
         ConfigError: a negative or non-finite tolerance.
@@ -313,26 +366,35 @@ def audit(backend: Backend, *, tolerance: float = 0.0) -> AuditReport:
     """
     if not isinstance(tolerance, (int, float)) or not math.isfinite(tolerance) or tolerance < 0:
         raise ConfigError(f"audit tolerance must be a finite number >= 0, got {tolerance!r}")
-    summaries, steps, warnings = read_runlog(backend)
-    by_step: dict[int, dict[int, dict[str, float]]] = {}
+    summaries, steps, warnings = read_runlog_rows(backend)
+    by_step: dict[int, dict[int, StepRow]] = {}
     for attempt, rows in steps.items():
-        for step, vals in rows.items():
-            by_step.setdefault(step, {})[attempt] = vals
+        for step, row in rows.items():
+            by_step.setdefault(step, {})[attempt] = row
     shared = sorted(s for s, per in by_step.items() if len(per) > 1)
 
     diffs: dict[str, list[Any]] = {}  # name -> [max diff, at step, compared]
+    data_compared: dict[str, int] = {}
     first_div: Divergence | None = None
     bit_exact = True
     for step in shared:
         per = by_step[step]
-        names = sorted({n for vals in per.values() for n in vals})
-        for name in names:
-            by_attempt = {a: v[name] for a, v in per.items() if name in v}
+        for name in sorted({n for row in per.values() for n in row.scalars}):
+            by_attempt = {a: r.scalars[name] for a, r in per.items() if name in r.scalars}
             if len(by_attempt) < 2:
                 continue  # a scalar only one attempt logged here cannot be compared
-            d = _spread(by_attempt.values())
             first = next(iter(by_attempt.values()))
-            if not all(_same(first, v) for v in by_attempt.values()):
+            same = all(_same(first, v) for v in by_attempt.values())
+            if name.startswith(DATA_PREFIX):
+                # The same step ran on other data: no tolerance applies, whatever the losses say.
+                data_compared[name] = data_compared.get(name, 0) + 1
+                if not same:
+                    bit_exact = False
+                    if first_div is None:
+                        first_div = Divergence(step=step, scalar=name, values=by_attempt, abs_diff=math.inf)
+                continue
+            d = _spread(by_attempt.values())
+            if not same:
                 bit_exact = False
             entry = diffs.setdefault(name, [0.0, None, 0])
             entry[2] += 1
@@ -350,15 +412,20 @@ def audit(backend: Backend, *, tolerance: float = 0.0) -> AuditReport:
             OverlapRange(attempts=list(attempts), first_step=group[0], last_step=group[-1], steps=len(group))
         )
 
+    reason = None
     if not shared:
-        verdict = "no overlap"
+        verdict = UNVERIFIED
+        reason = _why_unverified([summaries[a] for a in sorted(summaries)])
     elif first_div is not None:
         verdict = f"DIVERGED at step {first_div.step}"
     elif bit_exact:
         verdict = "bit-exact"
     else:
         verdict = "within tolerance"
-    series = {a: [(s, dict(rows[s])) for s in sorted(rows)] for a, rows in steps.items()}
+    series = {
+        a: [(s, {n: v for n, v in rows[s].scalars.items() if not n.startswith(DATA_PREFIX)}) for s in sorted(rows)]
+        for a, rows in steps.items()
+    }
     report = AuditReport(
         url=backend.url,
         tolerance=float(tolerance),
@@ -369,11 +436,43 @@ def audit(backend: Backend, *, tolerance: float = 0.0) -> AuditReport:
         overlaps=overlaps,
         scalars={n: ScalarDiff(max_abs_diff=v[0], at_step=v[1], compared_steps=v[2]) for n, v in sorted(diffs.items())},
         first_divergence=first_div,
+        data_compared=data_compared,
+        unverified_reason=reason,
         warnings=warnings,
         series=series,
     )
     logger.info("audit of %s: %s (%d shared steps)", report.url, verdict, len(shared))
     return report
+
+
+def _why_unverified(attempts: list[AttemptSummary]) -> str:
+    """Why no step was compared, in the words a user can act on."""
+    logged = [a for a in attempts if a.steps]
+    if not logged:
+        return "no attempt logged a step (call mgr.log_step(step, loss=...) in the training loop)"
+    if len(attempts) == 1:
+        return f"one attempt only (attempt {attempts[0].attempt}): the run never resumed, so nothing ran twice"
+    reasons = []
+    for before, after in itertools.pairwise(attempts):
+        resumed = after.resumed_from_step
+        if resumed is None:
+            reasons.append(f"attempt {after.attempt} started fresh (no checkpoint restored): nothing to compare")
+        elif before.last_step is None:
+            reasons.append(f"attempt {before.attempt} has no step on storage: none of its steps was ever flushed")
+        elif not before.closed and before.last_step <= resumed:
+            reasons.append(
+                f"attempt {before.attempt} was not closed cleanly and its last step on storage is "
+                f"{before.last_step}, at or before step {resumed} that attempt {after.attempt} resumed from: "
+                "the steps it ran after its last flush never reached storage (killed within the flush interval)"
+            )
+        elif before.closed and before.last_step <= resumed:
+            reasons.append(
+                f"attempt {before.attempt} stopped cleanly at step {before.last_step} and attempt "
+                f"{after.attempt} resumed from step {resumed}: a clean stop leaves no step to run twice"
+            )
+        elif after.steps == 0:
+            reasons.append(f"attempt {after.attempt} logged no step after resuming from step {resumed}")
+    return "no step was run by two attempts: " + "; ".join(reasons or ["the attempts logged disjoint steps"])
 
 
 def _short(exc: BaseException) -> str:

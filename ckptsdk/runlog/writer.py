@@ -14,7 +14,11 @@ grow, and a Drive mount may show another VM's rewrites late and out of order)::
 The newest chunk's header is the attempt's current record (last step seen, closed cleanly), so a
 reader that sees only some chunks (Drive delivers them out of order) still learns who wrote them.
 The documents themselves (the record, the rows, their format and keys, reading them back) are
-``runlog_record``'s.
+``ckptsdk.runlog.record``'s.
+
+With ``background=True`` (the manager's setting) a flusher thread publishes what is buffered every
+``flush_interval`` seconds (1 s by default), so a runtime killed a few steps after a save still
+leaves those steps for the audit; the training thread only appends to a list.
 """
 
 from __future__ import annotations
@@ -22,7 +26,6 @@ from __future__ import annotations
 import logging
 import numbers
 import os
-import platform
 import re
 import socket
 import sys
@@ -31,17 +34,19 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ckptsdk._version import __version__
 from ckptsdk.backends.base import Backend
 from ckptsdk.errors import BackendError, ConfigError, ObjectNotFound, PreconditionFailed
 from ckptsdk.format.document import utc_now
+from ckptsdk.format.environment import describe_device, versions
 from ckptsdk.runlog.record import (
+    DATA_PREFIX,
     RUNLOG_FORMAT,
     RUNLOG_PREFIX,
     AttemptRecord,
     StepRow,
     attempt_prefix,
     chunk_key,
+    digest_value,
     parse_runlog_key,
 )
 
@@ -51,34 +56,6 @@ logger = logging.getLogger(__name__)
 __all__ = ["RUNLOG_FORMAT", "RUNLOG_PREFIX", "AttemptRecord", "RunLog", "chunk_key"]
 
 _SCALAR_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_./-]{0,127}$")
-
-
-def _versions() -> dict[str, str]:
-    out = {"python": platform.python_version(), "ckptsdk": __version__}
-    for name in ("torch", "numpy"):
-        mod = sys.modules.get(name)
-        if mod is not None:
-            out[name] = str(getattr(mod, "__version__", "?"))
-    return out
-
-
-def _detect_device() -> str:
-    """``cuda:<name>`` once the job itself has initialised CUDA, else ``cpu``.
-
-    Only asks torch if the job already imported it (importing torch to name the device would add
-    seconds to a CLI), and never initialises CUDA: ``current_device()`` would create a context
-    (hundreds of MiB of GPU memory, seconds) in a CPU job on a GPU machine. A job that moves to
-    the GPU after the log is opened is named at the next flush (the header is re-detected).
-    """
-    torch = sys.modules.get("torch")
-    if torch is None:
-        return "cpu"
-    try:
-        if torch.cuda.is_initialized():
-            return f"cuda:{torch.cuda.get_device_name(torch.cuda.current_device())}"
-    except RuntimeError:  # a broken driver is not a reason to fail logging
-        return "cpu (cuda unusable)"
-    return "cpu"
 
 
 class RunLog:
@@ -91,14 +68,19 @@ class RunLog:
         lease_epoch: the lease epoch this attempt writes under (recorded, not checked here).
         resumed_from_step: the checkpoint step this attempt resumed from, ``None`` if fresh.
         host: the host name to record (default: this host).
-        device: the device to record (default: detected, ``cuda:<name>`` or ``cpu``).
+        device: the device to record (default: detected by
+            :func:`~ckptsdk.format.environment.describe_device`, as the manifest names it).
         flush_every: publish a chunk once this many steps are buffered.
         flush_interval: also publish once the oldest buffered step is this many seconds old,
             so that a runtime killed between checkpoints still leaves its last steps behind
-            (those are the steps the audit compares with the next attempt).
+            (those are the steps the audit compares with the next attempt). With
+            ``background`` a thread publishes on this period whether or not ``log_step`` is
+            called again (a job stuck in a long step still gets its last steps out).
         clock: a monotonic clock (tests).
-        background: publish the chunks ``log_step`` finds due on a thread of their own, so the
-            training loop never waits on storage (the manager turns this on).
+        background: publish on a flusher thread of this log's own, every ``flush_interval``
+            seconds and at once on :meth:`flush_soon`, so the training loop never waits on
+            storage for the log (the manager turns this on). ``flush()`` and ``close()`` still
+            publish on the caller's thread.
 
     Example:
         >>> from ckptsdk.backends import open_backend
@@ -119,7 +101,7 @@ class RunLog:
         host: str | None = None,
         device: str | None = None,
         flush_every: int = 200,
-        flush_interval: float = 15.0,
+        flush_interval: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
         background: bool = False,
     ) -> None:
@@ -127,20 +109,24 @@ class RunLog:
             raise ConfigError(f"RunLog attempt must be a non-negative int, got {attempt!r}")
         if flush_every < 1:
             raise ConfigError(f"RunLog flush_every must be >= 1, got {flush_every!r}")
+        if not (isinstance(flush_interval, (int, float)) and 0 < flush_interval < float("inf")):
+            raise ConfigError(f"RunLog flush_interval must be a number of seconds > 0, got {flush_interval!r}")
         self.backend = backend
         self.attempt = attempt
         self.flush_every = int(flush_every)
         self.flush_interval = float(flush_interval)
         self._clock = clock
-        self._detect = device is None  # named again at each flush (see _detect_device)
+        # Named again at each flush: a job that moves to the GPU after the log is opened (CUDA is
+        # never initialised to name it; see describe_device) is named from then on.
+        self._detect = device is None
         self._record = AttemptRecord(
             attempt=attempt,
             run_id=str(run_id),
             lease_epoch=lease_epoch,
             host=host or socket.gethostname(),
             pid=os.getpid(),
-            device=device or _detect_device(),
-            versions=_versions(),
+            device=device or describe_device(),
+            versions=versions(),
             started_at=utc_now(),
             resumed_from_step=resumed_from_step,
         )
@@ -153,10 +139,15 @@ class RunLog:
         self._publish_lock = threading.RLock()  # one publish at a time
         self._started_written = False
         self._closed = False
-        # A due flush from log_step runs on its own thread: the training loop never waits on
-        # storage for the log (explicit flush() and close() still publish on the caller's thread).
+        # The flusher thread (background=True) sleeps on _wake for flush_interval, or less when
+        # log_step finds the buffer full or flush_soon() asks; _stop ends it at close().
         self._background = background
         self._flusher: threading.Thread | None = None
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        # What log_step attaches to each row besides the scalars: name -> a callable giving the
+        # digest of the data the step used (the ckptsdk loader's batch indices), None when unknown.
+        self._digest_sources: dict[str, Callable[[], str | None]] = {}
 
     @property
     def record(self) -> AttemptRecord:
@@ -184,6 +175,9 @@ class RunLog:
     def log_step(self, step: int, **scalars: Any) -> None:
         """Buffer one step's scalars; publish a chunk when the buffer is full or old enough.
 
+        Also records the digest of every registered data source (:meth:`watch_data`), so the
+        audit compares what data each step ran on, not only its losses.
+
         Args:
             step: the global step (an int >= 0).
             **scalars: numbers: python int/float, numpy scalars, one-element torch tensors
@@ -201,21 +195,77 @@ class RunLog:
             raise ConfigError(f"log_step: step must be an int >= 0, got {step!r}")
         if not scalars:
             raise ConfigError(f"log_step({step}) got no scalars: pass at least one, e.g. loss=...")
+        if any(name.startswith(DATA_PREFIX) for name in scalars):
+            raise ConfigError(
+                f"log_step({step}): scalar names under {DATA_PREFIX!r} are reserved for data digests "
+                "(the ckptsdk loader's); rename it"
+            )
         values = {name: _check_scalar(name, value, step) for name, value in scalars.items()}
+        for name, source in self._digest_sources.items():
+            digest = source()
+            if digest is not None:
+                values[name] = digest_value(digest)
         with self._lock:
             if self._oldest is None:
                 self._oldest = self._clock()
             self._buffer.append((int(step), time.time(), values))
             due = len(self._buffer) >= self.flush_every or self._clock() - self._oldest >= self.flush_interval
-        if due and self._background:
-            with self._lock:
-                if self._flusher is None or not self._flusher.is_alive():
-                    self._flusher = threading.Thread(
-                        target=self._flush_quietly, daemon=True, name=f"ckptsdk-runlog-{self.attempt}"
-                    )
-                    self._flusher.start()
+        if self._background:
+            self._ensure_flusher()
+            if due:
+                self._wake.set()
         elif due:
             self._flush_quietly()
+
+    def watch_data(self, name: str, source: Callable[[], str | None]) -> None:
+        """Attach ``source()`` (a digest of the data the step ran on) to every logged step.
+
+        The manager registers the ckptsdk loaders of the state it restores; the audit then
+        compares these digests between attempts like the scalars, so a data-order divergence
+        shows even when the losses happen to agree.
+
+        Args:
+            name: the digest's name in the log, under ``data/`` (e.g. ``data/loader``).
+            source: called by ``log_step`` on the training thread; returns a short string or
+                None (nothing to record for this step). It is stored as a scalar
+                (:func:`ckptsdk.runlog.record.digest_value`), so any 1.1 reader reads it.
+        """
+        if not (_SCALAR_NAME_RE.match(name) and name.startswith(DATA_PREFIX)):
+            raise ConfigError(f"watch_data: bad digest name {name!r} (data/ then letters, digits, _ . / -)")
+        self._digest_sources[name] = source
+
+    def flush_soon(self) -> None:
+        """Ask the flusher thread to publish now, without waiting (a save, a stop signal).
+
+        Without ``background`` this publishes on the caller's thread, as :meth:`flush` does.
+        """
+        if self._background and not self._closed:
+            self._ensure_flusher()
+            self._wake.set()
+        elif not self._closed:
+            self._flush_quietly()
+
+    def _ensure_flusher(self) -> None:
+        if self._flusher is not None or self._stop.is_set():
+            return
+        with self._lock:
+            if self._flusher is None:
+                self._flusher = threading.Thread(
+                    target=self._flush_loop, daemon=True, name=f"ckptsdk-runlog-{self.attempt}"
+                )
+                self._flusher.start()
+
+    def _flush_loop(self) -> None:
+        # Daemon: a killed or exiting interpreter must not wait for it; close() joins it first.
+        while not self._stop.is_set():
+            self._wake.wait(self.flush_interval)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
+            with self._lock:
+                idle = not self._buffer and self._pending is None
+            if not idle:
+                self._flush_quietly()
 
     def _flush_quietly(self) -> None:
         try:
@@ -265,6 +315,8 @@ class RunLog:
 
         Idempotent. Raises ``BackendError`` if storage fails (the log stays open, retry is safe).
         """
+        self._stop.set()
+        self._wake.set()
         flusher = self._flusher
         if flusher is not None and flusher is not threading.current_thread():
             flusher.join()
@@ -299,7 +351,7 @@ class RunLog:
                     "steps_logged": self._record.steps_logged + len(rows),
                     "chunk": seq,
                     "closed": closed,
-                    **({"device": _detect_device()} if self._detect else {}),
+                    **({"device": describe_device()} if self._detect else {}),
                 }
             )
             lines = [header.to_json().decode().rstrip("\n")]

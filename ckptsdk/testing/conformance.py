@@ -281,7 +281,7 @@ class BackendConformance:
     @pytest.mark.parametrize("key", ["../x", "/abs", "a//b", "a\\b", "", "a/./b", "a/../b", "a/"])
     def test_invalid_keys_are_refused_everywhere(self, backend: Backend, key: str) -> None:
         backend.write("ok", b"1")
-        calls = [
+        calls: list[Callable[[], object]] = [
             lambda: backend.read(key),
             lambda: backend.open(key),
             lambda: backend.stat(key),

@@ -285,6 +285,13 @@ class DriveSim:
 
     def _apply(self, vm: str, rel: str, data: bytes | None) -> None:
         """Write the cloud's version of ``rel`` onto ``vm``, unless ``vm`` changed it since."""
+        for _ in range(10):
+            if self._apply_once(vm, rel, data):
+                return
+        raise RuntimeError(f"drive simulation: {vm}/{rel} kept vanishing while the syncer wrote it")
+
+    def _apply_once(self, vm: str, rel: str, data: bytes | None) -> bool:
+        """One try of :meth:`_apply`; False when the VM removed the folder meanwhile (try again)."""
         path = self.root(vm) / rel
         known = self._known[vm]
         try:
@@ -294,19 +301,32 @@ class DriveSim:
         if (_sig(st) if st is not None else None) != known.get(rel):
             # A local change not yet seen: it is newer than what arrives, so it wins. Record it now.
             self._scan(vm)
-            return
+            return True
         if data is _DELETED:
             if st is not None:
                 os.unlink(path)
                 known.pop(rel, None)
                 self._prune(vm, path.parent)
         else:
-            path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.parent / f"{_SIM_TMP}{path.name}.{next(self._seq)}"
-            tmp.write_bytes(data)
-            os.replace(tmp, path)  # readers on the VM see the old file or the new one
-            known[rel] = _sig(os.stat(path))
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                with open(tmp, "wb") as f:
+                    f.write(data)
+                    f.flush()  # the bytes in the file, so that its size and mtime are final
+                    # The signature before the rename, which keeps it (same inode, size, mtime):
+                    # the VM may unlink `path` the moment it appears, and a stat after the rename
+                    # would kill this thread with FileNotFoundError (issue 28).
+                    sig = _sig(os.fstat(f.fileno()))
+                os.replace(tmp, path)  # readers on the VM see the old file or the new one
+            except FileNotFoundError:
+                # The VM removed the folder meanwhile (with our temp file). Look again: a file
+                # the VM had is now its newer delete, which wins; one it never had still lands.
+                tmp.unlink(missing_ok=True)
+                return False
+            known[rel] = sig  # if the VM already unlinked it, the next scan carries that delete
         self.applied += 1
+        return True
 
     def _prune(self, vm: str, folder: Path) -> None:
         root = self.root(vm)

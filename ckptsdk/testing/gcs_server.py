@@ -59,7 +59,7 @@ import urllib.error
 import urllib.request
 from http import HTTPStatus
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 from urllib.parse import quote
 
 PINNED_VERSION = "2026.7.19"
@@ -127,8 +127,9 @@ def _check(live: dict[str, Any] | None, conds: dict[str, str]) -> None:
         raise _ConditionNotMet(f"ifMetagenerationNotMatch={conds['ifMetagenerationNotMatch']}, live {meta}")
 
 
-def _live(storage: Any, bucket: str, name: str) -> dict[str, Any] | None:
-    return storage.objects.get(bucket, {}).get(name)
+def _live(storage: Any, bucket: str | None, name: str | None) -> dict[str, Any] | None:
+    live: dict[str, Any] | None = storage.objects.get(bucket, {}).get(name)
+    return live
 
 
 def _strict_read_raw_data(request_handler: Any) -> bytes | None:
@@ -138,13 +139,13 @@ def _strict_read_raw_data(request_handler: Any) -> bytes | None:
         length = request_handler.headers.get("Content-Length")
         if length:
             want = int(length)
-            data = rfile.read(want)
+            data: bytes = rfile.read(want)
             if len(data) != want:
                 raise _ShortBody(f"body ended after {len(data)} of {want} bytes")
             return data
         encoding = request_handler.headers.get("Transfer-Encoding")
         if encoding and encoding.lower() == "chunked":
-            parts = []
+            parts: list[bytes] = []
             for _ in range(1 << 30):  # bounded by the stream ending, not by this count
                 line = rfile.readline()
                 if not line:
@@ -291,7 +292,9 @@ def _install_patches() -> None:
     original_delete = Storage.delete_file
     original_resumable = Storage.create_resumable_upload
 
-    def create_file(self, bucket_name, file_name, content, file_obj, file_id=None):
+    def create_file(
+        self: Any, bucket_name: str, file_name: str, content: Any, file_obj: dict[str, Any], file_id: str | None = None
+    ) -> None:
         if bucket_name in self.buckets:
             conds = dict(_current["conds"])
             if file_id is not None:
@@ -303,17 +306,17 @@ def _install_patches() -> None:
             _session_conds.pop(file_id, None)
             _finished_sessions[file_id] = file_obj
 
-    def delete_file(self, bucket_name, file_name):
+    def delete_file(self: Any, bucket_name: str, file_name: str) -> Any:
         live = _live(self, bucket_name, file_name)
         if live is not None:  # absent: the original raises NotFound (404), as GCS does
             _check(live, _current["conds"])
         return original_delete(self, bucket_name, file_name)
 
-    def create_resumable_upload(self, bucket_name, file_name, file_obj):
+    def create_resumable_upload(self: Any, bucket_name: str, file_name: str, file_obj: dict[str, Any]) -> str:
         conds = dict(_current["conds"])
         if bucket_name in self.buckets:
             _check(_live(self, bucket_name, file_name), conds)  # fail fast; finalisation rechecks
-        upload_id = original_resumable(self, bucket_name, file_name, file_obj)
+        upload_id: str = original_resumable(self, bucket_name, file_name, file_obj)
         _session_conds[upload_id] = conds
         return upload_id
 
@@ -389,9 +392,13 @@ def _announce(port: int, bucket: str) -> None:
 
 
 class Emulator:
-    """A running emulator subprocess. Use ``start_emulator()``; stop with ``.stop()`` or ``with``."""
+    """A running emulator subprocess. Use ``start_emulator()``; stop with ``.stop()`` or ``with``.
 
-    def __init__(self, proc: subprocess.Popen[bytes], port: int, log: Any, patched: bool) -> None:
+    ``proc`` and ``log`` are None for a client of a server this object did not start (``serve``
+    announcing its own bucket): then there is nothing to stop or read.
+    """
+
+    def __init__(self, proc: subprocess.Popen[bytes] | None, port: int, log: IO[bytes] | None, patched: bool) -> None:
         self.proc = proc
         self.port = port
         self.patched = patched
@@ -450,14 +457,18 @@ class Emulator:
 
     def log(self) -> str:
         """What the server wrote to stderr so far (for failure messages)."""
+        if self._log is None:
+            return ""
         self._log.seek(0)
         return self._log.read().decode("utf-8", "replace")
 
     def alive(self) -> bool:
-        return self.proc.poll() is None
+        return self.proc is not None and self.proc.poll() is None
 
     def stop(self) -> None:
         """Terminate the server (SIGTERM, then SIGKILL after 5 s)."""
+        if self.proc is None:
+            return
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
@@ -467,7 +478,8 @@ class Emulator:
                 self.proc.wait(timeout=5)
         if self.proc.stdout:
             self.proc.stdout.close()
-        self._log.close()
+        if self._log is not None:
+            self._log.close()
 
     def __enter__(self) -> Emulator:
         return self

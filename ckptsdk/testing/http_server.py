@@ -12,6 +12,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import cast
 
 
 @dataclass
@@ -46,7 +47,7 @@ class Behaviour:
 class _State:
     files: dict[str, bytes] = field(default_factory=dict)
     behaviour: dict[str, Behaviour] = field(default_factory=dict)
-    requests: Counter = field(default_factory=Counter)
+    requests: Counter[str] = field(default_factory=Counter)
     range_requests: list[tuple[str, int]] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -164,7 +165,8 @@ class FileServer:
     @property
     def base(self) -> str:
         host, port = self._server.server_address[:2]
-        return f"http://{host}:{port}"
+        # Typeshed allows bytes for an AF_UNIX address; this server binds 127.0.0.1, so it is a str.
+        return f"http://{cast(str, host)}:{port}"
 
     def url(self, path: str) -> str:
         return self.base + path

@@ -38,7 +38,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 from urllib.parse import parse_qs
 
 MOTO_VERSION = "5.2.4"
@@ -104,7 +104,7 @@ class _Shim:
         if fault is not None and not fault["applied"]:
             return _error(start_response, fault["status"], "InternalError", "injected by the test")
         if not self.patched:
-            out = self.app(environ, start_response)
+            out: Iterable[bytes] = self.app(environ, start_response)
         else:
             try:
                 length = int(environ.get("CONTENT_LENGTH") or 0)
@@ -224,7 +224,8 @@ def run_server(
 ) -> None:
     """Run the server in this process until killed; print ``PORT <n>`` once listening."""
     os.environ.setdefault("MOTO_ALLOW_NONEXISTENT_REGION", "true")
-    from moto.server import DomainDispatcherApplication, create_backend_app
+    # From the module that defines them: moto.server re-exports them without an explicit export.
+    from moto.moto_server.werkzeug_app import DomainDispatcherApplication, create_backend_app
     from werkzeug.serving import make_server
 
     if exit_with_parent:
@@ -263,7 +264,7 @@ def _announce(endpoint: str, bucket: str) -> None:
 class S3Server:
     """A running server subprocess. Use ``start_s3_server()``; stop with ``.stop()`` or ``with``."""
 
-    def __init__(self, proc: subprocess.Popen[bytes] | None, port: int, log: Any, patched: bool) -> None:
+    def __init__(self, proc: subprocess.Popen[bytes] | None, port: int, log: IO[bytes] | None, patched: bool) -> None:
         self.proc, self.port, self._log, self.patched = proc, port, log, patched
         self.endpoint = f"http://127.0.0.1:{port}"
 

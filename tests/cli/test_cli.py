@@ -278,8 +278,8 @@ def test_errors_are_one_line_with_documented_exit_codes(tmp_path, capsys):
     empty = str(tmp_path / "empty-root")
     cases = [
         (["ls", "ftp://host/x"], cli.EXIT_USAGE, "unknown scheme"),
-        (["show", empty], cli.EXIT_CHECKPOINT, "no valid checkpoint"),
-        (["show", empty, "--json"], cli.EXIT_CHECKPOINT, "no valid checkpoint"),
+        (["show", empty], cli.EXIT_CHECKPOINT, "no checkpoint root at"),  # as `ls` says (issue 28)
+        (["show", empty, "--json"], cli.EXIT_CHECKPOINT, "no checkpoint root at"),  # as `ls` says (issue 28)
         (["verify", empty, "--step", "7"], cli.EXIT_CHECKPOINT, "no checkpoint root at"),
         (["ls", empty], cli.EXIT_CHECKPOINT, "no checkpoint root at"),
         (["audit", empty], cli.EXIT_CHECKPOINT, "no checkpoint root at"),

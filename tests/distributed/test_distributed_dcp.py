@@ -189,6 +189,33 @@ def test_ddp_rank_killed_mid_save_commits_nothing_and_the_resume_is_bit_identica
     assert audit["max_diff"]["loss"] == 0.0
 
 
+@pytest.mark.timeout(300)
+def test_a_corrupt_rank_1_file_makes_both_ranks_fall_back_together(tmp_path: Path, jobs: Any) -> None:
+    # Before (issue 29.5): CorruptCheckpointError on every rank, no fallback.
+    base = {"mode": "ddp", "save_every": 2, "ttl": 2.0}
+    root = str(tmp_path / "root")
+    ref = jobs(tmp_path / "ref", {**base, "steps": 8, "url": str(tmp_path / "ref-root")}, 2)
+    first = jobs(tmp_path / "first", {**base, "steps": 6, "url": root}, 2)
+    assert first.wait() == [0, 0], first.logs()
+    backend = open_backend(root)
+    (folder,) = {o.key.partition("/")[0] for o in backend.list("step-0000000006")}
+    key = f"{folder}/rank-00001.safetensors"
+    data = bytearray(backend.read(key))
+    data[-1] ^= 0xFF  # same size: only rank 1's digest check sees it
+    backend.write(key, bytes(data))
+
+    resumed = jobs(tmp_path / "resume", {**base, "steps": 8, "url": root}, 2)
+    assert resumed.wait() == [0, 0], resumed.logs()
+    assert ref.wait() == [0, 0], ref.logs()
+    logs = resumed.logs()
+    assert key in logs and "every rank drops this checkpoint" in logs, logs
+    for rank in (0, 1):
+        want, got = ref.result(f"result-{rank}.json"), resumed.result(f"result-{rank}.json")
+        assert got["resumed_from"] == 4  # both ranks, the same previous checkpoint
+        assert got["params"] == want["params"] and got["rng"] == want["rng"]
+    assert backend.read(key) == bytes(data)  # the damaged file is left for the user to see
+
+
 @pytest.mark.gcs
 @pytest.mark.timeout(240)
 def test_fsdp2_on_4_ranks_restores_on_2_and_1_with_every_tensor_equal_on_gcs(

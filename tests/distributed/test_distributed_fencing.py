@@ -1,12 +1,13 @@
 """Fencing and damaged files of distributed checkpoints, in one process (a world of 1 on gloo).
 
 A takeover while the ranks write leaves nothing committed and the next save writes nothing; a
-torn rank file makes restore fall back, a corrupt one is refused. The multi-process zombie
-(SIGSTOP) and the SIGKILLed rank are in test_distributed_dcp.py.
+torn rank file makes restore fall back, and so does a corrupt one (every rank together, with a
+warning). The multi-process zombie (SIGSTOP) and the SIGKILLed rank are in test_distributed_dcp.py.
 """
 
 from __future__ import annotations
 
+import logging
 import uuid
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ import torch.distributed as dist
 from ckptsdk import CheckpointManager
 from ckptsdk.backends import open_backend
 from ckptsdk.distributed import DistributedCheckpointManager
-from ckptsdk.errors import CorruptCheckpointError, LeaseLostError
+from ckptsdk.errors import LeaseLostError
 from ckptsdk.manager import Simulation
 
 
@@ -70,7 +71,9 @@ def test_a_takeover_during_the_write_commits_nothing(tmp_path: Path, world_of_on
 
 
 @pytest.mark.timeout(60)
-def test_a_torn_rank_file_is_skipped_and_a_corrupt_one_refused(tmp_path: Path, world_of_one: Any) -> None:
+def test_a_torn_rank_file_is_skipped_and_a_corrupt_one_falls_back(
+    tmp_path: Path, world_of_one: Any, caplog: pytest.LogCaptureFixture
+) -> None:
     url = str(tmp_path / "root")
     with DistributedCheckpointManager(url, lease_ttl=5, _simulation=Simulation(heartbeat=False)) as dm:
         for step in (1, 2, 3):
@@ -88,11 +91,20 @@ def test_a_torn_rank_file_is_skipped_and_a_corrupt_one_refused(tmp_path: Path, w
     data = bytearray(backend.read(key))
     data[-1] ^= 0xFF  # same size, other bytes: only the digest sees it
     backend.write(key, bytes(data))
+    # Before (issue 29.5): CorruptCheckpointError on every rank, no fallback. Now every rank drops
+    # it together, says which file, and resumes from the previous one; the lineage starts there.
     state = {"w": torch.zeros(4)}
-    with DistributedCheckpointManager(url, lease_ttl=5, _simulation=Simulation(heartbeat=False)) as dm:
-        with pytest.raises(CorruptCheckpointError) as info:
-            dm.restore(state)
-    assert info.value.key == key and torch.equal(state["w"], torch.zeros(4))
+    with caplog.at_level(logging.WARNING, logger="ckptsdk"):
+        with DistributedCheckpointManager(url, lease_ttl=5, _simulation=Simulation(heartbeat=False)) as dm:
+            point = dm.restore(state)
+            # The next one down: here step 2 of e1 (the intact original of e2's anchor copy).
+            assert point is not None and point.key != newest.key and point.step <= newest.step
+            assert dm._core is not None and dm._core.resumed_from is not None
+            assert dm._core.resumed_from.key == point.key  # the lineage starts where every rank loaded
+    assert torch.equal(state["w"], torch.full((4,), float(point.step)))
+    assert any(key in r.getMessage() and "every rank drops" in r.getMessage() for r in caplog.records), [
+        r.getMessage() for r in caplog.records
+    ]
     assert backend.read(key) == bytes(data)  # nothing was deleted or rewritten
 
 

@@ -18,8 +18,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from ckptsdk.backends import open_backend
 from ckptsdk.distributed import CkptStorageReader, CkptStorageWriter, JsonLoadPlanner, JsonSavePlanner
-from ckptsdk.distributed.manager import load_quietly
 from ckptsdk.distributed.metadata import metadata_from_json
+from ckptsdk.distributed.restoring import load_quietly
 from ckptsdk.distributed.storage import unwrap
 from ckptsdk.errors import CorruptCheckpointError, ManifestError, StateMismatchError, UnsupportedStateError
 

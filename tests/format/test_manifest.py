@@ -26,9 +26,9 @@ from pydantic import ValidationError
 from ckptsdk.errors import ConfigError, ManifestError
 from ckptsdk.format.codec import encode
 from ckptsdk.format.document import seal
+from ckptsdk.format.environment import Environment
 from ckptsdk.format.manifest import (
     FORMAT,
-    Environment,
     FileEntry,
     LineageRecord,
     Manifest,

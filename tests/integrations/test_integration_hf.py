@@ -20,12 +20,14 @@ from tests.support._integration_jobs import assert_same, run_job, weights
     [
         # accelerate: save_every=5, 6 steps per epoch, 24 steps; killed as step 14 begins (mid epoch 2)
         ("accelerate", 14, [5, 10], 20),
+        # the same through ckptsdk.DataLoader(shuffle=True), registered for checkpointing
+        ("accelerate_loader", 14, [5, 10], 20),
         # Trainer: save_steps=5 and at the end, 18 steps; killed as step 13 begins
         ("transformers", 13, [5, 10], 18),
     ],
 )
 def test_sigkilled_run_resumes_bit_exact(mode, kill_at, saved, last, tmp_path):
-    pytest.importorskip(mode)
+    pytest.importorskip(mode.split("_")[0])
     run_job(mode, str(tmp_path / "ref-root"), tmp_path / "ref", tmp_path / "ref.safetensors")
     url = str(tmp_path / "root")
     run_job(mode, url, tmp_path / "w", tmp_path / "a.safetensors", kill_at=kill_at)
@@ -35,8 +37,14 @@ def test_sigkilled_run_resumes_bit_exact(mode, kill_at, saved, last, tmp_path):
     assert_same(weights(tmp_path / "b.safetensors"), weights(tmp_path / "ref.safetensors"))
     with CheckpointManager(url, read_only=True) as mgr:
         assert mgr.latest().step == last
-        attempts = mgr.audit().attempts
+        report = mgr.audit()
+        attempts = report.attempts
     assert [a.resumed_from_step for a in attempts] == [None, saved[-1]]
+    # The killed attempt's steps after its last save reached the log (the flusher thread): they
+    # were run again and compared.
+    assert report.verdict == "bit-exact" and report.overlap_steps == kill_at - 1 - saved[-1], report
+    if mode == "accelerate_loader":
+        assert report.data_compared == {"data/custom_0": report.overlap_steps}
     if mode == "transformers":  # GPT-2 ties lm_head to wte: exported once, as save_model would
         _export_tied_gpt2(url, tmp_path, weights(tmp_path / "b.safetensors"))
 

@@ -32,10 +32,12 @@ LAYERS: list[tuple[str, ...]] = [
     # SIGTERM/SIGINT flag the manager polls.
     ("rng", "preemption"),
     ("data",),
+    ("loader",),  # ckptsdk.DataLoader: a position in the TrainState (torch only, no storage)
     ("lease",),
     ("runlog",),
     ("checkpoint",),
     ("state",),
+    ("options",),  # CheckpointManager's option groups (Retention, LeaseOptions, SaveOptions)
     ("manager",),
     ("distributed",),
     ("porting",),
@@ -56,7 +58,6 @@ OVERSIZE_AWAITING_SPLIT = {
     "adapters/cifar10/train.py",
     "ckptsdk/backends/gcs.py",
     "ckptsdk/data/cache.py",
-    "ckptsdk/distributed/manager.py",
     "ckptsdk/manager.py",
     "ckptsdk/testing/gcs_server.py",
 }

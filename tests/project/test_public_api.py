@@ -11,6 +11,7 @@ EXPECTED = {
     "CorruptCheckpointError",
     "DataCache",
     "DataError",
+    "DataLoader",
     "GcReport",
     "LeaseHeldError",
     "LeaseLostError",
@@ -23,9 +24,14 @@ EXPECTED = {
     "TrainState",
     "UnsupportedStateError",
     "open_backend",
+    # CheckpointManager's option groups (the flat keywords are their shorthand)
+    "LeaseOptions",
+    "Retention",
+    "SaveOptions",
     # the rest of the error tree: every error a public call raises is catchable as ckptsdk.X
     "AllSourcesFailedError",
     "CheckpointError",
+    "CheckpointTooLargeError",
     "ConfigError",
     "DatasetMismatchError",
     "DigestMismatchError",

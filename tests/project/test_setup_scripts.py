@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -18,13 +20,13 @@ needs_venv = pytest.mark.skipif(
 )
 
 
-def bash(script: str, cwd: Path, **env: str) -> subprocess.CompletedProcess[str]:
+def bash(script: str, cwd: Path, timeout: str = "120", **env: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         ["bash", "--norc", "--noprofile", "-c", script],
         cwd=cwd,
         text=True,
         capture_output=True,
-        timeout=120,
+        timeout=float(timeout),
         env={**os.environ, **env},
     )
 
@@ -86,3 +88,96 @@ def test_a_failed_set_up_returns_an_error_and_leaves_the_shell_alone(tmp_path):
     assert proc.stdout.splitlines() == [f"rc=1 pwd={tmp_path}", "errexit off"]
     assert "setting up" in proc.stderr and "failed" in proc.stderr
     assert not (venv / ".complete").exists()
+
+
+def test_a_torch_the_interpreter_imports_is_reused_not_installed(tmp_path):
+    """Colab, or a user's own environment: the venv sees that torch, and pip installs no other."""
+    venv = tmp_path / "venv"
+    proc = bash(
+        f"""
+        source {REPO}/scripts/venv.sh || exit 9
+        python -c 'import sys, torch; print(torch.__file__); print(sys.prefix)'
+    """,
+        cwd=tmp_path,
+        CKPTSDK_VENV=str(venv),
+        PYTHON=sys.executable,  # this test's interpreter imports torch
+        timeout="1800",
+    )
+    assert proc.returncode == 0, proc.stderr
+    import torch
+
+    torch_file, prefix = proc.stdout.splitlines()[-2:]
+    assert torch_file == torch.__file__ and prefix == str(venv)  # the same torch, seen from the new venv
+    assert f"reusing torch {torch.__version__}" in proc.stderr
+    assert (venv / ".complete").exists()
+    assert not list(venv.glob("lib/python*/site-packages/torch"))  # nothing of torch copied in
+
+
+def _session_alive(sid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[3]) == sid and fields[0] != "Z":
+                out.append(int(entry))
+    return out
+
+
+def test_a_killed_set_up_leaves_no_pip_running_and_no_venv(tmp_path):
+    """Ctrl-C while pip downloads: pip stops, no fallback install starts, the half venv goes."""
+    started = tmp_path / "pip-started"
+    real = sys.executable
+    # An interpreter whose venv's pip never ends (a slow download), recording each pip it starts.
+    fake = tmp_path / "python3"
+    fake.write_text(
+        f"""#!/bin/bash
+if [ "$1 $2" = "-m venv" ]; then
+    mkdir -p "$3/bin"
+    printf '%s\\n' '#!/bin/bash' \\
+        'if [ "$1 $2" = "-m pip" ]; then echo $$ >> {started}; exec sleep 600; fi' \\
+        'exec {real} "$@"' > "$3/bin/python"
+    chmod +x "$3/bin/python"
+    exit 0
+fi
+[ "$1" = "-c" ] && case "$2" in *torch*) exit 1;; esac  # no torch to reuse here
+exec {real} "$@"
+"""
+    )
+    fake.chmod(0o755)
+    venv = tmp_path / "venv"
+    env = {**os.environ, "CKPTSDK_VENV": str(venv), "PYTHON": str(fake), "PATH": f"{tmp_path}:{os.environ['PATH']}"}
+    shell = subprocess.Popen(
+        ["bash", "--norc", "--noprofile", "-c", f"source {REPO}/scripts/venv.sh"],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while not started.exists():  # pip is running
+            assert shell.poll() is None, shell.communicate()
+            assert time.monotonic() < deadline, "pip never started"
+            time.sleep(0.05)
+        os.killpg(shell.pid, signal.SIGINT)  # Ctrl-C reaches the terminal's foreground group
+        _, err = shell.communicate(timeout=120)
+    finally:
+        if shell.poll() is None:
+            os.killpg(shell.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 120
+    while _session_alive(shell.pid):  # nothing of the set-up is left running
+        assert time.monotonic() < deadline, _session_alive(shell.pid)
+        time.sleep(0.05)
+    pips = [int(p) for p in started.read_text().split()]
+    assert len(pips) == 1, "a fallback pip started after the kill"
+    deadline = time.monotonic() + 120
+    while Path(f"/proc/{pips[0]}").exists() and Path(f"/proc/{pips[0]}/stat").read_text().split()[2] != "Z":
+        assert time.monotonic() < deadline, "pip kept running after the set-up was killed"
+        time.sleep(0.05)
+    assert not venv.exists(), "the unfinished venv was left behind"
+    assert "interrupted" in err and "removed the unfinished" in err

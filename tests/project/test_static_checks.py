@@ -1,7 +1,8 @@
 """Lint and format (ruff) and type check (mypy) as tests, so the README's test command runs them in CI.
 
 Both read their configuration from pyproject.toml ([tool.ruff], [tool.mypy]); the versions are
-pinned in the ``dev`` extra so a finding here is the same on every machine.
+pinned in the ``dev`` extra so a finding here is the same on every machine. The mypy configuration
+itself is held to ``strict`` over the whole package, so a later edit cannot quietly loosen it.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -44,6 +46,21 @@ def test_ruff_format_changes_nothing() -> None:
 def test_mypy_finds_nothing() -> None:
     proc = _run("mypy", timeout=280)
     assert proc.returncode == 0, f"mypy (files, options: pyproject.toml) found problems:\n{proc.stdout}{proc.stderr}"
+
+
+def test_mypy_config_is_strict_over_the_whole_package() -> None:
+    # test_mypy_finds_nothing runs plain `mypy`, which reads exactly this table: loosening it here
+    # (strict off, a module's errors ignored, a check disabled) would pass that test silently.
+    with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
+        mypy = tomllib.load(f)["tool"]["mypy"]
+    assert mypy.get("strict") is True
+    assert {"ckptsdk", "adapters"} <= set(mypy["files"])
+    loosening = {"ignore_errors", "disallow_untyped_defs", "disallow_incomplete_defs", "check_untyped_defs"}
+    for override in mypy.get("overrides", []):
+        modules = override["module"] if isinstance(override["module"], list) else [override["module"]]
+        ours = [m for m in modules if m.split(".")[0] in ("ckptsdk", "adapters")]
+        assert not (ours and loosening & set(override)), f"override {override} loosens the check for {ours}"
+        assert override.get("ignore_errors") is not True, f"override {override} ignores errors"
 
 
 def test_pre_commit_runs_the_same_checks(tmp_path: Path) -> None:

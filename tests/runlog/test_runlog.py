@@ -226,6 +226,9 @@ class _Shuffled:
     def read(self, key):
         return self.inner.read(key)
 
+    def open(self, key):
+        return self.inner.open(key)
+
 
 def test_out_of_order_and_missing_chunks(backend):
     story(backend)
@@ -254,11 +257,14 @@ def test_unreadable_chunk_is_reported_not_fatal(backend):
     assert any("ckptsdk.runlog/9" in w for w in report.warnings)
 
 
-def test_no_overlap_and_empty(backend):
-    assert audit(backend).verdict == "no overlap"
+def test_no_overlap_and_empty_are_unverified_never_a_pass(backend):
+    empty = audit(backend)
+    assert (empty.verdict, empty.verified) == ("unverified", False)
+    assert "no attempt logged a step" in empty.unverified_reason
     run_attempt(backend, 1, range(0, 20))
     report = audit(backend)
-    assert (report.verdict, report.ok, report.overlap_steps) == ("no overlap", True, 0)
+    assert (report.verdict, report.ok, report.verified, report.overlap_steps) == ("unverified", True, False, 0)
+    assert "one attempt only" in report.unverified_reason
     with pytest.raises(ConfigError):
         audit(backend, tolerance=-1.0)
 
@@ -532,7 +538,7 @@ def test_an_audit_report_of_format_1_0_is_still_read():
     assert old.first_divergence is not None and math.isnan(old.first_divergence.values[1])
     assert old.attempts[0].started_at == "2026-11-30T06:10:00.123+00:00"
     again = json.loads(old.to_json())  # re-written as the current format
-    assert again["format"] == AUDIT_FORMAT == "ckptsdk.audit/1.1"
+    assert again["format"] == AUDIT_FORMAT == "ckptsdk.audit/1.2"
     assert again["first_divergence"]["values"] == {"1": {"$float": "nan"}, "2": 0.5}
     newer = _OLD_REPORT.replace("ckptsdk.audit/1", "ckptsdk.audit/2")
     with pytest.raises(ManifestError, match="upgrade ckptsdk"):
@@ -581,5 +587,6 @@ def test_the_device_is_named_once_the_job_itself_initialised_cuda(backend, monke
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)  # the job moved to the GPU
     log.log_step(2, loss=0.5)
     log.close()
-    assert log.record.device == "cuda:NVIDIA H200"
-    assert json.loads(backend.read(chunk_key(1, 1)).decode().splitlines()[0])["device"] == "cuda:NVIDIA H200"
+    # The manifest's format (ckptsdk.format.environment.describe_device): index and model.
+    assert log.record.device == "cuda:0 (NVIDIA H200)"
+    assert json.loads(backend.read(chunk_key(1, 1)).decode().splitlines()[0])["device"] == "cuda:0 (NVIDIA H200)"

@@ -169,6 +169,14 @@ def claim_100gb(root: Path) -> None:  # the manifest says the file is 100 GB
     _write_doc(f, doc, reseal=True)
 
 
+def manifest_padded(root: Path) -> None:  # a newer minor's unknown field, 80 MB, correctly sealed
+    f = _folder(root, 2)
+    doc = _doc(f)
+    doc["format"] = doc["format"].rsplit(".", 1)[0] + ".99"
+    doc["padding"] = [0] * (40 << 20)
+    _write_doc(f, doc, reseal=True)
+
+
 def unknown_digest_algorithm(root: Path) -> None:
     f = _folder(root, 2)
     doc = _doc(f)
@@ -408,6 +416,7 @@ FALLBACK = [
     strip_checksum,
     tree_drops_momentum,
     claim_100gb,
+    manifest_padded,
     unknown_digest_algorithm,
     manifest_in_wrong_folder,
     tensor_bit_flip,
@@ -488,6 +497,7 @@ LEASES = {
     "empty": b"",
     "garbage": b"\x00\xff not json",
     "nested": b"[" * 100_000 + b"]" * 100_000,
+    "padded": None,  # a real record after 2 MiB of whitespace: valid JSON, not a lease's size
     "huge ttl": None,  # filled from a real record below
     "infinite ttl": None,
     "folder": "folder",
@@ -499,7 +509,8 @@ LEASES = {
 @pytest.mark.parametrize("kind", list(LEASES))
 def test_junk_lease_is_refused_fast_and_breakable(root, kind):
     lease = root / "LEASE.json"
-    record = json.loads(lease.read_bytes())
+    original = lease.read_bytes()
+    record = json.loads(original)
     lease.unlink()
     if kind == "folder":
         lease.mkdir()
@@ -508,6 +519,8 @@ def test_junk_lease_is_refused_fast_and_breakable(root, kind):
     elif kind in ("huge ttl", "infinite ttl"):
         record.update(released=False, ttl=1e12 if kind == "huge ttl" else float("inf"))
         lease.write_text(json.dumps(record))  # json writes Infinity; its reader accepts it
+    elif kind == "padded":
+        lease.write_bytes(b" " * (2 << 20) + original)
     else:
         lease.write_bytes(LEASES[kind])
     started = time.monotonic()
@@ -574,3 +587,70 @@ def test_cifar_batch_pickles_cannot_allocate_or_run_anything(name):
 
     with pytest.raises(DataError):
         _parse_batch(PICKLES[name], where=name)
+
+
+# ------------------------------------------------ sizes checked before anything is allocated
+
+_HUGE = 3 << 29  # 1.5 GiB: above the child's address-space headroom (512 MiB), far below the disk
+_HEADROOM = 1 << 29
+
+
+def _append_sparse_tensor(folder: Path, *, fresh_digest: bool) -> None:
+    """Add a 1.5 GiB tensor to step 2's file as a hole (a sparse file: the bytes are not there),
+    re-sealed so header, manifest size and checksum all agree; the digest is the old one (a
+    torn copy) or recomputed over the zeros (a genuine, verified checkpoint)."""
+    path = folder / TENSORS
+    raw = path.read_bytes()
+    (hlen,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + hlen])
+    data = raw[8 + hlen :]
+    header["pad"] = {"dtype": "U8", "shape": [_HUGE], "data_offsets": [len(data), len(data) + _HUGE]}
+    head = json.dumps(header).encode()
+    head += b" " * (-len(head) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(head)) + head + data)
+        f.truncate(8 + len(head) + len(data) + _HUGE)
+    doc = _doc(folder)
+    size = path.stat().st_size
+    if fresh_digest:
+        hasher = xxhash.xxh3_128()
+        with open(path, "rb") as f:
+            while chunk := f.read(8 << 20):
+                hasher.update(chunk)
+        doc["files"] = [{**doc["files"][0], "size": size, "digest": hasher.hexdigest()}]
+    else:
+        doc["files"] = [{**doc["files"][0], "size": size}]
+    _write_doc(folder, doc, reseal=True)
+
+
+def _restore_in_child(root: Path) -> dict:
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.support._alloc_child", str(root), str(_HEADROOM)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.timeout(300)
+def test_a_torn_sparse_tensor_too_big_to_allocate_falls_back_before_allocating(root):
+    # The issue: header and manifest agree on a huge tensor, the digest is stale. Before: torch's
+    # "DefaultCPUAllocator: can't allocate memory", a raw RuntimeError, no fallback.
+    _append_sparse_tensor(_folder(root, 2), fresh_digest=False)
+    got = _restore_in_child(root)
+    assert got == {"step": 1, "digest": expected(1)}, got
+    assert (_folder(root, 2) / TENSORS).stat().st_size > _HUGE  # nothing was deleted or repaired
+
+
+@pytest.mark.timeout(300)
+def test_a_verified_tensor_too_big_for_this_process_is_a_clear_error_not_a_fallback(root):
+    _append_sparse_tensor(_folder(root, 2), fresh_digest=True)
+    got = _restore_in_child(root)
+    assert got["error"] == "CheckpointTooLargeError", got
+    assert got["needed"] > _HUGE and 0 < got["available"] <= _HEADROOM, got
+    assert f"{got['needed']} bytes" in got["message"] and f"{got['available']} bytes" in got["message"], got
+    # It is a good checkpoint (streamed, nothing allocated): falling back would have been wrong.
+    assert CheckpointManager(str(root), read_only=True).verify(step=2).step == 2

@@ -405,8 +405,9 @@ def _install_cell(source: str, dest: Path) -> str:
         "".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code" and "SOURCE = " in "".join(c["source"])
     )
     lines = code.splitlines()
-    assert lines[0].startswith("SOURCE = ") and lines[1].startswith("DEST = ")
-    return "\n".join([f"SOURCE = {source!r}", f"DEST = {str(dest)!r}", *lines[2:]])
+    at = next(i for i, line in enumerate(lines) if line.startswith("SOURCE = "))
+    assert lines[at + 1].startswith("DEST = ")
+    return "\n".join([*lines[:at], f"SOURCE = {source!r}", f"DEST = {str(dest)!r}", *lines[at + 2 :]])
 
 
 def test_the_notebook_states_the_t4_time_and_hides_no_failure():
@@ -433,6 +434,6 @@ def test_the_notebook_install_cell_fails_loudly_and_installs_from_an_archive(tmp
     assert (tmp_path / "c" / "pyproject.toml").exists()
     assert (tmp_path / "c" / "examples" / "train_cifar10.py").exists()
     assert ran == [
-        (sys.executable, "-m", "pip", "install", "-q", "-e", f"{tmp_path / 'c'}[cifar,plot]"),
+        (sys.executable, "-m", "pip", "install", "--progress-bar", "on", "-e", f"{tmp_path / 'c'}[cifar,plot]"),
         ("ckptsdk", "--help"),
     ]

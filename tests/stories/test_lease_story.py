@@ -269,10 +269,21 @@ def test_zombie_cannot_clobber_the_resumed_run(kind: str, make_backend_target: A
         # see test_lease.py), and resumed from A's newest save before the freeze.
         assert t_stop < b_acq["t"] < t_cont
         assert max(e["step"] for e in a_saved if e["t"] < t_stop) <= b_restored["step"]
-        # The zombie's next save after the thaw raised LeaseLostError: none begun after it
-        # committed; nor did any renewal it began after the thaw succeed.
-        assert not [e for e in a_saved if e["t0"] > t_cont], a_saved[-3:]
-        assert not [e for e in a_renewed if e["t0"] > t_cont], a_renewed[-3:]
+        # The fence is the moment A's store shows B's lease: at once after the thaw where the
+        # store is shared (local, GCS); on Drive only once B's LEASE.json has reached A's VM
+        # (up to the sync delay after B's takeover). Before that, A cannot know, and a thawed
+        # zombie may still commit (issue 29.4: saves 26-28 of a loaded run): those are orphans
+        # of a superseded epoch, checked below to be invisible to restore and harmless to B.
+        # After it, no save A began committed and no renewal it began succeeded.
+        fence = t_cont
+        if arrived is not None:
+            assert arrived.at is not None, "B's lease never reached A's VM"
+            fence = max(t_cont, arrived.at)
+        assert not [e for e in a_saved if e["t0"] > fence], (fence, a_saved[-3:])
+        assert not [e for e in a_renewed if e["t0"] > fence], (fence, a_renewed[-3:])
+        late = [e for e in a_saved if e["t0"] > t_cont]
+        assert not late or sim is not None, late  # the window exists on Drive only
+        assert all(e["step"] > b_restored["step"] for e in late), late  # orphans by lineage
     else:
         # A kept saving (orphans, invisible to restore) until B's epoch reached its VM; the
         # first renewal A began after that failed (A noticed at once, never wrote over B).
@@ -302,6 +313,8 @@ def test_zombie_cannot_clobber_the_resumed_run(kind: str, make_backend_target: A
         "b_lost": len(lost),
         "a_newer_epoch_seen": a_lost[0]["newer_epoch"],
         "a_saves_after_takeover": len([e for e in a_saved if e["t"] > b_acq["t"]]),
+        "a_saves_after_thaw": len([e for e in a_saved if e["t0"] > t_cont]) if frozen else None,
+        "takeover_to_a_vm_sees_it_s": round(arrived.at - b_acq["t"], 2) if arrived and arrived.at else None,
     }
     print(f"\nSTORY {kind}: {json.dumps(REPORT[kind])}")
     assert lost == []

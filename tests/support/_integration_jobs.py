@@ -55,10 +55,32 @@ def _net() -> torch.nn.Module:
     )
 
 
+# The root whose run log a kill waits for (set by main() for the jobs that log their steps), so the
+# steps run after the last save are on storage and the audit has something to compare.
+_WAIT_FOR_LOG: dict[str, object] = {}
+
+
 def _kill_if(step: int, kill_at: int | None) -> None:
     if kill_at is not None and step == kill_at:
+        if "url" in _WAIT_FOR_LOG:
+            _wait_for_logged(step - 1)
         sys.stdout.flush()
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _wait_for_logged(step: int) -> None:
+    """Until the run log's flusher thread has published ``step`` (bounded: 60 s)."""
+    import threading
+
+    from ckptsdk.backends import open_backend
+    from ckptsdk.runlog.audit import read_runlog
+
+    backend = open_backend(str(_WAIT_FOR_LOG["url"]), **dict(_WAIT_FOR_LOG["options"]))
+    pause = threading.Event()
+    for _ in range(600):
+        if any(step in rows for rows in read_runlog(backend)[1].values()):
+            return
+        pause.wait(0.1)
 
 
 def run_lightning(args: argparse.Namespace) -> dict[str, torch.Tensor]:
@@ -150,6 +172,46 @@ def run_accelerate(args: argparse.Namespace) -> dict[str, torch.Tensor]:
             done = 0
     out = {k: v.detach().clone() for k, v in acc.unwrap_model(model).state_dict().items()}
     return {**out, "custom.ema": ema.value.clone(), "custom.updates": torch.tensor(ema.updates)}
+
+
+def run_accelerate_loader(args: argparse.Namespace) -> dict[str, torch.Tensor]:
+    """Accelerate with a standard shuffled map-style dataset through ``ckptsdk.DataLoader``.
+
+    The loader is registered for checkpointing (its position goes into the checkpoint as
+    ``custom_0``) instead of prepared: one process on the CPU needs no sharding, and the resume
+    then skips the consumed batches by index rather than by ``skip_first_batches``.
+    """
+    from accelerate import Accelerator
+
+    import ckptsdk
+    from ckptsdk.integrations.accelerate import AcceleratorCheckpoints
+
+    acc = Accelerator(cpu=True)
+    x, y = _data()
+    loader = ckptsdk.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=BATCH, shuffle=True, seed=5)
+    model = _net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.8)
+    model, opt, sched = acc.prepare(model, opt, sched)
+    acc.register_for_checkpointing(loader)
+    with AcceleratorCheckpoints(
+        acc, args.url, save_every=5, lease_ttl=LEASE_TTL, storage_options=args.storage_options
+    ) as ckpt:
+        pos = ckpt.restore()
+        step = 0 if pos is None else pos.step
+        for _epoch in range(loader.epoch, 4):
+            for xb, yb in loader:
+                step += 1
+                _kill_if(step, args.kill_at)
+                loss = torch.nn.functional.binary_cross_entropy_with_logits(model(xb), yb)
+                acc.backward(loss)
+                opt.step()
+                sched.step()
+                opt.zero_grad()
+                ckpt.log_step(step, loss=loss.item())
+                if ckpt.should_save(step):
+                    ckpt.save(step)  # epoch and batch_idx: from the loader
+    return {k: v.detach().clone() for k, v in acc.unwrap_model(model).state_dict().items()}
 
 
 class LossEMA:
@@ -264,13 +326,15 @@ def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("mode", choices=["lightning", "accelerate", "transformers"])
+    p.add_argument("mode", choices=["lightning", "accelerate", "accelerate_loader", "transformers"])
     p.add_argument("--url", required=True)
     p.add_argument("--work", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--kill-at", type=int)
     p.add_argument("--storage-options", type=json.loads, default={})
     args = p.parse_args()
+    if args.mode != "lightning":  # the others log every step through ckptsdk
+        _WAIT_FOR_LOG.update(url=args.url, options=args.storage_options)
     torch.use_deterministic_algorithms(True)
     weights = globals()[f"run_{args.mode}"](args)
     safetensors.torch.save_file({k: v.contiguous() for k, v in weights.items()}, args.out)

@@ -1,0 +1,372 @@
+"""A DataLoader whose position is part of the training state: it resumes mid-epoch bit for bit.
+
+``ckptsdk.DataLoader`` wraps ``torch.utils.data.DataLoader`` over a map-style dataset. Its state
+is (seed, epoch, batches done); the order of an epoch, the workers' ``base_seed`` and the RNG
+seeds of every batch's fetch are functions of (seed, epoch, batch), so a restore skips the
+consumed batches by index, never by loading them. Storage, the step log and other loaders
+(torchdata's ``StatefulDataLoader`` goes into a ``TrainState`` as it is) do not belong here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import random
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any, Final
+
+import numpy as np
+import torch
+import torch.utils.data as tud
+
+from ckptsdk.errors import ConfigError, StateMismatchError
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["LOADER_FORMAT", "DataLoader", "check_loader", "loaders_of", "resolve_position"]
+
+LOADER_FORMAT: Final = "ckptsdk.loader/1"
+# Arguments that would take the order (or its bookkeeping) away from us.
+_REFUSED = ("sampler", "batch_sampler", "in_order")
+_SEED_BITS = 53  # stored as a JSON int: exact in every JSON reader, doubles included
+
+
+def _derive(seed: int, *parts: object) -> int:
+    """A seed for one purpose of one (epoch, batch): a hash, so that no two purposes share a stream."""
+    text = ":".join(str(p) for p in (seed, *parts)).encode()
+    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") >> (64 - _SEED_BITS)
+
+
+class _Batch(list[int]):
+    """The indices of one batch, with the seed its fetch runs under (travels to a worker by pickle)."""
+
+    seed: int = 0
+
+
+@contextmanager
+def _kept_rngs() -> Iterator[None]:
+    # Fetching in the main process (num_workers=0) must not move the training process's RNGs:
+    # the training step after it would draw differently than in a run with workers.
+    torch_state = torch.default_generator.get_state()
+    py_state = random.getstate()
+    np_state = np.random.get_state()
+    try:
+        yield
+    finally:
+        torch.default_generator.set_state(torch_state)
+        random.setstate(py_state)
+        np.random.set_state(np_state)
+
+
+class _SeededFetch(tud.Dataset[Any]):
+    """The user's dataset, fetched batch by batch under the batch's own seed.
+
+    Why per batch: a worker's RNG stream otherwise depends on which batches that worker fetched
+    before (round robin), which a resume that skips batches cannot reproduce; seeded by (seed,
+    epoch, batch) the random augmentation of a batch is the same whatever came before it and
+    whatever the number of workers.
+    """
+
+    def __init__(self, dataset: tud.Dataset[Any]) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitem__(self, index: int) -> Any:
+        return self.dataset[index]
+
+    def __getitems__(self, batch: _Batch) -> list[Any]:
+        if tud.get_worker_info() is None:
+            with _kept_rngs():
+                return self._fetch(batch)
+        return self._fetch(batch)
+
+    def _fetch(self, batch: _Batch) -> list[Any]:
+        # Only the CPU generator: torch.manual_seed would also reseed CUDA in the main process.
+        torch.default_generator.manual_seed(batch.seed)
+        random.seed(batch.seed)
+        np.random.seed(batch.seed % (1 << 32))
+        getitems = getattr(self.dataset, "__getitems__", None)
+        if callable(getitems):
+            return list(getitems(list(batch)))
+        return [self.dataset[i] for i in batch]
+
+
+class _Plan(tud.Sampler[list[int]]):
+    """The batch sampler: the remaining batches of the loader's current epoch, in order."""
+
+    def __init__(self, owner: DataLoader) -> None:
+        self.owner = owner
+
+    def __len__(self) -> int:
+        return len(self.owner)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        owner = self.owner
+        order = owner._order(owner.epoch)
+        for b in range(owner._start, len(owner)):
+            batch = _Batch(order[b * owner.batch_size : (b + 1) * owner.batch_size])
+            batch.seed = _derive(owner.seed, owner.epoch, b, "fetch")
+            yield batch
+
+
+class DataLoader:
+    """``torch.utils.data.DataLoader`` for a map-style dataset, resumable mid-epoch; put it in the
+    ``TrainState``.
+
+    Iterating yields the remaining batches of the current epoch, then moves to the next epoch
+    (``epoch`` + 1, ``batch_idx`` 0). Random augmentation in workers must draw from the global
+    torch / ``random`` / numpy RNGs, which are seeded per batch; a generator a dataset makes for
+    itself (e.g. in ``worker_init_fn``) is not reproduced.
+
+    Args:
+        dataset: a map-style dataset (``__getitem__`` and ``__len__``).
+        batch_size: samples per batch.
+        shuffle: a new order every epoch, drawn from (``seed``, epoch).
+        seed: the loader's seed (an int); default the ``generator``'s initial seed, else one
+            drawn from torch's global RNG. A restore replaces it with the saved one.
+        drop_last: drop the last incomplete batch.
+        generator: accepted for ``torch.utils.data.DataLoader`` compatibility; only its
+            ``initial_seed()`` is used.
+        **options: passed to ``torch.utils.data.DataLoader`` (``num_workers``, ``collate_fn``,
+            ``pin_memory``, ``worker_init_fn``, ``persistent_workers``, ``prefetch_factor``...).
+
+    Raises:
+        ConfigError: an iterable dataset, or ``sampler``/``batch_sampler``/``in_order``.
+
+    Example:
+        >>> ds = torch.utils.data.TensorDataset(torch.arange(10))
+        >>> loader = DataLoader(ds, batch_size=4, shuffle=True, seed=1)
+        >>> first = [b[0].tolist() for b in loader]                # epoch 0, 3 batches
+        >>> saved = None
+        >>> for i, (x,) in enumerate(loader):                      # epoch 1
+        ...     if i == 0:
+        ...         saved = loader.state_dict()                    # after 1 batch of epoch 1
+        >>> again = DataLoader(ds, batch_size=4, shuffle=True)
+        >>> again.load_state_dict(saved)
+        >>> (again.epoch, again.batch_idx, len([b for b in again]))  # resumes with 2 batches left
+        (1, 1, 2)
+    """
+
+    def __init__(
+        self,
+        dataset: tud.Dataset[Any],
+        batch_size: int = 1,
+        shuffle: bool = False,
+        *,
+        seed: int | None = None,
+        drop_last: bool = False,
+        generator: torch.Generator | None = None,
+        **options: Any,
+    ) -> None:
+        if isinstance(dataset, tud.IterableDataset):
+            raise ConfigError(
+                "ckptsdk.DataLoader needs a map-style dataset (indexable, with a length): an "
+                f"IterableDataset ({type(dataset).__name__}) cannot be skipped by index. Use "
+                "torchdata's StatefulDataLoader with a dataset that has state_dict()/"
+                "load_state_dict(), and put that loader in the TrainState"
+            )
+        bad = [name for name in _REFUSED if name in options]
+        if bad:
+            raise ConfigError(
+                f"ckptsdk.DataLoader does not take {', '.join(bad)}: it draws each epoch's order "
+                "itself to resume it by index; pass shuffle=True/False and seed=..."
+            )
+        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+            raise ConfigError(f"batch_size must be an int >= 1, got {batch_size!r}")
+        if seed is None:
+            seed = generator.initial_seed() if generator is not None else int(torch.randint(0, 1 << 62, ()).item())
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.shuffle = bool(shuffle)
+        self.drop_last = bool(drop_last)
+        self.seed = int(seed) & ((1 << _SEED_BITS) - 1)
+        self.epoch = 0
+        self.batch_idx = 0  # batches of `epoch` already yielded
+        self._start = 0  # where the running iteration began (read by _Plan)
+        self._size = len(dataset)  # type: ignore[arg-type]
+        self._order_cache: tuple[int, list[int]] | None = None
+        self._last_digest: str | None = None
+        # The generator torch's loader draws its workers' base_seed from at iter(): reset per
+        # epoch, so a worker_init_fn that reads torch.initial_seed() sees the same as before a kill.
+        self._base = torch.Generator()
+        self._loader = tud.DataLoader(_SeededFetch(dataset), batch_sampler=_Plan(self), generator=self._base, **options)
+
+    def __len__(self) -> int:
+        """Batches per epoch."""
+        if self.drop_last:
+            return self._size // self.batch_size
+        return -(-self._size // self.batch_size)
+
+    def _order(self, epoch: int) -> list[int]:
+        if self._order_cache is not None and self._order_cache[0] == epoch:
+            return self._order_cache[1]
+        if self.shuffle:
+            g = torch.Generator().manual_seed(_derive(self.seed, epoch, "order"))
+            order = torch.randperm(self._size, generator=g).tolist()
+        else:
+            order = list(range(self._size))
+        self._order_cache = (epoch, order)
+        return order
+
+    def __iter__(self) -> Iterator[Any]:
+        if self.batch_idx >= len(self):  # saved (or stopped) after an epoch's last batch
+            self.epoch, self.batch_idx = self.epoch + 1, 0
+        epoch, self._start = self.epoch, self.batch_idx
+        order = self._order(epoch)
+        self._base.manual_seed(_derive(self.seed, epoch, "workers"))
+        for batch in self._loader:
+            b = self.batch_idx
+            indices = np.asarray(order[b * self.batch_size : (b + 1) * self.batch_size], dtype="<i8")
+            self._last_digest = f"{epoch}:{b}:{hashlib.blake2b(indices.tobytes(), digest_size=8).hexdigest()}"
+            self.batch_idx = b + 1
+            yield batch
+        self.epoch, self.batch_idx = epoch + 1, 0
+
+    @property
+    def last_batch_digest(self) -> str | None:
+        """``"epoch:batch:hash"`` of the sample indices of the batch last yielded (None before one).
+
+        The manager logs it with every step (the audit compares it between attempts).
+        """
+        return self._last_digest
+
+    def batch_digest(self) -> str | None:
+        """:attr:`last_batch_digest`, as the callable the run log's ``watch_data`` takes."""
+        return self._last_digest
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position: seed, epoch, batches done, and what the order depends on (checked at load)."""
+        return {
+            "format": LOADER_FORMAT,
+            "seed": self.seed,
+            "epoch": self.epoch,
+            "batch_idx": self.batch_idx,
+            "samples": self._size,
+            "batch_size": self.batch_size,
+            "shuffle": self.shuffle,
+            "drop_last": self.drop_last,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue where ``state`` was saved: the next iteration yields the batches not yet done.
+
+        Raises:
+            StateMismatchError: the state is not a ckptsdk loader's, or was saved over another
+                dataset size, batch size, shuffle or drop_last (the order would not be the same).
+        """
+        if not isinstance(state, Mapping) or state.get("format") != LOADER_FORMAT:
+            found = state.get("format") if isinstance(state, Mapping) else type(state).__name__
+            raise StateMismatchError(
+                f"not a ckptsdk.DataLoader state (format {found!r}, expected {LOADER_FORMAT!r}): "
+                "was another kind of loader saved under this name?",
+                mismatches=["loader: format"],
+            )
+        problems = [
+            f"loader: {name} was {state.get(name)!r} when saved, is {now!r} now"
+            for name, now in (
+                ("samples", self._size),
+                ("batch_size", self.batch_size),
+                ("shuffle", self.shuffle),
+                ("drop_last", self.drop_last),
+            )
+            if state.get(name) != now
+        ]
+        if problems:
+            raise StateMismatchError(
+                "the saved loader position does not fit this loader (the order of the remaining "
+                "batches would differ): " + "; ".join(problems) + ". Build the loader as it was built "
+                "when the checkpoint was saved",
+                mismatches=problems,
+            )
+        self.seed, self.epoch, self.batch_idx = int(state["seed"]), int(state["epoch"]), int(state["batch_idx"])
+        if self.batch_idx >= len(self):  # saved at an epoch's last batch: that epoch is done
+            self.epoch, self.batch_idx = self.epoch + 1, 0
+        self._order_cache = None
+        self._last_digest = None
+        logger.info("loader resumes at epoch %d after %d batch(es)", self.epoch, self.batch_idx)
+
+
+def loaders_of(state: Any) -> dict[str, DataLoader]:
+    """The ckptsdk loaders among a ``TrainState``'s objects (name -> loader)."""
+    objects = getattr(state, "objects", None)
+    if not isinstance(objects, Mapping):
+        return {}
+    return {name: obj for name, obj in objects.items() if isinstance(obj, DataLoader)}
+
+
+def resolve_position(state: Any, epoch: int | None, batch_idx: int | None) -> tuple[int | None, int | None]:
+    """``save()``'s position, checked against the one ckptsdk loader of ``state`` (if exactly one).
+
+    Missing values are taken from the loader. (e, number of batches) and (e + 1, 0) are the same
+    position (a save at an epoch's last batch).
+
+    Raises:
+        ConfigError: ``epoch``/``batch_idx`` disagree with the loader (says what to pass).
+    """
+    found = loaders_of(state)
+    if len(found) != 1:
+        return epoch, batch_idx
+    ((name, loader),) = found.items()
+
+    def norm(e: int, b: int) -> tuple[int, int]:
+        return (e + 1, 0) if b >= len(loader) else (e, b)
+
+    want = (loader.epoch, loader.batch_idx)
+    got = (loader.epoch if epoch is None else epoch, loader.batch_idx if batch_idx is None else batch_idx)
+    if norm(*got) != norm(*want):
+        raise ConfigError(
+            f"save(epoch={epoch}, batch_idx={batch_idx}) disagrees with the TrainState's loader "
+            f"{name!r}, which has yielded {want[1]} batch(es) of epoch {want[0]}: batch_idx means the "
+            "batches of the epoch already done (i + 1 for `for i, batch in enumerate(loader)`); pass "
+            f"epoch={name}.epoch, batch_idx={name}.batch_idx, or leave both out"
+        )
+    return got
+
+
+def check_loader(name: str, obj: Any) -> None:
+    """Refuse, when a ``TrainState`` is built, a loader whose resume would be silently wrong.
+
+    A ``StatefulDataLoader`` without ``generator=`` is accepted with a warning: it resumes its
+    position, but not bit for bit (see the warning's text).
+
+    Raises:
+        ConfigError: a plain ``torch.utils.data.DataLoader`` (it has no position to save), or a
+            torchdata ``StatefulDataLoader`` built with ``generator=``: torchdata 0.11 resumes
+            the interrupted epoch, but the epochs after it draw another order (measured).
+    """
+    if isinstance(obj, tud.DataLoader) and not callable(getattr(obj, "state_dict", None)):
+        raise ConfigError(
+            f"TrainState({name}=...) got a torch DataLoader, which has no position to save: build "
+            "it as ckptsdk.DataLoader(dataset, batch_size=..., shuffle=..., seed=..., num_workers=...) "
+            "(same arguments), or use torchdata's StatefulDataLoader"
+        )
+    if type(obj).__name__ == "StatefulDataLoader":
+        if getattr(obj, "generator", None) is not None:
+            raise ConfigError(
+                f"TrainState({name}=StatefulDataLoader(..., generator=g)): after a restore torchdata "
+                "replays the interrupted epoch exactly but draws a different order for every epoch "
+                "after it. Leave generator=None (the order then comes from torch's global RNG, which "
+                "the TrainState saves and restores) or use ckptsdk.DataLoader(..., seed=...)"
+            )
+        # Measured on torchdata 0.11: the resumed iter() draws the workers' base_seed from torch's
+        # global RNG once more than the uninterrupted run did (it drew it at the epoch's start,
+        # before the save), so every later draw (dropout, augmentation) is shifted by one.
+        logger.warning(
+            "TrainState(%s=StatefulDataLoader): its position is saved and restored, but a resume is "
+            "not bit-exact: after a mid-epoch restore its iter() draws once more from torch's "
+            "global RNG (and with num_workers > 0 the draws inside its workers differ too). "
+            "ckptsdk.DataLoader(..., seed=...) resumes bit for bit",
+            name,
+        )
+        dataset = getattr(obj, "dataset", None)
+        if isinstance(dataset, tud.IterableDataset) and not callable(getattr(dataset, "state_dict", None)):
+            logger.warning(
+                "TrainState(%s=StatefulDataLoader over %s): an iterable dataset without "
+                "state_dict()/load_state_dict() is resumed by re-reading the consumed batches, and "
+                "only if its iteration is deterministic; give it state_dict()/load_state_dict()",
+                name,
+                type(dataset).__name__,
+            )

@@ -1,0 +1,212 @@
+"""The options of a CheckpointManager, grouped: what to keep, how the lease behaves, how saves run.
+
+Each group is a frozen dataclass that checks its own values when it is made (a ``ConfigError``
+naming the option, the value and what is allowed), so an option is validated once, whichever way
+it came: a group the caller built, or the flat keywords (``keep_last=``, ``lease_ttl=``, ...) that
+are the documented shorthand. Using the options (the lease, rotation, the save pipeline) does not
+belong here.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, SupportsIndex, TypeVar
+
+from ckptsdk.checkpoint.retention import Rule
+from ckptsdk.checkpoint.rotation import LEFTOVER_GRACE_S, RETENTION_MODES, RetentionMode
+from ckptsdk.checkpoint.staging import SNAPSHOT_MODES, SnapshotMode
+from ckptsdk.errors import ConfigError
+from ckptsdk.preemption import DEFAULT_DEADLINE
+
+__all__ = ["LeaseOptions", "Retention", "SaveOptions", "grouped"]
+
+_Group = TypeVar("_Group", "Retention", "LeaseOptions", "SaveOptions")
+
+
+def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
+    # Literal types say this to a type checker; a caller without one (or with a value from a
+    # config file) learns it here, before anything is opened.
+    if value not in choices:
+        raise ConfigError(f"{name} must be one of {', '.join(map(repr, choices))}, got {value!r}")
+
+
+def _check_count(name: str, value: object, *, optional: bool, why: str = "") -> None:
+    if value is None and optional:
+        return
+    # int first: isinstance against a runtime Protocol (SupportsIndex: numpy ints) costs microseconds.
+    if isinstance(value, bool) or not isinstance(value, (int, SupportsIndex)) or operator.index(value) < 1:
+        allowed = ">= 1 or None" if optional else ">= 1"
+        raise ConfigError(f"{name} must be an integer {allowed}, got {value!r}{why}")
+
+
+@dataclass(frozen=True)
+class Retention:
+    """Which committed checkpoints rotation keeps, and how the others go.
+
+    Shorthand: ``CheckpointManager(keep_last=, keep_every=, keep=, retention_mode=, leftover_grace=)``.
+
+    Attributes:
+        keep_last: committed checkpoints to keep (the newest is always kept).
+        keep_every: also keep, forever, every checkpoint whose step is a multiple of this.
+        keep: more keep rules, kept by union with ``keep_last`` / ``keep_every``: e.g.
+            ``[retention.keep_best("val_loss", 2), retention.keep_every_seconds(3600)]`` from
+            :mod:`ckptsdk.checkpoint.retention`. They are judged from the committed manifests (a
+            metric a save passes in ``metrics``), so a restart, a takeover and ``gc`` decide
+            alike. Stored as a tuple; that each is a rule is checked by the rotation that applies
+            them.
+        mode: ``"delete"`` rotated-out checkpoints, or ``"recycle"`` the oldest one's file for
+            the next save (renamed and rewritten in place, so nothing full-size goes to Drive's
+            trash; see docs/DRIVE.md). None: ``"recycle"`` where the store has a trash and can
+            rewrite in place (Drive), else ``"delete"``.
+        leftover_grace: seconds an uncommitted folder of an earlier writer must have been silent,
+            by the store's own times, before it is removed where the store has no
+            compare-and-swap (Drive: another VM may still be uploading it). Elsewhere such
+            folders go at once.
+
+    Example:
+        >>> Retention(keep_last=5, keep_every=1000).mode is None
+        True
+    """
+
+    #: The manager's flat keywords for these fields (flat keyword -> field).
+    SHORTHAND: ClassVar[Mapping[str, str]] = {
+        "keep_last": "keep_last",
+        "keep_every": "keep_every",
+        "keep": "keep",
+        "retention_mode": "mode",
+        "leftover_grace": "leftover_grace",
+    }
+
+    keep_last: int = 3
+    keep_every: int | None = None
+    keep: Rule | Sequence[Rule] = ()
+    mode: RetentionMode | None = None
+    leftover_grace: float = LEFTOVER_GRACE_S
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.keep, tuple):  # a list or one rule: a tuple keeps the group hashable
+            object.__setattr__(self, "keep", (self.keep,) if isinstance(self.keep, Rule) else tuple(self.keep))
+        _check_count("keep_last", self.keep_last, optional=False, why=": the newest checkpoint is always kept")
+        _check_count("keep_every", self.keep_every, optional=True)
+        if self.mode is not None:
+            _check_choice("retention_mode (Retention.mode)", self.mode, RETENTION_MODES)
+        if isinstance(self.leftover_grace, bool) or not (
+            isinstance(self.leftover_grace, (int, float)) and self.leftover_grace >= 0  # nan fails too
+        ):
+            raise ConfigError(f"leftover_grace must be a number of seconds >= 0, got {self.leftover_grace!r}")
+
+
+@dataclass(frozen=True)
+class LeaseOptions:
+    """How this writer takes and holds the root's lease (checked by :class:`ckptsdk.lease.acquire.Lease`).
+
+    Shorthand: ``CheckpointManager(lease_ttl=, lease_wait=, lease_settle=, force=)``.
+
+    Attributes:
+        ttl: seconds a silent lease must stay unchanged before a newcomer takes over. None: 60 s
+            on local disk and GCS, 300 s on Drive (see :mod:`ckptsdk.lease.acquire`).
+        wait: seconds to wait for a live holder before ``LeaseHeldError`` (None: five ttls).
+        settle: on backends without compare-and-swap (Drive): seconds between writing the lease
+            and reading it back to confirm it is ours. Must exceed the time another VM's write
+            takes to reach this one. None: ttl/5 on Drive, 0 elsewhere.
+        force: break a live lease at once (only when you know the other writer is gone).
+    """
+
+    #: The manager's flat keywords for these fields (flat keyword -> field).
+    SHORTHAND: ClassVar[Mapping[str, str]] = {
+        "lease_ttl": "ttl",
+        "lease_wait": "wait",
+        "lease_settle": "settle",
+        "force": "force",
+    }
+
+    ttl: float | None = None
+    wait: float | None = None
+    settle: float | None = None
+    force: bool = False
+
+
+@dataclass(frozen=True)
+class SaveOptions:
+    """When saves are due and how they run.
+
+    Shorthand: ``CheckpointManager(save_every=, async_save=, snapshot=, save_on_signal=, signal_deadline=,
+    max_staging_bytes=)``.
+
+    Attributes:
+        every: ``should_save(step)`` is true every this many steps (None: never by count).
+        asynchronous: make ``save`` non-blocking by default (see ``save(blocking=)``).
+        snapshot: how a non-blocking save copies the state. ``"pipelined"`` (default): at
+            ``save()`` only what can change before the next ``optimizer.step()`` is copied (RNG
+            states, module buffers, scheduler/scaler state, extras); parameters and optimizer
+            state are copied in the background, and each optimizer held by the
+            :class:`~ckptsdk.TrainState` waits for that copy at its next ``step()``. The rule a
+            job must follow: nothing but ``optimizer.step()`` changes parameters or optimizer
+            state between ``save()`` and the next step. ``"copy"``: copy everything at
+            ``save()`` (the opt-out; also what happens for a state without optimizers).
+        on_signal: on SIGTERM/SIGINT, make ``should_save`` true at the next step, commit that
+            save (blocking, within ``signal_deadline``), release the lease, then exit as the
+            signal asked (see :mod:`ckptsdk.preemption`). None: on when the manager is created
+            in the main thread for writing.
+        signal_deadline: seconds that final save may take before it is abandoned (no commit).
+        max_staging_bytes: host memory the snapshots of non-blocking saves may hold. A save due
+            while the previous one is still writing never waits: its snapshot goes to a second
+            staging buffer (a newer one replaces it while it waits). When that second buffer
+            would exceed this bound, the due save is skipped and counted in ``mgr.stats``. None:
+            no bound (at most two snapshots of the state).
+    """
+
+    #: The manager's flat keywords for these fields (flat keyword -> field).
+    SHORTHAND: ClassVar[Mapping[str, str]] = {
+        "max_staging_bytes": "max_staging_bytes",
+        "save_every": "every",
+        "async_save": "asynchronous",
+        "snapshot": "snapshot",
+        "save_on_signal": "on_signal",
+        "signal_deadline": "signal_deadline",
+    }
+
+    every: int | None = None
+    asynchronous: bool = False
+    snapshot: SnapshotMode = "pipelined"
+    on_signal: bool | None = None
+    signal_deadline: float = DEFAULT_DEADLINE
+    max_staging_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_count("save_every (SaveOptions.every)", self.every, optional=True)
+        _check_count("max_staging_bytes", self.max_staging_bytes, optional=True)
+        _check_choice("snapshot", self.snapshot, SNAPSHOT_MODES)
+
+
+def grouped(keyword: str, group: _Group | None, cls: type[_Group], flat: Mapping[str, Any]) -> _Group:
+    """One option group from either the group a caller gave or the flat keywords it gave.
+
+    Args:
+        keyword: the manager's keyword for the group (``"retention"``), for messages.
+        group: what the caller passed for ``keyword``, or None.
+        cls: the group's class; ``cls.SHORTHAND`` maps its flat keywords to its fields.
+        flat: flat keyword -> the value given (None: not given); keywords of other groups are
+            ignored.
+
+    Returns:
+        ``group``, or a ``cls`` made from the flat values given (the defaults for the rest).
+
+    Raises:
+        ConfigError: both ``group`` and one of its flat keywords were given (which one should
+            win is the caller's to say), ``group`` is not a ``cls``, or a value is invalid.
+    """
+    given = {kw: flat[kw] for kw in cls.SHORTHAND if flat.get(kw) is not None}
+    if group is None:
+        return cls(**{cls.SHORTHAND[kw]: value for kw, value in given.items()})
+    if not isinstance(group, cls):
+        raise ConfigError(f"{keyword}= takes a ckptsdk.{cls.__name__}, got {type(group).__name__}: {group!r}")
+    if given:
+        names = ", ".join(f"{kw}=" for kw in given)
+        raise ConfigError(
+            f"{names} and {keyword}= were both given; pass the value inside {keyword}={cls.__name__}(...) "
+            f"(the flat keyword is its shorthand) or drop {keyword}="
+        )
+    return group
