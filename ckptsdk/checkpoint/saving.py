@@ -2,8 +2,7 @@
 
 It orders the writes so that every crash window leaves the previous committed checkpoint intact,
 and fences a writer that lost the lease before it commits or deletes anything. Configuration, the
-read API and restore belong to the manager; which checkpoints go is :mod:`ckptsdk.checkpoint.rotation`'s;
-when background saves run (one writing, one waiting) is :mod:`ckptsdk.checkpoint.scheduling`'s.
+read API and restore belong to the manager; which checkpoints go is ``rotation``'s, when saves run ``scheduling``'s.
 
 Ordering that matters (each is a crash window or a zombie window):
   - tensors first, manifest last: a checkpoint exists only once its manifest is published;

@@ -121,7 +121,11 @@ def test_show_on_a_missing_root_says_what_ls_says(tmp_path):
 
 
 def test_gc_default_keep_last_is_the_managers():
-    assert MANAGER_KEEP_LAST == inspect.signature(CheckpointManager).parameters["keep_last"].default
+    from ckptsdk.options import Retention
+
+    # The flat keyword defaults to None ("not given"); the group holds the manager's default.
+    assert inspect.signature(CheckpointManager).parameters["keep_last"].default is None
+    assert MANAGER_KEEP_LAST == Retention().keep_last
 
 
 def test_numpy_size_table_agrees_with_numpy():
