@@ -41,7 +41,7 @@ from ckptsdk.errors import (
     PreconditionFailed,
     StorageUnavailable,
 )
-from ckptsdk.testing.gcs_server import Emulator, start_emulator
+from ckptsdk.testing.gcs_emulator import Emulator, start_emulator
 from tests.support.gcs_proxy import LoopbackProxy
 
 pytestmark = pytest.mark.gcs

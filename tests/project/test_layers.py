@@ -59,7 +59,6 @@ OVERSIZE_AWAITING_SPLIT = {
     "ckptsdk/backends/gcs.py",
     "ckptsdk/data/cache.py",
     "ckptsdk/manager.py",
-    "ckptsdk/testing/gcs_server.py",
 }
 
 
