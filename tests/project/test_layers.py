@@ -55,7 +55,6 @@ MAX_LINES = 500
 #: list may only shrink: a module listed here that is back under the limit fails the test too, so
 #: the list never hides a new offender behind a stale entry.
 OVERSIZE_AWAITING_SPLIT = {
-    "ckptsdk/backends/gcs.py",
     "ckptsdk/manager.py",
 }
 
