@@ -460,7 +460,7 @@ def measure_memory(state: str, large_mb: int, with_manager: bool, parent: str | 
 
 def gcs_rows(job: Job, reps: int, warmup: int) -> dict[str, list[float]]:
     """Upload/download through the GCS emulator: raw bytes (the limit) vs ckptsdk."""
-    from ckptsdk.testing.gcs_server import start_emulator
+    from ckptsdk.testing.gcs_emulator import start_emulator
 
     times: dict[str, list[float]] = {}
     tensors = job.tensors()

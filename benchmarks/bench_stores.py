@@ -113,7 +113,7 @@ def main() -> None:
     args = p.parse_args()
     servers: list[tuple[str, Any]] = []
     if not args.no_gcs:
-        from ckptsdk.testing.gcs_server import start_emulator
+        from ckptsdk.testing.gcs_emulator import start_emulator
 
         servers.append(("gcs", start_emulator()))
     if not args.no_s3:

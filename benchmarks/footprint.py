@@ -192,7 +192,7 @@ def main() -> None:
         ]
         emulator = None
         if not args.no_gcs:
-            from ckptsdk.testing.gcs_server import start_emulator
+            from ckptsdk.testing.gcs_emulator import start_emulator
 
             emulator = start_emulator()
             bucket = f"ckpt-{uuid.uuid4().hex[:12]}"

@@ -5,7 +5,8 @@ lineage starts, and anchoring the resume point after a takeover) and fronts the 
 (listing, picking, verified reads, verify) is :mod:`ckptsdk.checkpoint.reader`'s; the save pipeline
 (snapshot, write, the lease renewals before the write and right before the commit, fencing,
 lineage) is :mod:`ckptsdk.checkpoint.saving`'s; rotation and gc, which delete only after a commit and only
-while the lease still checks out, are :mod:`ckptsdk.checkpoint.rotation`'s. This module wires them together.
+while the lease still checks out, are :mod:`ckptsdk.checkpoint.rotation`'s; ending (the last save after a
+stop signal, close, interpreter exit) is :mod:`ckptsdk.checkpoint.shutdown`'s. This module wires them together.
 """
 
 from __future__ import annotations
@@ -34,8 +35,9 @@ from ckptsdk.checkpoint.rotation import GcReport, RetentionMode, Rotation
 from ckptsdk.checkpoint.rotation import kept as _kept
 from ckptsdk.checkpoint.saving import SavePipeline
 from ckptsdk.checkpoint.scheduling import SaveStats
+from ckptsdk.checkpoint.shutdown import WriterShutdown, _close_at_exit
 from ckptsdk.checkpoint.staging import SnapshotMode
-from ckptsdk.errors import BackendError, CheckpointError, ConfigError, LeaseLostError, NoValidCheckpointError
+from ckptsdk.errors import ConfigError, NoValidCheckpointError
 from ckptsdk.format.manifest import FileEntry, Position
 from ckptsdk.format.userfield import user_fields
 from ckptsdk.lease.acquire import Lease
@@ -78,7 +80,7 @@ def save_due(step: int, save_every: int | None) -> bool:
     return save_every is not None and step > 0 and step % save_every == 0
 
 
-class CheckpointManager(CheckpointReader):
+class CheckpointManager(CheckpointReader, WriterShutdown):
     """Checkpoints of one training run under one root URL.
 
     Opening a manager for writing acquires the root's writer lease (waiting for, or taking over
@@ -447,67 +449,6 @@ class CheckpointManager(CheckpointReader):
                 extra_files=extra_files,
             )
 
-    def _save_and_stop(
-        self,
-        state: TrainState | Stateful | Mapping[str, Any],
-        *,
-        step: int,
-        position: Position,
-        metrics: Mapping[str, Any] | None,
-        tags: Mapping[str, str] | None,
-        extra_files: Sequence[FileEntry] = (),
-    ) -> CheckpointInfo:
-        """The last save after a stop signal: commit within the deadline, close, then let the
-        signal act (this returns only if a chained handler returns)."""
-        assert self._preemption is not None and self._saving is not None
-        deadline = self._preemption.deadline
-        end = time.monotonic() + deadline
-        finished = False
-        try:
-            with self._lock:
-                # A save already in flight finishes first (its failure surfaces here).
-                if self._saving.wait(deadline):
-                    self._saving.save(
-                        state,
-                        step=step,
-                        position=position,
-                        metrics=metrics,
-                        tags=tags,
-                        blocking=False,
-                        snapshot="copy",
-                        extra_files=extra_files,
-                    )
-                    finished = self._saving.wait(max(0.0, end - time.monotonic()))
-            if finished:
-                logger.warning("stop signal: committed step %d under %s; stopping", step, self.url)
-            else:
-                logger.error(
-                    "stop signal: the save of step %d under %s took over %.0f s; abandoned "
-                    "(the previous committed checkpoint stands)",
-                    step,
-                    self.url,
-                    deadline,
-                )
-        finally:
-            if not finished:
-                self._saving.abandon()
-            self._shutdown(wait=finished)
-        self._preemption.deliver()
-        # Only a chained handler that returns brings us here: the job goes on, without a writer.
-        return self._saving.last_committed or CheckpointInfo(
-            step=step,
-            epoch=self._saving.rank[0],
-            key="",
-            size=0,
-            committed=False,
-            valid=False,
-            reason="abandoned after a stop signal",
-        )
-
-    def wait(self, timeout: float | None = None) -> bool:
-        """Wait for a background save; re-raise its failure. False if it is still running."""
-        return True if self._saving is None else self._saving.wait(timeout)
-
     def gc(
         self,
         *,
@@ -548,53 +489,8 @@ class CheckpointManager(CheckpointReader):
             raise ConfigError(f"{self.url} was opened read_only: log_step() needs a writer")
         self.runlog.log_step(step, **scalars)
 
-    def close(self) -> None:
-        """Wait for a background save, flush the step log, release the lease. Idempotent.
-
-        A stop signal that arrived since (``save_on_signal``) and was not yet acted on by a
-        save takes effect here, once the lease is released.
-        """
-        if self._closed:
-            return
-        self._shutdown(wait=True)
-        if self._preemption is not None and self._preemption.requested:
-            self._preemption.deliver()
-
-    def _shutdown(self, *, wait: bool) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        if self._preemption is not None:
-            self._preemption.uninstall()
-        try:
-            if self._saving is not None:
-                self._saving.stop()
-                if wait:
-                    self._saving.wait()
-        finally:
-            try:
-                if self.runlog is not None:
-                    self.runlog.close()
-            finally:
-                if self.lease is not None:
-                    self.lease.release()
-
     def __enter__(self) -> CheckpointManager:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _close_at_exit(ref: weakref.ReferenceType[CheckpointManager]) -> None:
-    mgr = ref()
-    if mgr is None or mgr._closed:
-        return
-    if mgr._saving is not None and mgr._saving.busy:
-        logger.warning("interpreter exit: waiting for the checkpoint save in flight under %s", mgr.url)
-    try:
-        mgr.close()
-    except CheckpointError as exc:
-        logger.error("interpreter exit: the last save under %s failed: %s", mgr.url, exc)
-    except (BackendError, LeaseLostError) as exc:
-        logger.error("interpreter exit: closing %s failed: %s (the last committed checkpoint is intact)", mgr.url, exc)

@@ -2,7 +2,7 @@
 
 Fixtures (all storage is fresh per test and lives under ``tmp_path`` or in the emulator):
 
-- ``gcs_emulator`` (session): the running ``ckptsdk.testing.gcs_server.Emulator`` (patched), started on
+- ``gcs_emulator`` (session): the running ``ckptsdk.testing.gcs_emulator.Emulator`` (patched), started on
   first use and stopped at the end of the session (one per pytest-xdist worker, each on its own
   free port).
 - ``s3_server`` (session): the running ``ckptsdk.testing.s3_server.S3Server`` (moto, patched to be
@@ -104,7 +104,7 @@ def gcs_emulator() -> Iterator[Any]:
     # Both come with the dev extra: skipped without it, a failure under CKPTSDK_REQUIRE_ALL=1.
     pytest.importorskip("gcp_storage_emulator")
     pytest.importorskip("gcsfs")
-    from ckptsdk.testing.gcs_server import start_emulator
+    from ckptsdk.testing.gcs_emulator import start_emulator
 
     emulator = start_emulator()
     try:

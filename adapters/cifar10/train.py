@@ -4,16 +4,15 @@ What makes a killed-and-resumed run equal an uninterrupted one (DESIGN.md, "Dete
 contract"): the shuffle comes from a generator seeded by (seed, epoch), the augmentation from one
 seeded by (seed, global step), kernels are deterministic, and every stateful object (model,
 optimizer, scheduler, grad scaler, RNGs) is in the checkpoint. The loop uses only the manager's
-public API. Data fetching lives in ``data.py``/``synthetic.py``, storage in ``ckptsdk``.
+public API. Data fetching lives in ``data.py``/``synthetic.py``, the seeded step pieces (kernels,
+AMP, scaler, augmentation, loss) in ``determinism.py``, storage in ``ckptsdk``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import logging
 import math
-import os
 import random
 import time
 import warnings
@@ -23,17 +22,17 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import ckptsdk
 from ckptsdk.errors import ConfigError, DatasetMismatchError
 
+from .determinism import _augment, _cross_entropy, _derived_seed, _ScalerSlot, resolve_amp, set_deterministic
 from .model import build_model
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TrainConfig", "PRESETS", "JobResult", "run_job", "set_deterministic", "resolve_amp", "describe_audit"]
+__all__ = ["TrainConfig", "PRESETS", "JobResult", "run_job", "describe_audit"]
 
 # Per-channel statistics of the CIFAR-10 training set (the usual published figures).
 _MEAN = (0.4914, 0.4822, 0.4465)
@@ -146,103 +145,6 @@ class JobResult:
     last_loss: float = math.nan
     test_accuracy: dict[int, float] = field(default_factory=dict)
     audit: Any = None
-
-
-def set_deterministic(device: torch.device) -> None:
-    """Select deterministic kernels everywhere (and fail loudly on an op that has none).
-
-    ``CUBLAS_WORKSPACE_CONFIG`` must be set before cuBLAS is first used in the process, which is
-    why the examples call this before touching CUDA.
-    """
-    if device.type == "cuda":
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(True)
-    torch.backends.cudnn.benchmark = False
-    torch.backends.cudnn.deterministic = True
-
-
-def resolve_amp(amp: str, device: torch.device) -> torch.dtype | None:
-    """The autocast dtype for ``amp`` on ``device`` (None = full fp32).
-
-    "auto" is fp16 on CUDA (the T4 of the story has fast fp16, no bf16) and **off on CPU**: bf16
-    autocast only pays on CPUs with AVX512-BF16/AMX (about 2x here), is slower on common laptop
-    and Colab CPUs, and the CPU path exists to prove bit-exact resume, where fp32 is the reference.
-
-    Raises:
-        ConfigError: an unknown mode, or fp16 asked for on a CPU.
-    """
-    modes = {"off": None, "fp16": torch.float16, "bf16": torch.bfloat16}
-    if amp == "auto":
-        return torch.float16 if device.type == "cuda" else None
-    if amp not in modes:
-        raise ConfigError(f"amp must be one of auto, off, fp16, bf16; got {amp!r}")
-    if amp == "fp16" and device.type != "cuda":
-        raise ConfigError("amp='fp16' needs a CUDA device; use amp='bf16' or 'off' on a CPU")
-    return modes[amp]
-
-
-class _ScalerSlot:
-    """A GradScaler with the same checkpoint layout whether it is enabled (CUDA) or not (CPU).
-
-    A disabled GradScaler saves ``{}`` and an enabled one refuses to load ``{}``, so a run could
-    not move between a CPU and a GPU; this slot always saves the five fields.
-    """
-
-    def __init__(self, scaler: torch.amp.GradScaler) -> None:
-        self.scaler = scaler
-
-    def state_dict(self) -> dict[str, Any]:
-        if self.scaler.is_enabled():
-            return self.scaler.state_dict()
-        # A disabled GradScaler keeps no fields; these are its constructor defaults, what an
-        # enabled one saves before its first step.
-        return {
-            "scale": 65536.0,
-            "growth_factor": 2.0,
-            "backoff_factor": 0.5,
-            "growth_interval": 2000,
-            "_growth_tracker": 0,
-        }
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        if self.scaler.is_enabled():
-            self.scaler.load_state_dict(dict(state))
-
-
-def _derived_seed(seed: int, purpose: str, index: int) -> int:
-    # Independent streams per (purpose, index): seeding a generator with seed+index would make
-    # epoch 1 of seed 0 replay epoch 0 of seed 1.
-    digest = hashlib.blake2b(f"{seed}/{purpose}/{index}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
-
-
-def _augment(images: torch.Tensor, seed: int, step: int) -> torch.Tensor:
-    """Random crop (zero padding 4) and horizontal flip of a uint8 NCHW batch, on its device.
-
-    The offsets and flips are drawn on the CPU from a generator seeded by (seed, step), so they
-    do not depend on the device, on the batch's history, or on any global RNG.
-    """
-    n, _, h, w = images.shape
-    gen = torch.Generator().manual_seed(_derived_seed(seed, "augment", step))
-    offsets = torch.randint(0, 9, (n, 2), generator=gen)
-    flips = torch.randint(0, 2, (n,), generator=gen).bool()
-    dev = images.device
-    rows = (offsets[:, 0:1] + torch.arange(h)).to(dev)
-    cols = offsets[:, 1:2] + torch.arange(w)
-    cols = torch.where(flips[:, None], cols.flip(1), cols).to(dev)  # a flip is reversed columns
-    padded = F.pad(images, (4, 4, 4, 4))
-    batch = torch.arange(n, device=dev)[:, None, None, None]
-    chan = torch.arange(images.shape[1], device=dev)[None, :, None, None]
-    return padded[batch, chan, rows[:, None, :, None], cols[:, None, None, :]]
-
-
-def _cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    # F.cross_entropy goes through nll_loss, which has no deterministic CUDA kernel (and one_hot
-    # through scatter); a comparison mask times log-probabilities is the same function built from
-    # deterministic elementwise ops and reductions.
-    logp = F.log_softmax(logits.float(), dim=1)
-    mask = labels[:, None] == torch.arange(logp.shape[1], device=logp.device)
-    return -(mask.to(logp.dtype) * logp).sum(dim=1).mean()
 
 
 class _DeviceData:

@@ -2,7 +2,8 @@
 
 What each request means lives here: objects, uploads (multipart, resumable), generations as
 versions, 404/412 and lost replies. How a request travels (endpoint, credentials, retries,
-deadlines) is ``gcs_transport.py``; chunking, CRC32C and ranged reads are ``gcs_payload.py``.
+deadlines) is ``gcs_transport.py``; chunking, CRC32C and ranged reads are ``gcs_payload.py``;
+sending one chunk of a resumable session (and resuming it) is ``gcs_upload.py``.
 Requests are ours, not gcsfs's, because gcsfs has no public door for
 ``ifGenerationMatch=<generation>`` (compare-and-swap, conditional delete), turns every 412 into
 ``FileExistsError``, retries for ~30 s, and keeps a directory cache that never expires.
@@ -22,8 +23,9 @@ from typing import Any, BinaryIO
 from urllib.parse import quote
 
 from ckptsdk.backends.base import Capabilities, Data, ObjectInfo, check_key, check_prefix
-from ckptsdk.backends.gcs_payload import RangeReader, b64crc, chain, crc32c, persisted, rechunk, rfc3339, slices
-from ckptsdk.backends.gcs_transport import JsonApiTransport, Reply, endpoint_of
+from ckptsdk.backends.gcs_payload import RangeReader, b64crc, chain, crc32c, rechunk, rfc3339, slices
+from ckptsdk.backends.gcs_transport import Reply, endpoint_of
+from ckptsdk.backends.gcs_upload import ChunkedUploads
 from ckptsdk.errors import (
     BackendError,
     ConfigError,
@@ -39,7 +41,7 @@ __all__ = ["GCSBackend"]
 _MiB = 1 << 20
 
 
-class GCSBackend(JsonApiTransport):
+class GCSBackend(ChunkedUploads):
     """Objects under ``gs://bucket/prefix`` through the GCS JSON API.
 
     One upload per write (GCS publishes an object whole or not at all): a single multipart request
@@ -368,59 +370,6 @@ class GCSBackend(JsonApiTransport):
             except BackendError as exc:
                 logger.warning("could not cancel upload session for %r in %s: %s", key, self.url, exc)
             raise
-
-    def _put_chunk(self, key: str, location: str, chunk: bytes, offset: int, total: int | None, crc: int) -> Reply:
-        """PUT ``chunk`` at ``offset``; after a lost reply ask the server how far it got and resume."""
-        end = offset + len(chunk)
-        size = "*" if total is None else str(total)
-        headers = {"Content-Type": "application/octet-stream"}
-        if total is not None:
-            headers["X-Goog-Hash"] = f"crc32c={b64crc(crc)}"  # GCS verifies the whole object
-        ambiguous = False
-        sent_from = offset
-        for attempt in range(self.max_attempts):
-            if attempt:
-                status = self._request("PUT", location, key=key, headers={"Content-Range": f"bytes */{size}"})
-                if status.status in (200, 201, 412):  # finished (or refused) at finalisation
-                    return Reply(status.status, status.headers, status.body, True)
-                if status.status != 308:
-                    raise self._fail(status, "PUT", location, key, "resume uploading")
-                sent_from = persisted(status.headers)
-                if not offset <= sent_from <= end:
-                    raise BackendError(
-                        f"upload of {key!r} to {self.url}: server holds {sent_from} bytes, "
-                        f"expected {offset}..{end}; retry the write",
-                        url=self.url,
-                        key=key,
-                    )
-                if sent_from == end and total is None:
-                    return status
-            part = chunk[sent_from - offset :]
-            last = sent_from + len(part) - 1
-            crange = f"bytes {sent_from}-{last}/{size}" if part else f"bytes */{size}"
-            try:
-                reply = self._request(
-                    "PUT",
-                    location,
-                    key=key,
-                    headers={**headers, "Content-Range": crange},
-                    data=part,
-                    attempts=1,
-                )
-            except BackendError:
-                ambiguous = True  # maybe (partly) stored: ask the server before resending
-                continue
-            reply.ambiguous = reply.ambiguous or ambiguous
-            if reply.status == 308 and (total is not None or persisted(reply.headers) < end):
-                ambiguous = True  # GCS kept only part of the chunk: resume from where it stopped
-                continue
-            return reply
-        raise BackendError(
-            f"upload of {key!r} to {self.url} made no progress after {self.max_attempts} attempts; "
-            "check the network and retry the write",
-            url=self.url,
-            key=key,
-        )
 
     def _finished(
         self,

@@ -20,6 +20,7 @@ from ckptsdk.backends import open_backend
 from ckptsdk.backends.base import Backend, check_key
 from ckptsdk.data.download import DownloadError, download, progress_bar
 from ckptsdk.data.entry import CacheEntry, DataRecord, Fetched, file_digest, parse_entry, parse_record, pinned_digest
+from ckptsdk.data.sidecar import TMP_MARK, read_sidecar, write_sidecar
 from ckptsdk.errors import (
     AllSourcesFailedError,
     BackendError,
@@ -37,7 +38,6 @@ logger = logging.getLogger(__name__)
 __all__ = ["ALGORITHMS", "CacheEntry", "DataCache", "Fetched", "file_digest", "pinned_digest"]
 
 _CHUNK = 8 << 20
-_TMP = ".ckptsdk-tmp."  # local temp files start their suffix with this (same prefix as backends use)
 
 
 def _file_chunks(path: str) -> Iterator[bytes]:
@@ -112,10 +112,6 @@ class DataCache:
     def _record_key(self, name: str) -> str:
         return f"{self.prefix}/records/{name}.json"
 
-    @staticmethod
-    def _sidecar(local_dir: str, name: str) -> str:
-        return os.path.join(local_dir, ".ckptsdk", name + ".json")
-
     # ------------------------------------------------------------ metadata
     def entry(self, name: str) -> CacheEntry | None:
         """The cache's committed entry for ``name``, or None (no cache, absent, or unreadable meta)."""
@@ -133,28 +129,6 @@ class DataCache:
                 "cache meta for %r under %s is unreadable (%s); treating the entry as absent", name, self.url, exc
             )
             return None
-
-    def _read_sidecar(self, local_dir: str, name: str) -> CacheEntry | None:
-        path = self._sidecar(local_dir, name)
-        try:
-            with open(path, "rb") as f:
-                return parse_entry(f.read(), path)
-        except FileNotFoundError:
-            return None
-        except (OSError, DataError) as exc:  # not trusted: the copy is fetched again
-            logger.warning("ignoring the local record %s: %s", path, exc)
-            return None
-
-    def _write_sidecar(self, local_dir: str, name: str, *, algorithm: str, digest: str, size: int, source: str) -> None:
-        path = self._sidecar(local_dir, name)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = f"{path}{_TMP}{os.getpid()}"
-        entry = CacheEntry(
-            name=name, size=size, algorithm=algorithm, digest=digest, source=source, stored_at=time.time()
-        )
-        with open(tmp, "wb") as f:
-            f.write(entry.to_json())
-        os.replace(tmp, path)
 
     def get_record(self, name: str) -> dict[str, Any] | None:
         """The JSON record ``name`` stored in the cache, or None (absent, or no cache).
@@ -263,7 +237,7 @@ class DataCache:
         path = os.path.join(local_dir, *name.split("/"))
         digest = file_digest(path, algorithm)
         size = os.path.getsize(path)
-        self._write_sidecar(local_dir, name, algorithm=algorithm, digest=digest, size=size, source=source)
+        write_sidecar(local_dir, name, algorithm=algorithm, digest=digest, size=size, source=source)
         if publish and self.backend is not None:
             self._try_publish(name, path, algorithm, digest, source)
         return self._done(name, path, source, size, algorithm, digest, start, {})
@@ -347,7 +321,7 @@ class DataCache:
         if os.path.exists(path):
             local_expect = expect
             if local_expect is None:
-                side = self._read_sidecar(local_dir, name)
+                side = read_sidecar(local_dir, name)
                 local_expect = (side.algorithm, side.digest) if side else None
             if local_expect is None:
                 failures["local"] = f"{path} exists but no digest is known to verify it; ignoring it"
@@ -371,7 +345,7 @@ class DataCache:
                 logger.warning("data cache %s: %s", self.url, failures["cache"])
             else:
                 if got is None:
-                    self._write_sidecar(
+                    write_sidecar(
                         local_dir,
                         name,
                         algorithm=expect[0],
@@ -386,7 +360,7 @@ class DataCache:
 
         # 3. sources
         for url in sources:
-            tmp = f"{path}{_TMP}{xxhash.xxh64_hexdigest(url.encode())}"
+            tmp = f"{path}{TMP_MARK}{xxhash.xxh64_hexdigest(url.encode())}"
             try:
                 dl = download(
                     url, tmp, timeout=self.timeout, retries=self.retries, backoff=self.backoff, progress=self.progress
@@ -412,7 +386,7 @@ class DataCache:
             os.replace(tmp, path)
             if expect is None:
                 logger.info("no digest pinned for %r: trusting %s on first use (%s %s)", name, url, alg, actual)
-            self._write_sidecar(local_dir, name, algorithm=alg, digest=actual, size=dl.size, source=url)
+            write_sidecar(local_dir, name, algorithm=alg, digest=actual, size=dl.size, source=url)
             if publish and self.backend is not None:
                 self._try_publish(name, path, alg, actual, url)
             return self._done(name, path, url, dl.size, alg, actual, start, failures)
@@ -438,7 +412,7 @@ class DataCache:
         """Copy the blob to ``path`` through a temp name; None on success, else why it was rejected."""
         assert self.backend is not None
         start = time.monotonic()
-        tmp = f"{path}{_TMP}cache.{os.getpid()}"
+        tmp = f"{path}{TMP_MARK}cache.{os.getpid()}"
         h = new_hasher(expect[0])
         size = 0
         try:

@@ -1,10 +1,11 @@
 """A GCS JSON-API server on 127.0.0.1 for tests: gcp-storage-emulator, patched to answer like GCS.
 
-``start_emulator()`` runs ``python -m ckptsdk.testing.gcs_server`` as a subprocess (in-memory, free port,
-ready-checked with a bounded wait). The emulator as shipped ignores every precondition, accepts
-truncated request bodies and has no ``moveTo`` route; ``_install_patches`` (the server side of this
-module) fixes exactly that, and ``--unpatched`` runs it as shipped so tests can prove the patch
-matters. Client-side code (the backend) does not belong here.
+``ckptsdk.testing.gcs_emulator.start_emulator()`` runs ``python -m ckptsdk.testing.gcs_server`` as a
+subprocess (in-memory, free port, ready-checked with a bounded wait). The emulator as shipped
+ignores every precondition, accepts truncated request bodies and has no ``moveTo`` route;
+``_install_patches`` (the server side, this module) fixes exactly that, and ``--unpatched`` runs it
+as shipped so tests can prove the patch matters. Client-side code (the backend, and the
+``Emulator`` handle in ``gcs_emulator``) does not belong here.
 
 The patch, against gcp-storage-emulator ``PINNED_VERSION`` (its handlers are patched by name, so a
 new release must be re-read before the pin moves):
@@ -45,27 +46,19 @@ from __future__ import annotations
 import argparse
 import functools
 import http.server
-import json
 import logging
 import os
 import re
-import select
-import subprocess
-import sys
-import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
 from http import HTTPStatus
-from pathlib import Path
-from typing import IO, Any
-from urllib.parse import quote
+from typing import Any
+
+from ckptsdk.testing.gcs_emulator import Emulator
 
 PINNED_VERSION = "2026.7.19"
 BODY_TIMEOUT_S = 60.0
 BACKLOG = 128
-_REPO = Path(__file__).resolve().parents[2]
 
 logger = logging.getLogger(__name__)
 
@@ -384,158 +377,6 @@ def _announce(port: int, bucket: str) -> None:
     lines = [f"export {k}={v}" for k, v in emulator.env.items()]
     lines.append(f"# bucket {bucket!r} is ready: use gs://{bucket}/RUN as the storage URL (Ctrl-C stops)")
     print("\n".join(lines), flush=True)
-
-
-# ---------------------------------------------------------------------------------------------
-# Client side: start, use and stop the server from tests
-# ---------------------------------------------------------------------------------------------
-
-
-class Emulator:
-    """A running emulator subprocess. Use ``start_emulator()``; stop with ``.stop()`` or ``with``.
-
-    ``proc`` and ``log`` are None for a client of a server this object did not start (``serve``
-    announcing its own bucket): then there is nothing to stop or read.
-    """
-
-    def __init__(self, proc: subprocess.Popen[bytes] | None, port: int, log: IO[bytes] | None, patched: bool) -> None:
-        self.proc = proc
-        self.port = port
-        self.patched = patched
-        self.endpoint = f"http://127.0.0.1:{port}"
-        self._log = log
-
-    @property
-    def storage_options(self) -> dict[str, str]:
-        """What ``open_backend``/``GCSFileSystem`` need to reach this server."""
-        return {"endpoint_url": self.endpoint, "token": "anon", "project": "test"}
-
-    @property
-    def env(self) -> dict[str, str]:
-        """Environment for child processes that open ``gs://`` URLs against this server."""
-        return {"STORAGE_EMULATOR_HOST": self.endpoint, "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
-
-    def url(self, bucket: str, prefix: str = "") -> str:
-        """``gs://bucket/prefix`` (``gs://bucket`` for an empty prefix)."""
-        prefix = prefix.strip("/")
-        return f"gs://{bucket}/{prefix}" if prefix else f"gs://{bucket}"
-
-    def request(
-        self,
-        method: str,
-        path: str,
-        body: bytes | None = None,
-        headers: dict[str, str] | None = None,
-        timeout: float = 30.0,
-    ) -> tuple[int, bytes]:
-        """One raw HTTP request to the server; returns (status, body) for any status."""
-        req = urllib.request.Request(self.endpoint + path, data=body, method=method, headers=headers or {})
-        try:
-            with urllib.request.urlopen(req, timeout=timeout) as resp:
-                return resp.status, resp.read()
-        except urllib.error.HTTPError as exc:
-            return exc.code, exc.read()
-
-    def make_bucket(self, name: str) -> None:
-        """Create bucket ``name`` (idempotent) with soft delete off."""
-        status, body = self.request(
-            "POST",
-            "/storage/v1/b?project=test",
-            json.dumps({"name": name}).encode(),
-            {"Content-Type": "application/json"},
-        )
-        if status not in (200, 409):
-            raise RuntimeError(f"emulator at {self.endpoint} refused bucket {name!r}: {status} {body!r}")
-        status, body = self.request(
-            "PATCH",
-            f"/storage/v1/b/{quote(name, safe='')}",
-            json.dumps({"softDeletePolicy": {"retentionDurationSeconds": "0"}}).encode(),
-            {"Content-Type": "application/json"},
-        )
-        if status != 200:
-            raise RuntimeError(f"emulator at {self.endpoint}: turning soft delete off failed: {status} {body!r}")
-
-    def log(self) -> str:
-        """What the server wrote to stderr so far (for failure messages)."""
-        if self._log is None:
-            return ""
-        self._log.seek(0)
-        return self._log.read().decode("utf-8", "replace")
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def stop(self) -> None:
-        """Terminate the server (SIGTERM, then SIGKILL after 5 s)."""
-        if self.proc is None:
-            return
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=5)
-        if self.proc.stdout:
-            self.proc.stdout.close()
-        if self._log is not None:
-            self._log.close()
-
-    def __enter__(self) -> Emulator:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-
-def start_emulator(*, patched: bool = True, timeout: float = 30.0) -> Emulator:
-    """Start an in-memory emulator on a free 127.0.0.1 port and wait until it answers.
-
-    Args:
-        patched: apply the GCS-conformance patch (see module docstring); False runs it as shipped.
-        timeout: seconds to wait for ``GET /`` to answer ``OK``.
-
-    Returns:
-        The running :class:`Emulator`.
-
-    Raises:
-        RuntimeError: the server exited or did not answer within ``timeout`` (its log included).
-    """
-    log = tempfile.TemporaryFile()
-    cmd = [sys.executable, "-m", "ckptsdk.testing.gcs_server", "--port", "0", "--exit-with-parent"]
-    if not patched:
-        cmd.append("--unpatched")
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(_REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    proc = subprocess.Popen(cmd, cwd=_REPO, env=env, stdout=subprocess.PIPE, stderr=log)
-    deadline = time.monotonic() + timeout
-    port = None
-    try:
-        assert proc.stdout is not None
-        ready, _, _ = select.select([proc.stdout], [], [], timeout)
-        line = proc.stdout.readline().decode() if ready else ""
-        if line.startswith("PORT "):
-            port = int(line.split()[1])
-        emulator = Emulator(proc, port or 0, log, patched)
-        while port is not None and proc.poll() is None and time.monotonic() < deadline:
-            try:
-                status, body = emulator.request("GET", "/", timeout=2.0)
-                if status == 200 and body.strip() == b"OK":
-                    return emulator
-            except OSError:
-                pass
-            time.sleep(0.05)
-    except BaseException:
-        proc.kill()
-        proc.wait(timeout=5)
-        raise
-    proc.kill()
-    proc.wait(timeout=5)
-    log.seek(0)
-    raise RuntimeError(
-        f"GCS emulator did not become ready within {timeout} s (exit code {proc.poll()}); "
-        f"its log:\n{log.read().decode('utf-8', 'replace')[-4000:]}"
-    )
 
 
 def main(argv: list[str] | None = None) -> None:

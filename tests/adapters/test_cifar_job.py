@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import ckptsdk
+from adapters.cifar10.determinism import _augment
 from adapters.cifar10.kill_resume import (
     REPO,
     audit,
@@ -30,7 +31,7 @@ from adapters.cifar10.kill_resume import (
     run_attempt,
 )
 from adapters.cifar10.synthetic import synthetic_cifar10
-from adapters.cifar10.train import PRESETS, _augment, run_job
+from adapters.cifar10.train import PRESETS, run_job
 from ckptsdk.errors import ConfigError, DatasetMismatchError
 from ckptsdk.format import codec
 

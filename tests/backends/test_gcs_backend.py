@@ -41,7 +41,7 @@ from ckptsdk.errors import (
     PreconditionFailed,
     StorageUnavailable,
 )
-from ckptsdk.testing.gcs_server import Emulator, start_emulator
+from ckptsdk.testing.gcs_emulator import Emulator, start_emulator
 from tests.support.gcs_proxy import LoopbackProxy
 
 pytestmark = pytest.mark.gcs
@@ -73,7 +73,7 @@ def backend(emulator: Emulator) -> GCSBackend:
 
 # -- the third-party API this backend stands on ----------------------------------------------------
 
-_GCS_MODULES = ("gcs.py", "gcs_transport.py", "gcs_payload.py")
+_GCS_MODULES = ("gcs.py", "gcs_transport.py", "gcs_payload.py", "gcs_upload.py")
 
 
 def test_no_private_attribute_of_another_library_is_touched() -> None:

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from ckptsdk.testing.gcs_server import Emulator, start_emulator
+from ckptsdk.testing.gcs_emulator import Emulator, start_emulator
 from tests.support.waiting import poll_until
 
 pytestmark = pytest.mark.gcs
@@ -400,7 +400,7 @@ def test_listen_backlog(server: Emulator) -> None:
 
 def test_server_exits_when_the_process_that_started_it_is_killed() -> None:
     code = (
-        "from ckptsdk.testing.gcs_server import start_emulator; e = start_emulator(); "
+        "from ckptsdk.testing.gcs_emulator import start_emulator; e = start_emulator(); "
         "print(e.proc.pid, flush=True); import time; time.sleep(60)"
     )
     parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)

@@ -250,7 +250,7 @@ def test_the_probe_refuses_a_store_that_ignores_if_match_and_advisory_opts_in():
 @pytest.mark.gcs
 def test_the_probe_refuses_the_stock_gcs_emulator():
     pytest.importorskip("gcp_storage_emulator")
-    from ckptsdk.testing.gcs_server import start_emulator
+    from ckptsdk.testing.gcs_emulator import start_emulator
 
     with start_emulator(patched=False) as emulator:
         emulator.make_bucket("stock")

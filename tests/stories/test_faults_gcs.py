@@ -20,7 +20,7 @@ from ckptsdk import CheckpointManager
 from ckptsdk.backends.gcs import GCSBackend
 from ckptsdk.errors import BackendError, CkptError
 from ckptsdk.manager import Simulation
-from ckptsdk.testing.gcs_server import Emulator, start_emulator
+from ckptsdk.testing.gcs_emulator import Emulator, start_emulator
 from tests.support._fault_state import digest, expected, make_state
 from tests.support.gcs_proxy import LoopbackProxy
 
