@@ -23,7 +23,9 @@ import torch
 
 from ckptsdk import CheckpointManager
 from ckptsdk.backends import open_backend
+from ckptsdk.backends.posix import LOCK_NAME
 from ckptsdk.distributed import export_consolidated
+from tests.support.freezing import freeze
 from tests.support.waiting import poll_until
 
 pytestmark = pytest.mark.slow
@@ -256,7 +258,8 @@ def test_a_frozen_rank0_zombie_is_refused_on_every_rank_and_touches_nothing(tmp_
     base = {"mode": "zombie", "url": root, "ttl": 1.0}
     old = jobs(tmp_path / "jobs", {**base, "job": "old", "steps": 4, "pause_after": 2}, 2)
     old.wait_for("ready-old")  # step 2 committed; both ranks are about to run step 3
-    old.signal(0, signal.SIGSTOP)  # rank 0 (lease holder, heartbeat and all) freezes
+    # rank 0 (lease holder, heartbeat and all) freezes, outside the root's flock (freezing.py)
+    freeze(old.pids[0], Path(root) / LOCK_NAME)
     try:
         new = jobs(tmp_path / "jobs", {**base, "job": "new", "steps": 8}, 2)
         assert new.wait() == [0, 0], new.logs()

@@ -27,8 +27,10 @@ from typing import Any
 import pytest
 
 from ckptsdk.backends import open_backend
+from ckptsdk.backends.posix import LOCK_NAME
 from ckptsdk.manager import CheckpointManager
 from ckptsdk.testing.drive_sim import DriveSim
+from tests.support.freezing import freeze
 from tests.support.waiting import poll_until
 
 REPO = Path(__file__).resolve().parents[2]
@@ -215,7 +217,8 @@ def test_zombie_cannot_clobber_the_resumed_run(kind: str, make_backend_target: A
             sim.wait_delivered(30)
         _wait(ev_b, proc_b, 90, _count("ready"), "B ready")
         if frozen:
-            os.kill(proc_a.pid, signal.SIGSTOP)  # the deleted runtime: frozen, not dead
+            # the deleted runtime: frozen, not dead (and not inside the local root's flock: freezing.py)
+            freeze(proc_a.pid, Path(side_a.url) / LOCK_NAME if kind == "local" else None)
         t_stop = time.monotonic()
         go_b.touch()
         evs_b = _wait(ev_b, proc_b, 120, _count("mine"), "B's takeover, resume and saves")
