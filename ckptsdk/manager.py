@@ -30,7 +30,7 @@ from ckptsdk.backends.base import Backend
 from ckptsdk.backends.probe import prove_preconditions
 from ckptsdk.checkpoint.catalog import CheckpointInfo
 from ckptsdk.checkpoint.reader import CheckpointReader, ResumePoint, resume_point
-from ckptsdk.checkpoint.retention import Rule, describe_rules
+from ckptsdk.checkpoint.retention import Rule, describe_rules, warn_if_changed
 from ckptsdk.checkpoint.rotation import GcReport, RetentionMode, Rotation
 from ckptsdk.checkpoint.rotation import kept as _kept
 from ckptsdk.checkpoint.saving import SavePipeline
@@ -361,6 +361,7 @@ class CheckpointManager(CheckpointReader, WriterShutdown):
         """Record that this writer resumes from ``info`` (lineage, step log) and anchor it."""
         assert self._saving is not None and self.runlog is not None
         self.resumed_from = self._saving.resumed_from = info
+        warn_if_changed(info.manifest, self._rotation.retention_rules(), self.url)
         self._saving.write_lineage(info.step, info.epoch)
         self.runlog.resumed_from_step = info.step
         self.runlog.start()

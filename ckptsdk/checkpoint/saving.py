@@ -252,8 +252,7 @@ class SavePipeline:
     def _store(self, job: _Save, tensors: Mapping[str, torch.Tensor], skeleton: Any) -> CheckpointInfo:
         """The storage half of a save: tensors, renewal (the fence), commit; then rotate.
 
-        On a store without compare-and-swap (Drive) a listing of the root comes first: there it
-        is a fence as well."""
+        On a store without compare-and-swap (Drive) a listing of the root comes first (a fence too)."""
         try:
             self.lease.check()
             if not self.backend.capabilities.compare_and_swap:
@@ -346,6 +345,7 @@ class SavePipeline:
             metrics=dict(metrics or {}),  # checked and converted by userfield.user_fields at save()
             environment=Environment.current(device=device),
             tags=dict(tags or {}),
+            keep=self.rotation.keep_record(),
         )
         # The fence. A zombie that lost the lease while writing the tensors must not commit them:
         # renew (compare-and-swap, not just check) so a takeover during the write is seen here.
