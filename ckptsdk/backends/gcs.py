@@ -29,6 +29,7 @@ from ckptsdk.backends.gcs_upload import ChunkedUploads
 from ckptsdk.errors import (
     BackendError,
     ConfigError,
+    DeadlineExceeded,
     ObjectNotFound,
     PreconditionFailed,
     StorageUnavailable,
@@ -363,8 +364,12 @@ class GCSBackend(ChunkedUploads):
                 if last:
                     return self._finished(reply, "PUT", location, key, if_generation, offset, crc, view)
             raise AssertionError("chunk producer ended without a last chunk")  # _slices/_rechunk bug
-        except BaseException:
-            # Cancel the session so the half-sent bytes are dropped now, not in a week.
+        except BaseException as failure:
+            # Cancel the session so the half-sent bytes are dropped now, not in a week; not past
+            # the save's deadline (the store is not answering, and the caller is done waiting).
+            if isinstance(failure, DeadlineExceeded):
+                logger.info("upload session for %r in %s left to expire (GCS drops it in a week)", key, self.url)
+                raise
             try:
                 self._request("DELETE", location, key=key, attempts=1)
             except BackendError as exc:

@@ -21,7 +21,7 @@ from typing import Any, BinaryIO
 from ckptsdk.backends.base import Capabilities, Data, ObjectInfo, check_key, check_prefix, iter_chunks
 from ckptsdk.backends.s3_payload import Ranged, crc_b64, etag_of, http_date, store_time
 from ckptsdk.backends.s3_transport import Answer, S3Transport
-from ckptsdk.errors import BackendError, ConfigError, ObjectNotFound, PreconditionFailed
+from ckptsdk.errors import BackendError, ConfigError, DeadlineExceeded, ObjectNotFound, PreconditionFailed
 
 logger = logging.getLogger(__name__)
 
@@ -308,8 +308,12 @@ class S3Backend(S3Transport):
             self._bucket_seen = True
             self._verify(key, answer.response, size, crc)
             return ObjectInfo(key, size, etag_of(answer.response["ETag"]))
-        except BaseException:
-            # Abort so the parts stop costing storage now, not when a lifecycle rule runs.
+        except BaseException as failure:
+            # Abort so the parts stop costing storage now, not when a lifecycle rule runs; not past
+            # the save's deadline (the store is not answering): ``sweep`` aborts them later.
+            if isinstance(failure, DeadlineExceeded):
+                logger.info("multi-part upload of %r in %s left for sweep() to abort", key, self.url)
+                raise
             try:
                 self._call("abort_multipart_upload", key, Key=name, UploadId=upload_id)
             except BackendError as exc:
