@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import os
 import uuid
+from collections.abc import Callable
 
 import pytest
 
@@ -20,11 +21,11 @@ BLOCK = 64 << 10
 SIZE = 4 * BLOCK
 
 
-def _reader(data: bytes, answer: object = None) -> RangedReader:
+def _reader(data: bytes, answer: Callable[[int, int], bytes] | None = None) -> RangedReader:
     """A reader over ``data`` whose fetch answers ``answer(offset, n)`` when given, else the exact range."""
 
     def fetch(offset: int, n: int) -> bytes:
-        return answer(offset, n) if callable(answer) else data[offset : offset + n]
+        return answer(offset, n) if answer is not None else data[offset : offset + n]
 
     return RangedReader(fetch, len(data), store="TEST", url="test://root", key="obj")
 
@@ -60,10 +61,10 @@ def test_an_answer_of_the_wrong_length_is_a_backend_error(answer) -> None:
     assert raw.tell() == 2000  # nothing was counted as read
 
 
-def _read_cut_mid_object(f: io.BufferedReader, data: bytes, cut: object) -> BackendError:
+def _read_cut_mid_object(f: io.BufferedReader, data: bytes, cut: Callable[[], object]) -> BackendError:
     """Read one block whole, have ``cut()`` arm the fault, and return the error of the next block."""
     assert f.read(BLOCK) == data[:BLOCK]
-    cut()  # type: ignore[operator]
+    cut()
     with pytest.raises(BackendError) as exc:
         f.read(BLOCK)
     assert type(exc.value) is BackendError  # not ObjectNotFound: the object is there, the reply was short
