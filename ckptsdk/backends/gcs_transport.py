@@ -299,7 +299,7 @@ class JsonApiTransport:
                 url=self.url,
                 key=key,
                 waited_for=f"GCS at {self.endpoint} to answer {method} {url.split('?')[0]} (key {key!r}; "
-                f"{tries.tried} tries, last: {last!r})",
+                f"attempts: {tries.tried}, last: {last!r})",
             ) from last
         if isinstance(last, aiohttp.ClientConnectorError):
             # Never reached a server (DNS, refused): say what a first-time user is missing.

@@ -263,7 +263,7 @@ class S3Transport:
             raise tries.deadline.exceeded(
                 url=self.url,
                 key=key,
-                waited_for=f"S3 at {where} to answer {op} (key {key!r}; {tries.tried} tries, last: {last!r})",
+                waited_for=f"S3 at {where} to answer {op} (key {key!r}; attempts: {tries.tried}, last: {last!r})",
             ) from last
         if isinstance(last, (botocore.exceptions.EndpointConnectionError, botocore.exceptions.ConnectTimeoutError)):
             raise BackendError(

@@ -71,7 +71,7 @@ def test_a_gcs_request_past_the_deadline_is_not_sent(gcs_emulator) -> None:
     assert caught.value.key == "b" and caught.value.url == "gs://deadline-unit/run"
     assert str(caught.value).startswith("the save of step 7 under gs://deadline-unit/run did not finish within")
     assert f"GCS at {gcs_emulator.endpoint} to answer POST" in caught.value.waited_for
-    assert "0 tries" in caught.value.waited_for
+    assert "attempts: 0," in caught.value.waited_for
     assert not backend.exists("b") and backend.read("a") == b"1"
 
 
