@@ -67,7 +67,7 @@ def _server(kind: str) -> Iterator[tuple[Any, str, dict[str, Any]]]:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("kind", [pytest.param("gcs", marks=pytest.mark.gcs), "s3"])
+@pytest.mark.parametrize("kind", [pytest.param("gcs", marks=pytest.mark.gcs), pytest.param("s3", marks=pytest.mark.s3)])
 def test_a_frozen_store_fails_a_blocking_save_within_one_deadline_and_nothing_is_lost(kind):
     with _server(kind) as (server, url, options):
         mgr = CheckpointManager(url, storage_options=options, save_deadline=SAVE_DEADLINE, save_on_signal=False)
