@@ -256,9 +256,8 @@ class SavePipeline:
         """The storage half of a save (tensors, renewal: the fence, commit; then rotate), within one
         deadline (``save_deadline``). Without compare-and-swap (Drive) a listing comes first: a fence too."""
         what, nbytes = f"the save of step {job.step} under {self.url}", sum(t.nbytes for t in tensors.values())
-        with bounded(
-            self.save_deadline or self.lease.ttl, what, option="save_deadline", nbytes=nbytes, rate=SAVE_RATE_BPS
-        ):
+        limit = self.save_deadline or self.lease.ttl
+        with bounded(limit, what, option="save_deadline", nbytes=nbytes, rate=SAVE_RATE_BPS):
             try:
                 self.lease.check()
                 if not self.backend.capabilities.compare_and_swap:
