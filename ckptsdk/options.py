@@ -154,8 +154,8 @@ class SaveOptions:
             start to the exit: that save (abandoned, uncommitted, when it runs out), the step log's
             last flush and the lease release (left for the lease's ttl when it cannot finish).
         save_deadline: seconds the storage half of one save may take, all its requests and
-            retries together, plus one second per MiB of its tensors (the slowest link allowed,
-            ``ckptsdk.backends.deadline.MIN_RATE_BPS``). Past it the save raises
+            retries together, plus its tensors' bytes at 8 MiB/s (the slowest link the default
+            allows, ``ckptsdk.backends.deadline.SAVE_RATE_BPS``: 89 MB adds 11 s). Past it the save raises
             ``DeadlineExceeded`` naming the store and the request it waited for, and commits
             nothing (the previous checkpoint stands). Honoured by the object-store transports
             (GCS, S3). None: the lease's ttl (60 s on GCS/S3/local disk, 300 s on Drive), so a

@@ -22,7 +22,7 @@ from typing import TypeVar
 
 from ckptsdk.errors import DeadlineExceeded
 
-__all__ = ["MIN_RATE_BPS", "Deadline", "Retries", "bounded", "carried", "current", "socket_timeout"]
+__all__ = ["MIN_RATE_BPS", "SAVE_RATE_BPS", "Deadline", "Retries", "bounded", "carried", "current", "socket_timeout"]
 
 _T = TypeVar("_T")
 
@@ -30,6 +30,11 @@ _T = TypeVar("_T")
 #: deadline, like each request's, grows by its bytes at this rate, so a big checkpoint on a slow
 #: but working link is not cut off. One rule for both (see ``SaveOptions.save_deadline``).
 MIN_RATE_BPS = 1 << 20
+#: What a whole save's default deadline allows per byte (8 MiB/s): one request on a slow link may
+#: take its time, but a save's default stays well under twice the lease ttl for the states users
+#: checkpoint every few minutes (89 MB: ttl + 11 s), and a frozen store is noticed in about a ttl
+#: whatever the state's size. A slower link needs an explicit ``save_deadline``, as the error says.
+SAVE_RATE_BPS = 8 << 20
 
 _CURRENT: contextvars.ContextVar[Deadline | None] = contextvars.ContextVar("ckptsdk_deadline", default=None)
 
@@ -73,9 +78,11 @@ def current() -> Deadline | None:
 
 
 @contextmanager
-def bounded(seconds: float, what: str, *, option: str, nbytes: int = 0) -> Iterator[Deadline]:
-    """Bound everything this context does for ``seconds``, plus ``nbytes`` at ``MIN_RATE_BPS``;
-    an earlier deadline already set wins.
+def bounded(
+    seconds: float, what: str, *, option: str, nbytes: int = 0, rate: float = MIN_RATE_BPS
+) -> Iterator[Deadline]:
+    """Bound everything this context does for ``seconds``, plus ``nbytes`` at ``rate`` bytes per
+    second; an earlier deadline already set wins.
 
     Example:
         >>> with bounded(30.0, "the save of step 5 under memory://x", option="save_deadline") as d:
@@ -85,7 +92,7 @@ def bounded(seconds: float, what: str, *, option: str, nbytes: int = 0) -> Itera
         True
     """
     outer = _CURRENT.get()
-    seconds += nbytes / MIN_RATE_BPS
+    seconds += nbytes / rate
     mine = Deadline(time.monotonic() + seconds, seconds, what, option)
     if outer is not None and outer.at <= mine.at:
         mine = outer  # the stop after a signal bounds the save inside it

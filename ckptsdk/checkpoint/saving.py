@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from ckptsdk.backends.base import Backend, copier
-from ckptsdk.backends.deadline import bounded
+from ckptsdk.backends.deadline import SAVE_RATE_BPS, bounded
 from ckptsdk.checkpoint.catalog import Catalog, CheckpointInfo
 from ckptsdk.checkpoint.lineage import LineageWriter
 from ckptsdk.checkpoint.rotation import Rotation
@@ -256,7 +256,8 @@ class SavePipeline:
         """The storage half of a save (tensors, renewal: the fence, commit; then rotate), within one
         deadline (``save_deadline``). Without compare-and-swap (Drive) a listing comes first: a fence too."""
         what, nbytes = f"the save of step {job.step} under {self.url}", sum(t.nbytes for t in tensors.values())
-        with bounded(self.save_deadline or self.lease.ttl, what, option="save_deadline", nbytes=nbytes):
+        limit = self.save_deadline or self.lease.ttl
+        with bounded(limit, what, option="save_deadline", nbytes=nbytes, rate=SAVE_RATE_BPS):
             try:
                 self.lease.check()
                 if not self.backend.capabilities.compare_and_swap:
@@ -302,8 +303,7 @@ class SavePipeline:
     ) -> CheckpointInfo:
         """Write the tensor file, renew the lease, publish the manifest (the commit), rotate.
 
-        ``extra_files`` were written into ``folder`` by others (distributed ranks) beforehand.
-        """
+        ``extra_files`` were written into ``folder`` by others (distributed ranks) beforehand."""
         self.lease.check()
         key = f"{folder}/{TENSORS}"
         source = (
