@@ -131,6 +131,7 @@ class CkptsdkCheckpointIO(CheckpointIO):
         self._mgr: Any = None
         self._restored = False
         self._shadowed_by: int | None = None
+        self._warned_mid_epoch = False
         self._tmpdir: str | None = None
 
     # ------------------------------------------------------------------ the manager
@@ -226,6 +227,16 @@ class CkptsdkCheckpointIO(CheckpointIO):
                 f"{self._shadowed_by}); a save at step {step} would be shadowed by it on the next resume. "
                 'Resume from ckpt_path="last", or train on from an older step in a new root'
             )
+        unresumable = _mid_epoch_without_position(checkpoint)
+        if unresumable and not self._warned_mid_epoch:
+            self._warned_mid_epoch = True
+            logger.warning(
+                "Lightning checkpoint at step %s is %s, but the train loader has no state_dict(): a "
+                "resume from it will not be bit-exact. Use ckptsdk.DataLoader (its position is saved "
+                "by Lightning), or checkpoint at epoch ends only",
+                step,
+                unresumable,
+            )
         tree = {"lightning": _plain(checkpoint), "rng": capture_rng()}
         try:
             info = mgr.save(
@@ -282,6 +293,16 @@ class CkptsdkCheckpointIO(CheckpointIO):
         if self.restore_rng:
             restore_rng(tree["rng"])
         lightning_state: dict[str, Any] = tree["lightning"]
+        unresumable = _mid_epoch_without_position(lightning_state)
+        if unresumable:
+            logger.warning(
+                "resuming Lightning from step %s, %s, but the train loader saved no position: the rest "
+                "of that epoch will not see the batches an uninterrupted run would, so this resume is NOT "
+                "bit-exact. Train with ckptsdk.DataLoader(dataset, batch_size=..., shuffle=..., seed=...) "
+                "(Lightning saves and restores its position), or checkpoint at epoch ends only",
+                step,
+                unresumable,
+            )
         return lightning_state
 
     def remove_checkpoint(self, path: str | os.PathLike[str]) -> None:
@@ -348,6 +369,26 @@ def rules_for(callback: ModelCheckpoint) -> list[Rule]:
     if callback.save_top_k < 0:
         return [keep_if(lambda _c: True, "save_top_k=-1")]  # Lightning keeps every save
     return [keep_best(callback.monitor, callback.save_top_k, "max" if callback.mode == "max" else "min")]
+
+
+def _mid_epoch_without_position(checkpoint: Mapping[str, Any]) -> str | None:
+    """ "mid-epoch (N batch(es) of epoch E done)" for a checkpoint Lightning took inside an epoch
+    whose train loader saved no position (a resume then re-reads the epoch from its start), else
+    None. Read from Lightning 2.x's loop state; a layout it does not recognise says None.
+    """
+    loop = (checkpoint.get("loops") or {}).get("fit_loop")
+    if not isinstance(loop, Mapping):
+        return None
+    batches = loop.get("epoch_loop.batch_progress")
+    if not isinstance(batches, Mapping) or not isinstance(batches.get("current"), Mapping):
+        return None
+    done = batches["current"].get("processed")
+    if not isinstance(done, int) or done <= 0 or batches.get("is_last_batch"):
+        return None
+    states = (loop.get("state_dict") or {}).get("combined_loader")
+    if states:  # the loader is stateful (ckptsdk.DataLoader, torchdata): Lightning restores it
+        return None
+    return f"mid-epoch ({done} batch(es) of epoch {checkpoint.get('epoch')} done)"
 
 
 def _scores(checkpoint: Mapping[str, Any], path: str) -> dict[str, float]:
