@@ -3,20 +3,20 @@
 ``python -m benchmarks.bench_audit --lines 2700000 --garbage-mb 200 --reps 2``: writes two
 attempts of ``lines / 2`` steps (a quarter of the lines shared) plus one garbage line, then runs
 ``ckptsdk audit ROOT`` ``--reps`` times in a child, reading its peak RSS with
-``getrusage(RUSAGE_CHILDREN)`` in a helper process that runs nothing else.
+``getrusage(RUSAGE_CHILDREN)`` in a helper process that runs nothing else. ``write_big_log``
+writes the log straight to disk (millions of lines in seconds); the audit's memory test uses it.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
-
-from tests.runlog.biglog import write_big_log
 
 REPO = Path(__file__).resolve().parents[1]
 _CHILD = (
@@ -26,6 +26,53 @@ _CHILD = (
     "print(p.returncode, time.perf_counter() - t, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024)\n"
     "print(p.stdout.splitlines()[0] if p.stdout else p.stderr[-300:])\n"
 )
+
+
+def _header(attempt: int, resumed: int | None, last: int, count: int, chunk: int) -> str:
+    return json.dumps(
+        {
+            "format": "ckptsdk.runlog/1.1",
+            "kind": "attempt",
+            "attempt": attempt,
+            "run_id": "big",
+            "lease_epoch": attempt,
+            "host": "bench",
+            "pid": 1,
+            "device": "cpu",
+            "versions": {},
+            "started_at": "2026-12-01T00:00:00Z",
+            "resumed_from_step": resumed,
+            "last_step": last,
+            "steps_logged": count,
+            "chunk": chunk,
+            "closed": True,
+        },
+        separators=(",", ":"),
+    )
+
+
+def write_big_log(root: Path, lines: int, *, chunk_rows: int = 50_000, garbage_mb: int = 0) -> int:
+    """Two attempts of ``lines // 2`` steps each, the second resumed half way through the first
+    (so ``lines // 4`` steps are shared, with equal losses); with ``garbage_mb``, one line of
+    that many MiB of garbage in the second attempt's first chunk. Returns the shared steps."""
+    half = lines // 2
+    plan = ((1, None, range(0, half)), (2, half // 2 - 1, range(half // 2, half // 2 + half)))
+    for attempt, resumed, steps in plan:
+        folder = root / "runlog" / f"attempt-{attempt:06d}"
+        folder.mkdir(parents=True, exist_ok=True)
+        chunks = [steps[i : i + chunk_rows] for i in range(0, len(steps), chunk_rows)]
+        for seq, part in enumerate(chunks):
+            with open(folder / f"chunk-{seq:06d}.jsonl", "w") as f:
+                f.write(_header(attempt, resumed, part[-1], part[-1] - steps[0] + 1, seq) + "\n")
+                if garbage_mb and attempt == 2 and seq == 0:
+                    for _ in range(garbage_mb):
+                        f.write("z" * (1 << 20))
+                    f.write("\n")
+                f.writelines(
+                    f'{{"step":{s},"time":1796145826.5,"scalars":{{"loss":{1.0 / (s + 1)!r},"lr":0.001}}}}\n'
+                    for s in part
+                )
+    return half - half // 2
 
 
 def main() -> int:

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.bench_audit import write_big_log
 from ckptsdk.backends import open_backend
 from ckptsdk.runlog.audit import audit, read_runlog
 from ckptsdk.runlog.writer import RunLog
-from tests.runlog.biglog import write_big_log
 
 REPO = Path(__file__).resolve().parents[2]
 # Peak RSS of `ckptsdk audit` over 200k lines: ~32 MiB streaming, ~365 MiB holding one parsed row
