@@ -231,9 +231,8 @@ class CkptsdkCheckpointIO(CheckpointIO):
         if unresumable and not self._warned_mid_epoch:
             self._warned_mid_epoch = True
             logger.warning(
-                "Lightning checkpoint at step %s is %s, but the train loader has no state_dict(): a "
-                "resume from it will not be bit-exact. Use ckptsdk.DataLoader (its position is saved "
-                "by Lightning), or checkpoint at epoch ends only",
+                "Lightning checkpoint at step %s is %s: a resume from it will not be bit-exact. Use "
+                "ckptsdk.DataLoader (Lightning saves its position), or checkpoint at epoch ends only",
                 step,
                 unresumable,
             )
@@ -296,10 +295,9 @@ class CkptsdkCheckpointIO(CheckpointIO):
         unresumable = _mid_epoch_without_position(lightning_state)
         if unresumable:
             logger.warning(
-                "resuming Lightning from step %s, %s, but the train loader saved no position: the rest "
-                "of that epoch will not see the batches an uninterrupted run would, so this resume is NOT "
-                "bit-exact. Train with ckptsdk.DataLoader(dataset, batch_size=..., shuffle=..., seed=...) "
-                "(Lightning saves and restores its position), or checkpoint at epoch ends only",
+                "resuming Lightning from step %s, %s: this resume is NOT bit-exact. Train with "
+                "ckptsdk.DataLoader(dataset, batch_size=..., shuffle=..., seed=...) (Lightning saves and "
+                "restores its position), or checkpoint at epoch ends only",
                 step,
                 unresumable,
             )
@@ -372,9 +370,11 @@ def rules_for(callback: ModelCheckpoint) -> list[Rule]:
 
 
 def _mid_epoch_without_position(checkpoint: Mapping[str, Any]) -> str | None:
-    """ "mid-epoch (N batch(es) of epoch E done)" for a checkpoint Lightning took inside an epoch
-    whose train loader saved no position (a resume then re-reads the epoch from its start), else
-    None. Read from Lightning 2.x's loop state; a layout it does not recognise says None.
+    """Why a resume from this checkpoint cannot be bit-exact, if Lightning took it inside an
+    epoch (else None): its train loader saved no position (a resume re-reads the epoch from its
+    start), or it is a torchdata ``StatefulDataLoader``, which Lightning resumes one global RNG
+    draw off (measured: not adapted here, unlike in a ``TrainState``: the plugin never sees the
+    loader). Read from Lightning 2.x's loop state; a layout it does not recognise says None.
     """
     loop = (checkpoint.get("loops") or {}).get("fit_loop")
     if not isinstance(loop, Mapping):
@@ -385,10 +385,13 @@ def _mid_epoch_without_position(checkpoint: Mapping[str, Any]) -> str | None:
     done = batches["current"].get("processed")
     if not isinstance(done, int) or done <= 0 or batches.get("is_last_batch"):
         return None
+    where = f"mid-epoch ({done} batch(es) of epoch {checkpoint.get('epoch')} done)"
     states = (loop.get("state_dict") or {}).get("combined_loader")
-    if states:  # the loader is stateful (ckptsdk.DataLoader, torchdata): Lightning restores it
-        return None
-    return f"mid-epoch ({done} batch(es) of epoch {checkpoint.get('epoch')} done)"
+    if not states:
+        return f"{where}, but the train loader saved no position"
+    if any(isinstance(st, Mapping) and ("_num_yielded" in st or "_snapshot" in st) for st in states):
+        return f"{where} with a torchdata StatefulDataLoader, which Lightning resumes one RNG draw off"
+    return None  # ckptsdk.DataLoader (or another stateful loader): Lightning restores its position
 
 
 def _scores(checkpoint: Mapping[str, Any], path: str) -> dict[str, float]:

@@ -43,7 +43,7 @@ def main() -> None:
     ap.add_argument("root")
     ap.add_argument("work")
     ap.add_argument("out")
-    ap.add_argument("--loader", choices=["ckptsdk", "torch"], default="ckptsdk")
+    ap.add_argument("--loader", choices=["ckptsdk", "torch", "stateful"], default="ckptsdk")
     ap.add_argument("--workers", type=int, default=0)
     ap.add_argument("--kill-at", type=int)
     args = ap.parse_args()
@@ -68,6 +68,11 @@ def main() -> None:
 
     if args.loader == "ckptsdk":
         loader = ckptsdk.DataLoader(Augmented(), batch_size=BATCH, shuffle=True, seed=7, num_workers=args.workers)
+    elif args.loader == "stateful":
+        from torchdata.stateful_dataloader import StatefulDataLoader
+
+        torch.manual_seed(7)  # its sampler's seed is drawn from torch's global RNG
+        loader = StatefulDataLoader(Augmented(), batch_size=BATCH, shuffle=True, num_workers=args.workers)
     else:
         g = torch.Generator().manual_seed(7)
         loader = torch.utils.data.DataLoader(
