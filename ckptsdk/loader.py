@@ -392,7 +392,13 @@ def _adopt_stateful(loader: Any) -> None:
       ``state_dict()`` that carries that worker's RNG states, which torchdata then snapshots
       with every batch and restores in the resumed worker.
     """
-    if not isinstance(loader.__dict__.get("_get_iterator"), _KeepRngOnResume):
+    if not (callable(getattr(type(loader), "_get_iterator", None)) and hasattr(loader, "next_iter_state")):
+        # Another torchdata than the 0.11 this was written against: say so rather than guess.
+        logger.warning(
+            "this StatefulDataLoader has no _get_iterator()/next_iter_state (another torchdata?): its "
+            "resumed iter() may draw from the global RNG, so the resume may not be bit-exact"
+        )
+    elif not isinstance(loader.__dict__.get("_get_iterator"), _KeepRngOnResume):
         loader._get_iterator = _KeepRngOnResume(loader)
     if not isinstance(getattr(loader, "worker_init_fn", None), _WorkerRng):
         loader.worker_init_fn = _WorkerRng(loader.worker_init_fn)
@@ -425,25 +431,15 @@ class _KeepRngOnResume:
 
 def _moved(before: Mapping[str, Any], after: Mapping[str, Any]) -> list[str]:
     """Which global RNGs differ between two ``capture_rng()`` trees."""
-    moved = []
-    if not torch.equal(before["torch"], after["torch"]):
-        moved.append("torch's RNG")
     b, a = before["numpy"], after["numpy"]
-    if (
-        b["state"]["pos"] != a["state"]["pos"]
-        or not np.array_equal(b["state"]["key"], a["state"]["key"])
-        or (
-            b["has_gauss"],
-            b["gauss"],
-        )
-        != (a["has_gauss"], a["gauss"])
-    ):
-        moved.append("numpy's RNG")
-    if before["python"] != after["python"]:
-        moved.append("random's RNG")
-    if [t.tolist() for t in before["cuda"] or []] != [t.tolist() for t in after["cuda"] or []]:
-        moved.append("CUDA's RNG")
-    return moved
+    numpy_same = b["state"]["pos"] == a["state"]["pos"] and np.array_equal(b["state"]["key"], a["state"]["key"])
+    changed = {
+        "torch's RNG": not torch.equal(before["torch"], after["torch"]),
+        "numpy's RNG": not (numpy_same and (b["has_gauss"], b["gauss"]) == (a["has_gauss"], a["gauss"])),
+        "random's RNG": before["python"] != after["python"],
+        "CUDA's RNG": [t.tolist() for t in before["cuda"] or []] != [t.tolist() for t in after["cuda"] or []],
+    }
+    return [name for name, moved in changed.items() if moved]
 
 
 class _WorkerRng:
