@@ -108,8 +108,8 @@ def governing(cat: Catalog) -> CheckpointInfo | None:
     """The checkpoint whose recorded keep rules govern the root: the newest committed one whose
     manifest reads, the highest writer's among copies of a step, never a zombie's orphan.
 
-    A takeover's anchor carries the new writer's rules from its first save on; until then the
-    previous writer's checkpoints (and rules) are the newest. A checkpoint still uploading (its
+    A takeover's anchor (re-committed at its restore) carries the new writer's rules; until then
+    the previous writer's checkpoints (and rules) are the newest. A checkpoint still uploading (its
     files short) counts: its manifest, checksum-verified, says what its writer keeps.
     """
     found = [c for c in cat.checkpoints if c.committed and not c.orphan and c.manifest is not None]
