@@ -31,7 +31,7 @@ from ckptsdk.cli.common import (
 from ckptsdk.errors import LeaseError
 
 if TYPE_CHECKING:
-    from ckptsdk.checkpoint.catalog import Catalog, CheckpointInfo
+    from ckptsdk.checkpoint.catalog import Catalog
     from ckptsdk.checkpoint.retention import Rule
     from ckptsdk.lease.acquire import LeaseRecord
 
@@ -41,7 +41,6 @@ __all__ = [
     "add_rule_flags",
     "cmd_gc",
     "cmd_lease",
-    "governing",
     "register",
     "rules_from_args",
     "rules_in_force",
@@ -104,18 +103,6 @@ def rules_from_args(args: argparse.Namespace) -> tuple[int | None, list[Rule]]:
     return args.keep_last, rules
 
 
-def governing(cat: Catalog) -> CheckpointInfo | None:
-    """The checkpoint whose recorded keep rules govern the root: the newest committed one whose
-    manifest reads, the highest writer's among copies of a step, never a zombie's orphan.
-
-    A takeover's anchor (re-committed at its restore) carries the new writer's rules; until then
-    the previous writer's checkpoints (and rules) are the newest. A checkpoint still uploading (its
-    files short) counts: its manifest, checksum-verified, says what its writer keeps.
-    """
-    found = [c for c in cat.checkpoints if c.committed and not c.orphan and c.manifest is not None]
-    return max(found, key=lambda c: (c.step, c.rank), default=None)
-
-
 @dataclass(frozen=True)
 class InForce:
     """The keep rules a command judges by (``keep_last`` plus ``rules``), and where they come from.
@@ -154,36 +141,28 @@ class InForce:
         }[self.source]
 
 
-def _split(rules: list[Rule]) -> tuple[int, list[Rule]]:
-    """(the first latest-N count, the other rules); 1 when none (the newest is kept anyway)."""
-    from ckptsdk.checkpoint.retention import KeepLast
-
-    first = next((r for r in rules if isinstance(r, KeepLast)), None)
-    return (first.n if first is not None else 1), [r for r in rules if r is not first]
-
-
 _HOW = "pass the writer's rules as flags (--keep-last N, --keep-every K, --keep-best K --metric NAME...)"
 
 
 def rules_in_force(args: argparse.Namespace, cat: Catalog, *, force: bool = False) -> InForce:
     """The keep rules ``gc`` / ``ls`` judge ``cat`` by: the flags if any, else the writer's.
 
-    The writer's are those the governing checkpoint's manifest records (:func:`governing`). What
-    cannot be judged here never lets anything go: a custom rule (a predicate) keeps every
-    checkpoint, and so does a root whose manifests record no rules (written before they were
-    recorded), unless ``force``: then the custom rules are left out, or the manager's default
-    ``keep_last=3`` applies.
+    The writer's are those the governing checkpoint's manifest records
+    (:func:`ckptsdk.checkpoint.recorded.governing`). What cannot be judged here never lets
+    anything go: a custom rule (a predicate) keeps every checkpoint, and so does a root whose
+    manifests record no rules (written before they were recorded), unless ``force``: then the
+    custom rules are left out, or the manager's default ``keep_last=3`` applies.
 
     Raises:
         UsageError: the flags are inconsistent (:func:`rules_from_args`).
     """
     from ckptsdk.checkpoint import retention
+    from ckptsdk.checkpoint.recorded import UNRECORDED, split_keep_last, writer_rules
 
     keep_last, flagged = rules_from_args(args)
-    source = governing(cat)
+    source, writer = writer_rules(cat)
     record = source.manifest.keep if source is not None and source.manifest is not None else None
     key = source.key if source is not None else None
-    writer = retention.rules_of(record) if record is not None else None
     if keep_last is not None or flagged:
         n = keep_last or MANAGER_KEEP_LAST
         given = [retention.keep_last(n), *flagged]
@@ -205,10 +184,8 @@ def rules_in_force(args: argparse.Namespace, cat: Catalog, *, force: bool = Fals
             f"format 1.1 or older, from before they were recorded): no checkpoint is let go by retention; {_HOW}, "
             "or `gc --force` to apply the manager's default keep_last=3"
         )
-        return InForce(
-            MANAGER_KEEP_LAST, [retention.Unjudged("the writer's rules, not recorded")], "unrecorded", key, None, [note]
-        )
-    n, rest = _split(writer)
+        return InForce(MANAGER_KEEP_LAST, [retention.Unjudged(UNRECORDED)], "unrecorded", key, None, [note])
+    n, rest = split_keep_last(writer)
     custom = [r for r in rest if isinstance(r, retention.Unjudged)]
     if not custom:
         return InForce(n, rest, "writer", key, writer)
@@ -313,6 +290,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
     rules_from_args(args)  # a bad flag is a usage error before anything is read
     from ckptsdk.checkpoint import retention
     from ckptsdk.checkpoint.catalog import scan
+    from ckptsdk.checkpoint.recorded import split_keep_last
     from ckptsdk.checkpoint.rotation import Rotation, kept
 
     mgr = reader(args)
@@ -328,7 +306,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
     notes = list(in_force.notes)
     if in_force.source == "flags" and in_force.writer is not None:
         # What the flags let go that the writer's own rules keep: say which, by name.
-        n, rest = _split(in_force.writer)
+        n, rest = split_keep_last(in_force.writer)
         writer_keeps = kept(cat, [retention.keep_last(n), *rest], settle=rotation.late)
         lost = [c.key for c in cat.checkpoints if c.key in reasons and c.valid and c.step in writer_keeps]
         if lost:

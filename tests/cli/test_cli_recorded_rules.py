@@ -260,3 +260,35 @@ def test_a_custom_predicate_is_named_and_a_bare_gc_never_judges_it(tmp_path, cap
     assert json.loads(proc.stdout)["deleted"] == ["step-0000000030.e1", "step-0000000060.e1"]
     assert "--force: judging without the writer's keep_if 'thirties'" in proc.stderr
     assert _kept_steps(root) == {20, 90}
+
+
+@pytest.mark.timeout(300)
+def test_a_read_only_manager_given_no_rules_judges_by_the_recorded_ones(tmp_path, caplog):
+    """The same hazard through the Python API: ``CheckpointManager(url, read_only=True).gc()``
+    used to judge by its own default keep_last=3 and delete the writer's best checkpoints."""
+    root = tmp_path / "run"
+    with _writer(str(root), keep_last=1, keep=[retention.keep_best("val_loss", 2)]) as mgr:
+        _save_all(mgr, LOSSES, _state())
+        writer_kept = mgr.kept()
+    assert set(writer_kept) == {20, 50, 90}
+    _leftover(root)
+    before = _digests(root)
+
+    reader = CheckpointManager(str(root), read_only=True)
+    assert reader.kept() == writer_kept
+    assert reader.rules() == "keep_last=1, keep_best=2 by val_loss (min)"
+    report = reader.gc(grace=0)
+    assert list(report.deleted) == [LEFTOVER]  # its other work, and nothing the writer keeps
+    assert _digests(root) == before and _kept_steps(root) == set(writer_kept)
+    # Rules given to the call still replace them (the caller asked): keep_last=1 alone.
+    assert set(reader.kept(keep_last=1)) == {90}
+    # A reader given rules of its own judges by those, as before.
+    assert set(CheckpointManager(str(root), read_only=True, keep_last=1).kept()) == {90}
+
+    # A root that records no rules (ckptsdk 0.1.0's): nothing is let go, and a warning says so.
+    _unrecord(root)
+    before = _digests(root)
+    with caplog.at_level(logging.WARNING, logger="ckptsdk.checkpoint.recorded"):
+        report = CheckpointManager(str(root), read_only=True).gc(grace=0)
+    assert list(report.deleted) == [] and _digests(root) == before
+    assert "keep rules are not recorded under" in caplog.text and "no checkpoint is let go" in caplog.text
