@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -159,6 +159,26 @@ class TrainState:
                     keys.update(tensor_key(v) for v in entry.values() if isinstance(v, torch.Tensor))
         keys.discard(NO_STORAGE)
         return keys
+
+    def step_only_flags(self, tensors: Sequence[torch.Tensor]) -> list[bool]:
+        """Per tensor of a saved tree: whether it is one only ``optimizer.step()`` changes (see
+        :meth:`step_only_tensors`), so a pipelined save may copy it in the background."""
+        # tensor_key()'s rule (pointer, dtype, shape; never an empty tensor) without its tuples.
+        live: dict[int, list[tuple[torch.dtype, torch.Size]]] = {}
+        for opt in self.optimizers():
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    live.setdefault(p.data_ptr(), []).append((p.dtype, p.shape))
+            for entry in opt.state.values():
+                if isinstance(entry, Mapping):
+                    for v in entry.values():
+                        if isinstance(v, torch.Tensor):
+                            live.setdefault(v.data_ptr(), []).append((v.dtype, v.shape))
+        flags = []
+        for t in tensors:
+            seen = live.get(t.data_ptr())
+            flags.append(seen is not None and (t.dtype, t.shape) in seen and t.numel() > 0)
+        return flags
 
     def hold_steps(self, wait: Callable[[], None] | None) -> None:
         """Make every held optimizer's next ``step()`` call ``wait()`` first (None: stop).
