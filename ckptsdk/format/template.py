@@ -101,11 +101,13 @@ class TreeTemplate:
         True
     """
 
-    def __init__(self, names: tuple[str, ...], node: _Node, nbytes: int) -> None:
+    def __init__(self, names: tuple[str, ...], node: _Node, nbytes: int, *, sized: bool) -> None:
         self.names = names
         self._capture, self._build, _ = node
-        #: bytes of the tensors (fixed: dtypes and shapes are part of the template)
+        #: bytes of the tensors (fixed when ``sized``: dtypes and shapes are part of the template,
+        #: except those of nodes encoded in full at each save)
         self.nbytes = nbytes
+        self._sized = sized
 
     @classmethod
     def of(cls, tree: object) -> tuple[TreeTemplate | None, Captured]:
@@ -123,7 +125,8 @@ class TreeTemplate:
         names = tuple(tensors)
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         first = Captured(names, list(tensors.values()), [], None, skeleton, nbytes=nbytes)
-        template = cls(names, _compile(tree, skeleton, ()), nbytes)
+        opaque: list[str] = []  # the tensors of nodes encoded in full at each save
+        template = cls(names, _compile(tree, skeleton, (), opaque), nbytes, sized=not opaque)
         # The template proves itself once against the full encode: a capture that would differ
         # (a bug here, or a tree this module does not model) costs speed, never a wrong skeleton.
         again = template.capture(tree)
@@ -148,7 +151,8 @@ class TreeTemplate:
             return None
         if len(tensors) != len(self.names):
             return None
-        return Captured(self.names, tensors, slots, self._build, nbytes=self.nbytes)
+        nbytes = self.nbytes if self._sized else sum(t.numel() * t.element_size() for t in tensors)
+        return Captured(self.names, tensors, slots, self._build, nbytes=nbytes)
 
 
 class EncodingCache:
@@ -195,7 +199,7 @@ def _same_tensors(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
 # --- compiling --------------------------------------------------------------------------------
 
 
-def _compile(obj: Any, node: Any, path: tuple[str, ...]) -> _Node:
+def _compile(obj: Any, node: Any, path: tuple[str, ...], opaque: list[str]) -> _Node:
     kind = type(obj)
     if kind in _SCALARS:
         return _scalar, _build_scalar, None
@@ -204,18 +208,18 @@ def _compile(obj: Any, node: Any, path: tuple[str, ...]) -> _Node:
     if kind in (list, tuple):
         if all(type(v) in _SCALARS for v in obj):
             return _scalar_seq(kind)
-        return _seq(kind, obj, node, path)
+        return _seq(kind, obj, node, path, opaque)
     if kind is dict or kind is OrderedDict:
         if kind is OrderedDict and hasattr(obj, "_metadata") and isinstance(node, dict) and "$state_dict" in node:
-            return _state_dict(obj, node, path)
+            return _state_dict(obj, node, path, opaque)
         inner = node["$ordered_dict"] if kind is OrderedDict and isinstance(node, dict) else node
-        mapped = _mapping(kind, obj, inner, path)
+        mapped = _mapping(kind, obj, inner, path, opaque)
         if mapped is not None:
             if kind is dict:
                 return mapped
             cap, build, _ = mapped
             return _has_no_metadata(cap), (lambda it: {"$ordered_dict": build(it)}), None
-    return _opaque(obj, path)
+    return _opaque(obj, path, opaque)
 
 
 def _scalar(o: Any, _tensors: list[torch.Tensor], slots: list[Any]) -> None:
@@ -269,9 +273,9 @@ def _scalar_seq(kind: Any) -> _Node:
     return cap, build, None
 
 
-def _seq(kind: Any, obj: list[Any] | tuple[Any, ...], node: Any, path: tuple[str, ...]) -> _Node:
+def _seq(kind: Any, obj: list[Any] | tuple[Any, ...], node: Any, path: tuple[str, ...], opaque: list[str]) -> _Node:
     items = node if kind is list else node["$tuple"]
-    children = [_compile(v, items[i], (*path, str(i))) for i, v in enumerate(obj)]
+    children = [_compile(v, items[i], (*path, str(i)), opaque) for i, v in enumerate(obj)]
     caps = tuple(c for c, _, _ in children)
     builds = tuple(b for _, b, _ in children)
     n = len(obj)
@@ -289,7 +293,7 @@ def _seq(kind: Any, obj: list[Any] | tuple[Any, ...], node: Any, path: tuple[str
     return cap, build, None
 
 
-def _mapping(kind: Any, obj: dict[Any, Any], node: Any, path: tuple[str, ...]) -> _Node | None:
+def _mapping(kind: Any, obj: dict[Any, Any], node: Any, path: tuple[str, ...], opaque: list[str]) -> _Node | None:
     """A dict (or OrderedDict) of fixed keys: str keys (a plain JSON object) or scalar keys other
     than floats (a ``$dict``). None: not modelled (float keys: -0.0 == 0.0, nan != nan)."""
     keys = tuple(obj)
@@ -298,7 +302,7 @@ def _mapping(kind: Any, obj: dict[Any, Any], node: Any, path: tuple[str, ...]) -
     if not plain and (float in types or not isinstance(node, dict)):
         return None
     children = [
-        _compile(v, node[k] if plain else node["$dict"][i][1], (*path, codec.path_component(k)))
+        _compile(v, node[k] if plain else node["$dict"][i][1], (*path, codec.path_component(k)), opaque)
         for i, (k, v) in enumerate(obj.items())
     ]
     n = len(keys)
@@ -376,12 +380,12 @@ def _has_no_metadata(inner: _Capture) -> _Capture:
     return cap
 
 
-def _state_dict(obj: OrderedDict[Any, Any], node: dict[str, Any], path: tuple[str, ...]) -> _Node:
-    mapped = _mapping(OrderedDict, obj, node["$state_dict"], path)
+def _state_dict(obj: OrderedDict[Any, Any], node: dict[str, Any], path: tuple[str, ...], opaque: list[str]) -> _Node:
+    mapped = _mapping(OrderedDict, obj, node["$state_dict"], path, opaque)
     if mapped is None:
-        return _opaque(obj, path)
+        return _opaque(obj, path, opaque)
     inner_cap, inner_build, _ = mapped
-    meta_cap, meta_build, _ = _compile(obj._metadata, node["metadata"], (*path, "#_metadata"))  # type: ignore[attr-defined]
+    meta_cap, meta_build, _ = _compile(obj._metadata, node["metadata"], (*path, "#_metadata"), opaque)  # type: ignore[attr-defined]
 
     def cap(o: Any, tensors: list[torch.Tensor], slots: list[Any]) -> None:
         meta = getattr(o, "_metadata", _Changed)
@@ -397,10 +401,11 @@ def _state_dict(obj: OrderedDict[Any, Any], node: dict[str, Any], path: tuple[st
     return cap, build, None
 
 
-def _opaque(obj: Any, path: tuple[str, ...]) -> _Node:
+def _opaque(obj: Any, path: tuple[str, ...], opaque: list[str]) -> _Node:
     """A node this module does not model (numpy leaves, Counters, deques...): encoded in full at
     every save, its tensors' paths checked against the template's."""
     names = tuple(codec.encode_subtree(obj, path)[0])
+    opaque.extend(names)
 
     def cap(o: Any, tensors: list[torch.Tensor], slots: list[Any]) -> None:
         found, fragment = codec.encode_subtree(o, path)

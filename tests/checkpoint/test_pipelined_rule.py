@@ -224,7 +224,9 @@ def test_an_edit_after_the_commit_is_not_the_checkpoints_business(root):
 @pytest.mark.parametrize(
     "edit",
     [
-        pytest.param(lambda j: setattr(j.model[0], "weight", torch.nn.Parameter(torch.zeros(8, 8))), id="new-parameter"),
+        pytest.param(
+            lambda j: setattr(j.model[0], "weight", torch.nn.Parameter(torch.zeros(8, 8))), id="new-parameter"
+        ),
         pytest.param(lambda j: setattr(j.model[0].weight, "data", torch.zeros(8, 8)), id="data-assigned"),
         pytest.param(lambda j: j.opt.load_state_dict(j.opt.state_dict()), id="optimizer.load_state_dict"),
     ],
