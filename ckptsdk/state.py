@@ -163,21 +163,23 @@ class TrainState:
     def step_only_flags(self, tensors: Sequence[torch.Tensor]) -> list[bool]:
         """Per tensor of a saved tree: whether it is one only ``optimizer.step()`` changes (see
         :meth:`step_only_tensors`), so a pipelined save may copy it in the background."""
-        # tensor_key()'s rule (pointer, dtype, shape; never an empty tensor) without its tuples.
-        live: dict[int, list[tuple[torch.dtype, torch.Size]]] = {}
+        # tensor_key()'s rule (pointer, dtype, shape; never an empty tensor) without a tuple per
+        # tensor. Two stepped tensors at one pointer keep the last: a tree tensor matching the
+        # other is then copied at save(), which is always safe.
+        live: dict[int, torch.Tensor] = {}
         for opt in self.optimizers():
             for group in opt.param_groups:
                 for p in group["params"]:
-                    live.setdefault(p.data_ptr(), []).append((p.dtype, p.shape))
+                    live[p.data_ptr()] = p
             for entry in opt.state.values():
                 if isinstance(entry, Mapping):
                     for v in entry.values():
                         if isinstance(v, torch.Tensor):
-                            live.setdefault(v.data_ptr(), []).append((v.dtype, v.shape))
+                            live[v.data_ptr()] = v
         flags = []
         for t in tensors:
-            seen = live.get(t.data_ptr())
-            flags.append(seen is not None and (t.dtype, t.shape) in seen and t.numel() > 0)
+            s = live.get(t.data_ptr())
+            flags.append(s is not None and s.dtype is t.dtype and s.shape == t.shape and t.numel() > 0)
         return flags
 
     def hold_steps(self, wait: Callable[[], None] | None) -> None:

@@ -73,9 +73,8 @@ def encode(tree: object) -> tuple[dict[str, torch.Tensor], JsonValue]:
 
 
 def encode_subtree(obj: object, path: tuple[str, ...]) -> tuple[dict[str, torch.Tensor], JsonValue]:
-    """``encode`` of a subtree found at ``path`` (escaped components) of a larger tree: its
-    tensors keyed by their full paths, and its skeleton node. For ``format/template.py``, which
-    encodes the node kinds it does not cache this way.
+    """``encode`` of the subtree at ``path`` (escaped components) of a larger tree: its tensors by
+    full path, and its skeleton node (``format/template.py``'s nodes it does not cache).
 
     Raises:
         UnsupportedStateError: as ``encode``.
@@ -156,17 +155,13 @@ def _escape_str_key(key: str) -> str:
     return text
 
 
-#: The exact types of the tree's JSON-like scalar leaves (a subclass is refused: bool is its own).
+#: The exact types of the tree's JSON-like scalar leaves (bool is its own; numpy's are not these).
 SCALAR_TYPES = frozenset({type(None), bool, int, float, str})
 
 
 def encode_scalar(obj: None | bool | int | float | str) -> JsonValue:
-    """One scalar leaf (of a type in ``SCALAR_TYPES``) as its skeleton node.
-
-    Example:
-        >>> encode_scalar(2**70), encode_scalar(float("-inf")), encode_scalar("a")
-        ({'$int': '0x400000000000000000'}, {'$float': '-inf'}, 'a')
-    """
+    """One scalar leaf (of a type in ``SCALAR_TYPES``) as its skeleton node: ints beyond int64 as
+    ``{"$int": hex}``, nan/inf/-0.0 as ``{"$float": ...}``, the rest as they are."""
     if type(obj) is int:
         return obj if _INT_MIN <= obj <= _INT_MAX else {"$int": hex(obj)}
     if type(obj) is float:
@@ -174,8 +169,7 @@ def encode_scalar(obj: None | bool | int | float | str) -> JsonValue:
     return obj
 
 
-def path_component(key: Any) -> str:
-    """A dict key as one component of a tensor's path (escaped so that '/' only separates)."""
+def path_component(key: Any) -> str:  # a dict key as one component of a tensor's path
     if type(key) is str:
         return _escape_str_key(key)
     if type(key) is int:

@@ -30,6 +30,7 @@ _SCALARS = codec.SCALAR_TYPES
 # refuses it with its message.
 _TENSORS = (torch.Tensor, torch.nn.Parameter)
 _STRIDED = torch.strided
+_PARAMETER = torch.nn.Parameter
 
 
 class _Changed(Exception):
@@ -337,10 +338,21 @@ def _tensor_values(kind: Any, keys: tuple[Any, ...], types: tuple[type, ...], sp
     def cap(o: Any, tensors: list[torch.Tensor], _slots: list[Any]) -> None:
         if type(o) is not kind or len(o) != n or tuple(o) != keys or tuple(map(type, o)) != types:
             raise _Changed
+        append = tensors.append
         for v, spec in zip(o.values(), specs, strict=True):
-            if not _tensor_ok(v, spec[0], spec[1]):
+            # _tensor_ok() inline: this loop runs over every tensor of a module's state.
+            kind_v = type(v)
+            if (
+                (kind_v is not plain and kind_v is not _PARAMETER)
+                or v.dtype is not spec[0]
+                or v.shape != spec[1]
+                or v.layout is not _STRIDED
+                or v.is_meta
+                or v.is_conj()
+                or v.is_neg()
+            ):
                 raise _Changed
-            tensors.append(v.detach() if v.requires_grad or type(v) is not plain else v)
+            append(v.detach() if kind_v is not plain or v.requires_grad else v)
 
     return cap
 
