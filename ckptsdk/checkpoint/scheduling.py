@@ -155,6 +155,7 @@ class SaveSlots:
                 logger.info("the save of step %d replaces the save of step %d, still waiting", step, replaced.step)
                 replaced.settle()  # its copy must be done before its buffer is reused
             pending = buffer.begin_aligned(captured.names, captured.tensors, defer, where=where)
+            captured.tensors = []  # the buffers (and the pending copies) hold what is needed now
         except BaseException:
             self.release(buffer)
             raise

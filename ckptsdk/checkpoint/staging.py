@@ -103,6 +103,8 @@ class PendingSnapshot:
         """
         if self._at_step is not None:
             self._check(self._at_step)
+        # Checked for good: let go of the sources (a replaced parameter's old storage with them).
+        self._watched = ([], [], [])
 
     def _counters(self) -> list[int]:
         return [t._version for t in self._watched[1]]
