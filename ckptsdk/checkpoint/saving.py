@@ -31,15 +31,16 @@ from typing import Any
 import torch
 
 from ckptsdk.backends.base import Backend, copier
+from ckptsdk.backends.deadline import SAVE_RATE_BPS, bounded
 from ckptsdk.checkpoint.catalog import Catalog, CheckpointInfo
 from ckptsdk.checkpoint.lineage import LineageWriter
 from ckptsdk.checkpoint.rotation import Rotation
 from ckptsdk.checkpoint.scheduling import SaveSlots, SaveStats, _Job
-from ckptsdk.checkpoint.staging import SnapshotMode, device_of
-from ckptsdk.errors import BackendError, CheckpointError, LeaseLostError, PreconditionFailed
+from ckptsdk.checkpoint.staging import SnapshotMode
+from ckptsdk.errors import BackendError, CheckpointError, DeadlineExceeded, LeaseLostError, PreconditionFailed
 from ckptsdk.format import codec
 from ckptsdk.format.digest import DEFAULT as DIGEST_ALGORITHM
-from ckptsdk.format.environment import Environment
+from ckptsdk.format.environment import Environment, device_of
 from ckptsdk.format.layout import MANIFEST, TENSORS, Rank
 from ckptsdk.format.manifest import FileEntry, LineageRecord, Manifest, Position
 from ckptsdk.format.manifest import Writer as WriterRecord
@@ -85,6 +86,8 @@ class SavePipeline:
             (at most two snapshots of the state).
         clock: monotonic time of the relist period (the lease's clock).
     """
+
+    save_deadline: float | None = None  # SaveOptions.save_deadline (None: the lease's ttl), set by the manager
 
     def __init__(
         self,
@@ -194,15 +197,14 @@ class SavePipeline:
         job = _Save(folder, step, position, dict(metrics or {}), dict(tags or {}), "cpu", tuple(extra_files))
         if blocking:
             tensors = captured.tensor_dict()
-            info = self._store(replace(job, device=device_of(tensors)), tensors, captured.skeleton())
+            info = self._store(replace(job, device=device_of(tensors.values())), tensors, captured.skeleton())
             self._slots.committed += 1
             return info
         pending_info = CheckpointInfo(
             step=step, epoch=self.writer.epoch, key=folder, size=0, committed=False, valid=False
         )
-        defer = [False] * len(captured.names)
-        if snapshot == "pipelined" and callable(getattr(state, "step_only_flags", None)) and state.optimizers():
-            defer = state.step_only_flags(captured.tensors)
+        pipelined = snapshot == "pipelined" and callable(getattr(state, "step_only_flags", None)) and state.optimizers()
+        defer = state.step_only_flags(captured.tensors) if pipelined else [False] * len(captured.names)
         staged = self._slots.stage(step, captured, defer, where=f"the save of step {step} under {self.url}: ")
         if staged is None:
             return replace(pending_info, reason="skipped: storage cannot keep up and staging is full")
@@ -246,38 +248,42 @@ class SavePipeline:
         return cat
 
     def _store(self, job: _Save, tensors: Mapping[str, torch.Tensor], skeleton: Any) -> CheckpointInfo:
-        """The storage half of a save: tensors, renewal (the fence), commit; then rotate.
-
-        On a store without compare-and-swap (Drive) a listing of the root comes first: there it
-        is a fence as well."""
-        try:
-            self.lease.check()
-            if not self.backend.capabilities.compare_and_swap:
-                # Drive: the listing is a fence (a newer writer's folders and lineage record), and
-                # before the upload, so a zombie stops before it sends a full-size file that could
-                # only end in the trash.
-                self._relist()
-            cat = self.catalog()
-            existing = next((c for c in cat.checkpoints if c.key == job.folder and c.committed), None)
-            if existing is not None:
-                logger.debug("step %d already committed as %s; not saving it twice", job.step, job.folder)
-                return existing
-            self.write_lineage(None, None)  # once: a no-op after this writer's first commit or restore
-            return self.commit(
-                job.folder,
-                job.step,
-                dict(tensors),
-                skeleton,
-                job.position,
-                job.metrics,
-                job.tags,
-                job.device,
-                job.extra_files,
-                verify=job.verify,
-            )
-        except BaseException:
-            self._catalog = None  # whatever failed, the next save lists the root again
-            raise
+        """The storage half of a save (tensors, renewal: the fence, commit; then rotate), within one
+        deadline (``save_deadline``). Without compare-and-swap (Drive) a listing comes first: a fence too."""
+        what, nbytes = f"the save of step {job.step} under {self.url}", sum(t.nbytes for t in tensors.values())
+        limit = self.save_deadline or self.lease.ttl
+        with bounded(limit, what, option="save_deadline", nbytes=nbytes, rate=SAVE_RATE_BPS):
+            try:
+                self.lease.check()
+                if not self.backend.capabilities.compare_and_swap:
+                    # Drive: the listing is a fence (a newer writer's folders and lineage record), and
+                    # before the upload, so a zombie stops before it sends a full-size file that could
+                    # only end in the trash.
+                    self._relist()
+                cat = self.catalog()
+                existing = next((c for c in cat.checkpoints if c.key == job.folder and c.committed), None)
+                if existing is not None:
+                    logger.debug("step %d already committed as %s; not saving it twice", job.step, job.folder)
+                    return existing
+                self.write_lineage(None, None)  # once: a no-op after this writer's first commit or restore
+                return self.commit(
+                    job.folder,
+                    job.step,
+                    dict(tensors),
+                    skeleton,
+                    job.position,
+                    job.metrics,
+                    job.tags,
+                    job.device,
+                    job.extra_files,
+                    verify=job.verify,
+                )
+            except BaseException as exc:
+                self._catalog = None  # whatever failed, the next save lists the root again
+                if isinstance(exc, DeadlineExceeded) and job.folder in self._committed:
+                    logger.warning("step %d is committed under %s; rotation waits: %s", job.step, self.url, exc)
+                    return self._committed[job.folder]
+                raise
 
     def commit(
         self,
@@ -290,13 +296,11 @@ class SavePipeline:
         tags: Mapping[str, str] | None,
         device: str,
         extra_files: Sequence[FileEntry] = (),
-        *,
         verify: Callable[[], None] | None = None,
     ) -> CheckpointInfo:
         """Write the tensor file, renew the lease, publish the manifest (the commit), rotate.
 
-        ``extra_files`` were written into ``folder`` by others (distributed ranks) beforehand;
-        ``verify`` runs right before the commit (a failure there commits nothing).
+        ``extra_files`` were written into ``folder`` by others beforehand; ``verify``, before the commit.
         """
         self.lease.check()
         key = f"{folder}/{TENSORS}"

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from ckptsdk.backends.deadline import carried
 from ckptsdk.checkpoint.staging import PendingSnapshot, Stager
 from ckptsdk.format.template import Captured
 
@@ -168,6 +169,7 @@ class SaveSlots:
 
     def submit(self, job: _Job) -> None:
         """Put ``job`` in the waiting slot; the worker runs it once the running save is done."""
+        job.run = carried(job.run)  # in this context: a deadline set around save() bounds the worker too
         with self._cond:
             assert self._waiting is None, "claim() first: it empties the waiting slot"
             self._waiting = job

@@ -19,7 +19,7 @@ from ckptsdk.errors import CheckpointError, ConfigError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["NO_STORAGE", "SNAPSHOT_MODES", "PendingSnapshot", "SnapshotMode", "Stager", "device_of", "tensor_key"]
+__all__ = ["NO_STORAGE", "SNAPSHOT_MODES", "PendingSnapshot", "SnapshotMode", "Stager", "tensor_key"]
 
 #: How a non-blocking save copies the state: "pipelined" defers the parameters and optimizer state
 #: to the next ``optimizer.step()``; "copy" copies everything at ``save()``.
@@ -389,11 +389,3 @@ def tensor_key(t: torch.Tensor) -> tuple[int, torch.dtype, tuple[int, ...]]:
     test for "the optimizer step will change this tensor in place"."""
     # Empty tensors share data pointer 0; they are copied at save() (nothing to copy anyway).
     return (t.data_ptr(), t.dtype, tuple(t.shape)) if t.numel() else NO_STORAGE
-
-
-def device_of(tensors: Mapping[str, torch.Tensor]) -> str:
-    """The first accelerator among ``tensors`` (the manifest's device), or "cpu"."""
-    for t in tensors.values():
-        if t.device.type != "cpu":
-            return str(t.device)
-    return "cpu"
