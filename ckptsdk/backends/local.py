@@ -31,6 +31,7 @@ from ckptsdk.backends.posix import (
     discard,
     flock,
     fsync_dir,
+    make_folders,
     no_fork,
     open_regular,
     prune,
@@ -206,7 +207,7 @@ class LocalBackend:
         self.stat(src)
         with self._locked("copy", dst):
             with self._errors("copy", dst):
-                os.makedirs(os.path.dirname(path), exist_ok=True)
+                make_folders(os.path.dirname(path))
                 try:
                     os.link(src_path, path)
                 except FileExistsError:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
 from ckptsdk.backends.base import Backend, Rewritable, rewriter
+from ckptsdk.backends.posix import deferred_dir_sync
 from ckptsdk.checkpoint import retention
 from ckptsdk.checkpoint.catalog import Catalog, CheckpointInfo
 from ckptsdk.checkpoint.retention import Rule
@@ -155,13 +156,22 @@ class Rotation:
         protected = self._protected(mine, rank, resumed_from)
         self._ledger_rank = rank
         doomed = self.beyond_retention(mine, protected=protected)
-        for c in doomed:
-            lease.check()
-            self.delete(c, by_manifest=True)
-        gone = {c.key for c in doomed}
-        gone |= self.drop_copies(lease, rank, [c for c in mine if c.key not in gone])
-        if tidy:
-            gone |= self._tidy(lease, rank, cat)
+        # Deletes need no durability of their own, so their folder fsyncs are dropped (two per
+        # rotated-out checkpoint on local disk before). A power cut can only undo removals: on a
+        # journaling filesystem name changes replay in order, so what survives is a prefix (the
+        # manifest goes first): the old checkpoint back whole (rotated out again after the next
+        # listing) or its tensor file without a manifest (a leftover, removed at the next
+        # listing). Elsewhere a manifest whose file is gone fails the reader's size check and gc
+        # removes it. The newest checkpoint, durable before rotation began, is never at stake;
+        # the removals become durable with the root's next fsync (the next lease renewal's).
+        with deferred_dir_sync(sync=False):
+            for c in doomed:
+                lease.check()
+                self.delete(c, by_manifest=True)
+            gone = {c.key for c in doomed}
+            gone |= self.drop_copies(lease, rank, [c for c in mine if c.key not in gone])
+            if tidy:
+                gone |= self._tidy(lease, rank, cat)
         self._flush_ledger()
         return gone
 

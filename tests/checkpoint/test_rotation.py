@@ -211,6 +211,7 @@ def test_a_writer_that_sees_a_newer_one_fences_itself_and_rotates_nothing(url: s
     taker = _writer(url, force=True)
     assert taker.restore(_state()) is not None
     taker.save(_state(), step=40)  # a folder of epoch 2 in the listing
+    assert taker.wait(timeout=60)  # its own rotation, on its worker after the commit
     backend = open_backend(url)
     before = _keys(backend)
     assert zombie.lease is not None and not zombie.lease.fenced  # its heartbeat is off: it has not noticed
