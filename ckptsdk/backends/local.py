@@ -59,7 +59,9 @@ class LocalBackend:
     """Objects as files under a folder on this machine.
 
     ``write`` publishes through a temp file in the target folder (``.ckptsdk-tmp.<name>.<pid>.<hex>``)
-    that is fsynced and renamed over the key, then the folder is fsynced. ``create`` links the
+    that is fsynced and renamed over the key, then the folder is fsynced (at the end of the
+    caller's ``posix.deferred_dir_sync`` block, once per folder, where there is one; a folder a
+    write creates has its parent fsynced too). ``create`` links the
     finished temp file to the key (the link fails if the key exists, and is never half-visible).
     ``replace`` and versioned ``delete`` compare versions under an exclusive ``flock`` on
     ``ROOT/.ckptsdk-lock``, which every publish of this class also takes, so a compare-and-swap
