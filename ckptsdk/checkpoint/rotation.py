@@ -156,14 +156,11 @@ class Rotation:
         protected = self._protected(mine, rank, resumed_from)
         self._ledger_rank = rank
         doomed = self.beyond_retention(mine, protected=protected)
-        # Deletes need no durability of their own, so their folder fsyncs are dropped (two per
-        # rotated-out checkpoint on local disk before). A power cut can only undo removals: on a
-        # journaling filesystem name changes replay in order, so what survives is a prefix (the
-        # manifest goes first): the old checkpoint back whole (rotated out again after the next
-        # listing) or its tensor file without a manifest (a leftover, removed at the next
-        # listing). Elsewhere a manifest whose file is gone fails the reader's size check and gc
-        # removes it. The newest checkpoint, durable before rotation began, is never at stake;
-        # the removals become durable with the root's next fsync (the next lease renewal's).
+        # Deletes need no durability of their own: their folder fsyncs (two per checkpoint) go.
+        # A power cut can only undo removals, in order on a journaling filesystem (manifest
+        # first): the old checkpoint back whole, or its file without a manifest (a leftover);
+        # elsewhere a manifest whose file is gone fails the reader's size check. Garbage the next
+        # listing or gc removes; the newest checkpoint was durable before rotation began.
         with deferred_dir_sync(sync=False):
             for c in doomed:
                 lease.check()

@@ -38,7 +38,7 @@ from ckptsdk.checkpoint.lineage import LineageWriter
 from ckptsdk.checkpoint.rotation import Rotation
 from ckptsdk.checkpoint.scheduling import SaveSlots, SaveStats, _Job
 from ckptsdk.checkpoint.staging import SnapshotMode, tensor_key
-from ckptsdk.errors import BackendError, CheckpointError, LeaseLostError, PreconditionFailed
+from ckptsdk.errors import CheckpointError, LeaseLostError, PreconditionFailed
 from ckptsdk.format import codec
 from ckptsdk.format.digest import DEFAULT as DIGEST_ALGORITHM
 from ckptsdk.format.environment import Environment
