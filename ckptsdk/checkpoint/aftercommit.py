@@ -16,7 +16,7 @@ from ckptsdk.backends.base import Backend
 from ckptsdk.checkpoint.catalog import Catalog, CheckpointInfo
 from ckptsdk.checkpoint.rotation import Rotation
 from ckptsdk.checkpoint.scheduling import SaveSlots
-from ckptsdk.errors import BackendError, LeaseLostError
+from ckptsdk.errors import BackendError, DeadlineExceeded, LeaseLostError
 from ckptsdk.format.layout import Rank
 from ckptsdk.lease.acquire import Lease
 from ckptsdk.runlog.writer import RunLog
@@ -66,8 +66,11 @@ class AfterCommit:
     def _tidy_after(self, info: CheckpointInfo) -> None:
         try:
             self._rotate_after(info)
-        except BaseException:
+        except BaseException as exc:
             self._catalog = None  # whatever failed, the next save lists the root again
+            if isinstance(exc, DeadlineExceeded):  # as in the save it follows: committed, rotation waits
+                logger.warning("step %d is committed under %s; rotation waits: %s", info.step, self.url, exc)
+                return
             raise
 
     def _rotate_after(self, info: CheckpointInfo) -> None:

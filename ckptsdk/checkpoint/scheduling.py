@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ckptsdk.backends.deadline import carried
 from ckptsdk.checkpoint.staging import PendingSnapshot, Stager
 
 logger = logging.getLogger(__name__)
@@ -176,6 +177,7 @@ class SaveSlots:
 
     def submit(self, job: _Job) -> None:
         """Put ``job`` in the waiting slot; the worker runs it once the running save is done."""
+        job.run = carried(job.run)  # in this context: a deadline set around save() bounds the worker too
         with self._cond:
             assert self._waiting is None, "claim() first: it empties the waiting slot"
             self._waiting = job
@@ -186,7 +188,7 @@ class SaveSlots:
         caller's thread. It is never replaced; a failure is kept and raised like a save's (it
         counts as no save: its commit was counted already)."""
         with self._cond:
-            self._tails.append(run)
+            self._tails.append(carried(run))  # under the deadline of the save it follows
             self._start_worker()
 
     def on_worker(self) -> bool:
