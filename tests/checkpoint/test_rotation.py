@@ -208,6 +208,7 @@ def test_a_writer_that_sees_a_newer_one_fences_itself_and_rotates_nothing(url: s
     state = _state()
     for step in (10, 20, 30):
         zombie.save(state, step=step)
+    assert zombie.wait(timeout=60)  # its last rotation (on its worker) is over before the takeover
     taker = _writer(url, force=True)
     assert taker.restore(_state()) is not None
     taker.save(_state(), step=40)  # a folder of epoch 2 in the listing
