@@ -28,13 +28,12 @@ import torch
 from ckptsdk.backends import open_backend
 from ckptsdk.backends.base import Backend
 from ckptsdk.backends.probe import prove_preconditions
-from ckptsdk.checkpoint.catalog import CheckpointInfo
+from ckptsdk.checkpoint.catalog import Catalog, CheckpointInfo
 from ckptsdk.checkpoint.reader import CheckpointReader, ResumePoint, resume_point
 from ckptsdk.checkpoint.recorded import KeepDecisions
 from ckptsdk.checkpoint.retention import Rule, warn_if_changed
 from ckptsdk.checkpoint.rotation import GcReport, RetentionMode, Rotation
 from ckptsdk.checkpoint.saving import SavePipeline
-from ckptsdk.checkpoint.scheduling import SaveStats
 from ckptsdk.checkpoint.shutdown import WriterShutdown, _close_at_exit
 from ckptsdk.checkpoint.staging import SnapshotMode
 from ckptsdk.errors import ConfigError, NoValidCheckpointError
@@ -270,19 +269,6 @@ class CheckpointManager(CheckpointReader, KeepDecisions, WriterShutdown):
             self.runlog.backend = backend
 
     @property
-    def stats(self) -> SaveStats:
-        """Saves committed, replaced (by a newer one while waiting), skipped, failed; save times.
-
-        Example:
-            >>> mgr = CheckpointManager("memory://stats", lease_ttl=5)
-            >>> _ = mgr.save({"w": torch.ones(2)}, step=1)
-            >>> mgr.stats.committed, mgr.stats.replaced, mgr.stats.skipped
-            (1, 0, 0)
-            >>> mgr.close()
-        """
-        return SaveStats() if self._saving is None else self._saving.stats
-
-    @property
     def preempted(self) -> bool:
         """A stop signal arrived (``save_on_signal``): the next ``save`` is the last one."""
         return self._preemption is not None and self._preemption.requested
@@ -298,6 +284,12 @@ class CheckpointManager(CheckpointReader, KeepDecisions, WriterShutdown):
         if self.runlog is not None:
             self.runlog.flush()
         return audit(self.backend, tolerance=tolerance)
+
+    def _scan(self) -> Catalog:
+        """The reads see this writer's rotations: a sync save's, still on the worker, ends first."""
+        if self._saving is not None:
+            self._saving.settle()
+        return super()._scan()
 
     # ------------------------------------------------------------------ restoring
 

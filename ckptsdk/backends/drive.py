@@ -29,7 +29,7 @@ import os
 
 from ckptsdk.backends.base import Capabilities, Data, ObjectInfo, iter_chunks
 from ckptsdk.backends.local import LocalBackend
-from ckptsdk.backends.posix import fsync_dir, prune, stamp, version_of
+from ckptsdk.backends.posix import fsync_dir, make_folders, prune, stamp, version_of
 from ckptsdk.errors import BackendError, StorageUnavailable
 
 logger = logging.getLogger(__name__)
@@ -118,7 +118,7 @@ class DriveBackend(LocalBackend):
                     pass
                 else:
                     raise self._exists_error(dst, path)
-                os.makedirs(os.path.dirname(path), exist_ok=True)
+                make_folders(os.path.dirname(path))
                 os.rename(src_path, path)
                 fsync_dir(os.path.dirname(path))
                 fsync_dir(os.path.dirname(src_path))

@@ -32,6 +32,7 @@ from ckptsdk.backends.posix import (
     discard,
     flock,
     fsync_dir,
+    make_folders,
     no_fork,
     open_regular,
     prune,
@@ -59,7 +60,9 @@ class LocalBackend:
     """Objects as files under a folder on this machine.
 
     ``write`` publishes through a temp file in the target folder (``.ckptsdk-tmp.<name>.<pid>.<hex>``)
-    that is fsynced and renamed over the key, then the folder is fsynced. ``create`` links the
+    that is fsynced and renamed over the key, then the folder is fsynced (at the end of the
+    caller's ``posix.deferred_dir_sync`` block, once per folder, where there is one; a folder a
+    write creates has its parent fsynced too). ``create`` links the
     finished temp file to the key (the link fails if the key exists, and is never half-visible).
     ``replace`` and versioned ``delete`` compare versions under an exclusive ``flock`` on
     ``ROOT/.ckptsdk-lock``, which every publish of this class also takes, so a compare-and-swap
@@ -207,7 +210,7 @@ class LocalBackend:
         self.stat(src)
         with self._locked("copy", dst):
             with self._errors("copy", dst):
-                os.makedirs(os.path.dirname(path), exist_ok=True)
+                make_folders(os.path.dirname(path))
                 try:
                     os.link(src_path, path)
                 except FileExistsError:

@@ -1,5 +1,6 @@
 """POSIX primitives for the file backends (``local.py``, ``drive.py``): reserved names, the version
-token, safe opens, fsync of files and folders, flock with a bounded wait, folder walks and pruning.
+token, safe opens, fsync of files and folders (put off to one per folder in a block), flock with a
+bounded wait, folder walks and pruning.
 
 Functions of paths and descriptors only: no keys, no URLs, no error translation (that is
 ``LocalBackend``'s), and nothing about checkpoints.
@@ -115,12 +116,32 @@ def open_temp(path: str) -> tuple[int, str]:
     for attempt in range(5):
         tmp = os.path.join(folder, f"{TMP_PREFIX}{name}.{os.getpid()}.{secrets.token_hex(4)}")
         try:
-            os.makedirs(folder, exist_ok=True)
+            make_folders(folder)
             return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666), tmp
         except FileNotFoundError:
             if attempt == 4:
                 raise
     raise AssertionError("unreachable: the last attempt re-raises")
+
+
+def make_folders(folder: str) -> None:
+    """``os.makedirs(folder, exist_ok=True)``, and fsync the parent of each folder it created.
+
+    A file published into a new folder is durable only once the folder's own name is: its
+    parent's fsync records it. Inside a ``deferred_dir_sync`` block that fsync joins the block's
+    (a save's new step folder rides on the fsync of the root that the lease renewal needs anyway).
+    """
+    created = []
+    probe = folder
+    while not os.path.isdir(probe):
+        created.append(probe)
+        parent = os.path.dirname(probe)
+        if parent == probe:
+            break
+        probe = parent
+    os.makedirs(folder, exist_ok=True)
+    for made in created:
+        fsync_dir(os.path.dirname(made))
 
 
 def write_temp(path: str, chunks: Iterable[memoryview], translate: Callable[[OSError], BaseException]) -> str:
@@ -159,8 +180,73 @@ def write_temp(path: str, chunks: Iterable[memoryview], translate: Callable[[OSE
     return tmp
 
 
+# The folders whose fsync a ``deferred_dir_sync`` block on this thread has put off (None: no block).
+_deferred = threading.local()
+
+
+@contextmanager
+def deferred_dir_sync(*, sync: bool = True) -> Iterator[None]:
+    """Put off this thread's folder fsyncs (``fsync_dir``) to the end of the block: one per folder.
+
+    A folder fsync makes durable every name change in that folder made before it, so publishing
+    two files into one folder needs one fsync of it after both renames, not one after each; and a
+    new sub-folder's name is durable once its parent is fsynced after its creation. File contents
+    are still fsynced before each rename (that ordering is what makes a rename atomic across a
+    power cut). On leaving the block normally each folder is fsynced once (a folder since removed:
+    its nearest existing parent, which holds the removal); with ``sync=False`` the caller declares
+    that the block's name changes need no durability of their own (see the caller's reason), and
+    they become durable with the next fsync of their folder, whoever makes it.
+
+    Nested blocks belong to the outermost. Other threads are not affected. Only a power cut (or a
+    kernel crash) can lose what a block put off: a killed process loses nothing, as the kernel's
+    view of the folders is updated at once.
+    """
+    if getattr(_deferred, "folders", None) is not None:
+        yield
+        return
+    folders: dict[str, None] = {}
+    _deferred.folders = folders
+    try:
+        yield
+    except BaseException:
+        _deferred.folders = None
+        if sync:
+            try:
+                _sync_all(folders)
+            except OSError as exc:  # the block's own failure is what the caller must see
+                logger.debug("folder fsync after a failed block: %s", exc)
+        raise
+    _deferred.folders = None
+    if sync:
+        _sync_all(folders)
+
+
+def _sync_all(folders: Iterable[str]) -> None:
+    for folder in sorted(folders, key=lambda f: (-f.count(os.sep), f)):  # deepest first
+        while True:
+            try:
+                _fsync_dir_now(folder)
+                break
+            except FileNotFoundError:  # pruned since: its parent holds the removal
+                parent = os.path.dirname(folder)
+                if parent == folder:
+                    break
+                folder = parent
+
+
 def fsync_dir(folder: str) -> None:
-    """fsync a folder: makes a rename in it durable (without it a power cut can forget the name)."""
+    """fsync a folder: makes a rename in it durable (without it a power cut can forget the name).
+
+    Inside a ``deferred_dir_sync`` block of this thread the fsync happens at the block's end.
+    """
+    pending = getattr(_deferred, "folders", None)
+    if pending is not None:
+        pending[folder] = None
+        return
+    _fsync_dir_now(folder)
+
+
+def _fsync_dir_now(folder: str) -> None:
     fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         os.fsync(fd)

@@ -1,10 +1,9 @@
 """Rotation and garbage collection of checkpoints under one root: what retention lets go, and deleting it.
 
-A writer rotates its own lineage after each commit (never while fenced, never a newer writer's
-checkpoints), removes uncommitted folders that can never commit, and on Drive may instead recycle
-its oldest checkpoint's file for the next save (no trash); ``gc`` cleans orphans, torn
-checkpoints, leftovers and temp files without the lease. Which steps to keep is
-:mod:`ckptsdk.checkpoint.retention`'s pure decision; saving and the lease live elsewhere.
+A writer rotates its own lineage after each commit (never while fenced, never a newer writer's),
+removes folders that can never commit, and on Drive may recycle its oldest file for the next save
+(no trash); ``gc`` cleans orphans, torn checkpoints, leftovers and temp files without the lease.
+Which steps to keep is :mod:`ckptsdk.checkpoint.retention`'s pure decision.
 """
 
 from __future__ import annotations
@@ -15,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
 from ckptsdk.backends.base import Backend, Rewritable, rewriter
+from ckptsdk.backends.posix import deferred_dir_sync
 from ckptsdk.checkpoint import retention
 from ckptsdk.checkpoint.catalog import Catalog, CheckpointInfo
 from ckptsdk.checkpoint.retention import Rule
@@ -156,13 +156,17 @@ class Rotation:
         protected = self._protected(mine, rank, resumed_from)
         self._ledger_rank = rank
         doomed = self.beyond_retention(mine, protected=protected)
-        for c in doomed:
-            lease.check()
-            self.delete(c, by_manifest=True)
-        gone = {c.key for c in doomed}
-        gone |= self.drop_copies(lease, rank, [c for c in mine if c.key not in gone])
-        if tidy:
-            gone |= self._tidy(lease, rank, cat)
+        # Deletes need no fsync: a power cut only undoes removals (the old checkpoint back whole, or
+        # a leftover; a manifest without its file fails the size check), garbage the next listing or
+        # gc removes; the newest checkpoint was durable before rotation began.
+        with deferred_dir_sync(sync=False):
+            for c in doomed:
+                lease.check()
+                self.delete(c, by_manifest=True)
+            gone = {c.key for c in doomed}
+            gone |= self.drop_copies(lease, rank, [c for c in mine if c.key not in gone])
+            if tidy:
+                gone |= self._tidy(lease, rank, cat)
         self._flush_ledger()
         return gone
 
@@ -468,8 +472,7 @@ def kept(cat: Catalog, rules: Sequence[Rule], *, settle: int = 0) -> dict[int, t
     """The steps retention keeps under ``cat``'s live lineage, each with why (``ckptsdk ls``, gc).
 
     The candidates are the valid checkpoints (a zombie's orphans are not valid, so never "best");
-    the resume point of the highest writer stays until that writer has committed a newer step,
-    as its own rotation keeps it.
+    the highest writer's resume point stays until it has committed a newer step, as its rotation does.
     """
     valid = [c for c in cat.checkpoints if c.valid]
     pinned: dict[int, str] = {}

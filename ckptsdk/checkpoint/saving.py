@@ -32,12 +32,14 @@ import torch
 
 from ckptsdk.backends.base import Backend, copier
 from ckptsdk.backends.deadline import SAVE_RATE_BPS, bounded
+from ckptsdk.backends.posix import deferred_dir_sync
+from ckptsdk.checkpoint.aftercommit import AfterCommit
 from ckptsdk.checkpoint.catalog import Catalog, CheckpointInfo
 from ckptsdk.checkpoint.lineage import LineageWriter
 from ckptsdk.checkpoint.rotation import Rotation
 from ckptsdk.checkpoint.scheduling import SaveSlots, SaveStats, _Job
 from ckptsdk.checkpoint.staging import SnapshotMode
-from ckptsdk.errors import BackendError, CheckpointError, DeadlineExceeded, LeaseLostError, PreconditionFailed
+from ckptsdk.errors import CheckpointError, DeadlineExceeded, LeaseLostError, PreconditionFailed
 from ckptsdk.format import codec
 from ckptsdk.format.digest import DEFAULT as DIGEST_ALGORITHM
 from ckptsdk.format.environment import Environment, device_of
@@ -71,7 +73,7 @@ class _Save:
     verify: Callable[[], None] | None = None  # right before the commit: the pipelined rule held
 
 
-class SavePipeline:
+class SavePipeline(AfterCommit):
     """Saves of one lease holder: foreground snapshot, background write, commit, rotation.
 
     Args:
@@ -124,6 +126,7 @@ class SavePipeline:
         self._catalog: Catalog | None = None
         self._listed_at = 0.0
         self._tidy_due = True  # leftovers and the sweep: at the first listing and after a failure
+        self._sync_caller = False  # a blocking save is committing on the caller's thread
 
     @property
     def tag(self) -> str:
@@ -154,6 +157,11 @@ class SavePipeline:
     def stats(self) -> SaveStats:
         """Saves committed, replaced, skipped, failed, and how long they take."""
         return self._slots.stats()
+
+    def settle(self) -> None:
+        """Wait for a blocking save's rotation still on the worker (not on the worker itself)."""
+        if not self._slots.on_worker():
+            self._slots.settle()
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait for the background saves (running and waiting); re-raise a failure. False on timeout."""
@@ -197,7 +205,13 @@ class SavePipeline:
         job = _Save(folder, step, position, dict(metrics or {}), dict(tags or {}), "cpu", tuple(extra_files))
         if blocking:
             tensors = captured.tensor_dict()
-            info = self._store(replace(job, device=device_of(tensors.values())), tensors, captured.skeleton())
+            # It returns once the commit is durable: what follows (rotation's deletes, the step
+            # log) goes to the worker, which the next save and close() wait for.
+            self._sync_caller = True
+            try:
+                info = self._store(replace(job, device=device_of(tensors.values())), tensors, captured.skeleton())
+            finally:
+                self._sync_caller = False
             self._slots.committed += 1
             return info
         pending_info = CheckpointInfo(
@@ -302,6 +316,24 @@ class SavePipeline:
 
         ``extra_files``: written into ``folder`` by other ranks beforehand; ``verify``: run before the commit."""
         self.lease.check()
+        with deferred_dir_sync():  # one fsync per folder, once the manifest is in place
+            info = self._write(folder, step, tensors, skeleton, position, metrics, tags, device, extra_files, verify)
+        self._after_commit(info)
+        return info
+
+    def _write(
+        self,
+        folder: str,
+        step: int,
+        tensors: dict[str, torch.Tensor],
+        skeleton: Any,
+        position: Position,
+        metrics: Mapping[str, Any] | None,
+        tags: Mapping[str, str] | None,
+        device: str,
+        extra_files: Sequence[FileEntry],
+        verify: Callable[[], None] | None,
+    ) -> CheckpointInfo:
         key = f"{folder}/{TENSORS}"
         source = (
             self.rotation.recycle_source(self.lease, self.rank, self.catalog(), step, self.resumed_from)
@@ -333,7 +365,15 @@ class SavePipeline:
         device: str,
         verify: Callable[[], None] | None = None,
     ) -> CheckpointInfo:
-        """Publish the manifest of ``folder`` (the commit; its files are in place), then rotate."""
+        """Publish the manifest of ``folder`` (the commit; its files are in place).
+
+        Inside the caller's ``deferred_dir_sync`` block with the files' writes: the tensor file's
+        and the manifest's renames share one fsync of their folder (the tensor file's own, 6 ->
+        5 fsyncs), the new folder's name rides on the root's fsync the lease renewal needs, at
+        the block's end. A power cut before it loses at most this uncommitted save (rotation runs
+        after the block); on a journaling filesystem renames land in order, so a durable manifest
+        means a durable tensor file, else the reader's size check rejects it and falls back.
+        """
         manifest = Manifest(
             step=step,
             position=position,
@@ -375,49 +415,7 @@ class SavePipeline:
             step=step, epoch=self.lease.epoch, key=folder, size=size, committed=True, valid=True, manifest=manifest
         )
         self._committed = {folder: info}  # the newest only: an older one may have been rotated out
-        self._after_commit(info)
         return info
-
-    def _after_commit(self, info: CheckpointInfo) -> None:
-        """Off the critical path (the checkpoint is committed): the catalog, rotation, step log."""
-        rotate = True
-        if not self.backend.capabilities.compare_and_swap:
-            # Drive: no renewal can prove that no newer writer appeared during the upload, so
-            # rotation looks at a fresh listing (as it always did there): a newer writer's name
-            # in it fences this writer and rotation deletes nothing.
-            cat = self._scan()
-            self._listed_at, self._tidy_due = self._clock(), True
-        else:
-            cat = self.catalog() if self._catalog is None else self._catalog
-            # The fence for rotation's deletes (one call, after the commit): a takeover during the
-            # manifest upload must not let this writer rotate its lineage under a newcomer.
-            try:
-                self.lease.renew()
-            except LeaseLostError:
-                pass  # fenced now: rotate() deletes nothing and says so
-            except BackendError as exc:
-                rotate = False
-                logger.warning("lease renewal after a commit under %s failed (%s): rotating later", self.url, exc)
-        mine = [c for c in cat.checkpoints if c.key != info.key] + [info]
-        self._catalog = replace(cat, checkpoints=mine, max_rank=max(cat.max_rank, self.rank))
-        if rotate:
-            tidy, self._tidy_due = self._tidy_due, False
-            self._forget(self.rotation.rotate(self.lease, self.rank, self._catalog, self.resumed_from, tidy=tidy))
-        if self.runlog is not None:
-            try:
-                self.runlog.flush()
-            except BackendError as exc:
-                # The steps stay buffered and go out with the run log's next flush.
-                logger.warning("run log under %s: could not publish the steps after a commit (%s)", self.url, exc)
-
-    def _forget(self, keys: set[str]) -> None:
-        """Drop folders gone (or no longer committed) from the catalog and the scan's memo: with no
-        listing per save nothing else prunes it, and a long run would keep every manifest it wrote."""
-        if self._catalog is not None:
-            kept = [c for c in self._catalog.checkpoints if c.key not in keys]
-            self._catalog = replace(self._catalog, checkpoints=kept)
-        for stale in [k for k in self._memo if k[0].partition("/")[0] in keys]:
-            del self._memo[stale]
 
     def anchor(self, tree: Any, source: CheckpointInfo) -> None:
         """Re-commit a restored checkpoint under this writer's rank (see ``restore``).
@@ -433,18 +431,20 @@ class SavePipeline:
         copying = copier(self.backend)
         if copying is not None:
             self.lease.check()
-            for entry in manifest.files:  # the tensor file and any distributed ranks' files
-                copying.copy(f"{source.key}/{entry.name}", f"{folder}/{entry.name}")
-            self._publish(
-                folder,
-                manifest.step,
-                list(manifest.files),
-                manifest.tree,
-                manifest.position,
-                manifest.metrics,
-                manifest.tags,
-                device,
-            )
+            with deferred_dir_sync():
+                for entry in manifest.files:  # the tensor file and any distributed ranks' files
+                    copying.copy(f"{source.key}/{entry.name}", f"{folder}/{entry.name}")
+                info = self._publish(
+                    folder,
+                    manifest.step,
+                    list(manifest.files),
+                    manifest.tree,
+                    manifest.position,
+                    manifest.metrics,
+                    manifest.tags,
+                    device,
+                )
+            self._after_commit(info)
             return
         # Files beyond the tensor file (distributed ranks') are copied as they are, then listed.
         extra = [f for f in manifest.files if f.name != TENSORS]

@@ -4,6 +4,8 @@
 snapshot into a second staging buffer and waits in the one slot; a newer save replaces a waiting
 one (the newest state is the one worth committing); past the staging budget the due save is
 skipped. The counts and save times are :class:`SaveStats`. What a save does is the pipeline's.
+Work that follows a commit made on the caller's thread (a blocking save's rotation) runs on the
+same worker, ahead of the waiting save, and is waited for like a save.
 """
 
 from __future__ import annotations
@@ -81,6 +83,10 @@ class SaveSlots:
         self._cond = threading.Condition()
         self._running: _Job | None = None
         self._waiting: _Job | None = None
+        # After-commit work of blocking saves: never replaced, run before the waiting save.
+        self._tails: deque[Callable[[], None]] = deque()
+        self._tail_running = False
+        self._local = threading.local()  # marks the worker threads (on_worker)
         self._thread: threading.Thread | None = None
         self._copier: ThreadPoolExecutor | None = None
         self._error: BaseException | None = None
@@ -99,7 +105,10 @@ class SaveSlots:
     def busy(self) -> bool:
         """A background save is running or waiting."""
         with self._cond:
-            return self._running is not None or self._waiting is not None
+            return self._busy()
+
+    def _busy(self) -> bool:
+        return self._running is not None or self._waiting is not None or bool(self._tails) or self._tail_running
 
     def raise_failure(self) -> None:
         """Re-raise the failure of a background save here, once (no waiting)."""
@@ -173,10 +182,25 @@ class SaveSlots:
         with self._cond:
             assert self._waiting is None, "claim() first: it empties the waiting slot"
             self._waiting = job
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._work, name="ckptsdk-save", daemon=True)
-                self._thread.start()
-            self._cond.notify_all()
+            self._start_worker()
+
+    def after(self, run: Callable[[], None]) -> None:
+        """Run ``run`` on the worker, before any waiting save: what follows a commit made on the
+        caller's thread. It is never replaced; a failure is kept and raised like a save's (it
+        counts as no save: its commit was counted already)."""
+        with self._cond:
+            self._tails.append(carried(run))  # under the deadline of the save it follows
+            self._start_worker()
+
+    def on_worker(self) -> bool:
+        """Whether the calling thread is a save worker (also one finishing after ``stop()``)."""
+        return getattr(self._local, "worker", False)
+
+    def _start_worker(self) -> None:  # the caller holds the lock
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._work, name="ckptsdk-save", daemon=True)
+            self._thread.start()
+        self._cond.notify_all()
 
     def release(self, buffer: Stager | None) -> None:
         """Give back a claimed buffer that was not submitted (the snapshot failed)."""
@@ -188,13 +212,19 @@ class SaveSlots:
         """Wait until no save runs or waits; re-raise a failure here. False on timeout."""
         end = None if timeout is None else self._clock() + timeout
         with self._cond:
-            while self._running is not None or self._waiting is not None:
+            while self._busy():
                 left = None if end is None else end - self._clock()
                 if left is not None and left <= 0:
                     return False
                 self._cond.wait(left)
         self.raise_failure()
         return True
+
+    def settle(self) -> None:
+        """Wait until no after-commit work (:meth:`after`) is queued or running; raise nothing."""
+        with self._cond:
+            while self._tails or self._tail_running:
+                self._cond.wait()
 
     def stop(self) -> None:
         """Let the worker (and the copier) end once the slots are empty."""
@@ -231,14 +261,25 @@ class SaveSlots:
     # ------------------------------------------------------------------ the worker's side
     def _work(self) -> None:
         me = threading.current_thread()
+        self._local.worker = True
         while True:
             with self._cond:
-                while self._waiting is None:
+                while self._waiting is None and not self._tails:
                     if self._thread is not me:
                         return
                     self._cond.wait()
-                job, self._waiting = self._waiting, None
-                self._running = job
+                job: _Job | None = None
+                tail: Callable[[], None] | None = None
+                if self._tails:
+                    tail = self._tails.popleft()
+                    self._tail_running = True
+                else:
+                    job, self._waiting = self._waiting, None
+                    self._running = job
+            if tail is not None:
+                self._run_tail(tail)
+                continue
+            assert job is not None
             started = self._clock()
             try:
                 job.run()
@@ -257,6 +298,18 @@ class SaveSlots:
                     if job.buffer is not None:
                         self._free.append(job.buffer)
                     self._cond.notify_all()
+
+    def _run_tail(self, tail: Callable[[], None]) -> None:
+        try:
+            tail()
+        except BaseException as exc:  # kept and re-raised on the caller's thread
+            with self._cond:
+                if self._error is None:
+                    self._error = exc
+        finally:
+            with self._cond:
+                self._tail_running = False
+                self._cond.notify_all()
 
     def _interval(self) -> float | None:
         due = list(self._due)

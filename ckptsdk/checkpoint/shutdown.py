@@ -16,6 +16,7 @@ from typing import Any
 from ckptsdk.backends.deadline import Deadline, bounded, carried
 from ckptsdk.checkpoint.catalog import CheckpointInfo
 from ckptsdk.checkpoint.saving import SavePipeline
+from ckptsdk.checkpoint.scheduling import SaveStats
 from ckptsdk.errors import BackendError, CheckpointError, CkptError, LeaseLostError
 from ckptsdk.format.manifest import FileEntry, Position
 from ckptsdk.lease.acquire import Lease
@@ -38,6 +39,21 @@ class WriterShutdown:
     _preemption: Preemption | None
     _lock: threading.RLock
     _closed: bool
+
+    @property
+    def stats(self) -> SaveStats:
+        """Saves committed, replaced (by a newer one while waiting), skipped, failed; save times.
+
+        Example:
+            >>> import torch
+            >>> from ckptsdk import CheckpointManager
+            >>> mgr = CheckpointManager("memory://stats", lease_ttl=5)
+            >>> _ = mgr.save({"w": torch.ones(2)}, step=1)
+            >>> mgr.stats.committed, mgr.stats.replaced, mgr.stats.skipped
+            (1, 0, 0)
+            >>> mgr.close()
+        """
+        return SaveStats() if self._saving is None else self._saving.stats
 
     def _save_and_stop(
         self,

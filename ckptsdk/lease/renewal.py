@@ -153,7 +153,12 @@ class HeldLease:
                 )
                 self._raise_if_lost()
             new = record.model_copy(update={"renewals": record.renewals + 1, "renewed_at": utc_now()})
-            if self._cas:
+            # One call when LEASE.json is still the record we wrote last. Without compare-and-swap
+            # (Drive) too: a versioned replace there compares this VM's view under the root flock,
+            # and a view still at our version holds our record, which the stat/read/stat snapshot
+            # below would only have read back and judged ours. Any change (another VM's record
+            # arriving, a vanished file) falls through to that snapshot and its judgement.
+            if self._cas or self._version is not None:
                 try:
                     info = self.backend.replace(LEASE_KEY, new.to_json(), version=self._version or "")
                 except (PreconditionFailed, ObjectNotFound):
@@ -186,6 +191,27 @@ class HeldLease:
                 url=self.url,
                 key=LEASE_KEY,
             )
+
+    def confirm(self) -> None:
+        """Prove that nobody took the lease since our last write, with one stat and no write.
+
+        Where the store has compare-and-swap, LEASE.json still at the version we wrote last
+        means no newer writer exists (a takeover replaces it). Otherwise (or when it moved on)
+        this renews, which judges what is there and fences if it must.
+
+        Raises:
+            LeaseLostError: fenced, or the renewal found a newer writer.
+            BackendError: the storage failed.
+        """
+        with self._lock:
+            self._raise_if_lost()
+            if self._cas and self._version is not None:
+                try:
+                    if self.backend.stat(LEASE_KEY).version == self._version:
+                        return
+                except ObjectNotFound:
+                    pass  # renew() says what that means
+            self.renew()
 
     def _judge(self, data: bytes, ours: LeaseRecord, *, rewriting: bool = True) -> None:
         """Fence (and raise) unless the record in storage is ours or an older epoch's."""

@@ -208,9 +208,11 @@ def test_a_writer_that_sees_a_newer_one_fences_itself_and_rotates_nothing(url: s
     state = _state()
     for step in (10, 20, 30):
         zombie.save(state, step=step)
+    assert zombie.wait(timeout=60)  # its last rotation (on its worker) is over before the takeover
     taker = _writer(url, force=True)
     assert taker.restore(_state()) is not None
     taker.save(_state(), step=40)  # a folder of epoch 2 in the listing
+    assert taker.wait(timeout=60)  # its own rotation, on its worker after the commit
     backend = open_backend(url)
     before = _keys(backend)
     assert zombie.lease is not None and not zombie.lease.fenced  # its heartbeat is off: it has not noticed

@@ -54,9 +54,11 @@ def test_ten_thousand_saves_grow_nothing(kind, tmp_path):
     with CheckpointManager(url, keep_last=KEEP, _simulation=Simulation(heartbeat=False)) as mgr:
         for step in range(1, WARMUP + 1):
             mgr.save({**tree, "step": step}, step=step)
+        assert mgr.wait(timeout=60)  # a sync save's rotation follows on the worker: count after it
         before = _usage(backend)
         for step in range(WARMUP + 1, SAVES + 1):
             mgr.save({**tree, "step": step}, step=step)
+        assert mgr.wait(timeout=60)
         after = _usage(backend)
         steps = sorted(c.step for c in mgr.list() if c.valid)
     assert steps == list(range(SAVES - KEEP + 1, SAVES + 1))

@@ -270,6 +270,7 @@ def test_recycle_failing_mid_rewrite_keeps_the_newest_and_cleans_up(tmp_path, mo
     assert CheckpointManager("drive://r", read_only=True).load(step=3) is not None  # digests hold
     mgr.backend = mgr.backend.inner
     mgr.save(state, step=5)
+    assert mgr.wait(timeout=60)  # rotation (the leftover's removal) follows a sync save on the worker
     cat = scan(open_backend("drive://r"))
     assert [c.step for c in cat.checkpoints] == [3, 5]  # the failed save's folder went at once: ours
     mgr.close()
