@@ -373,6 +373,8 @@ class SavePipeline:
 
     def _after_commit(self, info: CheckpointInfo) -> None:
         """Off the critical path (the checkpoint is committed): the catalog, rotation, step log."""
+        if self._catalog is None and info.step == self.writer.resumed_from:
+            return  # restore's anchor: rotation waits for the first save's listing (every manifest)
         rotate = True
         if not self.backend.capabilities.compare_and_swap:
             # Drive: no renewal can prove that no newer writer appeared during the upload, so
@@ -486,11 +488,6 @@ class SavePipeline:
         if self.writer.fenced_by(seen):
             self.lease.fence(f"saw a newer writer (epoch {seen[0]}) under {self.url}", seen[0])
             self.lease.check()  # raises LeaseLostError
-
-    def confirm_writer(self) -> None:
-        """Renew the lease and look for newer writers; LeaseLostError if this one is stale."""
-        self.lease.renew()
-        self._relist()
 
 
 def _device_of(tensors: Mapping[str, torch.Tensor]) -> str:
