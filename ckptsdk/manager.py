@@ -339,7 +339,7 @@ class CheckpointManager(CheckpointReader, WriterShutdown):
         except NoValidCheckpointError as exc:
             if not exc.tried:
                 if self._saving is not None:
-                    self._confirm_writer()
+                    self._confirm_writer(self._saving)
                     self._saving.write_lineage(None, None)  # nothing once the lineage is fixed
                 if self.runlog is not None:
                     self.runlog.start()
@@ -349,17 +349,17 @@ class CheckpointManager(CheckpointReader, WriterShutdown):
         if self._saving is None:
             self.resumed_from = info
         else:
-            self._confirm_writer()
+            self._confirm_writer(self._saving)
             if not fixed:  # this restore is where the writer's lineage starts
                 self._start_lineage(tree, info)
         logger.info("restored %s (step %d) from %s", info.key, info.step, self.url)
         return resume_point(info)
 
-    def _confirm_writer(self) -> None:
-        """Renew the lease, fence on a newer writer a listing shows: then restore records nothing."""
-        assert self.lease is not None and self._saving is not None
-        self.lease.renew()
-        self._saving.fence_if_newer(self.outline().max_rank)
+    def _confirm_writer(self, saving: SavePipeline) -> None:
+        """Renew the lease (compare-and-swap: the fence, as for a save); Drive: a listing too."""
+        saving.lease.renew()
+        if not self.backend.capabilities.compare_and_swap:
+            saving.fence_if_newer(self.outline().max_rank)
 
     def _start_lineage(self, tree: Any, info: CheckpointInfo) -> None:
         """Record that this writer resumes from ``info`` (lineage, step log) and anchor it."""

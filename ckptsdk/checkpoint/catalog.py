@@ -330,6 +330,19 @@ def classify(entry: Folder, points: Mapping[Rank, int | None]) -> CheckpointInfo
     )
 
 
+def prune(memo: MutableMapping[tuple[str, str], object], listing: Listing) -> None:
+    """Drop from ``memo`` what ``listing`` no longer shows.
+
+    The memo holds what a root holds now, not everything it ever held: a manager that saves
+    (or a reader that restores) every few seconds for days must not keep each deleted
+    checkpoint's manifest alive."""
+    folders = listing.folders
+    listed = {(f"{folder}/{name}", obj.version) for folder, files in folders.items() for name, obj in files.items()}
+    listed |= {(obj.key, obj.version) for obj in listing.lineage_objs}
+    for stale in [k for k in memo if k not in listed]:
+        del memo[stale]
+
+
 def read_lease(backend: Backend) -> LeaseRecord | None:
     """LEASE.json as a vouching witness: None when absent or unreadable (it corroborates nothing)."""
     try:
@@ -351,14 +364,8 @@ def scan(backend: Backend, *, cache: MutableMapping[tuple[str, str], object] | N
     listing = list_root(backend, memo)
     parsed = [read_folder(backend, memo, folder, files) for folder, files in sorted(listing.folders.items())]
 
-    # The memo holds what a root holds now, not everything it ever held: a manager that saves
-    # every few seconds for days must not keep each deleted checkpoint's manifest alive.
     if cache is not None:
-        folders = listing.folders
-        listed = {(f"{folder}/{name}", obj.version) for folder, files in folders.items() for name, obj in files.items()}
-        listed |= {(obj.key, obj.version) for obj in listing.lineage_objs}
-        for stale in [k for k in memo if k not in listed]:
-            del memo[stale]
+        prune(cache, listing)
     points, ignored = writer_points(
         listing, parsed, lambda: read_lease(backend), exclusive=backend.capabilities.compare_and_swap
     )

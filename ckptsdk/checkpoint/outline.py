@@ -16,6 +16,7 @@ from ckptsdk.checkpoint.catalog import (
     Folder,
     classify,
     list_root,
+    prune,
     read_folder,
     read_lease,
     writer_points,
@@ -58,6 +59,8 @@ class Outline:
         self._exclusive = backend.capabilities.compare_and_swap
         self._lease_seen: list[LeaseRecord | None] = []
         self.listing = list_root(backend, self._memo)
+        if cache is not None:
+            prune(cache, self.listing)
         # Which records are believed needs no manifest (see catalog.writer_points): known now.
         _points, self.ignored_lineage = writer_points(self.listing, [], self._lease, exclusive=self._exclusive)
         self.max_rank, self.epoch_floor = writer_ranks(self.listing, self.ignored_lineage)

@@ -50,8 +50,8 @@ def _step_in(state: TrainState) -> float:
     return values.pop()
 
 
-def _writer(url: str | Backend, **kw: object) -> CheckpointManager:
-    return CheckpointManager(url, keep_last=1000, lease_ttl=60, _simulation=NO_HEARTBEAT, **kw)  # type: ignore[arg-type]
+def _writer(url: str | Backend, *, keep_last: int = 1000, **kw: object) -> CheckpointManager:
+    return CheckpointManager(url, keep_last=keep_last, lease_ttl=60, _simulation=NO_HEARTBEAT, **kw)  # type: ignore[arg-type]
 
 
 def _saved(url: str, steps: list[int]) -> None:
@@ -223,3 +223,18 @@ def test_latest_of_a_reader_reads_one_manifest(tmp_path: Path) -> None:
     assert latest is not None and latest.step == 20 and latest.valid
     assert _manifest_reads(store) == ["step-0000000020.e1/manifest.json"]
     assert [c.step for c in reader.list()] == list(range(1, 21))  # ls still reads them all
+
+
+def test_the_memo_keeps_only_what_the_root_holds(url: str) -> None:
+    """A reader that restores every few seconds for days reads one manifest each time; the
+    memo it shares with scans must not keep every checkpoint it ever saw."""
+    backend = open_backend(url)
+    memo: dict[tuple[str, str], object] = {}
+    with _writer(url, keep_last=2) as mgr:
+        state = _state()
+        for step in range(1, 8):
+            mgr.save(_at(state, step), step=step)
+            newest = Outline(backend, cache=memo).newest_valid()
+            assert newest is not None and newest.step == step
+    listed = {(o.key, o.version) for o in backend.list("")}
+    assert memo and set(memo) <= listed, sorted(set(memo) - listed)
