@@ -330,7 +330,7 @@ def classify(entry: Folder, points: Mapping[Rank, int | None]) -> CheckpointInfo
     )
 
 
-def prune(memo: MutableMapping[tuple[str, str], object], listing: Listing) -> None:
+def prune_memo(memo: MutableMapping[tuple[str, str], object], listing: Listing) -> None:
     """Drop from ``memo`` what ``listing`` no longer shows.
 
     The memo holds what a root holds now, not everything it ever held: a manager that saves
@@ -343,7 +343,7 @@ def prune(memo: MutableMapping[tuple[str, str], object], listing: Listing) -> No
         del memo[stale]
 
 
-def read_lease(backend: Backend) -> LeaseRecord | None:
+def lease_witness(backend: Backend) -> LeaseRecord | None:
     """LEASE.json as a vouching witness: None when absent or unreadable (it corroborates nothing)."""
     try:
         return parse_lease(backend.read(LEASE_KEY), url=backend.url)
@@ -365,9 +365,9 @@ def scan(backend: Backend, *, cache: MutableMapping[tuple[str, str], object] | N
     parsed = [read_folder(backend, memo, folder, files) for folder, files in sorted(listing.folders.items())]
 
     if cache is not None:
-        prune(cache, listing)
+        prune_memo(cache, listing)
     points, ignored = writer_points(
-        listing, parsed, lambda: read_lease(backend), exclusive=backend.capabilities.compare_and_swap
+        listing, parsed, lambda: lease_witness(backend), exclusive=backend.capabilities.compare_and_swap
     )
     max_rank, epoch_floor = writer_ranks(listing, ignored)
     return Catalog(

@@ -15,10 +15,10 @@ from ckptsdk.checkpoint.catalog import (
     CheckpointInfo,
     Folder,
     classify,
+    lease_witness,
     list_root,
-    prune,
+    prune_memo,
     read_folder,
-    read_lease,
     writer_points,
     writer_ranks,
 )
@@ -60,7 +60,7 @@ class Outline:
         self._lease_seen: list[LeaseRecord | None] = []
         self.listing = list_root(backend, self._memo)
         if cache is not None:
-            prune(cache, self.listing)
+            prune_memo(cache, self.listing)
         # Which records are believed needs no manifest (see catalog.writer_points): known now.
         _points, self.ignored_lineage = writer_points(self.listing, [], self._lease, exclusive=self._exclusive)
         self.max_rank, self.epoch_floor = writer_ranks(self.listing, self.ignored_lineage)
@@ -68,7 +68,7 @@ class Outline:
 
     def _lease(self) -> LeaseRecord | None:
         if not self._lease_seen:  # LEASE.json is read only when a record needs vouching: rarely
-            self._lease_seen.append(read_lease(self.backend))
+            self._lease_seen.append(lease_witness(self.backend))
         return self._lease_seen[0]
 
     def _folder(self, folder: str) -> Folder:
