@@ -2,8 +2,8 @@
 
 What each request means lives here: objects, uploads (multipart, resumable), generations as
 versions, 404/412 and lost replies. How a request travels (endpoint, credentials, retries,
-deadlines) is ``gcs_transport.py``; chunking, CRC32C and ranged reads are ``gcs_payload.py``;
-sending one chunk of a resumable session (and resuming it) is ``gcs_upload.py``.
+deadlines) is ``gcs_transport.py``; chunking and CRC32C are ``gcs_payload.py``; seekable ranged
+reads ``ranged.py``; sending one chunk of a resumable session (and resuming it) is ``gcs_upload.py``.
 Requests are ours, not gcsfs's, because gcsfs has no public door for
 ``ifGenerationMatch=<generation>`` (compare-and-swap, conditional delete), turns every 412 into
 ``FileExistsError``, retries for ~30 s, and keeps a directory cache that never expires.
@@ -23,9 +23,10 @@ from typing import Any, BinaryIO
 from urllib.parse import quote
 
 from ckptsdk.backends.base import Capabilities, Data, ObjectInfo, check_key, check_prefix
-from ckptsdk.backends.gcs_payload import RangeReader, b64crc, chain, crc32c, rechunk, rfc3339, slices
+from ckptsdk.backends.gcs_payload import b64crc, chain, crc32c, rechunk, rfc3339, slices
 from ckptsdk.backends.gcs_transport import Reply, endpoint_of
 from ckptsdk.backends.gcs_upload import ChunkedUploads
+from ckptsdk.backends.ranged import RangedReader
 from ckptsdk.errors import (
     BackendError,
     ConfigError,
@@ -228,7 +229,7 @@ class GCSBackend(ChunkedUploads):
             # 200: the server ignored Range and sent everything.
             return reply.body[offset : offset + n] if reply.status == 200 else reply.body
 
-        raw = RangeReader(fetch, int(meta["size"]), url=self.url, key=key)
+        raw = RangedReader(fetch, int(meta["size"]), store="GCS", url=self.url, key=key)
         return io.BufferedReader(raw, buffer_size=self.read_block)
 
     def list(self, prefix: str = "") -> builtins.list[ObjectInfo]:

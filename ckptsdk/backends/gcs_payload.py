@@ -1,4 +1,4 @@
-"""Bytes on their way to and from GCS for ``gcs.py``: chunking, CRC32C, ranged reads, timestamps.
+"""Bytes on their way to and from GCS for ``gcs.py``: chunking, CRC32C, timestamps.
 
 Pure helpers with no knowledge of requests' retries (``gcs_transport.py``) or of what an object
 means to the backend (``gcs.py``).
@@ -7,62 +7,13 @@ means to the backend (``gcs.py``).
 from __future__ import annotations
 
 import base64
-import io
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from datetime import datetime
 from typing import Any
 
 import google_crc32c  # gcsfs -> google-cloud-storage dependency
 
-from ckptsdk.errors import BackendError
-
 _MiB = 1 << 20
-
-
-class RangeReader(io.RawIOBase):
-    """Raw seekable reads of ``size`` bytes through ``fetch(offset, n)`` (wrapped in a BufferedReader).
-
-    ``fetch`` returns up to ``n`` bytes at ``offset`` (``gcs.py``: one ranged GET pinned to a
-    generation) and raises if the object is gone; an empty answer before the end is an error.
-    """
-
-    def __init__(self, fetch: Callable[[int, int], bytes], size: int, *, url: str, key: str) -> None:
-        super().__init__()
-        self._fetch, self._size, self._pos, self._url, self._key = fetch, size, 0, url, key
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
-        if base + offset < 0:
-            raise ValueError(f"negative seek position {base + offset}")
-        self._pos = base + offset
-        return self._pos
-
-    def readinto(self, b: Any) -> int:
-        out = memoryview(b).cast("B")
-        want = min(out.nbytes, self._size - self._pos)
-        if want <= 0:
-            return 0
-        data = self._fetch(self._pos, want)
-        n = min(len(data), want)
-        if n == 0:
-            raise BackendError(
-                f"GCS returned no bytes for {self._key!r} at offset {self._pos} of {self._size} "
-                f"in {self._url}; retry the read",
-                url=self._url,
-                key=self._key,
-            )
-        out[:n] = data[:n]
-        self._pos += n
-        return n
 
 
 def chain(first: bytearray, rest: Iterator[Any]) -> Iterator[memoryview]:

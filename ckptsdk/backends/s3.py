@@ -19,7 +19,8 @@ from collections.abc import Callable, Iterator
 from typing import Any, BinaryIO
 
 from ckptsdk.backends.base import Capabilities, Data, ObjectInfo, check_key, check_prefix, iter_chunks
-from ckptsdk.backends.s3_payload import Ranged, crc_b64, etag_of, http_date, store_time
+from ckptsdk.backends.ranged import RangedReader
+from ckptsdk.backends.s3_payload import crc_b64, etag_of, http_date, store_time
 from ckptsdk.backends.s3_transport import Answer, S3Transport
 from ckptsdk.errors import BackendError, ConfigError, ObjectNotFound, PreconditionFailed
 
@@ -171,12 +172,10 @@ class S3Backend(S3Transport):
                     url=self.url,
                     key=key,
                 )
-            data = self._check(answer, key, "read")["Data"]
-            if not data:
-                raise BackendError(f"S3 returned no bytes for {key!r} at offset {offset} in {self.url}; retry the read")
-            return bytes(data)
+            return bytes(self._check(answer, key, "read")["Data"])
 
-        return io.BufferedReader(Ranged(fetch, int(head["ContentLength"])), buffer_size=self.read_block)
+        raw = RangedReader(fetch, int(head["ContentLength"]), store="S3", url=self.url, key=key)
+        return io.BufferedReader(raw, buffer_size=self.read_block)
 
     def list(self, prefix: str = "") -> builtins.list[ObjectInfo]:
         """Every object whose key starts with ``prefix``, sorted; always a fresh listing."""

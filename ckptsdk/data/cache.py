@@ -30,12 +30,12 @@ from ckptsdk.errors import (
     ObjectNotFound,
     PreconditionFailed,
 )
-from ckptsdk.format.digest import ALGORITHMS, DEFAULT, new_hasher
+from ckptsdk.format.digest import DEFAULT, new_hasher
 
 logger = logging.getLogger(__name__)
 
-# ALGORITHMS (digest's table) and the datacache_entry names stay importable from here.
-__all__ = ["ALGORITHMS", "CacheEntry", "DataCache", "Fetched", "file_digest", "pinned_digest"]
+# CacheEntry, Fetched, file_digest and pinned_digest are ckptsdk.data.entry's: import them from there.
+__all__ = ["DataCache"]
 
 _CHUNK = 8 << 20
 

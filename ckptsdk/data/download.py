@@ -1,7 +1,7 @@
 """Fetch one HTTP(S) URL into a local file: timeouts, bounded retries, resume, progress, logs.
 
 Only transport lives here (urllib, no third-party HTTP client): whether the bytes are the right
-ones is the caller's business (``datacache`` verifies digests). Nothing here knows about caches,
+ones is the caller's business (``ckptsdk.data.cache`` verifies digests). Nothing here knows about caches,
 datasets or archives.
 """
 

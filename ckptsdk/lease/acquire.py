@@ -15,7 +15,7 @@ a rival's write to reach us. Neither makes Drive safe by itself (nothing can): s
 from lineage, and from the holder fencing itself when it could not renew for a whole ttl.
 
 This module takes the lease (acquire, takeover, settle); keeping it (renewal, fencing, heartbeat,
-release) is ``lease_renewal``'s, and the record itself ``lease_record``'s.
+release) is ``ckptsdk.lease.renewal``'s, and the record itself ``ckptsdk.lease.record``'s.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 ``HeldLease`` is the base of ``ckptsdk.lease.acquire.Lease``, which adds taking the lease (acquire,
 takeover, settle); read that module's docstring for the protocol and its defaults. What the record
-holds is ``lease_record``'s; lineage and what rotation may delete are the manager's.
+holds is ``ckptsdk.lease.record``'s; lineage and what rotation may delete are the manager's.
 """
 
 from __future__ import annotations

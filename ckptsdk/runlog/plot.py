@@ -2,7 +2,7 @@
 
 matplotlib is an optional extra (``pip install 'ckptsdk[plot]'``), imported only when a plot is
 drawn, and only through its object API with the Agg canvas (no pyplot, no global state, no
-display needed). Reading the run log belongs in ``runlog_record.py``, judging it in ``audit.py``.
+display needed). Reading the run log belongs in ``record.py``, judging it in ``audit.py``.
 """
 
 from __future__ import annotations

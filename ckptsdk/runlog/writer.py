@@ -41,7 +41,6 @@ from ckptsdk.format.environment import describe_device, versions
 from ckptsdk.runlog.record import (
     DATA_PREFIX,
     RUNLOG_FORMAT,
-    RUNLOG_PREFIX,
     AttemptRecord,
     StepRow,
     attempt_prefix,
@@ -52,8 +51,8 @@ from ckptsdk.runlog.record import (
 
 logger = logging.getLogger(__name__)
 
-# The record's names stay importable from here, where they were before runlog_record existed.
-__all__ = ["RUNLOG_FORMAT", "RUNLOG_PREFIX", "AttemptRecord", "RunLog", "chunk_key"]
+# RUNLOG_FORMAT and chunk_key are ckptsdk.runlog.record's, re-exported: tests import them from here.
+__all__ = ["RUNLOG_FORMAT", "RunLog", "chunk_key"]
 
 _SCALAR_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_./-]{0,127}$")
 

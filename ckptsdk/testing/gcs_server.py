@@ -47,13 +47,12 @@ import argparse
 import functools
 import http.server
 import logging
-import os
 import re
 import threading
-import time
 from http import HTTPStatus
 from typing import Any
 
+from ckptsdk.testing.child_server import exit_when_orphaned
 from ckptsdk.testing.gcs_emulator import Emulator
 
 PINNED_VERSION = "2026.7.19"
@@ -334,25 +333,13 @@ def _install_patches() -> None:
     objects.insert = _guard(objects.insert)  # the Router's fallback for uploads without /upload
 
 
-def _exit_with_parent() -> None:
-    """Exit when the process that started us is gone (a SIGKILLed pytest leaves no server)."""
-    parent = os.getppid()
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(0.5)
-        os._exit(0)
-
-    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
-
-
 def serve(port: int, *, patched: bool = True, exit_with_parent: bool = False, bucket: str | None = None) -> None:
     """Run the emulator in this process until killed; print ``PORT <n>`` once listening."""
     from gcp_storage_emulator import server
     from gcp_storage_emulator.storage import Storage
 
     if exit_with_parent:
-        _exit_with_parent()
+        exit_when_orphaned()
 
     logging.basicConfig(level=logging.WARNING, format="emulator %(levelname)s %(message)s")
     if patched:

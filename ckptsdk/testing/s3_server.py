@@ -17,8 +17,10 @@ CompleteMultipartUpload, and can answer a read racing an overwrite with a server
 Test options (never on by default): ``--unpatched`` (moto as shipped), ``--ignore-if-match``
 (drops every ``If-Match`` header: an S3-compatible store without compare-and-swap),
 ``--write-gate N`` (each PutObject write waits up to ``GATE_S`` for N writers to reach it: the
-interleaving that shows the unpatched race every round), and ``POST /_ckptsdk/fail`` (the next
-``count`` requests answer ``status``, after being applied with ``applied=1``: a lost reply).
+interleaving that shows the unpatched race every round), ``POST /_ckptsdk/fail`` (the next
+``count`` requests answer ``status``, after being applied with ``applied=1``: a lost reply), and
+``POST /_ckptsdk/cut`` (patched server only: the next ``count`` ranged GETs answer half the bytes
+asked, in a well-formed reply: a store or middlebox that ends a ranged answer early).
 Client code (the backend) does not belong here.
 """
 
@@ -28,24 +30,17 @@ import argparse
 import io
 import logging
 import os
-import select
-import subprocess
-import sys
-import tempfile
 import threading
-import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Iterable
-from pathlib import Path
-from typing import IO, Any
+from typing import Any
 from urllib.parse import parse_qs
+
+from ckptsdk.testing.child_server import ChildServer, exit_when_orphaned, start_child
 
 MOTO_VERSION = "5.2.4"
 GATE_S = 0.5
 REGION = "us-east-1"
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}
-_REPO = Path(__file__).resolve().parents[2]
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +87,7 @@ class _Shim:
         self.app, self.patched, self.ignore_if_match = app, patched, ignore_if_match
         self.lock = threading.Lock()
         self.faults: dict[str, Any] = {"count": 0}
+        self.cuts = 0  # ranged GETs still to answer short
         self.faults_lock = threading.Lock()
 
     def __call__(self, environ: Environ, start_response: StartResponse) -> Iterable[bytes]:
@@ -128,6 +124,8 @@ class _Shim:
                     close = getattr(result, "close", None)
                     if close is not None:
                         close()
+            if self._take_cut(environ):
+                captured[1], data = _cut(captured[1], data)
             start_response(*captured)
             out = [data]
         if fault is not None:  # applied, then the reply is "lost"
@@ -141,6 +139,15 @@ class _Shim:
                 f["count"] -= 1
                 return dict(f)
         return None
+
+    def _take_cut(self, environ: Environ) -> bool:
+        if environ["REQUEST_METHOD"] != "GET" or "HTTP_RANGE" not in environ:
+            return False
+        with self.faults_lock:
+            if self.cuts <= 0:
+                return False
+            self.cuts -= 1
+            return True
 
     def _control(self, path: str, environ: Environ, start_response: StartResponse) -> list[bytes]:
         if path == "/_ckptsdk/health":
@@ -157,8 +164,31 @@ class _Shim:
                 }
             start_response("200 OK", [("Content-Type", "text/plain")])
             return [b"OK"]
+        if path == "/_ckptsdk/cut":
+            if not self.patched:  # only the patched path holds a whole reply it can cut
+                start_response("409 Conflict", [("Content-Type", "text/plain")])
+                return [b"cut needs the patched server"]
+            q = {k: v[0] for k, v in parse_qs(environ.get("QUERY_STRING", "")).items()}
+            with self.faults_lock:
+                self.cuts = int(q.get("count", "1"))
+            start_response("200 OK", [("Content-Type", "text/plain")])
+            return [b"OK"]
         start_response("404 Not Found", [("Content-Type", "text/plain")])
         return [b"unknown control route"]
+
+
+def _cut(headers: list[tuple[str, str]], data: bytes) -> tuple[list[tuple[str, str]], bytes]:
+    """A reply's first half, with ``Content-Length`` and ``Content-Range`` made to match it."""
+    kept = data[: len(data) // 2]
+    out = []
+    for name, value in headers:
+        if name.lower() == "content-length":
+            value = str(len(kept))
+        elif name.lower() == "content-range" and kept:  # bytes FIRST-LAST/TOTAL
+            first, _, rest = value.removeprefix("bytes ").partition("-")
+            value = f"bytes {first}-{int(first) + len(kept) - 1}/{rest.partition('/')[2]}"
+        out.append((name, value))
+    return out, kept
 
 
 def _install_patches(*, write_gate: int) -> None:
@@ -201,18 +231,6 @@ def _install_gate(models: Any, write_gate: int) -> None:
     models.S3Backend.put_object = put_object
 
 
-def _exit_with_parent() -> None:
-    """Exit when the process that started us is gone (a SIGKILLed pytest leaves no server)."""
-    parent = os.getppid()
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(0.5)
-        os._exit(0)
-
-    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
-
-
 def run_server(
     port: int,
     *,
@@ -229,7 +247,7 @@ def run_server(
     from werkzeug.serving import make_server
 
     if exit_with_parent:
-        _exit_with_parent()
+        exit_when_orphaned()
     logging.basicConfig(level=logging.WARNING, format="s3-server %(levelname)s %(message)s")
     logging.getLogger("werkzeug").setLevel(logging.ERROR)
     if patched:
@@ -261,12 +279,8 @@ def _announce(endpoint: str, bucket: str) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-class S3Server:
+class S3Server(ChildServer):
     """A running server subprocess. Use ``start_s3_server()``; stop with ``.stop()`` or ``with``."""
-
-    def __init__(self, proc: subprocess.Popen[bytes] | None, port: int, log: IO[bytes] | None, patched: bool) -> None:
-        self.proc, self.port, self._log, self.patched = proc, port, log, patched
-        self.endpoint = f"http://127.0.0.1:{port}"
 
     @property
     def storage_options(self) -> dict[str, str]:
@@ -287,15 +301,6 @@ class S3Server:
         prefix = prefix.strip("/")
         return f"s3://{bucket}/{prefix}" if prefix else f"s3://{bucket}"
 
-    def request(self, method: str, path: str, body: bytes | None = None, timeout: float = 30.0) -> tuple[int, bytes]:
-        """One raw HTTP request to the server; returns (status, body) for any status."""
-        req = urllib.request.Request(self.endpoint + path, data=body, method=method)
-        try:
-            with urllib.request.urlopen(req, timeout=timeout) as resp:
-                return resp.status, resp.read()
-        except urllib.error.HTTPError as exc:
-            return exc.code, exc.read()
-
     def make_bucket(self, name: str) -> None:
         """Create bucket ``name`` (idempotent)."""
         status, body = self.request("PUT", f"/{name}")
@@ -309,37 +314,11 @@ class S3Server:
         if code != 200:
             raise RuntimeError(f"S3 server at {self.endpoint} refused the fault: {code} {body!r}")
 
-    def log(self) -> str:
-        """What the server wrote to stderr so far (for failure messages)."""
-        if self._log is None:
-            return ""
-        self._log.seek(0)
-        return self._log.read().decode("utf-8", "replace")
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def stop(self) -> None:
-        """Terminate the server (SIGTERM, then SIGKILL after 5 s)."""
-        if self.proc is None:
-            return
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=5)
-        if self.proc.stdout:
-            self.proc.stdout.close()
-        if self._log is not None:
-            self._log.close()
-
-    def __enter__(self) -> S3Server:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+    def cut_reads(self, count: int = 1) -> None:
+        """Answer the next ``count`` ranged GETs with half the bytes asked (patched server only)."""
+        code, body = self.request("POST", f"/_ckptsdk/cut?count={count}")
+        if code != 200:
+            raise RuntimeError(f"S3 server at {self.endpoint} refused the cut: {code} {body!r}")
 
 
 def start_s3_server(
@@ -356,38 +335,17 @@ def start_s3_server(
     Raises:
         RuntimeError: the server exited or did not answer within ``timeout`` (its log included).
     """
-    log = tempfile.TemporaryFile()
-    cmd = [sys.executable, "-m", "ckptsdk.testing.s3_server", "--port", "0", "--exit-with-parent"]
-    cmd += ["--unpatched"] if not patched else []
-    cmd += ["--ignore-if-match"] if ignore_if_match else []
-    cmd += ["--write-gate", str(write_gate)] if write_gate else []
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(_REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    proc = subprocess.Popen(cmd, cwd=_REPO, env=env, stdout=subprocess.PIPE, stderr=log)
-    deadline = time.monotonic() + timeout
-    try:
-        assert proc.stdout is not None
-        ready, _, _ = select.select([proc.stdout], [], [], timeout)
-        line = proc.stdout.readline().decode() if ready else ""
-        if line.startswith("PORT "):
-            server = S3Server(proc, int(line.split()[1]), log, patched)
-            while proc.poll() is None and time.monotonic() < deadline:
-                try:
-                    if server.request("GET", "/_ckptsdk/health", timeout=2.0) == (200, b"OK"):
-                        return server
-                except OSError:
-                    pass
-                time.sleep(0.05)
-    except BaseException:
-        proc.kill()
-        proc.wait(timeout=5)
-        raise
-    proc.kill()
-    proc.wait(timeout=5)
-    log.seek(0)
-    raise RuntimeError(
-        f"S3 server did not become ready within {timeout} s (exit code {proc.poll()}); "
-        f"its log:\n{log.read().decode('utf-8', 'replace')[-4000:]}"
+    args = ["--unpatched"] if not patched else []
+    args += ["--ignore-if-match"] if ignore_if_match else []
+    args += ["--write-gate", str(write_gate)] if write_gate else []
+    return start_child(
+        S3Server,
+        "ckptsdk.testing.s3_server",
+        args,
+        patched=patched,
+        health="/_ckptsdk/health",
+        name="S3 server",
+        timeout=timeout,
     )
 
 

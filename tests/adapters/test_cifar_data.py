@@ -61,25 +61,13 @@ def test_skipping_the_row_order_fix_changes_the_hash(cifar_files):
 
 def test_load_without_the_fix_is_refused_naming_both_hashes(cifar_server, tmp_path, monkeypatch):
     cache = str(tmp_path / "cache")
-    first = load_cifar10(
-        cache=cache,
-        local=str(tmp_path / "rt1"),
-        hf_base=cifar_server.server.url("/nohf/"),
-        tv_url=cifar_server.tv_url,
-        progress=False,
-    )
+    first = cifar_server.load(tmp_path / "rt1", cache=cache, hf_base=cifar_server.server.url("/nohf/"))
     assert first.source == "torchvision"
     read = src.read_hf_parquet
     monkeypatch.setattr(src, "read_hf_parquet", lambda a, b: read(a, b, batch_order=(1, 2, 3, 4, 5)))
     _drop_cached_canonical(cache)  # keep the record, so the HF source is the one that answers
     with pytest.raises(DatasetMismatchError) as info:
-        load_cifar10(
-            cache=cache,
-            local=str(tmp_path / "rt2"),
-            hf_base=cifar_server.hf_base,
-            tv_url=cifar_server.tv_url,
-            progress=False,
-        )
+        cifar_server.load(tmp_path / "rt2", cache=cache)
     err = info.value
     assert err.expected == first.tensor_hash and err.actual != first.tensor_hash
     assert err.source == cifar_server.hf_base
@@ -97,31 +85,13 @@ def _drop_cached_canonical(cache: str) -> None:
 
 def test_fresh_runtime_gets_the_data_from_the_cache_with_zero_downloads(cifar_server, tmp_path):
     cache = "memory://" + tmp_path.name
-    first = load_cifar10(
-        cache=cache,
-        local=str(tmp_path / "rt1"),
-        hf_base=cifar_server.hf_base,
-        tv_url=cifar_server.tv_url,
-        progress=False,
-    )
+    first = cifar_server.load(tmp_path / "rt1", cache=cache)
     assert first.source == "huggingface" and first.tensor_hash == cifar_server.files.data.tensor_hash
     downloads = cifar_server.downloads()
     assert downloads == 2  # the two parquet files
-    again = load_cifar10(
-        cache=cache,
-        local=str(tmp_path / "rt1"),
-        hf_base=cifar_server.hf_base,
-        tv_url=cifar_server.tv_url,
-        progress=False,
-    )
+    again = cifar_server.load(tmp_path / "rt1", cache=cache)
     assert again.source == "local"
-    fresh = load_cifar10(
-        cache=cache,
-        local=str(tmp_path / "rt2"),
-        hf_base=cifar_server.hf_base,
-        tv_url=cifar_server.tv_url,
-        progress=False,
-    )
+    fresh = cifar_server.load(tmp_path / "rt2", cache=cache)
     assert fresh.source == "cache" and fresh.tensor_hash == first.tensor_hash
     assert cifar_server.downloads() == downloads  # zero downloads on the fresh runtime
     for a, b in zip(_canonical(fresh), _canonical(first), strict=True):
@@ -134,59 +104,31 @@ def test_corrupt_canonical_in_the_cache_is_refetched_and_repaired(cifar_server, 
     from ckptsdk import open_backend
 
     cache = str(tmp_path / "cache")
-    load_cifar10(
-        cache=cache,
-        local=str(tmp_path / "rt1"),
-        hf_base=cifar_server.hf_base,
-        tv_url=cifar_server.tv_url,
-        progress=False,
-    )
+    cifar_server.load(tmp_path / "rt1", cache=cache)
     b = open_backend(cache)
     key = f"datacache/blobs/{CANONICAL_NAME}"
     good = b.read(key)
     b.write(key, good[:-10] + b"0123456789")
-    got = load_cifar10(
-        cache=cache,
-        local=str(tmp_path / "rt2"),
-        hf_base=cifar_server.hf_base,
-        tv_url=cifar_server.tv_url,
-        progress=False,
-    )
+    got = cifar_server.load(tmp_path / "rt2", cache=cache)
     assert got.source == "huggingface" and got.tensor_hash == cifar_server.files.data.tensor_hash
     assert b.read(key) == good  # repaired: the canonical file is deterministic
-    assert (
-        load_cifar10(
-            cache=cache,
-            local=str(tmp_path / "rt3"),
-            hf_base=cifar_server.hf_base,
-            tv_url=cifar_server.tv_url,
-            progress=False,
-        ).source
-        == "cache"
-    )
+    assert cifar_server.load(tmp_path / "rt3", cache=cache).source == "cache"
 
 
 def test_a_source_with_other_data_is_refused(cifar_server, http_server, tmp_path):
     cache = str(tmp_path / "cache")
-    load_cifar10(
-        cache=cache,
-        local=str(tmp_path / "rt1"),
-        hf_base=cifar_server.hf_base,
-        tv_url=cifar_server.tv_url,
-        progress=False,
-    )
+    cifar_server.load(tmp_path / "rt1", cache=cache)
     other = synthetic_cifar10(n_train=500, n_test=100, seed=99)
     paths = write_both(other, str(tmp_path / "other"))
     with open(paths["tarball"], "rb") as f:
         http_server.add("/other/cifar-10-python.tar.gz", f.read())
     _drop_cached_canonical(cache)  # force the sources
     with pytest.raises(DatasetMismatchError) as info:
-        load_cifar10(
+        cifar_server.load(
+            tmp_path / "rt2",
             cache=cache,
-            local=str(tmp_path / "rt2"),
             hf_base=http_server.url("/nohf/"),
             tv_url=http_server.url("/other/cifar-10-python.tar.gz"),
-            progress=False,
         )
     assert info.value.actual == other.tensor_hash
     assert info.value.expected == cifar_server.files.data.tensor_hash
@@ -243,13 +185,7 @@ def test_malicious_batch_in_a_tarball_is_refused_by_the_loader(cifar_files, http
                 evil.addfile(m, good.extractfile(m) if m.isfile() else None)
     served = serve_cifar(http_server, cifar_files, tarball=buf.getvalue())
     with pytest.raises(AllSourcesFailedError) as info:
-        load_cifar10(
-            cache=None,
-            local=str(tmp_path / "l"),
-            hf_base=http_server.url("/nohf/"),
-            tv_url=served.tv_url,
-            progress=False,
-        )
+        served.load(tmp_path / "l", cache=None, hf_base=http_server.url("/nohf/"))
     assert "posix.system" in info.value.failures[served.tv_url]
     assert not marker.exists()
 
@@ -270,9 +206,7 @@ def test_hostile_tarball_from_a_source_is_refused(kind, cifar_files, http_server
     (tmp_path / "outside").mkdir()
     local = tmp_path / "box" / "l"
     with pytest.raises(AllSourcesFailedError) as info:
-        load_cifar10(
-            cache=None, local=str(local), hf_base=http_server.url("/nohf/"), tv_url=served.tv_url, progress=False
-        )
+        served.load(local, cache=None, hf_base=http_server.url("/nohf/"))
     assert "refusing to extract" in info.value.failures[served.tv_url]
     assert not (tmp_path / "escaped.txt").exists() and not (tmp_path / "box" / "escaped.txt").exists()
     assert list((tmp_path / "outside").iterdir()) == []

@@ -13,7 +13,6 @@ import math
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -32,9 +31,8 @@ from ckptsdk.errors import (
 )
 from ckptsdk.lease.acquire import LEASE_KEY, Lease, LeaseRecord, parse_lease, read_lease
 from ckptsdk.testing.drive_sim import DriveSim
-from tests.support.waiting import poll_until, wait_for
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.support.story_child import read_events, spawn, wait_event
+from tests.support.waiting import wait_for
 
 
 class FakeTime:
@@ -687,47 +685,7 @@ def test_two_vms_on_an_empty_root_settle_picks_one(tmp_path: Path) -> None:
 
 
 def _child(mode: str, target: Any, events: Path, *args: str) -> subprocess.Popen[bytes]:
-    env = {**os.environ, **target.env, "PYTHONPATH": str(REPO)}
-    cmd = [
-        sys.executable,
-        "-m",
-        "tests.support._story_writer",
-        mode,
-        target.url,
-        "--events",
-        str(events),
-        "--options",
-        json.dumps(target.options),
-        *args,
-    ]
-    with open(events.with_suffix(".log"), "wb") as log:
-        return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=log)
-
-
-def _events(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def _wait_event(path: Path, name: str, timeout: float, proc: subprocess.Popen[bytes]) -> dict[str, Any]:
-    def seen() -> dict[str, Any] | None:
-        exited = proc.poll() is not None  # before reading: an event written just before exiting counts
-        for ev in _events(path):
-            if ev["event"] == name:
-                return ev
-            if ev["event"] == "error":
-                raise AssertionError(f"child failed: {ev}\n{path.with_suffix('.log').read_text()}")
-        if exited:
-            raise AssertionError(
-                f"child exited {proc.returncode} before {name!r}:\n{path.with_suffix('.log').read_text()}"
-            )
-        return None
-
-    found = poll_until(seen, timeout)
-    if found is None:
-        raise AssertionError(f"no {name!r} event within {timeout} s:\n{path.with_suffix('.log').read_text()}")
-    return found
+    return spawn(mode, target.url, events, *args, options=target.options, env=target.env)
 
 
 def _reap(*procs: subprocess.Popen[bytes]) -> None:
@@ -749,12 +707,12 @@ def test_two_processes_race_for_a_stale_lease(kind: str, make_backend_target: An
     procs = [_child("race", target, f, "--ttl", "1", "--wait", "3", "--hold", "4", "--go", str(go)) for f in files]
     try:
         for f, p in zip(files, procs, strict=True):
-            _wait_event(f, "ready", 60, p)
+            wait_event(f, p, "ready", 60)
         go.touch()
         for p in procs:
             p.wait(60)
-        outcomes = {e["event"]: e for f in files for e in _events(f) if e["event"] in ("won", "held")}
-        results = sorted(e["event"] for f in files for e in _events(f) if e["event"] in ("won", "held"))
+        outcomes = {e["event"]: e for f in files for e in read_events(f) if e["event"] in ("won", "held")}
+        results = sorted(e["event"] for f in files for e in read_events(f) if e["event"] in ("won", "held"))
     finally:
         _reap(*procs)
     assert results == ["held", "won"], results
@@ -792,7 +750,7 @@ def test_dead_holder_is_taken_over_after_about_one_ttl(kind: str, make_backend_t
             result["error"] = exc
 
     try:
-        held = _wait_event(events, "acquired", 60, proc)
+        held = wait_event(events, proc, "acquired", 60)
         thread = threading.Thread(target=newcomer, daemon=True)
         thread.start()
         time.sleep(2.5 * ttl)  # the newcomer watches a live holder renewing

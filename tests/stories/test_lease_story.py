@@ -16,7 +16,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -31,9 +30,8 @@ from ckptsdk.backends.posix import LOCK_NAME
 from ckptsdk.manager import CheckpointManager
 from ckptsdk.testing.drive_sim import DriveSim
 from tests.support.freezing import freeze
-from tests.support.waiting import poll_until
+from tests.support.story_child import child_log, read_events, spawn, wait_events
 
-REPO = Path(__file__).resolve().parents[2]
 SIM_DELAY = 3.0
 
 
@@ -69,51 +67,7 @@ class Side:
 
 
 def _spawn(side: Side, events: Path, *args: str) -> subprocess.Popen[bytes]:
-    env = {**os.environ, **side.env, "PYTHONPATH": str(REPO)}
-    cmd = [
-        sys.executable,
-        "-m",
-        "tests.support._story_writer",
-        "train",
-        side.url,
-        "--events",
-        str(events),
-        "--options",
-        json.dumps(side.options),
-        *args,
-    ]
-    with open(events.with_suffix(".log"), "wb") as log:
-        return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=log)
-
-
-def _events(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def _log(path: Path) -> str:
-    p = path.with_suffix(".log")
-    return p.read_text()[-4000:] if p.exists() else ""
-
-
-def _wait(path: Path, proc: subprocess.Popen[bytes], timeout: float, pred: Any, what: str) -> list[dict[str, Any]]:
-    def seen() -> list[dict[str, Any]] | None:
-        exited = proc.poll() is not None  # before reading: an event written just before exiting counts
-        evs = _events(path)
-        if pred(evs):
-            return evs
-        errors = [e for e in evs if e["event"] == "error"]
-        if errors:
-            raise AssertionError(f"{path.name}: {errors[0]}\n{_log(path)}")
-        if exited:
-            raise AssertionError(f"{path.name} exited {proc.returncode} before {what}\n{_log(path)}")
-        return None
-
-    found = poll_until(seen, timeout)
-    if found is None:
-        raise AssertionError(f"{path.name}: no {what} within {timeout} s\n{_log(path)}")
-    return found
+    return spawn("train", side.url, events, *args, options=side.options, env=side.env)
 
 
 def _count(name: str) -> Any:
@@ -207,34 +161,36 @@ def test_zombie_cannot_clobber_the_resumed_run(kind: str, make_backend_target: A
     )
     arrived = _LeaseArrival(sim.root("vm1") / "run" / "LEASE.json") if sim is not None else None
     try:
-        _wait(ev_a, proc_a, 90, lambda evs: len(_count("saved")(evs)) >= 8, "8 saves by A")
+        wait_events(ev_a, proc_a, 90, lambda evs: len(_count("saved")(evs)) >= 8, "8 saves by A")
         if arrived is not None:
-            arrived.start(after_epoch=_count("acquired")(_events(ev_a))[0]["epoch"])
+            arrived.start(after_epoch=_count("acquired")(read_events(ev_a))[0]["epoch"])
         if sim is not None:
             # The story's premise: A has run long enough for its lease and checkpoints to reach
             # B's VM. (A newcomer that finds the root still empty takes epoch 1 too; only a settle
             # longer than the propagation delay catches that: see test_lease.py.)
             sim.wait_delivered(30)
-        _wait(ev_b, proc_b, 90, _count("ready"), "B ready")
+        wait_events(ev_b, proc_b, 90, _count("ready"), "B ready")
         if frozen:
             # the deleted runtime: frozen, not dead (and not inside the local root's flock: freezing.py)
             freeze(proc_a.pid, Path(side_a.url) / LOCK_NAME if kind == "local" else None)
         t_stop = time.monotonic()
         go_b.touch()
-        evs_b = _wait(ev_b, proc_b, 120, _count("mine"), "B's takeover, resume and saves")
+        evs_b = wait_events(ev_b, proc_b, 120, _count("mine"), "B's takeover, resume and saves")
         if frozen:
             os.kill(proc_a.pid, signal.SIGCONT)  # the zombie thaws and keeps training
         t_cont = time.monotonic()
-        evs_a = _wait(ev_a, proc_a, 60, lambda evs: _count("lost")(evs) or _count("closed")(evs), "A's LeaseLostError")
+        evs_a = wait_events(
+            ev_a, proc_a, 60, lambda evs: _count("lost")(evs) or _count("closed")(evs), "A's LeaseLostError"
+        )
         proc_a.wait(60)
         if sim is not None:
             sim.wait_delivered(60)  # whatever the zombie wrote has reached B's VM
         check_b.touch()
-        evs_b = _wait(ev_b, proc_b, 60, _count("closed"), "B's final restore")
+        evs_b = wait_events(ev_b, proc_b, 60, _count("closed"), "B's final restore")
         proc_b.wait(30)
         if sim is not None:
             sim.wait_synced(60)
-        evs_a = _events(ev_a)
+        evs_a = read_events(ev_a)
     finally:
         if arrived is not None:
             arrived.stop()
@@ -260,7 +216,7 @@ def test_zombie_cannot_clobber_the_resumed_run(kind: str, make_backend_target: A
     assert b_acq["run_id"] == _count("acquired")(evs_a)[0]["run_id"]
     assert b_restored["lease_epoch"] == a_epoch
     assert b_restored["step"] <= max(e["step"] for e in a_saved)
-    assert a_lost, f"A never lost the lease:\n{_log(ev_a)}"
+    assert a_lost, f"A never lost the lease:\n{child_log(ev_a)}"
     assert a_lost[0]["epoch"] == a_epoch
     assert not _count("error")(evs_a), _count("error")(evs_a)
     a_renewed = _count("renewed")(evs_a)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from adapters.cifar10.data import CifarData
+from adapters.cifar10.data import CifarData, load_cifar10
 from adapters.cifar10.sources import HF_TEST_FILE, HF_TRAIN_FILE
 from adapters.cifar10.synthetic import synthetic_cifar10, write_both
 from ckptsdk.testing.http_server import FileServer
@@ -39,6 +39,18 @@ class CifarServer:
 
     def downloads(self) -> int:
         return self.server.requests()
+
+    def load(
+        self, local: pathlib.Path, *, cache: str | None, hf_base: str | None = None, tv_url: str | None = None
+    ) -> CifarData:
+        """``load_cifar10`` into ``local`` from this server's two sources (or the ones given), quietly."""
+        return load_cifar10(
+            cache=cache,
+            local=str(local),
+            hf_base=self.hf_base if hf_base is None else hf_base,
+            tv_url=self.tv_url if tv_url is None else tv_url,
+            progress=False,
+        )
 
 
 @pytest.fixture(scope="session")

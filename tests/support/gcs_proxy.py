@@ -2,8 +2,9 @@
 
 One HTTP exchange per connection (the emulator speaks HTTP/1.0 and closes when its reply is
 done). Two ways to choose a fault: ``plan(n, head)`` for every request (tests/stories/test_faults_gcs.py:
-stalls, 429/503 storms), and ``drop_next(marker)`` for the next request whose head contains a
-marker (tests/backends/test_gcs_backend.py: one lost reply at an exact point of an upload).
+stalls, 429/503 storms), and ``drop_next(marker)`` / ``cut_next(marker)`` for the next request
+whose head contains a marker (tests/backends/test_gcs_backend.py: one lost reply at an exact point
+of an upload; tests/backends/test_ranged_read.py: one ranged GET answered short).
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ import threading
 from collections.abc import Callable
 
 # A plan maps (request index, 1-based; request head) to an action: "pass", "stall" (hold the
-# socket, answer nothing), "drop" (forward, apply, swallow the reply), or an HTTP status to
-# answer without forwarding (429, 503).
+# socket, answer nothing), "drop" (forward, apply, swallow the reply), "cut" (forward, then send
+# the reply with half its body and a Content-Length to match), or an HTTP status to answer
+# without forwarding (429, 503).
 Plan = Callable[[int, bytes], "str | int"]
 
 
@@ -29,6 +31,7 @@ class LoopbackProxy:
         plan: consulted for every request not claimed by a ``drop_next`` rule.
         seen: ``(action, request line)`` of every request, in order.
         dropped: ``request line -> reply status line`` of every reply swallowed by a rule.
+        cut: ``request line -> reply status line`` of every reply sent short by a rule.
         released: set by ``close()``; stalled connections wait for it (at most 60 s).
     """
 
@@ -37,8 +40,9 @@ class LoopbackProxy:
         self.plan: Plan = lambda n, head: "pass"
         self.seen: list[tuple[str | int, bytes]] = []
         self.dropped: list[bytes] = []
+        self.cut: list[bytes] = []
         self.released = threading.Event()
-        self._rules: list[tuple[bytes, Callable[[], None] | None]] = []
+        self._rules: list[tuple[bytes, str, Callable[[], None] | None]] = []
         self._count = 0
         self._lock = threading.Lock()
         self.sock = socket.create_server(("127.0.0.1", 0))
@@ -52,7 +56,17 @@ class LoopbackProxy:
         ``then`` runs after the server answered and before the client's connection is cut.
         """
         with self._lock:
-            self._rules.append((marker, then))
+            self._rules.append((marker, "drop", then))
+
+    def cut_next(self, marker: bytes) -> None:
+        """Send the reply to the next request whose head contains ``marker`` with half its body.
+
+        The head is made consistent (``Content-Length``, ``Content-Range``), so the HTTP client
+        sees a complete, well-formed reply that holds fewer bytes than were asked: a middlebox or
+        store that ends a ranged answer early, which only the reader can notice.
+        """
+        with self._lock:
+            self._rules.append((marker, "cut", None))
 
     def close(self) -> None:
         self.released.set()
@@ -84,7 +98,7 @@ class LoopbackProxy:
                 rule = next((r for r in self._rules if r[0] in request_head), None)
                 if rule is not None:
                     self._rules.remove(rule)
-                    action: str | int = "drop"
+                    action: str | int = rule[1]
                 else:
                     action = self.plan(self._count, head)
                 self.seen.append((action, head.split(b"\r\n")[0]))
@@ -98,9 +112,10 @@ class LoopbackProxy:
                     b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (action, len(body), body)
                 )
                 return
-            self._forward(client, head, drop=action == "drop", then=rule[1] if rule else None)
+            self._forward(client, head, action=str(action), then=rule[2] if rule else None)
 
-    def _forward(self, client: socket.socket, head: bytes, *, drop: bool, then: Callable[[], None] | None) -> None:
+    def _forward(self, client: socket.socket, head: bytes, *, action: str, then: Callable[[], None] | None) -> None:
+        drop = action in ("drop", "cut")  # both hold the reply back: "cut" sends it short later
         with socket.create_connection(("127.0.0.1", self.upstream), timeout=30) as up:
             up.sendall(head)
 
@@ -123,7 +138,13 @@ class LoopbackProxy:
                 answered = True
             except OSError:
                 pass
-            if drop and answered:
+            if action == "cut" and answered:
+                self.cut.append(head.split(b"\r\n")[0] + b" -> " + reply.split(b"\r\n")[0])
+                try:
+                    client.sendall(_cut(reply))
+                except OSError:
+                    pass
+            elif drop and answered:
                 self.dropped.append(head.split(b"\r\n")[0] + b" -> " + reply.split(b"\r\n")[0])
                 if then is not None:
                     then()
@@ -133,3 +154,20 @@ class LoopbackProxy:
                     s.shutdown(socket.SHUT_RDWR)
                 except OSError:
                     pass
+
+
+def _cut(reply: bytes) -> bytes:
+    """``reply`` (one whole HTTP response) with the first half of its body and a head to match."""
+    head, _, body = reply.partition(b"\r\n\r\n")
+    kept = body[: len(body) // 2]
+    lines = []
+    for line in head.split(b"\r\n"):
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            line = b"Content-Length: %d" % len(kept)
+        elif name.strip().lower() == b"content-range" and kept:  # bytes FIRST-LAST/TOTAL
+            first, _, total = value.strip().removeprefix(b"bytes ").partition(b"-")
+            total = total.partition(b"/")[2]
+            line = b"Content-Range: bytes %d-%d/%s" % (int(first), int(first) + len(kept) - 1, total)
+        lines.append(line)
+    return b"\r\n".join(lines) + b"\r\n\r\n" + kept

@@ -1,0 +1,89 @@
+"""The parent side of tests/support/_story_writer.py: start one of its modes, read its events, wait on them.
+
+The child's command line and its JSON-lines event file are its protocol; this module is where the
+tests that run it (tests/lease/test_lease.py, tests/stories/test_lease_story.py) speak it. Each
+child writes its stderr next to its events (``EVENTS.log``), quoted when a wait fails.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from tests.support.waiting import poll_until
+
+REPO = Path(__file__).resolve().parents[2]
+
+Event = dict[str, Any]
+
+
+def spawn(
+    mode: str, url: str, events: Path, *args: str, options: Mapping[str, Any], env: Mapping[str, str]
+) -> subprocess.Popen[bytes]:
+    """``python -m tests.support._story_writer MODE URL --events EVENTS --options JSON *args``.
+
+    ``options`` are the storage options (sent as JSON), ``env`` the variables the root needs on
+    top of this process's (a Drive root, an emulator's address).
+    """
+    cmd = [
+        sys.executable,
+        "-m",
+        "tests.support._story_writer",
+        mode,
+        url,
+        "--events",
+        str(events),
+        "--options",
+        json.dumps(dict(options)),
+        *args,
+    ]
+    child_env = {**os.environ, **env, "PYTHONPATH": str(REPO)}
+    with open(events.with_suffix(".log"), "wb") as log:
+        return subprocess.Popen(cmd, cwd=REPO, env=child_env, stdout=subprocess.DEVNULL, stderr=log)
+
+
+def read_events(path: Path) -> list[Event]:
+    """Every event the child wrote so far (none before it opened the file)."""
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def child_log(path: Path) -> str:
+    """The last 4,000 characters of the child's stderr, for failure messages."""
+    p = path.with_suffix(".log")
+    return p.read_text()[-4000:] if p.exists() else ""
+
+
+def wait_events(
+    path: Path, proc: subprocess.Popen[bytes], timeout: float, pred: Callable[[list[Event]], Any], what: str
+) -> list[Event]:
+    """The events once ``pred(events)`` holds; fail at once if the child reports an error or exits."""
+
+    def seen() -> list[Event] | None:
+        exited = proc.poll() is not None  # before reading: an event written just before exiting counts
+        evs = read_events(path)
+        if pred(evs):
+            return evs
+        errors = [e for e in evs if e["event"] == "error"]
+        if errors:
+            raise AssertionError(f"{path.name}: {errors[0]}\n{child_log(path)}")
+        if exited:
+            raise AssertionError(f"{path.name} exited {proc.returncode} before {what}\n{child_log(path)}")
+        return None
+
+    found = poll_until(seen, timeout)
+    if found is None:
+        raise AssertionError(f"{path.name}: no {what} within {timeout} s\n{child_log(path)}")
+    return found
+
+
+def wait_event(path: Path, proc: subprocess.Popen[bytes], name: str, timeout: float) -> Event:
+    """The first event called ``name``, waited for as :func:`wait_events` waits."""
+    evs = wait_events(path, proc, timeout, lambda evs: any(e["event"] == name for e in evs), repr(name))
+    return next(e for e in evs if e["event"] == name)
