@@ -8,6 +8,7 @@
      │    ├── ObjectNotFound (FileNotFoundError)    the key does not exist
      │    ├── InvalidKey (ValueError)               '..', absolute or empty key components
      │    ├── PreconditionFailed                    a conditional write/delete lost (GCS 412)
+     │    ├── DeadlineExceeded (TimeoutError)       a save (or the stop after a signal) ran out of time
      │    └── StorageUnavailable                    bucket missing, root unreadable, mount gone
      │         └── PreconditionsNotHonoured         the store ignores a condition: refused for writing
      ├── LeaseError
@@ -104,6 +105,22 @@ class PreconditionFailed(BackendError):
         super().__init__(message, url=url, key=key)
         self.expected = expected
         self.actual = actual
+
+
+class DeadlineExceeded(BackendError, TimeoutError):
+    """The store did not answer within the deadline of the whole save (``save_deadline``) or of
+    what follows a stop signal (``signal_deadline``); nothing was committed after it.
+
+    ``seconds`` is the deadline, ``waited_for`` what was pending when it passed (a request and
+    its key, at which store).
+    """
+
+    def __init__(
+        self, message: str, *, url: str = "", key: str | None = None, seconds: float = 0.0, waited_for: str = ""
+    ) -> None:
+        super().__init__(message, url=url, key=key)
+        self.seconds = seconds
+        self.waited_for = waited_for
 
 
 class StorageUnavailable(BackendError):

@@ -102,7 +102,7 @@ class CheckpointManager(CheckpointReader, WriterShutdown):
             Shorthand: ``lease_ttl``, ``lease_wait``, ``lease_settle``, ``force``.
         save_options: when saves are due and how they run (:class:`~ckptsdk.options.SaveOptions`).
             Shorthand: ``save_every``, ``async_save``, ``snapshot``, ``save_on_signal``,
-            ``signal_deadline``, ``max_staging_bytes``.
+            ``signal_deadline``, ``max_staging_bytes``, ``save_deadline``.
         read_only: inspect without taking the lease; ``save`` is refused.
         storage_options: passed to fsspec for ``gs://`` (``endpoint_url``, ``token``, ...).
         run_id: name of the run (kept across takeovers); a new uuid on a fresh root by default.
@@ -149,6 +149,7 @@ class CheckpointManager(CheckpointReader, WriterShutdown):
         save_on_signal: bool | None = None,
         signal_deadline: float | None = None,
         max_staging_bytes: int | None = None,
+        save_deadline: float | None = None,
         _simulation: Simulation | None = None,
     ) -> None:
         # Every option is checked here, by its group, before the store is opened.
@@ -158,7 +159,7 @@ class CheckpointManager(CheckpointReader, WriterShutdown):
         )
         flat.update(lease_settle=lease_settle, force=force, save_every=save_every, async_save=async_save)
         flat.update(snapshot=snapshot, save_on_signal=save_on_signal, signal_deadline=signal_deadline)
-        flat.update(max_staging_bytes=max_staging_bytes)
+        flat.update(max_staging_bytes=max_staging_bytes, save_deadline=save_deadline)
         kept = grouped("retention", retention, Retention, flat)
         leasing = grouped("lease_options", lease_options, LeaseOptions, flat)
         saves = grouped("save_options", save_options, SaveOptions, flat)
@@ -236,6 +237,7 @@ class CheckpointManager(CheckpointReader, WriterShutdown):
             max_staging_bytes=saves.max_staging_bytes,
             clock=sim.clock,
         )
+        self._saving.save_deadline = saves.save_deadline
         # An interpreter exit with a save in flight waits for it (or says it abandons it).
         atexit.register(_close_at_exit, weakref.ref(self))
         if saves.on_signal or (saves.on_signal is None and main):
@@ -355,11 +357,9 @@ class CheckpointManager(CheckpointReader, WriterShutdown):
         logger.info("restored %s (step %d) from %s", info.key, info.step, self.url)
         return resume_point(info)
 
-    def _confirm_writer(self, saving: SavePipeline) -> None:
-        """Renew the lease (compare-and-swap: the fence, as for a save); Drive: a listing too."""
+    def _confirm_writer(self, saving: SavePipeline) -> None:  # CAS: the renewal is the fence; Drive: a listing too
         saving.lease.renew()
-        if not self.backend.capabilities.compare_and_swap:
-            saving.fence_if_newer(self.outline().max_rank)
+        saving.fence_if_newer(saving.rank if self.backend.capabilities.compare_and_swap else self.outline().max_rank)
 
     def _start_lineage(self, tree: Any, info: CheckpointInfo) -> None:
         """Record that this writer resumes from ``info`` (lineage, step log) and anchor it."""

@@ -133,7 +133,7 @@ class SaveOptions:
     """When saves are due and how they run.
 
     Shorthand: ``CheckpointManager(save_every=, async_save=, snapshot=, save_on_signal=, signal_deadline=,
-    max_staging_bytes=)``.
+    max_staging_bytes=, save_deadline=)``.
 
     Attributes:
         every: ``should_save(step)`` is true every this many steps (None: never by count).
@@ -150,7 +150,17 @@ class SaveOptions:
             save (blocking, within ``signal_deadline``), release the lease, then exit as the
             signal asked (see :mod:`ckptsdk.preemption`). None: on when the manager is created
             in the main thread for writing.
-        signal_deadline: seconds that final save may take before it is abandoned (no commit).
+        signal_deadline: seconds everything after a stop signal may take, from the final save's
+            start to the exit: that save (abandoned, uncommitted, when it runs out), the step log's
+            last flush and the lease release (left for the lease's ttl when it cannot finish).
+        save_deadline: seconds the storage half of one save may take, all its requests and
+            retries together, plus its tensors' bytes at 8 MiB/s (the slowest link the default
+            allows, ``ckptsdk.backends.deadline.SAVE_RATE_BPS``: 89 MB adds 11 s). Past it the save raises
+            ``DeadlineExceeded`` naming the store and the request it waited for, and commits
+            nothing (the previous checkpoint stands). Honoured by the object-store transports
+            (GCS, S3). None: the lease's ttl (60 s on GCS/S3/local disk, 300 s on Drive), so a
+            frozen store fails a blocking save within about one ttl, not after each request's own
+            bound in turn.
         max_staging_bytes: host memory the snapshots of non-blocking saves may hold. A save due
             while the previous one is still writing never waits: its snapshot goes to a second
             staging buffer (a newer one replaces it while it waits). When that second buffer
@@ -166,6 +176,7 @@ class SaveOptions:
         "snapshot": "snapshot",
         "save_on_signal": "on_signal",
         "signal_deadline": "signal_deadline",
+        "save_deadline": "save_deadline",
     }
 
     every: int | None = None
@@ -174,9 +185,16 @@ class SaveOptions:
     on_signal: bool | None = None
     signal_deadline: float = DEFAULT_DEADLINE
     max_staging_bytes: int | None = None
+    save_deadline: float | None = None
 
     def __post_init__(self) -> None:
         _check_count("save_every (SaveOptions.every)", self.every, optional=True)
+        for name in ("signal_deadline", "save_deadline"):
+            value = getattr(self, name)
+            if (value is not None or name == "signal_deadline") and (
+                isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf")
+            ):
+                raise ConfigError(f"{name} must be a number of seconds > 0, got {value!r}")
         _check_count("max_staging_bytes", self.max_staging_bytes, optional=True)
         _check_choice("snapshot", self.snapshot, SNAPSHOT_MODES)
 

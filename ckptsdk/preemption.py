@@ -1,8 +1,9 @@
 """Preemption: SIGTERM (spot VMs, Kubernetes) or SIGINT (a notebook's stop) becomes one last save.
 
 The handler only sets a flag. The manager's ``should_save`` then says yes at the next step
-boundary, the save commits within a deadline, the lease is released, and the signal's original
-behaviour follows (the previous handler, chained; else death by that signal). A second signal
+boundary, the save commits and the lease is released, all within one deadline (what cannot
+finish by then is abandoned: the save uncommitted, the lease left for its ttl), and the signal's
+original behaviour follows (the previous handler, chained; else death by that signal). A second signal
 delivers the original behaviour at once. Saving itself belongs to the manager and saving.py.
 """
 
@@ -18,11 +19,28 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DEFAULT_DEADLINE", "Preemption"]
+__all__ = ["DEFAULT_DEADLINE", "RELEASE_RESERVE_S", "Preemption", "release_reserve"]
 
-#: Seconds the final save may take before it is abandoned. GCE gives a spot VM 30 s, GKE spot
-#: 15 s, Kubernetes 30 s by default: 10 s leaves room for the job to reach a step boundary.
+#: Seconds from the final save's start to the exit: the save, the step log's last flush and the
+#: lease release. GCE gives a spot VM 30 s, GKE spot 15 s, Kubernetes 30 s by default: 10 s leaves
+#: room for the job to reach a step boundary.
 DEFAULT_DEADLINE = 10.0
+
+#: Of the deadline, the seconds kept back from the final save for the step log and the lease
+#: release (a quarter of it when it is short): on a healthy store they take well under a second;
+#: on a slow one the release is left for the lease's ttl, and the log says so.
+RELEASE_RESERVE_S = 2.0
+
+
+def release_reserve(deadline: float) -> float:
+    """Seconds of ``deadline`` kept for what follows the final save.
+
+    Example:
+        >>> release_reserve(10.0), release_reserve(2.0)
+        (2.0, 0.5)
+    """
+    return min(RELEASE_RESERVE_S, deadline / 4)
+
 
 _Handler = Any  # signal.Handlers | Callable[[int, FrameType | None], Any] | int | None
 
@@ -33,7 +51,7 @@ class Preemption:
     Args:
         signals: the signals to catch (default SIGTERM and SIGINT). A signal whose current
             handler is ``SIG_IGN`` is left alone: the process chose to ignore it.
-        deadline: seconds the final save may take (see ``DEFAULT_DEADLINE``).
+        deadline: seconds from the final save's start to the exit (see ``DEFAULT_DEADLINE``).
 
     Example:
         >>> p = Preemption()

@@ -22,14 +22,15 @@ from collections.abc import Callable, Iterable
 from typing import Any, BinaryIO
 from urllib.parse import quote
 
-from ckptsdk.backends.base import Capabilities, Data, ObjectInfo, check_key, check_prefix
+from ckptsdk.backends.base import Capabilities, Data, ObjectInfo, check_prefix
+from ckptsdk.backends.bucket import BucketRoot
 from ckptsdk.backends.gcs_payload import b64crc, chain, crc32c, rechunk, rfc3339, slices
 from ckptsdk.backends.gcs_transport import Reply, endpoint_of
 from ckptsdk.backends.gcs_upload import ChunkedUploads
 from ckptsdk.backends.ranged import RangedReader
 from ckptsdk.errors import (
     BackendError,
-    ConfigError,
+    DeadlineExceeded,
     ObjectNotFound,
     PreconditionFailed,
     StorageUnavailable,
@@ -42,7 +43,7 @@ __all__ = ["GCSBackend"]
 _MiB = 1 << 20
 
 
-class GCSBackend(ChunkedUploads):
+class GCSBackend(BucketRoot, ChunkedUploads):
     """Objects under ``gs://bucket/prefix`` through the GCS JSON API.
 
     One upload per write (GCS publishes an object whole or not at all): a single multipart request
@@ -68,6 +69,7 @@ class GCSBackend(ChunkedUploads):
         '1764481112345678'
     """
 
+    scheme = "gs"
     capabilities = Capabilities(
         exclusive_create=True,
         compare_and_swap=True,
@@ -85,15 +87,7 @@ class GCSBackend(ChunkedUploads):
     # Request retries and deadlines: see JsonApiTransport (max_attempts, request_deadline_s...).
 
     def __init__(self, path: str, *, url: str | None = None, **storage_options: Any) -> None:
-        path = str(path).strip("/")
-        bucket, _, prefix = path.partition("/")
-        self.url = url or f"gs://{path}"
-        if not bucket:
-            raise ConfigError(f"{self.url!r} names no bucket: use gs://BUCKET[/PREFIX]")
-        if prefix:
-            check_key(prefix, url=self.url)
-        self.bucket = bucket
-        self.prefix = prefix
+        self._init_root(path, url)
         options = dict(storage_options)
         emulated = os.environ.get("STORAGE_EMULATOR_HOST") or endpoint_of(options.get("endpoint_url")).startswith(
             "http://"
@@ -103,7 +97,6 @@ class GCSBackend(ChunkedUploads):
             # https only, so a plain-http endpoint_url is an emulator too).
             options["token"] = "anon"
         self._init_transport(options)
-        self._bucket_seen = False
         if "token" not in options and self.credentials_method == "anon":
             # gcsfs falls back to anonymous access silently; a checkpoint root needs writes.
             logger.warning(
@@ -118,10 +111,6 @@ class GCSBackend(ChunkedUploads):
         return f"GCSBackend({self.url!r}, endpoint={self.endpoint!r})"
 
     # -- names and URLs ------------------------------------------------------------------------
-
-    def _name(self, key: str) -> str:
-        check_key(key, url=self.url)
-        return f"{self.prefix}/{key}" if self.prefix else key
 
     def _object_url(self, name: str, *, media: bool = False) -> str:
         base = self.endpoint
@@ -140,19 +129,9 @@ class GCSBackend(ChunkedUploads):
             key=key,
         )
 
-    def _not_found(self, key: str, doing: str) -> BackendError:
-        """A 404 on an object: the object is missing, unless the whole bucket is."""
-        if not self._bucket_seen:
-            url = f"{self.endpoint}/storage/v1/b/{quote(self.bucket, safe='')}"
-            reply = self._request("GET", url, key=key)
-            if reply.status == 404:
-                return self._missing_bucket(key)
-            self._bucket_seen = reply.status == 200  # 403 and such: cannot tell, do not cache
-        return ObjectNotFound(
-            f"no object {key!r} in {self.url} ({doing}); it was never written or has been deleted",
-            url=self.url,
-            key=key,
-        )
+    def _bucket_exists(self, key: str | None) -> bool | None:
+        reply = self._request("GET", f"{self.endpoint}/storage/v1/b/{quote(self.bucket, safe='')}", key=key)
+        return {404: False, 200: True}.get(reply.status)  # 403 and such: cannot tell
 
     def _info(self, key: str, meta: dict[str, Any]) -> ObjectInfo:
         return ObjectInfo(
@@ -364,8 +343,12 @@ class GCSBackend(ChunkedUploads):
                 if last:
                     return self._finished(reply, "PUT", location, key, if_generation, offset, crc, view)
             raise AssertionError("chunk producer ended without a last chunk")  # _slices/_rechunk bug
-        except BaseException:
-            # Cancel the session so the half-sent bytes are dropped now, not in a week.
+        except BaseException as failure:
+            # Cancel the session so the half-sent bytes are dropped now, not in a week; not past
+            # the save's deadline (the store is not answering, and the caller is done waiting).
+            if isinstance(failure, DeadlineExceeded):
+                logger.info("upload session for %r in %s left to expire (GCS drops it in a week)", key, self.url)
+                raise
             try:
                 self._request("DELETE", location, key=key, attempts=1)
             except BackendError as exc:

@@ -1,11 +1,11 @@
 """The GCS JSON API over HTTP for ``gcs.py``: endpoint, credentials, session, retries, deadlines.
 
-One request in, one answer out, retried a bounded number of times within a deadline, with "was it
-maybe applied?" reported to the caller. Only public APIs: gcsfs for credentials
-(``GCSFileSystem(**options).credentials.apply``), fsspec's IO loop (``fsspec.asyn``), aiohttp's
-session and client middlewares (aiohttp >= 3.12); see docs/BACKENDS.md. Tested with gcsfs
-2026.10.1, fsspec 2026.9.0, aiohttp 3.14.5. What a request means (objects, uploads, preconditions)
-belongs in ``gcs.py``.
+One request in, one answer out, retried a bounded number of times within its own bound and the
+save's deadline (``deadline.py``), with "was it maybe applied?" reported to the caller. Only public
+APIs: gcsfs for credentials (``GCSFileSystem(**options).credentials.apply``), fsspec's IO loop
+(``fsspec.asyn``), aiohttp's session and client middlewares (aiohttp >= 3.12); see
+docs/BACKENDS.md. Tested with gcsfs 2026.10.1, fsspec 2026.9.0, aiohttp 3.14.5. What a request
+means (objects, uploads, preconditions) belongs in ``gcs.py``.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import logging
 import os
 import random
 import threading
-import time
 import weakref
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ import aiohttp  # noqa: E402  (gcsfs dependency)
 import fsspec.asyn  # noqa: E402
 from gcsfs.core import GCSFileSystem  # noqa: E402
 
+from ckptsdk.backends.deadline import MIN_RATE_BPS, Retries  # noqa: E402
 from ckptsdk.errors import BackendError, MissingDependencyError  # noqa: E402
 
 logger = logging.getLogger(__name__)
@@ -155,10 +155,10 @@ class JsonApiTransport:
     connect_timeout_s = 15.0
     read_timeout_s = 60.0  # no byte of a reply for this long: the server is stalled
     # Every request, all its attempts together, ends within request_deadline_s plus the time
-    # its body takes at min_rate_bps: a frozen server (process stopped, socket open: the kernel
-    # still accepts connections and buffers a body) fails a call clearly instead of hanging it.
+    # its body takes at deadline.MIN_RATE_BPS, and within the deadline of the save it belongs
+    # to (deadline.py): a frozen server (process stopped, socket open: the kernel still accepts
+    # connections and buffers a body) fails a call clearly instead of hanging it.
     request_deadline_s = 120.0
-    min_rate_bps = 1 * _MiB
     # Credential discovery (gcsfs -> google.auth.default) may probe the GCE metadata server, about
     # 15 s off Google Cloud; a user who waits longer than this is told what the wait is.
     credential_notice_s = 2.0
@@ -228,7 +228,9 @@ class JsonApiTransport:
             data = _aslices(view, _STREAM_OVER)
         # sock_read alone never fires while *we* are sending (a frozen server stops reading, the
         # socket buffer fills, the write waits forever): total bounds the whole exchange.
-        timeout = aiohttp.ClientTimeout(total=total, sock_connect=self.connect_timeout_s, sock_read=self.read_timeout_s)
+        timeout = aiohttp.ClientTimeout(
+            total=total, sock_connect=min(self.connect_timeout_s, total), sock_read=min(self.read_timeout_s, total)
+        )
         async with session.request(
             method,
             url,
@@ -260,17 +262,9 @@ class JsonApiTransport:
         ambiguous = False
         last: BaseException | None = None
         nbytes = len(memoryview(data).cast("B")) if isinstance(data, (bytes, bytearray, memoryview)) else 0
-        allowance = self.request_deadline_s + nbytes / self.min_rate_bps
-        deadline = time.monotonic() + allowance
-        tried = 0
-        for attempt in range(attempts):
-            if attempt:
-                pause = self.backoff_s * 2 ** (attempt - 1) * (1 + 0.2 * _JITTER.random())
-                time.sleep(max(0.0, min(pause, deadline - time.monotonic())))
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                break
-            tried += 1
+        allowance = self.request_deadline_s + nbytes / MIN_RATE_BPS
+        tries = Retries(attempts, backoff=self.backoff_s, spread=0.2, allowance=allowance, jitter=_JITTER)
+        for left in tries:
             try:
                 status, rheaders, body = fsspec.asyn.sync(
                     fsspec.asyn.get_loop(),
@@ -280,7 +274,7 @@ class JsonApiTransport:
                     params,
                     self._headers(headers),
                     data,
-                    remaining,
+                    left,
                 )
             except aiohttp.ClientConnectorError as exc:  # never reached the server: not applied
                 last = exc
@@ -295,21 +289,29 @@ class JsonApiTransport:
                 "GCS %s %s: attempt %d/%d failed: %r",
                 method,
                 url.split("?")[0],
-                attempt + 1,
+                tries.tried,
                 attempts,
                 last,
             )
+        if tries.expired():
+            assert tries.deadline is not None
+            raise tries.deadline.exceeded(
+                url=self.url,
+                key=key,
+                waited_for=f"GCS at {self.endpoint} to answer {method} {url.split('?')[0]} (key {key!r}; "
+                f"attempts: {tries.tried}, last: {last!r})",
+            ) from last
         if isinstance(last, aiohttp.ClientConnectorError):
             # Never reached a server (DNS, refused): say what a first-time user is missing.
             raise BackendError(
                 f"cannot reach GCS at {self.endpoint} for {self.url} (key {key!r}): "
-                f"{getattr(last, 'os_error', None) or last} ({tried} tries). {self._setup_hint()}",
+                f"{getattr(last, 'os_error', None) or last} ({tries.tried} tries). {self._setup_hint()}",
                 url=self.url,
                 key=key,
             ) from last
-        within = f" within its {allowance:.0f} s deadline" if tried < attempts else ""
+        within = f" within its {allowance:.0f} s deadline" if tries.cut_short() else ""
         raise BackendError(
-            f"GCS request {method} for {self.url} (key {key!r}) failed {tried} times{within}, last: "
+            f"GCS request {method} for {self.url} (key {key!r}) failed {tries.tried} times{within}, last: "
             f"{last!r}. Check the network and {self.endpoint}, then retry",
             url=self.url,
             key=key,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from ckptsdk.backends.gcs_payload import b64crc, persisted
 from ckptsdk.backends.gcs_transport import JsonApiTransport, Reply
-from ckptsdk.errors import BackendError
+from ckptsdk.errors import BackendError, DeadlineExceeded
 
 __all__ = ["ChunkedUploads"]
 
@@ -56,6 +56,8 @@ class ChunkedUploads(JsonApiTransport):
                     data=part,
                     attempts=1,
                 )
+            except DeadlineExceeded:
+                raise  # the save is over: asking the server how far it got would wait again
             except BackendError:
                 ambiguous = True  # maybe (partly) stored: ask the server before resending
                 continue

@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from typing import BinaryIO
 
 from ckptsdk.backends.base import Capabilities, Data, ObjectInfo, check_key, check_prefix, iter_chunks
+from ckptsdk.backends.deadline import current
 from ckptsdk.backends.posix import (
     LOCK_NAME,
     LOCK_TIMEOUT_S,
@@ -357,8 +358,9 @@ class LocalBackend:
 
     def _flock(self, fd: int, op: str, key: str | None) -> bool:
         """Take the flock on ``fd``; False if this filesystem has none and ``_flock_optional``."""
+        pending = current()  # the save's deadline (deadline.py) ends the wait too
         try:
-            if flock(fd, LOCK_TIMEOUT_S):
+            if flock(fd, LOCK_TIMEOUT_S if pending is None else max(0.0, min(LOCK_TIMEOUT_S, pending.remaining()))):
                 return True
         except OSError as exc:
             if self._flock_optional and exc.errno in NO_FLOCK_ERRNOS:
@@ -371,6 +373,9 @@ class LocalBackend:
                     )
                 return False
             raise self._translate(exc, op, key) from exc
+        if pending is not None and pending.remaining() <= 0:
+            held = f"the lock {LOCK_NAME} in {self.root}, held by another process ({op} of {key!r})"
+            raise pending.exceeded(url=self.url, key=key, waited_for=held)
         raise BackendError(
             f"{op} of {key!r} under {self.url}: the lock {LOCK_NAME} stayed held for "
             f"{LOCK_TIMEOUT_S:.0f} s; another process is stuck in a write here. "

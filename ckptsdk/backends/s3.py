@@ -18,11 +18,12 @@ import zlib
 from collections.abc import Callable, Iterator
 from typing import Any, BinaryIO
 
-from ckptsdk.backends.base import Capabilities, Data, ObjectInfo, check_key, check_prefix, iter_chunks
+from ckptsdk.backends.base import Capabilities, Data, ObjectInfo, check_prefix, iter_chunks
+from ckptsdk.backends.bucket import BucketRoot
 from ckptsdk.backends.ranged import RangedReader
 from ckptsdk.backends.s3_payload import crc_b64, etag_of, http_date, store_time
 from ckptsdk.backends.s3_transport import Answer, S3Transport
-from ckptsdk.errors import BackendError, ConfigError, ObjectNotFound, PreconditionFailed
+from ckptsdk.errors import BackendError, DeadlineExceeded, ObjectNotFound, PreconditionFailed
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +34,7 @@ _MAX_PARTS = 10_000  # S3's limit per multi-part upload
 _COPY_PART = 1 << 30  # UploadPartCopy copies at most 5 GiB per part; 1 GiB keeps each call short
 
 
-class S3Backend(S3Transport):
+class S3Backend(S3Transport, BucketRoot):
     """Objects under ``s3://bucket/prefix`` through the S3 API (botocore).
 
     ``write``/``create``/``replace`` publish with one PutObject up to ``multipart_threshold``
@@ -67,6 +68,7 @@ class S3Backend(S3Transport):
         'a1b2c3...'
     """
 
+    scheme = "s3"
     capabilities = Capabilities(
         exclusive_create=True,
         compare_and_swap=True,
@@ -78,39 +80,17 @@ class S3Backend(S3Transport):
     read_block = 16 * _MiB  # one ranged GET per block when streaming through open()
 
     def __init__(self, path: str, *, url: str | None = None, **storage_options: Any) -> None:
-        path = str(path).strip("/")
-        bucket, _, prefix = path.partition("/")
-        self.url = url or f"s3://{path}"
-        if not bucket:
-            raise ConfigError(f"{self.url!r} names no bucket: use s3://BUCKET[/PREFIX]")
-        if prefix:
-            check_key(prefix, url=self.url)
-        self.bucket = bucket
-        self.prefix = prefix
+        self._init_root(path, url)
         self._init_transport(dict(storage_options))
-        self._bucket_seen = False
 
     def __repr__(self) -> str:
         return f"S3Backend({self.url!r}, endpoint={self.endpoint!r})"
 
     # -- names -------------------------------------------------------------------------------
 
-    def _name(self, key: str) -> str:
-        check_key(key, url=self.url)
-        return f"{self.prefix}/{key}" if self.prefix else key
-
-    def _not_found(self, key: str, doing: str) -> BackendError:
-        """A 404 on an object: the object is missing, unless the whole bucket is."""
-        if not self._bucket_seen:
-            answer = self._call("head_bucket", key)
-            if answer.status == 404:
-                return self._missing_bucket(key)
-            self._bucket_seen = answer.ok
-        return ObjectNotFound(
-            f"no object {key!r} in {self.url} ({doing}); it was never written or has been deleted",
-            url=self.url,
-            key=key,
-        )
+    def _bucket_exists(self, key: str | None) -> bool | None:
+        answer = self._call("head_bucket", key)
+        return False if answer.status == 404 else (True if answer.ok else None)
 
     def _check(self, answer: Answer, key: str, doing: str) -> dict[str, Any]:
         if answer.response is not None:
@@ -307,8 +287,12 @@ class S3Backend(S3Transport):
             self._bucket_seen = True
             self._verify(key, answer.response, size, crc)
             return ObjectInfo(key, size, etag_of(answer.response["ETag"]))
-        except BaseException:
-            # Abort so the parts stop costing storage now, not when a lifecycle rule runs.
+        except BaseException as failure:
+            # Abort so the parts stop costing storage now, not when a lifecycle rule runs; not past
+            # the save's deadline (the store is not answering): ``sweep`` aborts them later.
+            if isinstance(failure, DeadlineExceeded):
+                logger.info("multi-part upload of %r in %s left for sweep() to abort", key, self.url)
+                raise
             try:
                 self._call("abort_multipart_upload", key, Key=name, UploadId=upload_id)
             except BackendError as exc:

@@ -1,7 +1,8 @@
 """The S3 API over botocore for ``s3.py``: client, credentials, region, retries, deadlines, error kinds.
 
-One call in, one answer out: retried a bounded number of times within a deadline, with jitter from
-a generator of our own, and "was it maybe applied?" reported to the caller. botocore's own retries
+One call in, one answer out: retried a bounded number of times within its own bound and the save's
+deadline (``deadline.py``, which also shortens the socket timeouts), with jitter from a generator
+of our own, and "was it maybe applied?" reported to the caller. botocore's own retries
 are off (its jitter draws from the global ``random``, which would move a training job's Python RNG
 stream during a save). What a call means (objects, uploads, preconditions) belongs in ``s3.py``.
 Tested with botocore 1.43.117 against moto 5.2.4 (``ckptsdk/testing/s3_server.py``).
@@ -13,7 +14,6 @@ import logging
 import os
 import random
 import threading
-import time
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +23,7 @@ import botocore.exceptions
 import botocore.session
 from botocore import UNSIGNED
 
+from ckptsdk.backends.deadline import Retries, socket_timeout
 from ckptsdk.errors import BackendError, ConfigError, StorageUnavailable
 
 logger = logging.getLogger(__name__)
@@ -153,10 +154,22 @@ class S3Transport:
         self._client_pid = -1
         self.requests: Counter[str] = Counter()  # calls sent, by operation (benchmarks count them)
 
-    def client(self) -> Any:
-        """The botocore client of this process (made again after a fork; shared by same-config backends)."""
+    def client(self, left: float | None = None) -> Any:
+        """The botocore client of this process (made again after a fork; shared by same-config backends).
+
+        ``left``: seconds the call may take. botocore fixes its socket timeouts when a client is
+        made, so a call with less time than ``read_timeout_s`` gets a client with a shorter one
+        (a few sizes, see :func:`~ckptsdk.backends.deadline.socket_timeout`, each made once).
+        """
+        if left is not None and left < self.read_timeout_s:
+            return self._client_for(socket_timeout(self.read_timeout_s, left))
+        return self._client_for(None)
+
+    def _client_for(self, timeout: float | None) -> Any:
+        read_timeout = self.read_timeout_s if timeout is None else timeout
+        connect_timeout = self.connect_timeout_s if timeout is None else min(self.connect_timeout_s, timeout)
         with self._client_lock:
-            if self._client is None or self._client_pid != os.getpid():
+            if timeout is not None or self._client is None or self._client_pid != os.getpid():
                 ident = (
                     os.getpid(),
                     id(self._session),
@@ -165,18 +178,19 @@ class S3Transport:
                     self.anon,
                     tuple(sorted(self._explicit.items())),
                     self._options.get("max_pool_connections", 16),
-                    self.connect_timeout_s,
-                    self.read_timeout_s,
+                    connect_timeout,
+                    read_timeout,
                 )
                 with _cache_lock:
                     cached = _clients.get(ident)
                 if cached is not None:
-                    self._client, self._client_pid = cached, os.getpid()
+                    if timeout is None:
+                        self._client, self._client_pid = cached, os.getpid()
                     return cached
                 config = botocore.config.Config(
                     region_name=self.region,
-                    connect_timeout=self.connect_timeout_s,
-                    read_timeout=self.read_timeout_s,
+                    connect_timeout=connect_timeout,
+                    read_timeout=read_timeout,
                     retries={"total_max_attempts": 1},  # ours, with our jitter (module docstring)
                     max_pool_connections=int(self._options.get("max_pool_connections", 16)),
                     # A custom endpoint (MinIO, R2, a local server) wants bucket-in-the-path URLs.
@@ -185,12 +199,12 @@ class S3Transport:
                     request_checksum_calculation="when_supported",
                     response_checksum_validation="when_supported",
                 )
-                self._client = self._session.create_client(
-                    "s3", endpoint_url=self.endpoint, config=config, **self._explicit
-                )
-                self._client_pid = os.getpid()
+                made = self._session.create_client("s3", endpoint_url=self.endpoint, config=config, **self._explicit)
                 with _cache_lock:
-                    _clients[ident] = self._client
+                    _clients[ident] = made
+                if timeout is not None:
+                    return made
+                self._client, self._client_pid = made, os.getpid()
             return self._client
 
     def _call(self, op: str, key: str | None, *, read_body: bool = False, **params: Any) -> Answer:
@@ -212,18 +226,13 @@ class S3Transport:
         params = {"Bucket": self.bucket, **params}
         ambiguous = False
         last: BaseException | None = None
-        deadline = time.monotonic() + self.call_deadline_s
-        tried = 0
-        for attempt in range(self.max_attempts):
-            if attempt:
-                pause = self.backoff_s * 2 ** (attempt - 1) * (1 + 0.5 * _JITTER.random())
-                time.sleep(max(0.0, min(pause, deadline - time.monotonic())))
-            if time.monotonic() >= deadline:
-                break
-            tried += 1
+        tries = Retries(
+            self.max_attempts, backoff=self.backoff_s, spread=0.5, allowance=self.call_deadline_s, jitter=_JITTER
+        )
+        for left in tries:
             self.requests[op] += 1
             try:
-                response = getattr(self.client(), op)(**params)
+                response = getattr(self.client(left if tries.deadline is not None else None), op)(**params)
                 if read_body:
                     body = response.pop("Body")
                     try:
@@ -247,18 +256,25 @@ class S3Transport:
                 ambiguous, last = True, exc  # sent, but the reply was lost or cut: maybe applied
             else:
                 return Answer(response, int(response["ResponseMetadata"]["HTTPStatusCode"]), "", "", {}, ambiguous)
-            logger.warning("S3 %s %s: attempt %d/%d failed: %r", op, key, attempt + 1, self.max_attempts, last)
+            logger.warning("S3 %s %s: attempt %d/%d failed: %r", op, key, tries.tried, self.max_attempts, last)
         where = self.endpoint or f"AWS S3 ({self.region})"
+        if tries.expired():
+            assert tries.deadline is not None
+            raise tries.deadline.exceeded(
+                url=self.url,
+                key=key,
+                waited_for=f"S3 at {where} to answer {op} (key {key!r}; attempts: {tries.tried}, last: {last!r})",
+            ) from last
         if isinstance(last, (botocore.exceptions.EndpointConnectionError, botocore.exceptions.ConnectTimeoutError)):
             raise BackendError(
-                f"cannot reach S3 at {where} for {self.url} (key {key!r}): {last} ({tried} tries). "
+                f"cannot reach S3 at {where} for {self.url} (key {key!r}): {last} ({tries.tried} tries). "
                 "Check the network and the endpoint (storage option endpoint_url=..., or "
                 "AWS_ENDPOINT_URL_S3); for a local server run `python -m ckptsdk.testing.s3_server`",
                 url=self.url,
                 key=key,
             ) from last
         raise BackendError(
-            f"S3 {op} for {self.url} (key {key!r}) failed {tried} times within {self.call_deadline_s:.0f} s, "
+            f"S3 {op} for {self.url} (key {key!r}) failed {tries.tried} times within {self.call_deadline_s:.0f} s, "
             f"last: {last!r}. Check the network and {where}, then retry",
             url=self.url,
             key=key,

@@ -31,15 +31,16 @@ from typing import Any
 import torch
 
 from ckptsdk.backends.base import Backend, copier
+from ckptsdk.backends.deadline import SAVE_RATE_BPS, bounded
 from ckptsdk.checkpoint.catalog import Catalog, CheckpointInfo
 from ckptsdk.checkpoint.lineage import LineageWriter
 from ckptsdk.checkpoint.rotation import Rotation
 from ckptsdk.checkpoint.scheduling import SaveSlots, SaveStats, _Job
 from ckptsdk.checkpoint.staging import SnapshotMode, tensor_key
-from ckptsdk.errors import BackendError, CheckpointError, LeaseLostError, PreconditionFailed
+from ckptsdk.errors import BackendError, CheckpointError, DeadlineExceeded, LeaseLostError, PreconditionFailed
 from ckptsdk.format import codec
 from ckptsdk.format.digest import DEFAULT as DIGEST_ALGORITHM
-from ckptsdk.format.environment import Environment
+from ckptsdk.format.environment import Environment, device_of
 from ckptsdk.format.layout import MANIFEST, TENSORS, Rank
 from ckptsdk.format.manifest import FileEntry, LineageRecord, Manifest, Position
 from ckptsdk.format.manifest import Writer as WriterRecord
@@ -83,6 +84,8 @@ class SavePipeline:
             (at most two snapshots of the state).
         clock: monotonic time of the relist period (the lease's clock).
     """
+
+    save_deadline: float | None = None  # SaveOptions.save_deadline (None: the lease's ttl), set by the manager
 
     def __init__(
         self,
@@ -194,7 +197,7 @@ class SavePipeline:
             position=position,
             metrics=dict(metrics or {}),
             tags=dict(tags or {}),
-            device=_device_of(tensors),
+            device=device_of(tensors.values()),
             extra_files=tuple(extra_files),
         )
         if blocking:
@@ -250,37 +253,41 @@ class SavePipeline:
         return cat
 
     def _store(self, job: _Save, tensors: Mapping[str, torch.Tensor], skeleton: Any) -> CheckpointInfo:
-        """The storage half of a save: tensors, renewal (the fence), commit; then rotate.
-
-        On a store without compare-and-swap (Drive) a listing of the root comes first: there it
-        is a fence as well."""
-        try:
-            self.lease.check()
-            if not self.backend.capabilities.compare_and_swap:
-                # Drive: the listing is a fence (a newer writer's folders and lineage record), and
-                # before the upload, so a zombie stops before it sends a full-size file that could
-                # only end in the trash.
-                self._relist()
-            cat = self.catalog()
-            existing = next((c for c in cat.checkpoints if c.key == job.folder and c.committed), None)
-            if existing is not None:
-                logger.debug("step %d already committed as %s; not saving it twice", job.step, job.folder)
-                return existing
-            self.write_lineage(None, None)  # once: a no-op after this writer's first commit or restore
-            return self.commit(
-                job.folder,
-                job.step,
-                dict(tensors),
-                skeleton,
-                job.position,
-                job.metrics,
-                job.tags,
-                job.device,
-                job.extra_files,
-            )
-        except BaseException:
-            self._catalog = None  # whatever failed, the next save lists the root again
-            raise
+        """The storage half of a save (tensors, renewal: the fence, commit; then rotate), within one
+        deadline (``save_deadline``). Without compare-and-swap (Drive) a listing comes first: a fence too."""
+        what, nbytes = f"the save of step {job.step} under {self.url}", sum(t.nbytes for t in tensors.values())
+        limit = self.save_deadline or self.lease.ttl
+        with bounded(limit, what, option="save_deadline", nbytes=nbytes, rate=SAVE_RATE_BPS):
+            try:
+                self.lease.check()
+                if not self.backend.capabilities.compare_and_swap:
+                    # Drive: the listing is a fence (a newer writer's folders and lineage record), and
+                    # before the upload, so a zombie stops before it sends a full-size file that could
+                    # only end in the trash.
+                    self._relist()
+                cat = self.catalog()
+                existing = next((c for c in cat.checkpoints if c.key == job.folder and c.committed), None)
+                if existing is not None:
+                    logger.debug("step %d already committed as %s; not saving it twice", job.step, job.folder)
+                    return existing
+                self.write_lineage(None, None)  # once: a no-op after this writer's first commit or restore
+                return self.commit(
+                    job.folder,
+                    job.step,
+                    dict(tensors),
+                    skeleton,
+                    job.position,
+                    job.metrics,
+                    job.tags,
+                    job.device,
+                    job.extra_files,
+                )
+            except BaseException as exc:
+                self._catalog = None  # whatever failed, the next save lists the root again
+                if isinstance(exc, DeadlineExceeded) and job.folder in self._committed:
+                    logger.warning("step %d is committed under %s; rotation waits: %s", job.step, self.url, exc)
+                    return self._committed[job.folder]
+                raise
 
     def commit(
         self,
@@ -488,10 +495,3 @@ class SavePipeline:
         if self.writer.fenced_by(seen):
             self.lease.fence(f"saw a newer writer (epoch {seen[0]}) under {self.url}", seen[0])
             self.lease.check()  # raises LeaseLostError
-
-
-def _device_of(tensors: Mapping[str, torch.Tensor]) -> str:
-    for t in tensors.values():
-        if t.device.type != "cpu":
-            return str(t.device)
-    return "cpu"

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ckptsdk.backends.deadline import carried
 from ckptsdk.checkpoint.staging import PendingSnapshot, Stager
 
 logger = logging.getLogger(__name__)
@@ -167,6 +168,7 @@ class SaveSlots:
 
     def submit(self, job: _Job) -> None:
         """Put ``job`` in the waiting slot; the worker runs it once the running save is done."""
+        job.run = carried(job.run)  # in this context: a deadline set around save() bounds the worker too
         with self._cond:
             assert self._waiting is None, "claim() first: it empties the waiting slot"
             self._waiting = job

@@ -9,17 +9,17 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ckptsdk.backends.deadline import Deadline, bounded, carried
 from ckptsdk.checkpoint.catalog import CheckpointInfo
 from ckptsdk.checkpoint.saving import SavePipeline
-from ckptsdk.errors import BackendError, CheckpointError, LeaseLostError
+from ckptsdk.errors import BackendError, CheckpointError, CkptError, LeaseLostError
 from ckptsdk.format.manifest import FileEntry, Position
 from ckptsdk.lease.acquire import Lease
-from ckptsdk.preemption import Preemption
+from ckptsdk.preemption import Preemption, release_reserve
 from ckptsdk.runlog.writer import RunLog
 
 # The manager's logger, as before these steps moved here: their records keep their logger name.
@@ -49,43 +49,64 @@ class WriterShutdown:
         tags: Mapping[str, str] | None,
         extra_files: Sequence[FileEntry] = (),
     ) -> CheckpointInfo:
-        """The last save after a stop signal: commit within the deadline, close, then let the
-        signal act (this returns only if a chained handler returns)."""
+        """The last save after a stop signal, then close, then let the signal act (this returns
+        only if a chained handler returns). All of it within ``signal_deadline``: the save, the
+        step log's last flush and the lease release."""
         assert self._preemption is not None and self._saving is not None
-        deadline = self._preemption.deadline
-        end = time.monotonic() + deadline
+        seconds = self._preemption.deadline
         finished = False
-        try:
-            with self._lock:
-                # A save already in flight finishes first (its failure surfaces here).
-                if self._saving.wait(deadline):
-                    self._saving.save(
-                        state,
-                        step=step,
-                        position=position,
-                        metrics=metrics,
-                        tags=tags,
-                        blocking=False,
-                        snapshot="copy",
-                        extra_files=extra_files,
-                    )
-                    finished = self._saving.wait(max(0.0, end - time.monotonic()))
-            if finished:
-                logger.warning("stop signal: committed step %d under %s; stopping", step, self.url)
-            else:
+        failure: BaseException | None = None
+        stopped: BaseException | None = None
+        what = f"the stop after a signal under {self.url} (the save of step {step}, the step log, the lease release)"
+        # The save may use all but a reserve: the step log and the release come after it.
+        saving = f"the save of step {step} under {self.url} after a stop signal"
+        with bounded(seconds, what, option="signal_deadline") as deadline:
+            try:
+                with self._lock, bounded(seconds - release_reserve(seconds), saving, option="signal_deadline") as due:
+                    # A save already in flight finishes first (its failure surfaces here).
+                    if self._saving.wait(max(0.0, due.remaining())):
+                        # Not blocking: the worker carries this context, so the deadline bounds
+                        # its requests, and the wait below gives up at the deadline whatever the
+                        # store does (a frozen mount, a backend that ignores the deadline).
+                        self._saving.save(
+                            state,
+                            step=step,
+                            position=position,
+                            metrics=metrics,
+                            tags=tags,
+                            blocking=False,
+                            snapshot="copy",
+                            extra_files=extra_files,
+                        )
+                        finished = self._saving.wait(max(0.0, due.remaining()))
+            except (CkptError, OSError) as exc:  # the signal must still act: say it, stop, exit
+                failure = exc
                 logger.error(
-                    "stop signal: the save of step %d under %s took over %.0f s; abandoned "
-                    "(the previous committed checkpoint stands)",
+                    "stop signal: the save of step %d under %s failed (%s); the previous committed checkpoint stands",
                     step,
                     self.url,
-                    deadline,
+                    exc,
                 )
-        finally:
-            if not finished:
-                self._saving.abandon()
-            self._shutdown(wait=finished)
+            else:
+                if finished:
+                    logger.warning("stop signal: committed step %d under %s; stopping", step, self.url)
+                else:
+                    logger.error(
+                        "stop signal: the save of step %d under %s took over %.1f s (signal_deadline); "
+                        "abandoned (the previous committed checkpoint stands)",
+                        step,
+                        self.url,
+                        seconds,
+                    )
+            finally:  # whatever happened, the writer stops
+                if not finished:
+                    self._saving.abandon()
+                stopped = self._stop_by(deadline, wait=finished)
+        failure = stopped or failure
         self._preemption.deliver()
         # Only a chained handler that returns brings us here: the job goes on, without a writer.
+        if failure is not None:
+            raise failure
         return self._saving.last_committed or CheckpointInfo(
             step=step,
             epoch=self._saving.rank[0],
@@ -104,13 +125,59 @@ class WriterShutdown:
         """Wait for a background save, flush the step log, release the lease. Idempotent.
 
         A stop signal that arrived since (``save_on_signal``) and was not yet acted on by a
-        save takes effect here, once the lease is released.
+        save takes effect here, once the lease is released; then all of this is bounded by
+        ``signal_deadline``, as after the last save.
         """
         if self._closed:
             return
-        self._shutdown(wait=True)
-        if self._preemption is not None and self._preemption.requested:
-            self._preemption.deliver()
+        if self._preemption is None or not self._preemption.requested:
+            self._shutdown(wait=True)
+            return
+        what = f"closing {self.url} after a stop signal (the save in flight, the step log, the lease release)"
+        with bounded(self._preemption.deadline, what, option="signal_deadline") as deadline:
+            failure = self._stop_by(deadline, wait=True)
+        self._preemption.deliver()
+        if failure is not None:
+            raise failure
+
+    def _stop_by(self, deadline: Deadline, *, wait: bool) -> BaseException | None:
+        """``_shutdown`` on a helper thread, waited for until ``deadline`` only; its failure, if any.
+
+        What has not finished by then is left to run while the process exits: the signal's
+        platform grants a grace period, not more, and a store can hang any one call (a frozen
+        server, a Drive mount). A release left unfinished leaves the lease to expire after its
+        ttl; it is never half-written (a lease write is one atomic publish).
+        """
+        failures: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                self._shutdown(wait=wait)
+            except BaseException as exc:  # kept for the caller; logged below
+                failures.append(exc)
+
+        helper = threading.Thread(target=carried(run), name="ckptsdk-stop", daemon=True)
+        helper.start()
+        helper.join(max(0.0, deadline.remaining()))
+        if helper.is_alive():
+            if self._saving is not None:
+                self._saving.abandon()  # a save still in flight must not commit after this message
+            ttl = self.lease.ttl if self.lease is not None else float("nan")
+            logger.error(
+                "stop signal: closing %s did not finish within signal_deadline (%.1f s): the step log's "
+                "last steps may be missing, and the lease is left for its ttl (%g s): the next writer "
+                "takes over after it. The last committed checkpoint stands",
+                self.url,
+                deadline.seconds,
+                ttl,
+            )
+            return None
+        if failures:
+            logger.error(
+                "stop signal: closing %s failed: %s (the last committed checkpoint stands)", self.url, failures[0]
+            )
+            return failures[0]
+        return None
 
     def _shutdown(self, *, wait: bool) -> None:
         if self._closed:

@@ -12,7 +12,8 @@ from __future__ import annotations
 import functools
 import platform
 import sys
-from typing import TYPE_CHECKING
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 from pydantic import Field
 
@@ -22,7 +23,7 @@ from ckptsdk.format.document import Strict
 if TYPE_CHECKING:
     from torch import device as TorchDevice  # not "torch": Environment has a field of that name
 
-__all__ = ["Environment", "describe_device", "versions"]
+__all__ = ["Environment", "describe_device", "device_of", "versions"]
 
 
 def versions() -> dict[str, str]:
@@ -106,3 +107,14 @@ class Environment(Strict):
 @functools.lru_cache(maxsize=1)
 def _platform() -> str:
     return platform.platform()  # reads the interpreter binary to find libc: once is enough
+
+
+def device_of(tensors: Iterable[Any]) -> str:
+    """The device a state trains on: that of its first tensor off the CPU, else ``"cpu"``.
+
+    Example:
+        >>> import torch
+        >>> device_of([torch.zeros(1)])
+        'cpu'
+    """
+    return next((str(t.device) for t in tensors if t.device.type != "cpu"), "cpu")

@@ -147,6 +147,9 @@ def test_a_group_and_its_flat_keyword_together_are_refused_before_the_root_is_to
         ({"save_every": 2.5}, ["save_every", "2.5"]),
         ({"leftover_grace": -1.0}, ["leftover_grace", ">= 0"]),
         ({"leftover_grace": float("nan")}, ["leftover_grace", "nan"]),
+        ({"save_deadline": 0}, ["save_deadline", "> 0"]),
+        ({"save_deadline": float("inf")}, ["save_deadline", "inf"]),
+        ({"signal_deadline": -1.0}, ["signal_deadline", "> 0"]),
     ],
 )
 def test_bad_option_values_are_one_config_error_whichever_way_they_come(

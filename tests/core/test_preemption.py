@@ -179,3 +179,47 @@ def test_manager_in_a_thread_does_not_install_handlers(tmp_path):
     t.start()
     t.join(60)
     assert result == [None] and signal.getsignal(signal.SIGTERM) == before
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_signal_deadline_bounds_the_release_on_a_slow_store_and_the_next_writer_takes_over(tmp_path):
+    """Every storage call takes 1.5 s: the final save cannot finish within signal_deadline=3 s,
+    nor can the step log's last flush and the release after it. The job still exits at about
+    the deadline (before: some 12 s after the signal), says that the lease is left for its ttl,
+    and the next writer takes over after that ttl and resumes from the last committed step."""
+    root = tmp_path / "run"
+    first = _child(root, max_step=8)
+    _read_until(first, "step 3")
+    first.send_signal(signal.SIGTERM)  # a committed checkpoint to fall back on
+    code, _, err = _finish(first)
+    assert code == -signal.SIGTERM, err[-2000:]
+    with CheckpointManager(str(root), read_only=True) as ro:
+        before = ro.latest()
+    assert before is not None and before.committed
+
+    slow = _child(root, CKPT_SLOW_ALL="1.5", CKPT_DEADLINE="3")
+    _read_until(slow, f"resumed={before.step}")
+    _read_until(slow, f"step {before.step + 2}")
+    sent = time.monotonic()
+    slow.send_signal(signal.SIGTERM)
+    code, _, err = _finish(slow)
+    took = time.monotonic() - sent
+    assert code == -signal.SIGTERM, err[-2000:]
+    # What the log says, in order: the save abandoned, then the release left for the ttl.
+    abandoned = err.find("abandoned (the previous committed checkpoint stands)")
+    left = err.find("the lease is left for its ttl (5 s): the next writer takes over after it")
+    assert 0 <= abandoned < left, err[-3000:]
+    assert "released the lease" not in err
+    # A generous bound that the old behaviour (~12 s: each release call waited out in turn) exceeds.
+    assert took < 3 + 6, f"exited {took:.1f} s after the signal"
+    lease = json.loads((root / LEASE_KEY).read_text())
+    assert lease["released"] is False and lease["epoch"] == 2  # left for its ttl, not half-written
+
+    resumed = _child(root)  # waits out the 5 s ttl of the unreleased lease, then takes over
+    code, out, err = _finish(resumed)
+    assert code == 0, err[-2000:]
+    assert f"resumed={before.step}" in out  # the abandoned save committed nothing
+    assert json.loads((root / LEASE_KEY).read_text())["epoch"] == 3
+    assert out[-1] == _uninterrupted(tmp_path)  # and the run ends bit-exact
+    print(f"slow store: exited {took:.1f} s after SIGTERM (signal_deadline 3 s)")

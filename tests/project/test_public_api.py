@@ -34,6 +34,7 @@ EXPECTED = {
     "CheckpointTooLargeError",
     "ConfigError",
     "DatasetMismatchError",
+    "DeadlineExceeded",
     "DigestMismatchError",
     "DownloadError",
     "InvalidKey",

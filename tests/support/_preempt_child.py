@@ -4,7 +4,8 @@ A small model trained deterministically on CPU, a manager with ``save_on_signal`
 default in the main thread) and save_every far away, so the only saves are the ones a signal asks
 for. It prints ``step N`` after each step (flushed), so the parent signals at a step it chose.
 ``CKPT_SLOW_WRITE=S`` sleeps S seconds before each tensor-file write (printing ``writing``), to
-signal again during the save; ``CKPT_DEADLINE`` sets ``signal_deadline``. At the end it prints
+signal again during the save; ``CKPT_SLOW_ALL=S`` makes every storage call after restore take S
+seconds (a slow store); ``CKPT_DEADLINE`` sets ``signal_deadline``. At the end it prints
 ``done DIGEST`` with a digest of the final parameters. ``CKPT_HOLD_AT=N`` holds step N (up to
 60 s) until a signal has asked for a save, so a busy machine cannot let the job run past the step
 the parent aims at before its signal lands.
@@ -27,7 +28,9 @@ _ARMED = [False]  # slow writes only after restore (a takeover's anchor writes a
 
 
 def _slow(op: str, key: str, n: int) -> None:
-    if _ARMED[0] and op == "write" and key.endswith("tensors.safetensors"):
+    if _ARMED[0] and os.environ.get("CKPT_SLOW_ALL"):
+        time.sleep(float(os.environ["CKPT_SLOW_ALL"]))  # a slow store: every call, every thread
+    elif _ARMED[0] and op == "write" and key.endswith("tensors.safetensors"):
         print("writing", flush=True)
         time.sleep(float(os.environ["CKPT_SLOW_WRITE"]))
     return None
@@ -46,7 +49,7 @@ def main(root: str, max_step: int) -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     state = TrainState(model=model, optimizer=opt)
     backend: object = root
-    if os.environ.get("CKPT_SLOW_WRITE"):
+    if os.environ.get("CKPT_SLOW_WRITE") or os.environ.get("CKPT_SLOW_ALL"):
         backend = FaultyBackend(open_backend(root), fail_on=_slow)
     mgr = CheckpointManager(
         backend,
@@ -56,6 +59,7 @@ def main(root: str, max_step: int) -> None:
         signal_deadline=float(os.environ.get("CKPT_DEADLINE", "10")),
     )
     pos = mgr.restore(state)
+    print(f"resumed={None if pos is None else pos.step}", flush=True)
     start = 1 if pos is None else pos.step + 1
     _ARMED[0] = True
     hold_at = int(os.environ.get("CKPT_HOLD_AT", "-1"))

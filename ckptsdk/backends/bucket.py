@@ -1,0 +1,66 @@
+"""What the object-store backends (``gcs.py``, ``s3.py``) share about their root: ``bucket/prefix``.
+
+Parsing the root, naming a key under its prefix, and telling a missing object from a missing
+bucket (asked once, then remembered). How a request travels is each store's transport; what an
+answer means is each backend's.
+"""
+
+from __future__ import annotations
+
+import abc
+
+from ckptsdk.backends.base import check_key
+from ckptsdk.errors import BackendError, ConfigError, ObjectNotFound, StorageUnavailable
+
+__all__ = ["BucketRoot"]
+
+
+class BucketRoot(abc.ABC):
+    """A root ``bucket/prefix`` in an object store; a base of ``GCSBackend`` and ``S3Backend``.
+
+    A subclass sets ``scheme`` and answers :meth:`_bucket_exists` and :meth:`_missing_bucket`.
+    """
+
+    scheme: str
+    url: str
+    bucket: str
+    prefix: str
+    _bucket_seen: bool
+
+    def _init_root(self, path: str, url: str | None) -> None:
+        """Parse ``bucket[/prefix]``; ``ConfigError`` without a bucket or with a bad prefix."""
+        path = str(path).strip("/")
+        bucket, _, prefix = path.partition("/")
+        self.url = url or f"{self.scheme}://{path}"
+        if not bucket:
+            raise ConfigError(f"{self.url!r} names no bucket: use {self.scheme}://BUCKET[/PREFIX]")
+        if prefix:
+            check_key(prefix, url=self.url)
+        self.bucket, self.prefix = bucket, prefix
+        self._bucket_seen = False  # set by the first answer that proves the bucket is there
+
+    def _name(self, key: str) -> str:
+        """The object name of ``key``: under the prefix, checked first."""
+        check_key(key, url=self.url)
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    @abc.abstractmethod
+    def _bucket_exists(self, key: str | None) -> bool | None:
+        """Ask the store whether the bucket exists (None: it would not say, e.g. 403)."""
+
+    @abc.abstractmethod
+    def _missing_bucket(self, key: str | None) -> StorageUnavailable:
+        """The error for a bucket that does not exist, saying how to create it."""
+
+    def _not_found(self, key: str, doing: str) -> BackendError:
+        """A 404 on an object: the object is missing, unless the whole bucket is."""
+        if not self._bucket_seen:
+            exists = self._bucket_exists(key)
+            if exists is False:
+                return self._missing_bucket(key)
+            self._bucket_seen = exists is True  # cannot tell: do not cache
+        return ObjectNotFound(
+            f"no object {key!r} in {self.url} ({doing}); it was never written or has been deleted",
+            url=self.url,
+            key=key,
+        )
