@@ -12,7 +12,8 @@ per storage call. Each configuration runs ``--steps`` steps in turn with a run t
     python -m benchmarks.bench_overhead --step gpu-like --reps 3 --steps 100
 
 Printed per latency: overhead (the steps' wall time against never saving), the stall inside
-``save()`` (median, p99), the training thread's CPU per save, storage calls and bytes per
+``save()`` (median, p99), the training thread's CPU per save (``time.thread_time`` around
+``save()``: median, min-max), storage calls and bytes per
 committed save, saves committed / replaced / skipped (``mgr.stats``).
 """
 
@@ -140,7 +141,7 @@ def main(args: argparse.Namespace) -> int:
     )
     print(f"never saving: {base:.2f} s ({base / steps * 1000:.1f} ms/step)")
     print(
-        f"{'latency/call':>12s} {'overhead':>9s} {'stall med':>10s} {'stall p99':>10s} {'CPU/save':>9s} "
+        f"{'latency/call':>12s} {'overhead':>9s} {'stall med':>10s} {'stall p99':>10s} {'CPU/save (min-max)':>20s} "
         f"{'calls/save':>11s} {'MB/save':>8s} {'committed':>9s} {'replaced':>8s} {'skipped':>7s} {'save s':>7s}"
     )
     for lat in LATENCIES_MS:
@@ -150,7 +151,8 @@ def main(args: argparse.Namespace) -> int:
         stall, top = statistics.median(r["stalls"]) * 1000, _p99(r["stalls"]) * 1000
         print(
             f"{lat:10.0f}ms {over:+9.2%} {stall:8.2f}ms {top:8.2f}ms "
-            f"{statistics.median(r['cpu']) * 1000:7.2f}ms {calls:11.1f} {sizes[lat] / 1e6:8.1f} {s.committed:9d} "
+            f"{statistics.median(r['cpu']) * 1000:6.2f}ms ({min(r['cpu']) * 1000:.2f}-{max(r['cpu']) * 1000:.2f}) "
+            f"{calls:11.1f} {sizes[lat] / 1e6:8.1f} {s.committed:9d} "
             f"{s.replaced:8d} {s.skipped:7d} {s.save_s_median or 0:7.2f}"
         )
     print(

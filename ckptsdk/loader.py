@@ -3,8 +3,9 @@
 ``ckptsdk.DataLoader`` wraps ``torch.utils.data.DataLoader`` over a map-style dataset. Its state
 is (seed, epoch, batches done); the order of an epoch, the workers' ``base_seed`` and the RNG
 seeds of every batch's fetch are functions of (seed, epoch, batch), so a restore skips the
-consumed batches by index, never by loading them. Storage, the step log and other loaders
-(torchdata's ``StatefulDataLoader`` goes into a ``TrainState`` as it is) do not belong here.
+consumed batches by index, never by loading them. A torchdata ``StatefulDataLoader`` put in a
+``TrainState`` is adapted here to resume bit for bit too (``check_loader``). Storage and the step
+log do not belong here.
 """
 
 from __future__ import annotations
@@ -21,10 +22,11 @@ import torch
 import torch.utils.data as tud
 
 from ckptsdk.errors import ConfigError, StateMismatchError
+from ckptsdk.rng import capture_rng, restore_rng
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LOADER_FORMAT", "DataLoader", "check_loader", "loaders_of", "resolve_position"]
+__all__ = ["LOADER_FORMAT", "WORKER_RNG_FORMAT", "DataLoader", "check_loader", "loaders_of", "resolve_position"]
 
 LOADER_FORMAT: Final = "ckptsdk.loader/1"
 # Arguments that would take the order (or its bookkeeping) away from us.
@@ -327,10 +329,8 @@ def resolve_position(state: Any, epoch: int | None, batch_idx: int | None) -> tu
 
 
 def check_loader(name: str, obj: Any) -> None:
-    """Refuse, when a ``TrainState`` is built, a loader whose resume would be silently wrong.
-
-    A ``StatefulDataLoader`` without ``generator=`` is accepted with a warning: it resumes its
-    position, but not bit for bit (see the warning's text).
+    """Refuse, when a ``TrainState`` is built, a loader whose resume would be silently wrong, and
+    make a torchdata ``StatefulDataLoader`` resume bit for bit (see :func:`_adopt_stateful`).
 
     Raises:
         ConfigError: a plain ``torch.utils.data.DataLoader`` (it has no position to save), or a
@@ -351,22 +351,141 @@ def check_loader(name: str, obj: Any) -> None:
                 "after it. Leave generator=None (the order then comes from torch's global RNG, which "
                 "the TrainState saves and restores) or use ckptsdk.DataLoader(..., seed=...)"
             )
-        # Measured on torchdata 0.11: the resumed iter() draws the workers' base_seed from torch's
-        # global RNG once more than the uninterrupted run did (it drew it at the epoch's start,
-        # before the save), so every later draw (dropout, augmentation) is shifted by one.
-        logger.warning(
-            "TrainState(%s=StatefulDataLoader): its position is saved and restored, but a resume is "
-            "not bit-exact: after a mid-epoch restore its iter() draws once more from torch's "
-            "global RNG (and with num_workers > 0 the draws inside its workers differ too). "
-            "ckptsdk.DataLoader(..., seed=...) resumes bit for bit",
-            name,
-        )
         dataset = getattr(obj, "dataset", None)
-        if isinstance(dataset, tud.IterableDataset) and not callable(getattr(dataset, "state_dict", None)):
+        if isinstance(dataset, tud.IterableDataset):
+            if not callable(getattr(dataset, "state_dict", None)):
+                logger.warning(
+                    "TrainState(%s=StatefulDataLoader over %s): an iterable dataset without "
+                    "state_dict()/load_state_dict() is resumed by re-reading the consumed batches, and "
+                    "only if its iteration is deterministic; give it state_dict()/load_state_dict()",
+                    name,
+                    type(dataset).__name__,
+                )
+        elif getattr(obj, "num_workers", 0) > 0 and not hasattr(dataset, "__dict__"):
             logger.warning(
-                "TrainState(%s=StatefulDataLoader over %s): an iterable dataset without "
-                "state_dict()/load_state_dict() is resumed by re-reading the consumed batches, and "
-                "only if its iteration is deterministic; give it state_dict()/load_state_dict()",
+                "TrainState(%s=StatefulDataLoader): its dataset (%s) has no __dict__, so the random "
+                "state of its workers cannot travel with the loader's state: random augmentation in "
+                "the workers will differ after a resume. Use num_workers=0 or ckptsdk.DataLoader",
                 name,
+                type(dataset).__name__,
+            )
+        _adopt_stateful(obj)
+
+
+WORKER_RNG_FORMAT: Final = "ckptsdk.worker_rng/1"
+
+
+def _adopt_stateful(loader: Any) -> None:
+    """Make a ``StatefulDataLoader`` (``generator=None``) resume bit for bit; idempotent.
+
+    Two things differ after torchdata 0.11 restores mid-epoch, both fixed here on the instance
+    (its class and the user's dataset object are left alone):
+
+    - the resumed ``iter()`` builds its iterator from the saved state and, on the way, draws the
+      workers' ``base_seed`` from torch's global RNG (then overwrites it with the saved one); the
+      uninterrupted run drew it at the epoch's start, before the save, so every later draw
+      (dropout, augmentation at 0 workers) would be one behind. :class:`_KeepRngOnResume` puts
+      the global RNGs back when, and only when, building the resumed iterator moved them;
+    - with workers, torchdata saves each worker's dataset state but not its RNGs, and restarts
+      the workers from ``base_seed + worker_id``: :class:`_WorkerRng` (the loader's
+      ``worker_init_fn``, wrapping the user's) gives the dataset copy in each worker a
+      ``state_dict()`` that carries that worker's RNG states, which torchdata then snapshots
+      with every batch and restores in the resumed worker.
+    """
+    if not (callable(getattr(type(loader), "_get_iterator", None)) and hasattr(loader, "next_iter_state")):
+        # Another torchdata than the 0.11 this was written against: say so rather than guess.
+        logger.warning(
+            "this StatefulDataLoader has no _get_iterator()/next_iter_state (another torchdata?): its "
+            "resumed iter() may draw from the global RNG, so the resume may not be bit-exact"
+        )
+    elif not isinstance(loader.__dict__.get("_get_iterator"), _KeepRngOnResume):
+        loader._get_iterator = _KeepRngOnResume(loader)
+    if not isinstance(getattr(loader, "worker_init_fn", None), _WorkerRng):
+        loader.worker_init_fn = _WorkerRng(loader.worker_init_fn)
+
+
+class _KeepRngOnResume:
+    """The loader's ``_get_iterator``: a resumed one may not move the training process's RNGs.
+
+    Why undo every change rather than one draw: nothing the resumed iterator does at that point
+    happens in the uninterrupted run (which is mid-epoch, or past the epoch a resumed iter() ends
+    empty), and the saved RNG states already hold whatever torchdata replays (fetches since its
+    last snapshot). Comparing before and after keeps this right once torchdata stops drawing.
+    """
+
+    def __init__(self, loader: Any) -> None:
+        self.loader = loader
+        self.build = type(loader)._get_iterator
+
+    def __call__(self) -> Any:
+        if getattr(self.loader, "next_iter_state", None) is None:  # a new epoch: draws as usual
+            return self.build(self.loader)
+        before = capture_rng()
+        iterator = self.build(self.loader)
+        moved = _moved(before, capture_rng())
+        if moved:
+            restore_rng(before)
+            logger.debug("put back %s, drawn from by the resumed StatefulDataLoader iter()", ", ".join(moved))
+        return iterator
+
+
+def _moved(before: Mapping[str, Any], after: Mapping[str, Any]) -> list[str]:
+    """Which global RNGs differ between two ``capture_rng()`` trees."""
+    b, a = before["numpy"], after["numpy"]
+    numpy_same = b["state"]["pos"] == a["state"]["pos"] and np.array_equal(b["state"]["key"], a["state"]["key"])
+    changed = {
+        "torch's RNG": not torch.equal(before["torch"], after["torch"]),
+        "numpy's RNG": not (numpy_same and (b["has_gauss"], b["gauss"]) == (a["has_gauss"], a["gauss"])),
+        "random's RNG": before["python"] != after["python"],
+        "CUDA's RNG": [t.tolist() for t in before["cuda"] or []] != [t.tolist() for t in after["cuda"] or []],
+    }
+    return [name for name, moved in changed.items() if moved]
+
+
+class _WorkerRng:
+    """A ``worker_init_fn`` (the user's first) after which the worker's dataset saves its RNGs.
+
+    Runs in each worker before torchdata restores the worker's saved state, so a resumed
+    worker's ``load_state_dict`` puts back the RNG states of the worker at its last batch. A
+    dataset with its own ``state_dict`` keeps it (nested under ``"dataset"``); a state saved
+    without this (an older checkpoint) goes to the dataset's own ``load_state_dict`` as it is.
+    Picklable (the spawn context sends it to the workers).
+    """
+
+    def __init__(self, user: Any) -> None:
+        self.user = user
+
+    def __call__(self, worker_id: int) -> None:
+        if self.user is not None:
+            self.user(worker_id)
+        info = tud.get_worker_info()
+        dataset = getattr(info, "dataset", None)
+        if dataset is None or isinstance(dataset, tud.IterableDataset):
+            return
+        own_save, own_load = getattr(dataset, "state_dict", None), getattr(dataset, "load_state_dict", None)
+        own = callable(own_save) and callable(own_load)
+
+        def state_dict() -> dict[str, Any]:
+            out: dict[str, Any] = {"format": WORKER_RNG_FORMAT, "rng": capture_rng()}
+            if own:
+                out["dataset"] = own_save()  # type: ignore[misc]
+            return out
+
+        def load_state_dict(state: Mapping[str, Any]) -> None:
+            if isinstance(state, Mapping) and state.get("format") == WORKER_RNG_FORMAT:
+                if own and state.get("dataset") is not None:
+                    own_load(state["dataset"])  # type: ignore[misc]
+                restore_rng(state["rng"])  # last: the state was taken after everything else
+            elif own:
+                own_load(state)  # type: ignore[misc]
+
+        try:  # instance attributes of the worker's copy: the main process's dataset is untouched
+            dataset.state_dict = state_dict
+            dataset.load_state_dict = load_state_dict
+        except (AttributeError, TypeError):
+            logger.warning(
+                "DataLoader worker %d: cannot give %s a state_dict() (no __dict__): its random "
+                "state will not be restored on resume",
+                worker_id,
                 type(dataset).__name__,
             )

@@ -30,9 +30,9 @@ from ckptsdk.backends.base import Backend
 from ckptsdk.backends.probe import prove_preconditions
 from ckptsdk.checkpoint.catalog import CheckpointInfo
 from ckptsdk.checkpoint.reader import CheckpointReader, ResumePoint, resume_point
-from ckptsdk.checkpoint.retention import Rule, describe_rules
+from ckptsdk.checkpoint.recorded import KeepDecisions
+from ckptsdk.checkpoint.retention import Rule, warn_if_changed
 from ckptsdk.checkpoint.rotation import GcReport, RetentionMode, Rotation
-from ckptsdk.checkpoint.rotation import kept as _kept
 from ckptsdk.checkpoint.saving import SavePipeline
 from ckptsdk.checkpoint.scheduling import SaveStats
 from ckptsdk.checkpoint.shutdown import WriterShutdown, _close_at_exit
@@ -80,7 +80,7 @@ def save_due(step: int, save_every: int | None) -> bool:
     return save_every is not None and step > 0 and step % save_every == 0
 
 
-class CheckpointManager(CheckpointReader, WriterShutdown):
+class CheckpointManager(CheckpointReader, KeepDecisions, WriterShutdown):
     """Checkpoints of one training run under one root URL.
 
     Opening a manager for writing acquires the root's writer lease (waiting for, or taking over
@@ -181,6 +181,8 @@ class CheckpointManager(CheckpointReader, WriterShutdown):
         self.keep_every = kept.keep_every
         self.save_every = saves.every
         self.read_only = read_only
+        # A reader given no keep rules judges by the writer's, as the root records them (recorded.py).
+        self._by_record = read_only and retention is None and (keep_last, keep_every, keep) == (None, None, None)
         self.async_save = saves.asynchronous
         self.snapshot = saves.snapshot
         self._preemption: Preemption | None = None
@@ -365,6 +367,7 @@ class CheckpointManager(CheckpointReader, WriterShutdown):
         """Record that this writer resumes from ``info`` (lineage, step log) and anchor it."""
         assert self._saving is not None and self.runlog is not None
         self.resumed_from = self._saving.resumed_from = info
+        warn_if_changed(info.manifest, self._rotation.retention_rules(), self.url)
         self._saving.write_lineage(info.step, info.epoch)
         self.runlog.resumed_from_step = info.step
         self.runlog.start()
@@ -452,35 +455,6 @@ class CheckpointManager(CheckpointReader, WriterShutdown):
                 snapshot=self.snapshot,
                 extra_files=extra_files,
             )
-
-    def gc(
-        self,
-        *,
-        keep_last: int | None = None,
-        keep: Sequence[Rule] | None = None,
-        dry_run: bool = False,
-        grace: float = 3600.0,
-    ) -> GcReport:
-        """Remove orphans of superseded writers, torn checkpoints and rotated-out checkpoints.
-
-        See :meth:`ckptsdk.checkpoint.rotation.Rotation.gc`: works without the lease, keeps what
-        the rules keep (this manager's, or ``keep_last`` / ``keep`` instead), sweeps temp files
-        older than ``grace`` seconds.
-        """
-        return self._rotation.gc(self._scan(), keep_last=keep_last, rules=keep, dry_run=dry_run, grace=grace)
-
-    def kept(self, *, keep_last: int | None = None, keep: Sequence[Rule] | None = None) -> dict[int, tuple[str, ...]]:
-        """Each step the keep rules keep, with why (``latest``, ``best val_loss #1``, ``resume point``).
-
-        Decided from the committed manifests as rotation and :meth:`gc` decide; a step missing
-        here is one they let go. ``keep_last`` / ``keep``: instead of this manager's, as for gc.
-        """
-        rules = self._rotation.retention_rules(keep_last, keep)
-        return _kept(self._scan(), rules, settle=self._rotation.late)
-
-    def rules(self, *, keep_last: int | None = None, keep: Sequence[Rule] | None = None) -> str:
-        """The keep rules in force, as written (``keep_last=3, keep_best=2 by val_loss (min)``)."""
-        return describe_rules(self._rotation.retention_rules(keep_last, keep))
 
     # ------------------------------------------------------------------ step log, lifecycle
 

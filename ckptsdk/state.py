@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -159,6 +159,28 @@ class TrainState:
                     keys.update(tensor_key(v) for v in entry.values() if isinstance(v, torch.Tensor))
         keys.discard(NO_STORAGE)
         return keys
+
+    def step_only_flags(self, tensors: Sequence[torch.Tensor]) -> list[bool]:
+        """Per tensor of a saved tree: whether it is one only ``optimizer.step()`` changes (see
+        :meth:`step_only_tensors`), so a pipelined save may copy it in the background."""
+        # tensor_key()'s rule (pointer, dtype, shape; never an empty tensor) without a tuple per
+        # tensor. Two stepped tensors at one pointer keep the last: a tree tensor matching the
+        # other is then copied at save(), which is always safe.
+        live: dict[int, torch.Tensor] = {}
+        for opt in self.optimizers():
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    live[p.data_ptr()] = p
+            for entry in opt.state.values():
+                if isinstance(entry, Mapping):
+                    for v in entry.values():
+                        if isinstance(v, torch.Tensor):
+                            live[v.data_ptr()] = v
+        flags = []
+        for t in tensors:
+            s = live.get(t.data_ptr())
+            flags.append(s is not None and s.dtype is t.dtype and s.shape == t.shape and t.numel() > 0)
+        return flags
 
     def hold_steps(self, wait: Callable[[], None] | None) -> None:
         """Make every held optimizer's next ``step()`` call ``wait()`` first (None: stop).

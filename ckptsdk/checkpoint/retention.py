@@ -2,13 +2,16 @@
 
 A rule looks at the committed steps of one lineage (as :class:`Candidate` records: step, the
 manifest's own time, its metrics) and says which steps it keeps and why; :func:`decide` keeps the
-union, plus the newest and any pinned step (the resume point), and lets the rest go. Nothing here
-touches storage, leases or epochs: rotation decides which checkpoints are candidates (its own
-lineage, never a zombie's, never while fenced) and the order of deletion (manifest first).
+union, plus the newest and any pinned step (the resume point), and lets the rest go. :func:`record`
+and :func:`rules_of` turn rules into what each manifest records of them (``keep``) and back, so a
+command decides as the writer did. Nothing here touches storage, leases or epochs: rotation decides
+which checkpoints are candidates (its own lineage, never a zombie's, never while fenced) and the
+order of deletion (manifest first).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -16,9 +19,20 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
 
 from ckptsdk.errors import ConfigError
+from ckptsdk.format.manifest import (
+    CustomRuleRecord,
+    KeepBestRecord,
+    KeepEveryRecord,
+    KeepEverySecondsRecord,
+    KeepLastRecord,
+    KeepRecord,
+    ProtectRecord,
+)
 
 if TYPE_CHECKING:
     from ckptsdk.format.manifest import Manifest
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "Candidate",
@@ -31,6 +45,7 @@ __all__ = [
     "Mode",
     "Pinned",
     "Rule",
+    "Unjudged",
     "best_order",
     "decide",
     "default_mode",
@@ -43,12 +58,18 @@ __all__ = [
     "keep_last",
     "plan",
     "protect",
+    "record",
+    "rules_of",
+    "same_rules",
+    "warn_if_changed",
 ]
 
 Mode = Literal["min", "max"]
 #: Why a step is kept when no rule but the safety rules keep it.
 NEWEST = "newest"
 RESUME_POINT = "resume point"
+#: Why a command keeps a step that only a rule it cannot judge (:class:`Unjudged`) may keep.
+NOT_JUDGED = "not judged here"
 
 
 @dataclass(frozen=True)
@@ -212,6 +233,21 @@ class Pinned:
         return {c.step: self.why for c in candidates if c.step in self.steps}
 
 
+@dataclass(frozen=True)
+class Unjudged:
+    """Keep every candidate: stands for a writer's rule that cannot be judged here.
+
+    A predicate is recorded by name only, and a root written before the rules were recorded
+    says nothing of them: a command that deleted by the rules it can judge would delete what
+    those may keep, so it keeps everything they might (``what`` says which rule that is).
+    """
+
+    what: str
+
+    def __call__(self, candidates: Sequence[Candidate]) -> dict[int, str]:
+        return {c.step: f"{self.what}: {NOT_JUDGED}" for c in candidates}
+
+
 def keep_last(n: int) -> KeepLast:
     """Keep the ``n`` highest steps.
 
@@ -287,6 +323,8 @@ def describe(rule: Rule) -> str:
         return f"keep_if {rule.name!r}"
     if isinstance(rule, Pinned):
         return f"{rule.why} {sorted(rule.steps)}"
+    if isinstance(rule, Unjudged):
+        return f"{rule.what} ({NOT_JUDGED})"
     return repr(rule)  # a user's own Rule: its repr is all we know
 
 
@@ -298,6 +336,82 @@ def describe_rules(rules: Iterable[Rule]) -> str:
         'keep_last=3, keep_best=2 by val_loss (min)'
     """
     return ", ".join(describe(r) for r in rules)
+
+
+def record(rules: Iterable[Rule]) -> list[KeepRecord]:
+    """The rules as each manifest records them (its ``keep`` field), for commands to read back.
+
+    A predicate (:func:`keep_if`) or a user's own rule cannot be written down: it is recorded by
+    name, and :func:`rules_of` turns it into an :class:`Unjudged` rule that keeps everything.
+
+    Example:
+        >>> [r.rule for r in record([keep_last(1), keep_best("val_loss", 2), keep_if(bool, "mine")])]
+        ['keep_last', 'keep_best', 'custom']
+    """
+    out: list[KeepRecord] = []
+    for r in rules:
+        if isinstance(r, KeepLast):
+            out.append(KeepLastRecord(rule="keep_last", n=int(r.n)))
+        elif isinstance(r, KeepEvery):
+            out.append(KeepEveryRecord(rule="keep_every", k=int(r.k)))
+        elif isinstance(r, KeepEverySeconds):
+            out.append(KeepEverySecondsRecord(rule="keep_every_seconds", seconds=float(r.seconds)))
+        elif isinstance(r, KeepBest):
+            out.append(KeepBestRecord(rule="keep_best", metric=r.metric, k=int(r.k), mode=r.mode))
+        elif isinstance(r, Pinned):
+            out.append(ProtectRecord(rule="protect", steps=sorted(int(s) for s in r.steps), why=r.why))
+        else:  # a predicate, an Unjudged stand-in, a user's own rule: only its name can be written
+            name = r.name if isinstance(r, KeepIf) else r.what if isinstance(r, Unjudged) else describe(r)
+            out.append(CustomRuleRecord(rule="custom", name=name[:200]))
+    return out
+
+
+def rules_of(records: Iterable[KeepRecord]) -> list[Rule]:
+    """The rules a manifest records, to judge with: a custom one becomes :class:`Unjudged`.
+
+    Example:
+        >>> describe_rules(rules_of(record([keep_last(2), keep_if(bool, "mine")])))
+        "keep_last=2, keep_if 'mine' (not judged here)"
+    """
+    out: list[Rule] = []
+    for r in records:
+        if isinstance(r, KeepLastRecord):
+            out.append(KeepLast(r.n))
+        elif isinstance(r, KeepEveryRecord):
+            out.append(KeepEvery(r.k))
+        elif isinstance(r, KeepEverySecondsRecord):
+            out.append(KeepEverySeconds(r.seconds))
+        elif isinstance(r, KeepBestRecord):
+            out.append(KeepBest(r.metric, r.k, r.mode))
+        elif isinstance(r, ProtectRecord):
+            out.append(Pinned(frozenset(r.steps), r.why))
+        else:
+            out.append(Unjudged(f"keep_if {r.name!r}"))
+    return out
+
+
+def same_rules(a: Iterable[KeepRecord], b: Iterable[KeepRecord]) -> bool:
+    """Whether two recorded rule lists keep the same (order does not matter: the union is kept)."""
+    return sorted(r.model_dump_json() for r in a) == sorted(r.model_dump_json() for r in b)
+
+
+def warn_if_changed(manifest: Manifest | None, rules: Sequence[Rule], url: str) -> bool:
+    """Warn (and return True) when ``rules`` differ from those ``manifest``'s writer recorded.
+
+    A restart or takeover keeps by its own rules from its first save on; a checkpoint only the
+    previous writer's rules kept (a best one, say) then goes, so the new writer says so once.
+    """
+    if manifest is None or manifest.keep is None or same_rules(manifest.keep, record(rules)):
+        return False
+    logger.warning(
+        "%s was kept by its previous writer's rules (%s, recorded in step %d); this writer's are %s: "
+        "from its first save on it keeps by its own, and what only the old rules kept is deleted",
+        url,
+        describe_rules(rules_of(manifest.keep)),
+        manifest.step,
+        describe_rules(rules),
+    )
+    return True
 
 
 @dataclass(frozen=True)

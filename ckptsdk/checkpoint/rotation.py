@@ -21,6 +21,7 @@ from ckptsdk.checkpoint.retention import Rule
 from ckptsdk.checkpoint.usage import record_trash
 from ckptsdk.errors import ConfigError, LeaseLostError, ObjectNotFound, PreconditionFailed
 from ckptsdk.format.layout import MANIFEST, Rank, folder_rank, outranks
+from ckptsdk.format.manifest import KeepRecord
 from ckptsdk.lease.acquire import Lease
 
 logger = logging.getLogger(__name__)
@@ -304,6 +305,10 @@ class Rotation:
             out.append(retention.keep_every(self.keep_every))
         out.extend(self.rules if rules is None else rules)
         return out
+
+    def keep_record(self) -> list[KeepRecord]:
+        """The rules in force as each manifest records them (``ckptsdk gc`` and ``ls`` read them)."""
+        return retention.record(self.retention_rules())
 
     def beyond_retention(
         self,

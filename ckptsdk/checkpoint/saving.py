@@ -36,7 +36,7 @@ from ckptsdk.checkpoint.catalog import Catalog, CheckpointInfo
 from ckptsdk.checkpoint.lineage import LineageWriter
 from ckptsdk.checkpoint.rotation import Rotation
 from ckptsdk.checkpoint.scheduling import SaveSlots, SaveStats, _Job
-from ckptsdk.checkpoint.staging import SnapshotMode, tensor_key
+from ckptsdk.checkpoint.staging import SnapshotMode
 from ckptsdk.errors import BackendError, CheckpointError, DeadlineExceeded, LeaseLostError, PreconditionFailed
 from ckptsdk.format import codec
 from ckptsdk.format.digest import DEFAULT as DIGEST_ALGORITHM
@@ -44,6 +44,7 @@ from ckptsdk.format.environment import Environment, device_of
 from ckptsdk.format.layout import MANIFEST, TENSORS, Rank
 from ckptsdk.format.manifest import FileEntry, LineageRecord, Manifest, Position
 from ckptsdk.format.manifest import Writer as WriterRecord
+from ckptsdk.format.template import EncodingCache
 from ckptsdk.format.tensorfile import write_tensorfile
 from ckptsdk.lease.acquire import Lease
 from ckptsdk.runlog.writer import RunLog
@@ -67,6 +68,7 @@ class _Save:
     tags: dict[str, str]
     device: str
     extra_files: tuple[FileEntry, ...] = ()
+    verify: Callable[[], None] | None = None  # right before the commit: the pipelined rule held
 
 
 class SavePipeline:
@@ -114,6 +116,7 @@ class SavePipeline:
         )
         self._resumed_from: CheckpointInfo | None = None
         self._slots = SaveSlots(max_staging_bytes=max_staging_bytes)
+        self._encoding = EncodingCache()
         self._lineage_written = False
         self._abandoned = threading.Event()
         self._committed: dict[str, CheckpointInfo] = {}
@@ -190,38 +193,30 @@ class SavePipeline:
             logger.debug("step %d already committed as %s; not saving it twice", step, folder)
             return done
         tree = state.state_dict() if hasattr(state, "state_dict") else state
-        tensors, skeleton = codec.encode(tree)
-        job = _Save(
-            folder=folder,
-            step=step,
-            position=position,
-            metrics=dict(metrics or {}),
-            tags=dict(tags or {}),
-            device=device_of(tensors.values()),
-            extra_files=tuple(extra_files),
-        )
+        captured = self._encoding.encode(tree)  # the tree's structure is cached between saves
+        job = _Save(folder, step, position, dict(metrics or {}), dict(tags or {}), "cpu", tuple(extra_files))
         if blocking:
-            info = self._store(job, tensors, skeleton)
+            tensors = captured.tensor_dict()
+            info = self._store(replace(job, device=device_of(tensors.values())), tensors, captured.skeleton())
             self._slots.committed += 1
             return info
         pending_info = CheckpointInfo(
             step=step, epoch=self.writer.epoch, key=folder, size=0, committed=False, valid=False
         )
-        defer: set[str] = set()
-        if snapshot == "pipelined" and callable(getattr(state, "step_only_tensors", None)) and state.optimizers():
-            keys = state.step_only_tensors()
-            defer = {name for name, t in tensors.items() if tensor_key(t) in keys}
-        staged = self._slots.stage(step, tensors, defer)
+        pipelined = snapshot == "pipelined" and callable(getattr(state, "step_only_flags", None)) and state.optimizers()
+        defer = state.step_only_flags(captured.tensors) if pipelined else [False] * len(captured.names)
+        staged = self._slots.stage(step, captured, defer, where=f"the save of step {step} under {self.url}: ")
         if staged is None:
             return replace(pending_info, reason="skipped: storage cannot keep up and staging is full")
         pending, buffer = staged
-        if defer:
+        if any(defer):
             state.hold_steps(pending.wait_copied)
-        # The skeleton needs no copy: codec.encode builds fresh containers of immutable leaves.
 
-        def work() -> None:
+        def work() -> None:  # the skeleton is built here, from leaves copied at capture
             pending.wait_finished()
-            self._store(job, pending.tensors, skeleton)
+            self._store(
+                replace(job, device=pending.device, verify=pending.verify), pending.tensors, captured.skeleton()
+            )
 
         self._slots.submit(_Job(run=work, buffer=buffer, step=step, settle=pending.settle))
         return replace(pending_info, reason="save in progress")
@@ -281,6 +276,7 @@ class SavePipeline:
                     job.tags,
                     job.device,
                     job.extra_files,
+                    verify=job.verify,
                 )
             except BaseException as exc:
                 self._catalog = None  # whatever failed, the next save lists the root again
@@ -300,11 +296,11 @@ class SavePipeline:
         tags: Mapping[str, str] | None,
         device: str,
         extra_files: Sequence[FileEntry] = (),
+        verify: Callable[[], None] | None = None,
     ) -> CheckpointInfo:
         """Write the tensor file, renew the lease, publish the manifest (the commit), rotate.
 
-        ``extra_files`` were written into ``folder`` by others (distributed ranks) beforehand.
-        """
+        ``extra_files``: written into ``folder`` by other ranks beforehand; ``verify``: run before the commit."""
         self.lease.check()
         key = f"{folder}/{TENSORS}"
         source = (
@@ -323,7 +319,7 @@ class SavePipeline:
         else:
             size, digest = write_tensorfile(self.backend, key, tensors)
         files = [FileEntry(name=TENSORS, size=size, digest=digest, algorithm=DIGEST_ALGORITHM), *extra_files]
-        return self._publish(folder, step, files, skeleton, position, metrics, tags, device)
+        return self._publish(folder, step, files, skeleton, position, metrics, tags, device, verify)
 
     def _publish(
         self,
@@ -335,6 +331,7 @@ class SavePipeline:
         metrics: Mapping[str, Any] | None,
         tags: Mapping[str, str] | None,
         device: str,
+        verify: Callable[[], None] | None = None,
     ) -> CheckpointInfo:
         """Publish the manifest of ``folder`` (the commit; its files are in place), then rotate."""
         manifest = Manifest(
@@ -353,11 +350,14 @@ class SavePipeline:
             metrics=dict(metrics or {}),  # checked and converted by userfield.user_fields at save()
             environment=Environment.current(device=device),
             tags=dict(tags or {}),
+            keep=self.rotation.keep_record(),
         )
         # The fence. A zombie that lost the lease while writing the tensors must not commit them:
         # renew (compare-and-swap, not just check) so a takeover during the write is seen here.
         # Where the store has no compare-and-swap (Drive) the renewal reads what LEASE.json shows
         # and the listing before the write (see ``_store``) looked for a newer writer's names.
+        if verify is not None:
+            verify()
         self.lease.renew()
         if self._abandoned.is_set():
             raise CheckpointError(

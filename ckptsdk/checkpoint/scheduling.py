@@ -14,14 +14,13 @@ import statistics
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-import torch
-
 from ckptsdk.backends.deadline import carried
 from ckptsdk.checkpoint.staging import PendingSnapshot, Stager
+from ckptsdk.format.template import Captured
 
 logger = logging.getLogger(__name__)
 
@@ -139,15 +138,16 @@ class SaveSlots:
             return None, None
 
     def stage(
-        self, step: int, tensors: Mapping[str, torch.Tensor], defer: Collection[str]
+        self, step: int, captured: Captured, defer: list[bool], *, where: str = ""
     ) -> tuple[PendingSnapshot, Stager] | None:
-        """Snapshot ``tensors`` for the save of ``step`` into a free staging buffer (None: skipped).
+        """Snapshot ``captured``'s tensors for the save of ``step`` into a free staging buffer
+        (None: skipped). ``defer``: per tensor, whether its copy may wait (see ``Stager``).
 
-        The copies not in ``defer`` are made now; the deferred ones start at once on the copier
+        The copies not deferred are made now; the deferred ones start at once on the copier
         thread, not when the worker is free: the next optimizer step waits for them, and the
         worker may still be writing the previous save. The caller submits the job next.
         """
-        need = sum(t.numel() * t.element_size() for t in tensors.values())
+        need = captured.nbytes
         buffer, replaced = self.claim(step, need)
         if buffer is None:
             return None
@@ -155,7 +155,8 @@ class SaveSlots:
             if replaced is not None:
                 logger.info("the save of step %d replaces the save of step %d, still waiting", step, replaced.step)
                 replaced.settle()  # its copy must be done before its buffer is reused
-            pending = buffer.begin(tensors, defer)
+            pending = buffer.begin_aligned(captured.names, captured.tensors, defer, where=where)
+            captured.tensors = []  # the buffers (and the pending copies) hold what is needed now
         except BaseException:
             self.release(buffer)
             raise

@@ -15,7 +15,7 @@ from typing import Any, Literal, get_args
 import numpy as np
 import torch
 
-from ckptsdk.errors import ConfigError
+from ckptsdk.errors import CheckpointError, ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -30,8 +30,15 @@ SNAPSHOT_MODES: tuple[SnapshotMode, ...] = get_args(SnapshotMode)
 class PendingSnapshot:
     """A snapshot whose deferred copies may still be running; see :meth:`Stager.begin`.
 
+    It also watches the pipelined snapshot's rule. Each deferred source's version counter (which
+    every in-place torch op on the tensor, or on a view or ``detach()`` of it, moves) is recorded
+    at ``save()`` and compared twice: when the copies are done, before the next held
+    ``optimizer.step()`` may run (:meth:`finish`), and right before the commit with the counters
+    the first held step found at its start (:meth:`verify`). A moved counter fails the save.
+
     Attributes:
         tensors: name -> staging buffer (complete once :meth:`finish` returned).
+        device: the first accelerator a source was on ("cpu" when none).
     """
 
     def __init__(
@@ -40,16 +47,26 @@ class PendingSnapshot:
         later: list[tuple[torch.Tensor, torch.Tensor]],
         events: list[Any],
         side_events: list[tuple[torch.device, Any]],
+        *,
+        watched: tuple[list[str], list[torch.Tensor], list[int]] = ([], [], []),
+        device: str = "cpu",
+        where: str = "",
     ) -> None:
         self.tensors = tensors
+        self.device = device
         self._later = later
         self._events = events
         self._side_events = side_events
         self._copied = threading.Event()
-        if not later:
+        # CUDA sources: the step waits for the copier's check of their counters too (the side
+        # stream's copies are done long before, during the forward and backward).
+        if not later and not (side_events and watched[0]):
             self._copied.set()
         self._finished = threading.Event()
         self._failure: BaseException | None = None
+        self._watched = watched
+        self._where = where
+        self._at_step: list[int] | None = None  # the counters when the first held step() began
 
     @property
     def deferred(self) -> int:
@@ -57,21 +74,56 @@ class PendingSnapshot:
         return len(self._later)
 
     def finish(self) -> None:
-        """Run the deferred CPU copies, then wait for device copies (on the save worker)."""
+        """Run the deferred CPU copies, wait for device copies (on the copier thread), then
+        check the rule: no held step can have run yet (it waits for this), so every counter that
+        moved was moved by something else."""
         try:
             try:
                 for buf, src in self._later:
                     _copy(buf, src)
+                for ev in self._events:
+                    ev.synchronize()
+                self._check(self._counters())
             finally:
                 self._later = []
                 self._copied.set()  # never leave a training step waiting on a failed copy
-            for ev in self._events:
-                ev.synchronize()
         except BaseException as exc:
             self._failure = exc
             raise
         finally:
             self._finished.set()
+
+    def verify(self) -> None:
+        """The check right before the commit: against the counters the first held ``step()``
+        found at its start (on the training thread, where no in-place op of the job can still be
+        running). Nothing more to compare when no held step has run yet.
+
+        Raises:
+            CheckpointError: names the tensor, the rule and the opt-out ``snapshot="copy"``.
+        """
+        if self._at_step is not None:
+            self._check(self._at_step)
+        # Checked for good: let go of the sources (a replaced parameter's old storage with them).
+        self._watched = ([], [], [])
+
+    def _counters(self) -> list[int]:
+        return [t._version for t in self._watched[1]]
+
+    def _check(self, now: list[int]) -> None:
+        names, _, versions = self._watched
+        if now == versions:
+            return
+        i = next(i for i, (a, b) in enumerate(zip(now, versions, strict=True)) if a != b)
+        raise CheckpointError(
+            f"{self._where}the pipelined snapshot's rule was broken: {names[i]!r} was changed in place "
+            "between save() and the next optimizer.step() (its version counter moved from "
+            f"{versions[i]} to {now[i]}), so the checkpoint could hold edited values; it was not "
+            "committed and the previous checkpoint is intact. After a save, change parameters and "
+            "optimizer state only through optimizer.step() (make edits, load_state_dict, set_ or "
+            'another optimizer\'s step before save()), or pass CheckpointManager(..., snapshot="copy"), '
+            "which copies everything at save()",
+            key=names[i],
+        )
 
     def settle(self) -> None:
         """Block until :meth:`finish` is done, failed or not: the buffers are no longer written."""
@@ -87,11 +139,21 @@ class PendingSnapshot:
         """Block until no deferred source is still being read (the optimizer-step pre-hook).
 
         CPU copies: wait for :meth:`finish`. CUDA: make the current stream wait for the side
-        stream's copies, without blocking the host.
+        stream's copies. Then record the sources' version counters, once (at the first held
+        step, before it moves them), for :meth:`verify`.
         """
         self._copied.wait()
         for device, ev in self._side_events:
             torch.cuda.current_stream(device).wait_event(ev)
+        if self._at_step is None and self._watched[0]:
+            self._at_step = self._counters()
+
+
+#: Tensors of fewer elements are copied in one ``torch._foreach_copy_`` call (BatchNorm's running
+#: stats: 60 tensors in 0.02 ms instead of 0.35 ms one by one). Below torch's grain size (32768
+#: elements) a copy runs on the calling thread, so the intra-op threads ``memcpy`` avoids never
+#: take part.
+_SMALL = 32768
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -139,15 +201,17 @@ class Stager:
     """
 
     def __init__(self) -> None:
-        self._buffers: dict[str, torch.Tensor] = {}
-        self._pinned: set[str] = set()  # names whose buffer is pinned (asked once, not per call)
+        # Buffers aligned with the names of the last snapshot; pinned (for CUDA sources) or not.
+        self._names: tuple[str, ...] = ()
+        self._list: list[torch.Tensor | None] = []
+        self._pins: list[bool] = []
         self._lock = threading.Lock()
         self.allocations = 0  # buffers allocated so far (a reuse check for tests and benchmarks)
 
     @property
     def nbytes(self) -> int:
         """Bytes held in staging buffers now."""
-        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+        return sum(b.numel() * b.element_size() for b in self._list if b is not None)
 
     def snapshot(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Copy ``tensors`` into the staging buffers and return them (name -> CPU tensor).
@@ -176,7 +240,8 @@ class Stager:
         changes) run in :meth:`PendingSnapshot.finish` on the save worker while training goes on;
         on CUDA they are queued on a side stream at once. Until ``finish`` returns, the sources
         named in ``defer`` must not change: the caller holds the next optimizer step with
-        :meth:`PendingSnapshot.wait_copied`.
+        :meth:`PendingSnapshot.wait_copied`, and a change made anyway through torch fails the
+        snapshot (:meth:`PendingSnapshot.check`).
 
         Args:
             tensors: name -> dense tensor on any device.
@@ -185,23 +250,72 @@ class Stager:
         Raises:
             ConfigError: a value is not a dense tensor.
         """
+        names = tuple(tensors)
+        return self.begin_aligned(names, list(tensors.values()), [n in defer for n in names])
+
+    def begin_aligned(
+        self, names: tuple[str, ...], tensors: list[torch.Tensor], defer: list[bool], *, where: str = ""
+    ) -> PendingSnapshot:
+        """:meth:`begin` for tensors given as a list aligned with ``names`` and a flag per tensor
+        (what ``format.template.Captured`` holds): the buffers of the last snapshot are reused
+        position by position when ``names`` is the same, with no lookup by name.
+
+        Args:
+            names: the tensors' names, in order.
+            tensors: dense tensors on any device, aligned with ``names``.
+            defer: per tensor, whether its copy may wait for the worker.
+            where: prefix of the rule's error message (which save).
+
+        Raises:
+            ConfigError: a value is not a dense tensor.
+        """
         with self._lock:
-            out: dict[str, torch.Tensor] = {}
+            if names != self._names:
+                self._rebind(names)
+            bufs = self._list
             later: list[tuple[torch.Tensor, torch.Tensor]] = []
+            watch_names: list[str] = []
+            watch_src: list[torch.Tensor] = []
+            small_dst: list[torch.Tensor] = []
+            small_src: list[torch.Tensor] = []
             side: dict[torch.device, Any] = {}
-            events: list[Any] = []
+            devices: set[torch.device] = set()
             with torch.no_grad():
-                for name, src in tensors.items():
-                    if not isinstance(src, torch.Tensor) or src.layout != torch.strided:
+                for i, src in enumerate(tensors):
+                    if not isinstance(src, torch.Tensor) or src.layout is not torch.strided:
                         raise ConfigError(
-                            f"cannot stage {name!r}: a {type(src).__name__} "
+                            f"cannot stage {names[i]!r}: a {type(src).__name__} "
                             f"({getattr(src, 'layout', '')}), not a dense tensor"
                         )
-                    buf = self._buffer(name, src)
+                    buf = bufs[i]
+                    cpu = src.is_cpu
+                    if (
+                        buf is None
+                        or buf.dtype is not src.dtype
+                        or buf.shape != src.shape
+                        or self._pins[i] is not src.is_cuda
+                    ):
+                        buf = self._allocate(i, src)
+                    if cpu:
+                        if defer[i]:
+                            # detach: a later ``p.data = x`` or ``set_`` on the live tensor leaves
+                            # the storage this copy reads alone.
+                            src = src.detach()
+                            later.append((buf, src))
+                            watch_names.append(names[i])
+                            watch_src.append(src)
+                        elif src.numel() < _SMALL:
+                            small_dst.append(buf)
+                            small_src.append(
+                                src.detach() if src.requires_grad else src
+                            )  # (else the buffer gets a grad_fn)
+                        else:
+                            _copy(buf, src)
+                        continue
+                    devices.add(src.device)
                     src = src.detach()
-                    out[name] = buf
                     if src.device.type == "cuda":
-                        if name in defer:
+                        if defer[i]:
                             stream = side.get(src.device)
                             if stream is None:
                                 # The side stream first waits for the work already queued (the
@@ -212,17 +326,17 @@ class Stager:
                             with torch.cuda.stream(stream):
                                 buf.copy_(src, non_blocking=True)
                                 src.record_stream(stream)
+                            watch_names.append(names[i])
+                            watch_src.append(src)
                         else:
                             # Same stream as the forward that changes it next: ordered after us.
                             buf.copy_(src, non_blocking=True)
-                    elif src.device.type != "cpu":
-                        buf.copy_(src)  # other accelerators: a plain blocking copy
-                    elif name in defer:
-                        later.append((buf, src))
                     else:
-                        _copy(buf, src)
-            cuda_devices = {t.device for t in tensors.values() if t.device.type == "cuda"}
-            for device in cuda_devices:
+                        buf.copy_(src)  # other accelerators: a plain blocking copy
+            if small_src:
+                torch._foreach_copy_(small_dst, small_src)  # one call: per-tensor calls cost more than the bytes
+            events: list[Any] = []
+            for device in (d for d in devices if d.type == "cuda"):
                 main_done = torch.cuda.Event()
                 main_done.record(torch.cuda.current_stream(device))
                 events.append(main_done)
@@ -231,31 +345,39 @@ class Stager:
                 ev = torch.cuda.Event()
                 ev.record(stream)
                 side_events.append((stream.device, ev))
-            for stale in set(self._buffers) - set(out):
-                del self._buffers[stale]
-                self._pinned.discard(stale)
-            return PendingSnapshot(out, later, events + [e for _, e in side_events], side_events)
+            first = str(min(devices, key=str)) if devices else "cpu"
+            watched = (watch_names, watch_src, [t._version for t in watch_src])
+            return PendingSnapshot(
+                dict(zip(names, bufs, strict=True)),  # type: ignore[arg-type]  # all allocated above
+                later,
+                events + [e for _, e in side_events],
+                side_events,
+                watched=watched,
+                device=first,
+                where=where,
+            )
 
-    def _buffer(self, name: str, src: torch.Tensor) -> torch.Tensor:
-        pin = src.device.type == "cuda"
-        buf = self._buffers.get(name)
-        if buf is not None and buf.shape == src.shape and buf.dtype == src.dtype and (name in self._pinned) == pin:
-            return buf
+    def _rebind(self, names: tuple[str, ...]) -> None:
+        """A new list of names: keep the buffers of names still present (reused if they fit)."""
+        old = dict(zip(self._names, zip(self._list, self._pins, strict=True), strict=True))
+        self._names = names
+        kept = [old.get(n, (None, False)) for n in names]
+        self._list = [b for b, _ in kept]
+        self._pins = [p for _, p in kept]
+
+    def _allocate(self, i: int, src: torch.Tensor) -> torch.Tensor:
+        pin = src.is_cuda
         # torch.empty: the copy overwrites every byte, so zero-filling would be a wasted pass.
         buf = torch.empty(src.shape, dtype=src.dtype, pin_memory=pin)
-        self._buffers[name] = buf
-        if pin:
-            self._pinned.add(name)
-        else:
-            self._pinned.discard(name)
+        self._list[i] = buf
+        self._pins[i] = pin
         self.allocations += 1
         return buf
 
     def release(self) -> None:
         """Drop every buffer (frees the host memory; the next snapshot allocates again)."""
         with self._lock:
-            self._buffers.clear()
-            self._pinned.clear()
+            self._names, self._list, self._pins = (), [], []
 
 
 #: ``tensor_key`` of every empty tensor (they share data pointer 0).

@@ -27,7 +27,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
         raise UsageError(f"--tolerance must be a finite number >= 0, got {args.tolerance}")
     store = backend(args)
     require_root(store, args.url)
-    report = audit(store, tolerance=args.tolerance)
+    report = audit(store, tolerance=args.tolerance, series=bool(args.plot))  # series: the plot's points
     plot_path = None
     if args.plot:
         from ckptsdk.runlog.plot import plot_audit

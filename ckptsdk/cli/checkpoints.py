@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ckptsdk.cli.admin import MANAGER_KEEP_LAST, add_rule_flags, rules_from_args
+from ckptsdk.cli.admin import add_rule_flags, rules_from_args, rules_in_force
 from ckptsdk.cli.common import (
     EXIT_OK,
     Failed,
@@ -109,27 +110,45 @@ def _status(info: CheckpointInfo) -> str:
 def _kept_by(info: CheckpointInfo, kept: dict[int, tuple[str, ...]]) -> str:
     if not info.valid:
         return "-"
-    return ", ".join(dict.fromkeys(kept[info.step])) if info.step in kept else "no rule: gc deletes it"
+    if info.step not in kept:
+        return "no rule: gc deletes it"
+    from ckptsdk.checkpoint.retention import NOT_JUDGED
+
+    why = list(dict.fromkeys(kept[info.step]))
+    # A rule this command cannot judge keeps every step: name it only where nothing else does.
+    judged = [w for w in why if not w.endswith(f": {NOT_JUDGED}")]
+    return ", ".join(judged or why)
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    keep_last, rules = rules_from_args(args)
+    rules_from_args(args)  # a bad flag is a usage error before anything is read
     mgr = reader(args)
     require_root(mgr.backend, args.url)
     infos = mgr.list()
     # What CheckpointManager.kept/rules answer, without the manager's torch import.
     from ckptsdk.checkpoint.catalog import scan
-    from ckptsdk.checkpoint.retention import describe_rules
     from ckptsdk.checkpoint.rotation import Rotation
     from ckptsdk.checkpoint.rotation import kept as kept_steps
 
-    rotation = Rotation(mgr.backend, keep_last=MANAGER_KEEP_LAST, keep_every=None)
-    in_force = rotation.retention_rules(keep_last, rules)
-    kept = kept_steps(scan(mgr.backend), in_force, settle=rotation.late)
+    cat = scan(mgr.backend)
+    in_force = rules_in_force(args, cat)
+    for note in in_force.notes:
+        sys.stderr.write(f"ckptsdk: {note}\n")
+    rotation = Rotation(mgr.backend, keep_last=in_force.keep_last, keep_every=None)
+    kept = kept_steps(cat, rotation.retention_rules(in_force.keep_last, in_force.rules), settle=rotation.late)
     rows = [{**_info_dict(i), "kept_by": list(kept.get(i.step, ())) if i.valid else []} for i in infos]
-    said = describe_rules(in_force)
+    said = in_force.said()
     if args.json:
-        emit_json({"command": "ls", "url": args.url, "rules": said, "checkpoints": rows})
+        emit_json(
+            {
+                "command": "ls",
+                "url": args.url,
+                "rules": said,
+                "rules_from": in_force.source,
+                "notes": in_force.notes,
+                "checkpoints": rows,
+            }
+        )
         return EXIT_OK
     if not rows:
         print(f"no checkpoints under {args.url}")
@@ -153,10 +172,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         "restorable by their manifest and file sizes (WRITER: lease epoch/attempt); "
         "`ckptsdk verify URL --all` re-hashes the bytes"
     )
-    print(
-        f"KEPT BY: the keep rules {said}, judged from the manifests; pass the writer's own "
-        "(--keep-last, --keep-every, --keep-every-seconds, --keep-best K --metric NAME) to see its decision"
-    )
+    print(f"KEPT BY: the keep rules {said} ({in_force.origin()}), judged from the manifests as gc judges them")
     return EXIT_OK
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import builtins
 import copy
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from typing import TYPE_CHECKING, Any
@@ -28,6 +28,7 @@ from ckptsdk.backends import open_backend
 from ckptsdk.backends.base import Backend
 from ckptsdk.checkpoint import catalog as _catalog
 from ckptsdk.checkpoint.catalog import CheckpointInfo
+from ckptsdk.checkpoint.retention import Rule
 from ckptsdk.distributed import restoring
 from ckptsdk.distributed.collective import broadcast_json, describe_error, gather_json, rebuild_error
 from ckptsdk.distributed.payload import PAYLOAD_FORMAT, local_file
@@ -69,7 +70,7 @@ class DistributedCheckpointManager:
     Args:
         url: the root (any ckptsdk URL), or an opened backend.
         group: the process group (default: the world). Its rank 0 is the committer.
-        keep_last, keep_every, save_every, lease_ttl, lease_wait, force, run_id, _simulation:
+        keep_last, keep_every, keep, save_every, lease_ttl, lease_wait, force, run_id, _simulation:
             as for :class:`ckptsdk.CheckpointManager` (used on rank 0).
         storage_options: fsspec options for ``gs://``.
         async_save: make ``save`` non-blocking by default; sets up the gloo process group
@@ -96,6 +97,7 @@ class DistributedCheckpointManager:
         group: dist.ProcessGroup | None = None,
         keep_last: int = 3,
         keep_every: int | None = None,
+        keep: Rule | Sequence[Rule] = (),
         save_every: int | None = None,
         lease_ttl: float | None = None,
         lease_wait: float | None = None,
@@ -138,6 +140,7 @@ class DistributedCheckpointManager:
                     self.backend,
                     keep_last=keep_last,
                     keep_every=keep_every,
+                    keep=keep,
                     save_every=save_every,
                     lease_ttl=lease_ttl,
                     lease_wait=lease_wait,

@@ -26,7 +26,7 @@ from ckptsdk.format.document import decode_float, encode_float
 from ckptsdk.format.dtype import BY_NAME, of_torch, to_torch
 from ckptsdk.format.skeleton import FACTORIES, MAX_DEPTH, tag_of
 
-__all__ = ["check", "decode", "encode"]
+__all__ = ["check", "decode", "encode", "SCALAR_TYPES", "encode_scalar", "encode_subtree", "path_component"]
 
 # Python ints outside int64 are written as hex strings: other JSON readers lose precision on big
 # numbers, and CPython refuses to print ints over 4300 decimal digits.
@@ -70,6 +70,17 @@ def encode(tree: object) -> tuple[dict[str, torch.Tensor], JsonValue]:
     tensors: dict[str, torch.Tensor] = {}
     skeleton = _Encoder(tensors).node(tree, (), set())
     return tensors, skeleton
+
+
+def encode_subtree(obj: object, path: tuple[str, ...]) -> tuple[dict[str, torch.Tensor], JsonValue]:
+    """``encode`` of the subtree at ``path`` (escaped components) of a larger tree: its tensors by
+    full path, and its skeleton node (``format/template.py``'s nodes it does not cache).
+
+    Raises:
+        UnsupportedStateError: as ``encode``.
+    """
+    tensors: dict[str, torch.Tensor] = {}
+    return tensors, _Encoder(tensors).node(obj, path, set())
 
 
 def check(tree: object) -> None:
@@ -144,7 +155,21 @@ def _escape_str_key(key: str) -> str:
     return text
 
 
-def _component(key: Any) -> str:
+#: The exact types of the tree's JSON-like scalar leaves (bool is its own; numpy's are not these).
+SCALAR_TYPES = frozenset({type(None), bool, int, float, str})
+
+
+def encode_scalar(obj: None | bool | int | float | str) -> JsonValue:
+    """One scalar leaf (of a type in ``SCALAR_TYPES``) as its skeleton node: ints beyond int64 as
+    ``{"$int": hex}``, nan/inf/-0.0 as ``{"$float": ...}``, the rest as they are."""
+    if type(obj) is int:
+        return obj if _INT_MIN <= obj <= _INT_MAX else {"$int": hex(obj)}
+    if type(obj) is float:
+        return encode_float(obj)  # type: ignore[return-value]  # a float or a {"$float": str} dict
+    return obj
+
+
+def path_component(key: Any) -> str:  # a dict key as one component of a tensor's path
     if type(key) is str:
         return _escape_str_key(key)
     if type(key) is int:
@@ -166,12 +191,8 @@ class _Encoder:
         if len(path) > MAX_DEPTH:
             raise _refuse(path, obj, f"the tree nests deeper than {MAX_DEPTH} levels")
         kind = type(obj)
-        if obj is None or kind is bool or kind is str:
-            return obj
-        if kind is int:
-            return obj if _INT_MIN <= obj <= _INT_MAX else {"$int": hex(obj)}
-        if kind is float:
-            return encode_float(obj)
+        if kind in SCALAR_TYPES:
+            return encode_scalar(obj)
         if isinstance(obj, torch.Tensor):
             return self.tensor(obj, path)
         if kind is np.ndarray:
@@ -232,7 +253,7 @@ class _Encoder:
                     "dict keys must be str, int, bool, float or None; convert the key (e.g. "
                     "to a str) or leave this dict out of state_dict()",
                 )
-        items = [(k, self.node(v, path + (_component(k),), active)) for k, v in obj.items()]
+        items = [(k, self.node(v, path + (path_component(k),), active)) for k, v in obj.items()]
         if all(type(k) is str and not k.startswith("$") for k in obj):
             return dict(items)
         return {"$dict": [[self.node(k, path, active), v] for k, v in items]}

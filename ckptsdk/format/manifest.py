@@ -16,9 +16,17 @@ import os
 import re
 import socket
 import sys
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar, Literal, get_args
 
-from pydantic import Field, JsonValue, field_serializer, field_validator
+from pydantic import (
+    Field,
+    JsonValue,
+    SerializerFunctionWrapHandler,
+    ValidationInfo,
+    field_serializer,
+    field_validator,
+    model_serializer,
+)
 from pydantic.json_schema import models_json_schema
 
 from ckptsdk.errors import ManifestError
@@ -38,10 +46,18 @@ from ckptsdk.format.userfield import Metric, decode_extra, encode_extra
 __all__ = [
     "FORMAT",
     "LINEAGE_FORMAT",
+    "KEEP_RULE_KINDS",
+    "CustomRuleRecord",
     "FileEntry",
+    "KeepBestRecord",
+    "KeepEveryRecord",
+    "KeepEverySecondsRecord",
+    "KeepLastRecord",
+    "KeepRecord",
     "LineageRecord",
     "Manifest",
     "Position",
+    "ProtectRecord",
     "Writer",
     "json_schema",
     "parse_lineage",
@@ -51,7 +67,8 @@ __all__ = [
 
 #: What this code writes; it reads any ``/1.x`` (fields of a newer minor version are ignored).
 #: 1.1 added the ``checksum`` field; a 1.0 document (written before it) is read with a warning.
-FORMAT = "ckptsdk.checkpoint/1.1"
+#: 1.2 added ``keep``, the writer's keep rules (a 1.1 reader ignores it, as a newer minor's field).
+FORMAT = "ckptsdk.checkpoint/1.2"
 LINEAGE_FORMAT = "ckptsdk.lineage/1.1"
 #: The first minor version of both that always carries a checksum.
 _CHECKSUM_MINOR = 1
@@ -124,6 +141,63 @@ class Writer(Strict):
     resumed_from_step: int | None = Field(default=None, ge=0)
 
 
+class KeepLastRecord(Strict):
+    """``{"rule": "keep_last", "n": 3}``: the ``n`` highest steps."""
+
+    rule: Literal["keep_last"]
+    n: int = Field(ge=1)
+
+
+class KeepEveryRecord(Strict):
+    """``{"rule": "keep_every", "k": 1000}``: every step that is a multiple of ``k``."""
+
+    rule: Literal["keep_every"]
+    k: int = Field(ge=1)
+
+
+class KeepEverySecondsRecord(Strict):
+    """``{"rule": "keep_every_seconds", "seconds": 3600.0}``: checkpoints this far apart by ``created_at``."""
+
+    rule: Literal["keep_every_seconds"]
+    seconds: float = Field(gt=0, allow_inf_nan=False)
+
+
+class KeepBestRecord(Strict):
+    """``{"rule": "keep_best", "metric": "val_loss", "k": 2, "mode": "min"}``: the ``k`` best by a metric."""
+
+    rule: Literal["keep_best"]
+    metric: str = Field(min_length=1)
+    k: int = Field(ge=1)
+    mode: Literal["min", "max"]
+
+
+class ProtectRecord(Strict):
+    """``{"rule": "protect", "steps": [100], "why": "..."}``: these steps, whatever the others say."""
+
+    rule: Literal["protect"]
+    steps: list[Annotated[int, Field(ge=0)]]
+    why: str
+
+
+class CustomRuleRecord(Strict):
+    """``{"rule": "custom", "name": "milestone"}``: a rule only the writer can judge (a predicate)."""
+
+    rule: Literal["custom"]
+    name: str = Field(description="a predicate (keep_if) or a user's own rule: recorded by name, judged by no reader")
+
+
+#: One of the writer's keep rules as a manifest records it; what each means is
+#: :mod:`ckptsdk.checkpoint.retention`'s (the format only holds them).
+KeepRecord = Annotated[
+    KeepLastRecord | KeepEveryRecord | KeepEverySecondsRecord | KeepBestRecord | ProtectRecord | CustomRuleRecord,
+    Field(discriminator="rule"),
+]
+#: The ``rule`` names this ckptsdk knows (a newer minor version's others are read as custom).
+KEEP_RULE_KINDS: tuple[str, ...] = tuple(
+    get_args(m.model_fields["rule"].annotation)[0] for m in get_args(get_args(KeepRecord)[0])
+)
+
+
 class Manifest(Document):
     """A checkpoint's manifest.json: published last, it is what makes a checkpoint exist."""
 
@@ -152,6 +226,33 @@ class Manifest(Document):
     metrics: dict[str, Metric] = Field(default_factory=dict)
     environment: Environment
     tags: dict[str, str] = Field(default_factory=dict)
+    keep: list[KeepRecord] | None = Field(
+        default=None,
+        description="the writer's keep rules (format 1.2 on; absent: not recorded, as before 1.2). The "
+        "newest checkpoint's govern `ckptsdk gc` and `ls`; a custom rule is only named",
+    )
+
+    @field_validator("keep", mode="before")
+    @classmethod
+    def _newer_rule_kinds(cls, value: Any, info: ValidationInfo) -> Any:
+        # A newer minor version may add a kind of rule: it is named, never judged (gc then
+        # deletes nothing by retention, as for a predicate), and never makes a checkpoint unreadable.
+        if (info.context or {}).get("lenient") and isinstance(value, list):
+            return [
+                r
+                if not isinstance(r, dict) or r.get("rule") in KEEP_RULE_KINDS
+                else {"rule": "custom", "name": f"{r.get('rule')!s:.80} (a newer ckptsdk's rule)"}
+                for r in value
+            ]
+        return value
+
+    @model_serializer(mode="wrap")
+    def _omit_unrecorded(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # Absent, not null, when not recorded: an older document re-written stays what it said.
+        data: dict[str, Any] = handler(self)
+        if self.keep is None:
+            data.pop("keep", None)
+        return data
 
     @field_validator("tree")
     @classmethod
@@ -235,8 +336,8 @@ def json_schema() -> dict[str, Any]:
     return {
         "$schema": "https://json-schema.org/draft/2020-12/schema",
         "title": top.pop("title"),
-        "description": "A checkpoint's manifest.json (format ckptsdk.checkpoint/1.1) or a lineage "
-        "record (format ckptsdk.lineage/1.1). Generated by python -m ckptsdk.format.manifest "
+        "description": f"A checkpoint's manifest.json (format {FORMAT}) or a lineage "
+        f"record (format {LINEAGE_FORMAT}). Generated by python -m ckptsdk.format.manifest "
         "--schema; see docs/FORMAT.md.",
         "oneOf": [{"$ref": "#/$defs/Manifest"}, {"$ref": "#/$defs/LineageRecord"}],
         **top,

@@ -9,7 +9,7 @@ CheckpointManager: leased, committed, verified, no pickle. The data position is 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -20,6 +20,7 @@ from ckptsdk.integrations import require
 require("accelerate", "accelerate")
 
 from ckptsdk.checkpoint.catalog import CheckpointInfo  # noqa: E402
+from ckptsdk.checkpoint.retention import Rule  # noqa: E402
 from ckptsdk.errors import ConfigError  # noqa: E402
 from ckptsdk.manager import CheckpointManager, ResumePoint  # noqa: E402
 from ckptsdk.state import TrainState  # noqa: E402
@@ -73,7 +74,7 @@ class AcceleratorCheckpoints:
     Args:
         accelerator: the Accelerator (one process: see Raises).
         url: the checkpoint root; its lease keeps a zombie runtime from writing there.
-        keep_last, keep_every, save_every, lease_ttl, force, async_save, storage_options:
+        keep_last, keep_every, keep, save_every, lease_ttl, force, async_save, storage_options:
             as for :class:`~ckptsdk.CheckpointManager`.
 
     Raises:
@@ -96,6 +97,7 @@ class AcceleratorCheckpoints:
         *,
         keep_last: int = 3,
         keep_every: int | None = None,
+        keep: Rule | Sequence[Rule] = (),
         save_every: int | None = None,
         lease_ttl: float | None = None,
         force: bool = False,
@@ -112,6 +114,7 @@ class AcceleratorCheckpoints:
             url,
             keep_last=keep_last,
             keep_every=keep_every,
+            keep=keep,
             save_every=save_every,
             lease_ttl=lease_ttl,
             force=force,

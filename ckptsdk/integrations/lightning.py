@@ -131,6 +131,7 @@ class CkptsdkCheckpointIO(CheckpointIO):
         self._mgr: Any = None
         self._restored = False
         self._shadowed_by: int | None = None
+        self._warned_mid_epoch = False
         self._tmpdir: str | None = None
 
     # ------------------------------------------------------------------ the manager
@@ -226,6 +227,15 @@ class CkptsdkCheckpointIO(CheckpointIO):
                 f"{self._shadowed_by}); a save at step {step} would be shadowed by it on the next resume. "
                 'Resume from ckpt_path="last", or train on from an older step in a new root'
             )
+        unresumable = _mid_epoch_without_position(checkpoint)
+        if unresumable and not self._warned_mid_epoch:
+            self._warned_mid_epoch = True
+            logger.warning(
+                "Lightning checkpoint at step %s is %s: a resume from it will not be bit-exact. Use "
+                "ckptsdk.DataLoader (Lightning saves its position), or checkpoint at epoch ends only",
+                step,
+                unresumable,
+            )
         tree = {"lightning": _plain(checkpoint), "rng": capture_rng()}
         try:
             info = mgr.save(
@@ -282,6 +292,15 @@ class CkptsdkCheckpointIO(CheckpointIO):
         if self.restore_rng:
             restore_rng(tree["rng"])
         lightning_state: dict[str, Any] = tree["lightning"]
+        unresumable = _mid_epoch_without_position(lightning_state)
+        if unresumable:
+            logger.warning(
+                "resuming Lightning from step %s, %s: this resume is NOT bit-exact. Train with "
+                "ckptsdk.DataLoader(dataset, batch_size=..., shuffle=..., seed=...) (Lightning saves and "
+                "restores its position), or checkpoint at epoch ends only",
+                step,
+                unresumable,
+            )
         return lightning_state
 
     def remove_checkpoint(self, path: str | os.PathLike[str]) -> None:
@@ -348,6 +367,31 @@ def rules_for(callback: ModelCheckpoint) -> list[Rule]:
     if callback.save_top_k < 0:
         return [keep_if(lambda _c: True, "save_top_k=-1")]  # Lightning keeps every save
     return [keep_best(callback.monitor, callback.save_top_k, "max" if callback.mode == "max" else "min")]
+
+
+def _mid_epoch_without_position(checkpoint: Mapping[str, Any]) -> str | None:
+    """Why a resume from this checkpoint cannot be bit-exact, if Lightning took it inside an
+    epoch (else None): its train loader saved no position (a resume re-reads the epoch from its
+    start), or it is a torchdata ``StatefulDataLoader``, which Lightning resumes one global RNG
+    draw off (measured: not adapted here, unlike in a ``TrainState``: the plugin never sees the
+    loader). Read from Lightning 2.x's loop state; a layout it does not recognise says None.
+    """
+    loop = (checkpoint.get("loops") or {}).get("fit_loop")
+    if not isinstance(loop, Mapping):
+        return None
+    batches = loop.get("epoch_loop.batch_progress")
+    if not isinstance(batches, Mapping) or not isinstance(batches.get("current"), Mapping):
+        return None
+    done = batches["current"].get("processed")
+    if not isinstance(done, int) or done <= 0 or batches.get("is_last_batch"):
+        return None
+    where = f"mid-epoch ({done} batch(es) of epoch {checkpoint.get('epoch')} done)"
+    states = (loop.get("state_dict") or {}).get("combined_loader")
+    if not states:
+        return f"{where}, but the train loader saved no position"
+    if any(isinstance(st, Mapping) and ("_num_yielded" in st or "_snapshot" in st) for st in states):
+        return f"{where} with a torchdata StatefulDataLoader, which Lightning resumes one RNG draw off"
+    return None  # ckptsdk.DataLoader (or another stateful loader): Lightning restores its position
 
 
 def _scores(checkpoint: Mapping[str, Any], path: str) -> dict[str, float]:

@@ -3,33 +3,27 @@
 Reads every attempt's step log (``ckptsdk.runlog.writer``) and compares the steps logged by more than one
 attempt: identical scalars and data digests mean the resume was bit-exact; when no step was run
 twice nothing was proven and the verdict says so (``unverified``, with the reason). Writing the
-log, checkpoints and plotting do not belong here.
+log, checkpoints and plotting do not belong here. The attempts are merged by step as they are
+read (``reading.py``), so memory does not grow with the length of the run.
 """
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import logging
 import math
-from collections.abc import Iterable
+from collections.abc import Generator, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ClassVar, Final
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ckptsdk.backends.base import Backend
-from ckptsdk.errors import ConfigError, ManifestError, ObjectNotFound
+from ckptsdk.errors import ConfigError
 from ckptsdk.format.document import Document
-from ckptsdk.runlog.record import (
-    DATA_PREFIX,
-    RUNLOG_PREFIX,
-    AttemptRecord,
-    LogFloat,
-    StepRow,
-    iter_chunk,
-    parse_attempt_record,
-    parse_runlog_key,
-)
+from ckptsdk.runlog.reading import AttemptLog, OutOfOrder, list_attempts
+from ckptsdk.runlog.record import DATA_PREFIX, LogFloat, StepRow
 
 logger = logging.getLogger(__name__)
 
@@ -123,9 +117,10 @@ class AuditReport(Document):
     "DIVERGED at step N", or "unverified" (no step was logged by two attempts: nothing was
     proven; ``unverified_reason`` says why, e.g. a killed attempt's last steps never flushed).
 
-    ``series`` (attempt -> [(step, {scalar: value})]) is kept for plotting in-process and left
-    out of the JSON form. Read a saved report with ``parse_document(data, AuditReport)``. No
-    checksum: a report is printed for people and tools, never trusted by ckptsdk itself.
+    ``series`` (attempt -> [(step, {scalar: value})]) is filled only by ``audit(..., series=True)``
+    (for plotting in-process) and left out of the JSON form. Read a saved report with
+    ``parse_document(data, AuditReport)``. No checksum: a report is printed for people and
+    tools, never trusted by ckptsdk itself.
     """
 
     FORMAT: ClassVar[str] = AUDIT_FORMAT
@@ -189,61 +184,31 @@ def read_runlog(
 def read_runlog_rows(
     backend: Backend,
 ) -> tuple[dict[int, AttemptSummary], dict[int, dict[int, StepRow]], list[str]]:
-    """Read every attempt's log under ``runlog/``, each chunk streamed line by line.
+    """Read every attempt's log under ``runlog/`` into memory (the audit streams instead).
 
     Chunks are read in sequence order whatever order the store lists them in; missing chunks
     (not yet visible on Drive, or lost), unreadable ones and damaged or overlong lines are
-    reported, never fatal. Memory holds the parsed rows, never a whole chunk.
+    reported, never fatal.
 
     Returns:
         (attempt -> summary, attempt -> {step: row}, warnings). Within one attempt a step
         logged twice keeps the last row (later chunk, later line).
     """
-    found: dict[int, dict[str, Any]] = {}
-    for info in backend.list(RUNLOG_PREFIX):
-        parsed = parse_runlog_key(info.key)
-        if parsed is None:
-            continue
-        entry = found.setdefault(parsed[0], {"chunks": {}, "start": None})
-        if parsed[1] is None:
-            entry["start"] = info.key
-        else:
-            entry["chunks"][parsed[1]] = info.key
+    with ThreadPoolExecutor(max_workers=_READ_WORKERS, thread_name_prefix="ckptsdk-runlog") as pool:
+        logs = {a: AttemptLog(backend, a, e, pool) for a, e in sorted(list_attempts(backend).items())}
+        steps = {a: {row.step: row for row in log.steps(held=True)} for a, log in logs.items()}
+    summaries, warnings = _summaries(logs)
+    return summaries, steps, warnings
+
+
+def _summaries(logs: Mapping[int, AttemptLog]) -> tuple[dict[int, AttemptSummary], list[str]]:
+    """Each attempt's summary once its rows were read, and every warning met (attempt order)."""
     summaries: dict[int, AttemptSummary] = {}
-    steps: dict[int, dict[int, StepRow]] = {}
     warnings: list[str] = []
-    contents = _read_all(backend, [k for e in found.values() for k in e["chunks"].values()])
-    for attempt in sorted(found):
-        entry = found[attempt]
-        record: AttemptRecord | None = None
-        newest: AttemptRecord | None = None
-        closed = False
-        rows: dict[int, StepRow] = {}
-        read_chunks = 0
-        for seq in sorted(entry["chunks"]):
-            key = entry["chunks"][seq]
-            result = contents[key]
-            if isinstance(result, ObjectNotFound):
-                warnings.append(f"attempt {attempt}: chunk {key} was listed but is gone")
-                continue
-            if isinstance(result, ManifestError):  # it says what is wrong: one bad chunk
-                warnings.append(f"attempt {attempt}: unreadable chunk {key} skipped ({_short(result)})")
-                continue
-            assert not isinstance(result, BaseException)
-            header, chunk_rows, chunk_warnings = result
-            warnings += [f"attempt {attempt}: {w}" for w in chunk_warnings]
-            read_chunks += 1
-            newest = header
-            closed = closed or header.closed
-            for row in chunk_rows:
-                rows[row.step] = row  # last wins
-        if newest is None and entry["start"] is not None:
-            try:
-                record = parse_attempt_record(backend.read(entry["start"]), key=entry["start"])
-            except (ObjectNotFound, ManifestError) as exc:
-                warnings.append(f"attempt {attempt}: unreadable {entry['start']} ({_short(exc)})")
-        rec = newest or record
-        seqs = sorted(entry["chunks"])
+    for attempt, log in logs.items():
+        rec = log.record()
+        warnings += log.warnings
+        seqs = sorted(log.entry.chunks)
         missing = sorted(set(range(0, (seqs[-1] + 1) if seqs else 0)) - set(seqs))
         if rec is not None and rec.chunk is not None and seqs and rec.chunk > seqs[-1]:
             missing += list(range(seqs[-1] + 1, rec.chunk + 1))
@@ -261,56 +226,17 @@ def read_runlog_rows(
             versions=dict(rec.versions) if rec else {},
             started_at=rec.started_at if rec else None,
             resumed_from_step=rec.resumed_from_step if rec else None,
-            first_step=min(rows) if rows else None,
-            last_step=max(rows) if rows else None,
-            steps=len(rows),
-            chunks=read_chunks,
+            first_step=log.first_step,
+            last_step=log.last_step,
+            steps=log.count,
+            chunks=log.read_chunks,
             missing_chunks=missing,
-            closed=closed,
+            closed=log.closed,
         )
-        steps[attempt] = rows
     run_ids = {s.run_id for s in summaries.values() if s.run_id is not None}
     if len(run_ids) > 1:
         warnings.append(f"attempts belong to different run ids {sorted(run_ids)}: one root should hold one run")
-    return summaries, steps, warnings
-
-
-_Chunk = tuple[AttemptRecord, list[StepRow], list[str]]
-
-
-def _read_chunk(backend: Backend, key: str) -> _Chunk:
-    rows: list[StepRow] = []
-    notes: list[str] = []
-    header: AttemptRecord | None = None
-    with backend.open(key) as stream:
-        for item in iter_chunk(stream, key=key):
-            if isinstance(item, AttemptRecord):
-                header = item
-            elif isinstance(item, StepRow):
-                rows.append(item)
-            else:
-                notes.append(item)
-    assert header is not None  # iter_chunk raises on a chunk without one
-    return header, rows, notes
-
-
-def _read_all(backend: Backend, keys: list[str]) -> dict[str, _Chunk | ObjectNotFound | ManifestError]:
-    """Read and parse many small chunks; concurrently, since on GCS or Drive each is a round trip.
-
-    A missing object maps to its ``ObjectNotFound``, an unreadable chunk to its
-    ``ManifestError``; any other storage error propagates.
-    """
-
-    def one(key: str) -> _Chunk | ObjectNotFound | ManifestError:
-        try:
-            return _read_chunk(backend, key)
-        except (ObjectNotFound, ManifestError) as exc:
-            return exc
-
-    if len(keys) <= 2:
-        return {k: one(k) for k in keys}
-    with ThreadPoolExecutor(max_workers=min(_READ_WORKERS, len(keys)), thread_name_prefix="ckptsdk-runlog") as pool:
-        return dict(zip(keys, pool.map(one, keys), strict=True))
+    return summaries, warnings
 
 
 def _same(a: float, b: float) -> bool:
@@ -332,13 +258,16 @@ def _spread(values: Iterable[float]) -> float:
     return hi - lo  # inf when an inf meets anything else: an inf loss is a divergence
 
 
-def audit(backend: Backend, *, tolerance: float = 0.0) -> AuditReport:
+def audit(backend: Backend, *, tolerance: float = 0.0, series: bool = False) -> AuditReport:
     """Compare the steps logged by more than one attempt.
 
     Args:
         backend: the checkpoint root (its ``runlog/`` objects are read, nothing is written).
         tolerance: the largest |difference| of any scalar at a shared step still accepted
             (data digests must always be equal).
+        series: also keep every logged step's scalars in ``report.series`` (for a plot; memory
+            grows with the log). Without it the attempts are compared as they are read, step
+            by step, in memory bounded by the number of attempts, not of steps.
 
     Returns:
         An :class:`AuditReport`; ``verdict`` is "bit-exact" when every shared step has identical
@@ -366,19 +295,31 @@ def audit(backend: Backend, *, tolerance: float = 0.0) -> AuditReport:
     """
     if not isinstance(tolerance, (int, float)) or not math.isfinite(tolerance) or tolerance < 0:
         raise ConfigError(f"audit tolerance must be a finite number >= 0, got {tolerance!r}")
-    summaries, steps, warnings = read_runlog_rows(backend)
-    by_step: dict[int, dict[int, StepRow]] = {}
-    for attempt, rows in steps.items():
-        for step, row in rows.items():
-            by_step.setdefault(step, {})[attempt] = row
-    shared = sorted(s for s, per in by_step.items() if len(per) > 1)
+    held: set[int] = set()  # attempts that logged steps out of order: read whole, then sorted
+    while True:
+        try:
+            return _audit(backend, float(tolerance), series, held)
+        except OutOfOrder as exc:
+            logger.warning("%s: comparing it from memory", exc)
+            held.add(exc.attempt)
 
-    diffs: dict[str, list[Any]] = {}  # name -> [max diff, at step, compared]
-    data_compared: dict[str, int] = {}
-    first_div: Divergence | None = None
-    bit_exact = True
-    for step in shared:
-        per = by_step[step]
+
+class _Tally:
+    """What the verdict needs, updated one shared step at a time (nothing per step is kept)."""
+
+    def __init__(self, tolerance: float) -> None:
+        self.tolerance = tolerance
+        self.diffs: dict[str, list[Any]] = {}  # name -> [max diff, at step, compared]
+        self.data_compared: dict[str, int] = {}
+        self.first_div: Divergence | None = None
+        self.bit_exact = True
+        self.shared = 0
+        self.groups: dict[tuple[int, ...], list[int]] = {}  # attempts -> [first, last, steps]
+
+    def step(self, step: int, per: Mapping[int, StepRow]) -> None:
+        self.shared += 1
+        group = self.groups.setdefault(tuple(sorted(per)), [step, step, 0])
+        group[1], group[2] = step, group[2] + 1
         for name in sorted({n for row in per.values() for n in row.scalars}):
             by_attempt = {a: r.scalars[name] for a, r in per.items() if name in r.scalars}
             if len(by_attempt) < 2:
@@ -387,62 +328,93 @@ def audit(backend: Backend, *, tolerance: float = 0.0) -> AuditReport:
             same = all(_same(first, v) for v in by_attempt.values())
             if name.startswith(DATA_PREFIX):
                 # The same step ran on other data: no tolerance applies, whatever the losses say.
-                data_compared[name] = data_compared.get(name, 0) + 1
+                self.data_compared[name] = self.data_compared.get(name, 0) + 1
                 if not same:
-                    bit_exact = False
-                    if first_div is None:
-                        first_div = Divergence(step=step, scalar=name, values=by_attempt, abs_diff=math.inf)
+                    self.bit_exact = False
+                    if self.first_div is None:
+                        self.first_div = Divergence(step=step, scalar=name, values=by_attempt, abs_diff=math.inf)
                 continue
             d = _spread(by_attempt.values())
             if not same:
-                bit_exact = False
-            entry = diffs.setdefault(name, [0.0, None, 0])
+                self.bit_exact = False
+            entry = self.diffs.setdefault(name, [0.0, None, 0])
             entry[2] += 1
             if d > entry[0]:  # at_step stays None while every difference is 0
                 entry[0], entry[1] = d, step
-            if first_div is None and d > tolerance:
-                first_div = Divergence(step=step, scalar=name, values=by_attempt, abs_diff=d)
+            if self.first_div is None and d > self.tolerance:
+                self.first_div = Divergence(step=step, scalar=name, values=by_attempt, abs_diff=d)
 
-    overlaps: list[OverlapRange] = []
-    groups: dict[tuple[int, ...], list[int]] = {}
-    for step in shared:
-        groups.setdefault(tuple(sorted(by_step[step])), []).append(step)
-    for attempts, group in sorted(groups.items(), key=lambda kv: kv[1][0]):
-        overlaps.append(
-            OverlapRange(attempts=list(attempts), first_step=group[0], last_step=group[-1], steps=len(group))
-        )
 
+def _audit(backend: Backend, tolerance: float, keep_series: bool, held: set[int]) -> AuditReport:
+    """One streaming pass: every attempt's rows merged by step, each shared step compared once."""
+    tally = _Tally(tolerance)
+    series: dict[int, list[tuple[int, dict[str, float]]]] = {}
+    with ThreadPoolExecutor(max_workers=_READ_WORKERS, thread_name_prefix="ckptsdk-runlog") as pool:
+        logs = {a: AttemptLog(backend, a, e, pool) for a, e in sorted(list_attempts(backend).items())}
+        streams: dict[int, Generator[StepRow, None, None]] = {a: log.steps(held=a in held) for a, log in logs.items()}
+        try:
+            heap: list[tuple[int, int, StepRow]] = []
+            for attempt, stream in streams.items():
+                series[attempt] = []
+                _push(heap, attempt, stream)
+            while heap:
+                step = heap[0][0]
+                per: dict[int, StepRow] = {}
+                while heap and heap[0][0] == step:
+                    _, attempt, row = heapq.heappop(heap)
+                    per[attempt] = row
+                    _push(heap, attempt, streams[attempt])
+                if keep_series:
+                    for attempt, row in per.items():
+                        values = {n: v for n, v in row.scalars.items() if not n.startswith(DATA_PREFIX)}
+                        series[attempt].append((step, values))
+                if len(per) > 1:
+                    tally.step(step, per)
+        finally:
+            for stream in streams.values():
+                stream.close()
+    summaries, warnings = _summaries(logs)
+    warnings = [f"attempt {a} logged steps out of order: compared from memory" for a in sorted(held)] + warnings
+    first_div = tally.first_div
     reason = None
-    if not shared:
+    if not tally.shared:
         verdict = UNVERIFIED
         reason = _why_unverified([summaries[a] for a in sorted(summaries)])
     elif first_div is not None:
         verdict = f"DIVERGED at step {first_div.step}"
-    elif bit_exact:
+    elif tally.bit_exact:
         verdict = "bit-exact"
     else:
         verdict = "within tolerance"
-    series = {
-        a: [(s, {n: v for n, v in rows[s].scalars.items() if not n.startswith(DATA_PREFIX)}) for s in sorted(rows)]
-        for a, rows in steps.items()
-    }
+    overlaps = [
+        OverlapRange(attempts=list(attempts), first_step=g[0], last_step=g[1], steps=g[2])
+        for attempts, g in sorted(tally.groups.items(), key=lambda kv: kv[1][0])
+    ]
     report = AuditReport(
         url=backend.url,
-        tolerance=float(tolerance),
+        tolerance=tolerance,
         verdict=verdict,
         diverged_at=first_div.step if first_div else None,
         attempts=[summaries[a] for a in sorted(summaries)],
-        overlap_steps=len(shared),
+        overlap_steps=tally.shared,
         overlaps=overlaps,
-        scalars={n: ScalarDiff(max_abs_diff=v[0], at_step=v[1], compared_steps=v[2]) for n, v in sorted(diffs.items())},
+        scalars={
+            n: ScalarDiff(max_abs_diff=v[0], at_step=v[1], compared_steps=v[2]) for n, v in sorted(tally.diffs.items())
+        },
         first_divergence=first_div,
-        data_compared=data_compared,
+        data_compared=tally.data_compared,
         unverified_reason=reason,
         warnings=warnings,
-        series=series,
+        series=series if keep_series else {},
     )
-    logger.info("audit of %s: %s (%d shared steps)", report.url, verdict, len(shared))
+    logger.info("audit of %s: %s (%d shared steps)", report.url, verdict, tally.shared)
     return report
+
+
+def _push(heap: list[tuple[int, int, StepRow]], attempt: int, stream: Iterator[StepRow]) -> None:
+    row = next(stream, None)
+    if row is not None:
+        heapq.heappush(heap, (row.step, attempt, row))
 
 
 def _why_unverified(attempts: list[AttemptSummary]) -> str:
@@ -473,11 +445,6 @@ def _why_unverified(attempts: list[AttemptSummary]) -> str:
         elif after.steps == 0:
             reasons.append(f"attempt {after.attempt} logged no step after resuming from step {resumed}")
     return "no step was run by two attempts: " + "; ".join(reasons or ["the attempts logged disjoint steps"])
-
-
-def _short(exc: BaseException) -> str:
-    text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-    return text[:200]
 
 
 def _ranges(nums: list[int]) -> str:

@@ -59,12 +59,12 @@ def plot_audit(
         'audit.png'
     """
     Figure, FigureCanvasAgg = _import_matplotlib()
-    report = source if isinstance(source, AuditReport) else audit(source)
+    report = source if isinstance(source, AuditReport) else audit(source, series=True)
     if not report.series:
         if report.attempts and any(a.steps for a in report.attempts):
             raise ConfigError(
-                "this audit report has no step series (it was read back from JSON); "
-                "pass the backend to plot_audit instead"
+                "this audit report has no step series (read back from JSON, or made without "
+                "audit(..., series=True)); pass the backend to plot_audit instead"
             )
         raise ConfigError(f"nothing to plot: no steps were logged under {report.url or 'this root'}/runlog/")
     logged = sorted({n for rows in report.series.values() for _, vals in rows for n in vals})

@@ -18,6 +18,7 @@ from adapters.cifar10.model import build_model
 from ckptsdk import CheckpointManager, TrainState
 from ckptsdk.backends.memory import MemoryBackend
 from ckptsdk.checkpoint import staging
+from ckptsdk.errors import CheckpointError
 from ckptsdk.format.layout import TENSORS
 
 
@@ -149,7 +150,26 @@ def test_the_comparison_catches_a_step_that_does_not_wait(tmp_path, monkeypatch)
 
     monkeypatch.setattr(staging, "memcpy", slow)
     monkeypatch.setattr(TrainState, "_before_step", lambda self, opt, args, kwargs: None)
+    # The rule's own check would refuse the torn save first (test_pipelined_rule.py): off here,
+    # so that what is shown is the comparison's teeth.
+    monkeypatch.setattr(staging.PendingSnapshot, "_check", lambda self, now: None)
     with pytest.raises(AssertionError, match="differs from the synchronous one"):
+        _run(tmp_path, _sgd_job, 12)
+
+
+@pytest.mark.timeout(120)
+def test_a_step_that_does_not_wait_fails_the_save_loudly(tmp_path, monkeypatch):
+    """The same sabotage with the rule's check on: the step that does not wait moves the
+    version counters of the tensors being copied, and the save fails instead of committing."""
+    real = staging.memcpy
+
+    def slow(dst, src):
+        time.sleep(0.002)
+        real(dst, src)
+
+    monkeypatch.setattr(staging, "memcpy", slow)
+    monkeypatch.setattr(TrainState, "_before_step", lambda self, opt, args, kwargs: None)
+    with pytest.raises(CheckpointError, match="pipelined snapshot's rule was broken"):
         _run(tmp_path, _sgd_job, 12)
 
 

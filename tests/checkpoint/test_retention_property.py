@@ -8,6 +8,7 @@ nothing more to delete (a restart decides as the writer did). A fenced writer de
 
 from __future__ import annotations
 
+import argparse
 import math
 import uuid
 from dataclasses import dataclass
@@ -20,8 +21,11 @@ from hypothesis import strategies as st
 from ckptsdk import CheckpointManager, TrainState
 from ckptsdk.backends.memory import MemoryBackend
 from ckptsdk.checkpoint import retention
+from ckptsdk.checkpoint.catalog import scan
 from ckptsdk.checkpoint.reader import ResumePoint
 from ckptsdk.checkpoint.retention import Candidate
+from ckptsdk.checkpoint.rotation import Rotation, kept
+from ckptsdk.cli.admin import rules_in_force
 from ckptsdk.errors import LeaseLostError
 from ckptsdk.manager import Simulation
 
@@ -110,6 +114,16 @@ def _committed(mgr: CheckpointManager) -> dict[int, Candidate]:
     return {c.step: Candidate.of(c.manifest) for c in mgr.list() if c.valid and c.manifest is not None}
 
 
+def _bare_gc_keeps(mgr: CheckpointManager) -> tuple[set[int], str]:
+    """What a bare ``ckptsdk gc URL`` keeps (no rule flags: the rules the root records), and whence."""
+    flags = dict(keep_last=None, keep_every=None, keep_every_seconds=None, keep_best=None, metric=None, mode=None)
+    cat = scan(mgr.backend)
+    in_force = rules_in_force(argparse.Namespace(url=mgr.url, **flags), cat)
+    rotation = Rotation(mgr.backend, keep_last=in_force.keep_last, keep_every=None)
+    rules = rotation.retention_rules(in_force.keep_last, in_force.rules)
+    return set(kept(cat, rules, settle=rotation.late)), in_force.source
+
+
 def _check_resume(mgr: CheckpointManager, pos: ResumePoint | None) -> None:
     """After a restore, the resume point is kept as such and the decision deletes nothing new."""
     if pos is None:
@@ -196,6 +210,9 @@ def test_kept_is_the_rules_union_after_every_commit(spec: Spec, schedule: list[t
                 # A restart (or gc) with the same rules reaches the same decision: nothing more goes.
                 assert set(mgr.kept()) == set(after)
                 assert [k for k, why in mgr.gc(dry_run=True).reasons.items() if "no rule keeps" in why] == []
+                # ...and so does a bare `ckptsdk gc URL`, from the rules the newest manifest records
+                # (a predicate among them: it lets nothing go, which is the root as it stands).
+                assert _bare_gc_keeps(mgr) == (set(after), "writer")
             elif kind == "restart":
                 mgr.close()
                 mgr = CheckpointManager(url, **kw)  # type: ignore[arg-type]

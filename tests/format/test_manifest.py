@@ -21,15 +21,18 @@ import pytest
 import safetensors.torch
 import torch
 import xxhash
-from pydantic import ValidationError
+from pydantic import ValidationError, create_model
 
 from ckptsdk.errors import ConfigError, ManifestError
 from ckptsdk.format.codec import encode
-from ckptsdk.format.document import seal
+from ckptsdk.format.document import Document, parse_document, seal
 from ckptsdk.format.environment import Environment
 from ckptsdk.format.manifest import (
     FORMAT,
+    CustomRuleRecord,
     FileEntry,
+    KeepBestRecord,
+    KeepLastRecord,
     LineageRecord,
     Manifest,
     Position,
@@ -42,6 +45,13 @@ from ckptsdk.format.manifest import (
 from ckptsdk.format.userfield import user_fields
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
+
+
+KEEP = [
+    KeepLastRecord(rule="keep_last", n=3),
+    KeepBestRecord(rule="keep_best", metric="loss", k=2, mode="min"),
+    CustomRuleRecord(rule="custom", name="milestone"),
+]
 
 
 def make_manifest(**overrides):
@@ -65,6 +75,7 @@ def make_manifest(**overrides):
         },
         environment=Environment.current(),
         tags={"git": "abc"},
+        keep=KEEP,
     )
     fields.update(overrides)
     return Manifest(**fields)
@@ -120,7 +131,9 @@ def test_a_manifest_written_before_is_read_and_written_the_same():
     manifest = parse_manifest(_WRITTEN_BEFORE, key="old")
     assert math.isnan(manifest.metrics["nan"]) and math.copysign(1, manifest.metrics["neg"]) == -1
     assert manifest.position.extra["x"] == math.inf
-    assert manifest.to_json() == _WRITTEN_BEFORE
+    # Written again as this format (1.2: the same fields; ``keep`` absent, not null, as unrecorded).
+    assert manifest.keep is None
+    assert manifest.to_json() == seal({**json.loads(_WRITTEN_BEFORE), "format": FORMAT})
     odd = struct.unpack(">d", bytes.fromhex("fff8000000000123"))[0]
     tree = {
         "w": torch.ones(2),
@@ -219,6 +232,51 @@ def test_newer_minor_version_is_read_and_its_new_fields_ignored():
     old = json.loads(_tweak(format="ckptsdk.checkpoint/1.0"))
     del old["checksum"]  # 1.0 predates checksums: read, with a warning that it is unverified
     assert parse_manifest(json.dumps(old).encode()).step == 5700
+
+
+def test_the_writers_keep_rules_round_trip_and_a_newer_minors_kinds_are_named_not_judged():
+    back = parse_manifest(make_manifest().to_json())
+    assert back.keep == KEEP
+    assert b'"keep"' not in make_manifest(keep=None).to_json()  # unrecorded: absent, not null
+    assert parse_manifest(make_manifest(keep=None).to_json()).keep is None
+    newer = [{"rule": "keep_tagged", "tag": "x"}, {"rule": "keep_last", "n": 2, "since": 5}]
+    manifest = parse_manifest(_tweak(format="ckptsdk.checkpoint/1.9", keep=newer))
+    # A kind this reader does not know is kept as a named custom rule (gc judges it as it does a
+    # predicate: it lets nothing go), never a reason to refuse the checkpoint.
+    assert manifest.keep == [
+        CustomRuleRecord(rule="custom", name="keep_tagged (a newer ckptsdk's rule)"),
+        KeepLastRecord(rule="keep_last", n=2),
+    ]
+    for bad, reason in [
+        ([{"rule": "keep_tagged"}], "does not match any of the expected tags"),  # this minor: strict
+        ([{"rule": "keep_last", "n": 0}], "greater than or equal to 1"),
+        ([{"rule": "keep_best", "metric": "m", "k": 1, "mode": "up"}], "keep.0.keep_best.mode"),
+        ([{"rule": "keep_every_seconds", "seconds": -1}], "greater than 0"),
+        ({"rule": "keep_last", "n": 1}, "keep: Input should be a valid list"),
+    ]:
+        with pytest.raises(ManifestError, match=re.escape(reason)):
+            parse_manifest(_tweak(keep=bad), key="k")
+
+
+def _released_reader() -> type[Document]:
+    """The manifest model of ckptsdk 0.1.0 (format 1.1): every field of today's but ``keep``."""
+    fields = {name: (f.annotation, f) for name, f in Manifest.model_fields.items() if name != "keep"}
+    released = create_model("Released", __base__=Document, **fields)  # type: ignore[call-overload]
+    released.FORMAT = "ckptsdk.checkpoint/1.1"
+    released.CHECKSUM_SINCE = 1
+    return released
+
+
+def test_a_released_reader_reads_a_manifest_with_keep_rules_because_the_minor_went_up():
+    released = _released_reader()
+    data = make_manifest().to_json()
+    assert json.loads(data)["format"] == "ckptsdk.checkpoint/1.2"
+    old = parse_document(data, released)  # a newer minor: its new field is ignored
+    assert old.step == 5700 and not hasattr(old, "keep")
+    # The same field under 1.1 would have made every new checkpoint unreadable to 0.1.0.
+    relabelled = seal({**json.loads(data), "format": "ckptsdk.checkpoint/1.1"})
+    with pytest.raises(ManifestError, match="keep: Extra inputs are not permitted"):
+        parse_document(relabelled, released)
 
 
 def test_every_single_bit_flip_of_a_manifest_is_refused():
@@ -418,7 +476,8 @@ def test_format_md_reader_reads_a_checkpoint_without_torch(tmp_path):
     exec(compile(_reader_snippet(), "FORMAT.md", "exec"), namespace)  # noqa: S102 - our own doc
     assert namespace["ml_dtypes"] is None or namespace["ml_dtypes"].__name__ == "ml_dtypes"
     raw_manifest, back = namespace["read_checkpoint"](str(folder))
-    assert raw_manifest["step"] == 5700
+    assert raw_manifest["step"] == 5700 and raw_manifest["format"] == "ckptsdk.checkpoint/1.2"
+    assert raw_manifest["keep"] == [r.model_dump() for r in KEEP]  # checksummed, read with the rest
     expected = _as_numpy(tree)
     _assert_identical(expected, back)
     assert back["objects"]["net"]._metadata == tree["objects"]["net"]._metadata

@@ -25,6 +25,17 @@ GOOD = {
     "no fraction": _tweak(created_at="2026-11-30T06:10:00Z"),
     "nested files": _tweak(files=[FILE, {**FILE, "name": "shard/0.safetensors"}, {**FILE, "name": "..x"}]),
     "metric tags": _tweak(metrics={"a": {"$float": "nan"}, "b": {"$float": "7ff8000000000001"}}),
+    "no keep rules": _tweak(keep=KeyError),
+    "every keep rule": _tweak(
+        keep=[
+            {"rule": "keep_last", "n": 1},
+            {"rule": "keep_every", "k": 1000},
+            {"rule": "keep_every_seconds", "seconds": 3600},
+            {"rule": "keep_best", "metric": "val_loss", "k": 2, "mode": "max"},
+            {"rule": "protect", "steps": [0, 7], "why": "resume point"},
+            {"rule": "custom", "name": "milestone"},
+        ]
+    ),
     "extra tags": _tweak(position__extra={"x": [{"$float": "-inf"}, {"y": None}]}),
     "every node": _tweak(
         tree={
@@ -64,6 +75,12 @@ BAD_TOO = {  # beyond tests/format/test_manifest.py's BAD: what the old schema l
     "npscalar both": _tweak(tree={"$npscalar": "<f4", "value": 1.0, "hex": "00"}),
     "counter of a list": _tweak(tree={"$counter": [1]}),
     "extra field": _tweak(tree={**T, "device": "cpu"}),
+    "unknown keep rule": _tweak(keep=[{"rule": "keep_tagged"}]),
+    "keep_last 0": _tweak(keep=[{"rule": "keep_last", "n": 0}]),
+    "keep_best mode": _tweak(keep=[{"rule": "keep_best", "metric": "m", "k": 1, "mode": "up"}]),
+    "keep_best no metric": _tweak(keep=[{"rule": "keep_best", "metric": "", "k": 1, "mode": "min"}]),
+    "keep rule field": _tweak(keep=[{"rule": "custom", "name": "x", "predicate": "lambda"}]),
+    "protect negative": _tweak(keep=[{"rule": "protect", "steps": [-1], "why": ""}]),
 }
 
 

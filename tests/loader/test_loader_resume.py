@@ -1,10 +1,10 @@
 """A real DataLoader (shuffle, 2 workers, random augmentation in them) SIGKILLed and resumed ends
 with the same model and optimizer bytes as an uninterrupted run, and the audit proves it.
 
-torchdata's StatefulDataLoader (``generator=None``, ``num_workers=0``) is a strict xfail: after a
-mid-epoch restore its ``iter()`` draws the workers' base_seed from torch's global RNG once more
-than the uninterrupted run did, so the next dropout mask differs (the TrainState warns). With
-workers the draws inside them differ as well. If torchdata fixes it, these start passing and fail.
+torchdata's StatefulDataLoader (``generator=None``) with 0 and 2 workers is bit-exact too, through
+the TrainState: torchdata 0.11's resumed ``iter()`` draws once more from torch's global RNG (put
+back by ckptsdk when it happens) and restarts its workers' RNGs (ckptsdk makes them part of each
+worker's saved state).
 
 The job is tests/support/_loader_child.py (5 batches an epoch, 3 epochs, a save every 3 or 5
 steps); each kill lands after the run log's flusher thread, not a save, published the step.
@@ -28,9 +28,14 @@ REPO = Path(__file__).resolve().parents[2]
 FINAL = 15
 
 
+KINDS = {  # the job's arguments for each loader
+    "ckptsdk": ("--loader", "ckptsdk"),
+    "stateful-0-workers": ("--loader", "stateful", "--workers", "0"),
+    "stateful-2-workers": ("--loader", "stateful", "--workers", "2"),
+}
+
+
 def job(root: Path, *args: str, expect: int = 0) -> subprocess.CompletedProcess[str]:
-    if "stateful" in args:
-        args = (*args, "--workers", "0")
     proc = subprocess.run(
         [sys.executable, "-m", "tests.support._loader_child", str(root), *args],
         cwd=REPO,
@@ -71,9 +76,9 @@ def final_bytes(root: Path) -> dict[str, bytes]:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, bytes]]:
     out = {}
-    for kind in ("ckptsdk", "stateful"):
+    for kind, args in KINDS.items():
         root = tmp_path_factory.mktemp(f"ref-{kind}")
-        job(root, "--loader", kind)
+        job(root, *args)
         out[kind] = final_bytes(root)
     return out
 
@@ -86,20 +91,15 @@ CASES = {
 }
 
 
-_STATEFUL_XFAIL = pytest.mark.xfail(
-    strict=True, reason="torchdata 0.11: the resumed iter() draws base_seed from the global RNG once more"
-)
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("kind", ["ckptsdk", pytest.param("stateful", marks=_STATEFUL_XFAIL)])
+@pytest.mark.parametrize("kind", list(KINDS))
 @pytest.mark.parametrize("case", list(CASES))
 def test_sigkill_and_resume_ends_equal_and_audited(tmp_path, reference, kind, case):
     every, kill = CASES[case]
     root = tmp_path / "run"
-    job(root, "--loader", kind, "--save-every", str(every), "--kill-after", str(kill), expect=-9)
-    job(root, "--loader", kind, "--save-every", str(every))
+    job(root, *KINDS[kind], "--save-every", str(every), "--kill-after", str(kill), expect=-9)
+    job(root, *KINDS[kind], "--save-every", str(every))
     assert final_bytes(root) == reference[kind]
     report = audit(ckptsdk.open_backend(str(root)))
     assert report.verdict == "bit-exact", report

@@ -90,6 +90,8 @@ def test_a_failed_set_up_returns_an_error_and_leaves_the_shell_alone(tmp_path):
     assert not (venv / ".complete").exists()
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(1800)  # a pip install of the non-torch dependencies: minutes on a loaded machine
 def test_a_torch_the_interpreter_imports_is_reused_not_installed(tmp_path):
     """Colab, or a user's own environment: the venv sees that torch, and pip installs no other."""
     venv = tmp_path / "venv"

@@ -409,9 +409,12 @@ def test_plot_is_a_real_png(make_backend_target, tmp_path):
     assert plot_audit(backend, out) == str(out)
     width, height = _png_ok(out)
     assert width >= 600 and height >= 300
-    # From an in-process report too; a JSON-parsed report has no series and says what to do.
-    report = audit(backend)
+    # From an in-process report made with its series too; one without (the default, or
+    # JSON-parsed) has none and says what to do.
+    report = audit(backend, series=True)
     plot_audit(report, tmp_path / "again.png")
+    with pytest.raises(ConfigError, match="pass the backend"):
+        plot_audit(audit(backend), tmp_path / "x.png")
     _png_ok(tmp_path / "again.png")
     parsed = AuditReport.model_validate_json(report.model_dump_json())
     with pytest.raises(ConfigError, match="pass the backend"):
