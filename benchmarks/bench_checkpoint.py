@@ -213,7 +213,8 @@ class Bench:
             self.state = TrainState(**job.objects)
             self.mgr = CheckpointManager(str(root / "mgr"), keep_last=1000, lease_ttl=600.0, save_on_signal=False)
             # Restores go through a reader: a writer restores once, before its first save.
-            self.reader = CheckpointManager(str(root / "mgr"), read_only=True)
+            # A new reader each time: a cold restore is a new process, with no manifest memo.
+            self.reader = lambda: CheckpointManager(str(root / "mgr"), read_only=True)
             self.slow = {
                 lat: CheckpointManager(
                     _slow_backend(root / f"mgr-{int(lat * 1000)}ms", lat),
@@ -265,7 +266,7 @@ class Bench:
             ("ckptsdk restore (direct, verified)", lambda: read_tensorfile(self.direct, key, size=size, digest=digest)),
         ]
         if self.mgr is not None:
-            reads.append(("ckptsdk restore (manager, verified)", lambda: self.reader.restore(self.state)))
+            reads.append(("ckptsdk restore (manager, verified)", lambda: self.reader().restore(self.state)))
         rot = r % len(reads)
         for row, fn in reads[rot:] + reads[:rot]:
             gc.collect()

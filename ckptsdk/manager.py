@@ -217,7 +217,7 @@ class CheckpointManager(CheckpointReader, KeepDecisions, WriterShutdown):
             sleep=sim.sleep,
         )
         # Epochs never go back, even on a root whose LEASE.json was lost: names stay unique.
-        self.lease.acquire(min_epoch=self._scan().epoch_floor + 1)
+        self.lease.acquire(min_epoch=self.outline().epoch_floor + 1)
         if sim.heartbeat:
             self.lease.start_heartbeat()
         self.runlog = RunLog(
@@ -335,7 +335,7 @@ class CheckpointManager(CheckpointReader, KeepDecisions, WriterShutdown):
         except NoValidCheckpointError as exc:
             if not exc.tried:
                 if self._saving is not None:
-                    self._saving.confirm_writer()
+                    self._confirm_writer(self._saving)
                     self._saving.write_lineage(None, None)  # nothing once the lineage is fixed
                 if self.runlog is not None:
                     self.runlog.start()
@@ -345,13 +345,15 @@ class CheckpointManager(CheckpointReader, KeepDecisions, WriterShutdown):
         if self._saving is None:
             self.resumed_from = info
         else:
-            # A writer taken over between opening and restoring must not record a lineage or
-            # anchor anything: confirm the lease and look for newer writers first.
-            self._saving.confirm_writer()
+            self._confirm_writer(self._saving)
             if not fixed:  # this restore is where the writer's lineage starts
                 self._start_lineage(tree, info)
         logger.info("restored %s (step %d) from %s", info.key, info.step, self.url)
         return resume_point(info)
+
+    def _confirm_writer(self, saving: SavePipeline) -> None:  # CAS: the renewal is the fence; Drive: a listing too
+        saving.lease.renew()
+        saving.fence_if_newer(saving.rank if self.backend.capabilities.compare_and_swap else self.outline().max_rank)
 
     def _start_lineage(self, tree: Any, info: CheckpointInfo) -> None:
         """Record that this writer resumes from ``info`` (lineage, step log) and anchor it."""

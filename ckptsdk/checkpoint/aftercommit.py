@@ -58,6 +58,9 @@ class AfterCommit:
         """Off the critical path (the checkpoint is committed and durable): the catalog, rotation,
         step log. After a blocking save they run on the worker (never before the commit: this is
         called after it; never while fenced: rotation checks the lease before each delete)."""
+        resumed = self.resumed_from
+        if self._catalog is None and resumed is not None and info.step == resumed.step:
+            return  # restore's anchor: rotation waits for the first save's listing (every manifest)
         if self._sync_caller:
             self._slots.after(lambda: self._tidy_after(info))
         else:

@@ -8,7 +8,7 @@ to the manager.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, MutableMapping
+from collections.abc import Callable, Iterable, Mapping, MutableMapping
 from dataclasses import dataclass, field, replace
 
 from ckptsdk.backends.base import Backend, ObjectInfo
@@ -176,15 +176,35 @@ def _read_json_object(backend: Backend, key: str) -> bytes | None:
         return None  # deleted between list and read: treat as never seen
 
 
-def scan(backend: Backend, *, cache: MutableMapping[tuple[str, str], object] | None = None) -> Catalog:
-    """List the root and classify every checkpoint folder.
+#: One checkpoint folder as its listing and (when read) its manifest show it:
+#: (step, writer rank, folder, files by name, manifest or None, why it is not valid or None).
+Folder = tuple[int, Rank, str, dict[str, ObjectInfo], Manifest | None, str | None]
 
-    Args:
-        backend: the checkpoint root.
-        cache: optional memo of parsed manifests/lineage records keyed by (key, version); a
-            manager passes one so that repeated scans read only what changed.
+
+@dataclass(frozen=True)
+class Listing:
+    """One listing of a root: its checkpoint folders and its lineage records, no manifest read.
+
+    Lineage records are read (there is one per writer, a few hundred bytes each); manifests are
+    not: :func:`read_folder` reads one, :func:`scan` reads them all.
     """
-    memo: MutableMapping[tuple[str, str], object] = cache if cache is not None else {}
+
+    folders: dict[str, dict[str, ObjectInfo]]
+    lineage: dict[Rank, LineageRecord]
+    lineage_objs: list[ObjectInfo] = field(repr=False)
+    lineage_mtimes: list[float] = field(repr=False)
+
+    def used(self) -> set[Rank]:
+        """Every writer rank a folder name carries."""
+        return {named[1] for f in self.folders if (named := parse_folder(f)) is not None}
+
+    def committed(self) -> list[tuple[int, Rank]]:
+        """(step, rank) of every folder whose manifest is listed."""
+        return [named for f, files in self.folders.items() if MANIFEST in files and (named := parse_folder(f))]
+
+
+def list_root(backend: Backend, memo: MutableMapping[tuple[str, str], object]) -> Listing:
+    """List the root: checkpoint folders by name, and every lineage record (read, memoised)."""
     folders: dict[str, dict[str, ObjectInfo]] = {}
     for obj in backend.list(CKPT_PREFIX):
         folder, _, name = obj.key.partition("/")
@@ -193,7 +213,6 @@ def scan(backend: Backend, *, cache: MutableMapping[tuple[str, str], object] | N
 
     lineage: dict[Rank, LineageRecord] = {}
     lineage_mtimes: list[float] = []
-    max_rank: Rank = (0, "")
     lineage_objs = backend.list(LINEAGE_PREFIX)
     for obj in lineage_objs:
         rank = lineage_rank(obj.key)
@@ -217,105 +236,159 @@ def scan(backend: Backend, *, cache: MutableMapping[tuple[str, str], object] | N
             logger.warning("ignoring lineage record %s: it says epoch %s", obj.key, record.epoch)
             continue
         lineage[rank] = record
+    return Listing(folders=folders, lineage=lineage, lineage_objs=list(lineage_objs), lineage_mtimes=lineage_mtimes)
 
-    # First pass: manifests (commit markers) and sizes.
-    parsed: list[tuple[int, Rank, str, dict[str, ObjectInfo], Manifest | None, str | None]] = []
-    for folder, files in sorted(folders.items()):
-        named = parse_folder(folder)
-        assert named is not None
-        step, rank = named
-        epoch = rank[0]
-        max_rank = max(max_rank, rank)
-        manifest: Manifest | None = None
-        reason: str | None = None
-        mobj = files.get(MANIFEST)
-        if mobj is None:
-            reason = "uncommitted: no manifest (a save in progress, or one that crashed)"
+
+def read_folder(
+    backend: Backend, memo: MutableMapping[tuple[str, str], object], folder: str, files: dict[str, ObjectInfo]
+) -> Folder:
+    """One folder of a listing with its manifest read (memoised by version) and its files checked."""
+    named = parse_folder(folder)
+    assert named is not None
+    step, rank = named
+    manifest: Manifest | None = None
+    reason: str | None = None
+    mobj = files.get(MANIFEST)
+    if mobj is None:
+        reason = "uncommitted: no manifest (a save in progress, or one that crashed)"
+    else:
+        key = f"{folder}/{MANIFEST}"
+        cached = memo.get((key, mobj.version))
+        if isinstance(cached, Manifest):
+            manifest = cached
         else:
-            key = f"{folder}/{MANIFEST}"
-            cached = memo.get((key, mobj.version))
-            if isinstance(cached, Manifest):
-                manifest = cached
+            raw = _read_json_object(backend, key)
+            if raw is None:
+                reason = "manifest vanished while listing (being deleted)"
             else:
-                raw = _read_json_object(backend, key)
-                if raw is None:
-                    reason = "manifest vanished while listing (being deleted)"
-                else:
-                    try:
-                        manifest = parse_manifest(raw, key=key)
-                        memo[(key, mobj.version)] = manifest
-                    except ManifestError as exc:
-                        reason = f"bad manifest: {exc}"
-            if manifest is not None:
-                reason = _check_files(manifest, files, step, epoch)
-        parsed.append((step, rank, folder, files, manifest, reason))
+                try:
+                    manifest = parse_manifest(raw, key=key)
+                    memo[(key, mobj.version)] = manifest
+                except ManifestError as exc:
+                    reason = f"bad manifest: {exc}"
+        if manifest is not None:
+            reason = _check_files(manifest, files, step, rank[0])
+    return step, rank, folder, files, manifest, reason
 
-    # The memo holds what a root holds now, not everything it ever held: a manager that saves
-    # every few seconds for days must not keep each deleted checkpoint's manifest alive.
-    if cache is not None:
-        listed = {(f"{folder}/{name}", obj.version) for folder, files in folders.items() for name, obj in files.items()}
-        listed |= {(obj.key, obj.version) for obj in lineage_objs}
-        for stale in [k for k in memo if k not in listed]:
-            del memo[stale]
-    resume_points, ignored = _resume_points(
-        lineage, parsed, lambda: _read_lease(backend), exclusive=backend.capabilities.compare_and_swap
+
+def writer_points(
+    listing: Listing,
+    read: list[Folder],
+    lease: Callable[[], LeaseRecord | None],
+    *,
+    exclusive: bool,
+) -> tuple[dict[Rank, int | None], dict[Rank, str]]:
+    """Where each writer resumed from, and the lineage records not believed (see ``_resume_points``).
+
+    ``read`` are the folders whose manifests were read: a writer's point is exact when every
+    manifest of that writer is among them (``scan`` reads all; restore reads those of the
+    writers that could supersede its candidate). Which records are not believed needs no
+    manifest at all.
+    """
+    from_manifests: dict[Rank, set[int | None]] = {}
+    for _step, rank, _folder, _files, manifest, _reason in read:
+        if manifest is not None:
+            from_manifests.setdefault(rank, set()).add(manifest.writer.resumed_from_step)
+    return _resume_points(
+        listing.lineage, from_manifests, listing.used(), listing.committed(), lease, exclusive=exclusive
     )
+
+
+def writer_ranks(listing: Listing, ignored: Mapping[Rank, str]) -> tuple[Rank, int]:
+    """(the highest writer seen, the epoch floor): what fences a writer and what a new one takes above."""
+    ranks = [(0, "")] + sorted(listing.used())
     # Only believed records count as a newer writer: a stray record must not fence the live
     # writer. Every record's epoch is used up, though: a new writer never takes it.
-    epoch_floor = max([max_rank[0], *(r[0] for r in lineage)])
-    max_rank = max([max_rank, *(r for r in lineage if r not in ignored)])
+    epoch_floor = max([ranks[-1][0], *(r[0] for r in listing.lineage)])
+    return max([ranks[-1], *(r for r in listing.lineage if r not in ignored)]), epoch_floor
 
-    checkpoints = []
-    for step, rank, folder, files, manifest, reason in parsed:
-        orphan_of = superseded_by(step, rank, resume_points)
-        orphan = orphan_of is not None
-        if reason is None and orphan_of is not None:
-            newer, point = orphan_of
-            where = "a fresh start" if point is None else f"step {point}"
-            reason = (
-                f"orphan: written by {_name(rank)} after {_name(newer)} took over from {where}; "
-                "never restored (`ckptsdk gc` removes it)"
-            )
-        checkpoints.append(
-            CheckpointInfo(
-                step=step,
-                epoch=rank[0],
-                tag=rank[1],
-                key=folder,
-                size=sum(o.size for o in files.values()),
-                committed=MANIFEST in files,
-                valid=reason is None,
-                reason=reason,
-                orphan=orphan,
-                manifest=manifest,
-                mtime=max((o.mtime for o in files.values() if o.mtime is not None), default=None),
-                anchor=manifest is not None and resume_points.get(rank) == step,
-            )
+
+def classify(entry: Folder, points: Mapping[Rank, int | None]) -> CheckpointInfo:
+    """The :class:`CheckpointInfo` of one folder, an orphan if a writer in ``points`` supersedes it."""
+    step, rank, folder, files, manifest, reason = entry
+    orphan_of = superseded_by(step, rank, points)
+    if reason is None and orphan_of is not None:
+        newer, point = orphan_of
+        where = "a fresh start" if point is None else f"step {point}"
+        reason = (
+            f"orphan: written by {_name(rank)} after {_name(newer)} took over from {where}; "
+            "never restored (`ckptsdk gc` removes it)"
         )
+    return CheckpointInfo(
+        step=step,
+        epoch=rank[0],
+        tag=rank[1],
+        key=folder,
+        size=sum(o.size for o in files.values()),
+        committed=MANIFEST in files,
+        valid=reason is None,
+        reason=reason,
+        orphan=orphan_of is not None,
+        manifest=manifest,
+        mtime=max((o.mtime for o in files.values() if o.mtime is not None), default=None),
+        anchor=manifest is not None and points.get(rank) == step,
+    )
+
+
+def prune_memo(memo: MutableMapping[tuple[str, str], object], listing: Listing) -> None:
+    """Drop from ``memo`` what ``listing`` no longer shows.
+
+    The memo holds what a root holds now, not everything it ever held: a manager that saves
+    (or a reader that restores) every few seconds for days must not keep each deleted
+    checkpoint's manifest alive."""
+    folders = listing.folders
+    listed = {(f"{folder}/{name}", obj.version) for folder, files in folders.items() for name, obj in files.items()}
+    listed |= {(obj.key, obj.version) for obj in listing.lineage_objs}
+    for stale in [k for k in memo if k not in listed]:
+        del memo[stale]
+
+
+def lease_witness(backend: Backend) -> LeaseRecord | None:
+    """LEASE.json as a vouching witness: None when absent or unreadable (it corroborates nothing)."""
+    try:
+        return parse_lease(backend.read(LEASE_KEY), url=backend.url)
+    except (ObjectNotFound, LeaseError, BackendError):
+        return None
+
+
+def scan(backend: Backend, *, cache: MutableMapping[tuple[str, str], object] | None = None) -> Catalog:
+    """List the root and classify every checkpoint folder (every manifest is read: ``ls``, gc,
+    rotation; restore reads only what it restores, see :mod:`ckptsdk.checkpoint.outline`).
+
+    Args:
+        backend: the checkpoint root.
+        cache: optional memo of parsed manifests/lineage records keyed by (key, version); a
+            manager passes one so that repeated scans read only what changed.
+    """
+    memo: MutableMapping[tuple[str, str], object] = cache if cache is not None else {}
+    listing = list_root(backend, memo)
+    parsed = [read_folder(backend, memo, folder, files) for folder, files in sorted(listing.folders.items())]
+
+    if cache is not None:
+        prune_memo(cache, listing)
+    points, ignored = writer_points(
+        listing, parsed, lambda: lease_witness(backend), exclusive=backend.capabilities.compare_and_swap
+    )
+    max_rank, epoch_floor = writer_ranks(listing, ignored)
     return Catalog(
-        checkpoints=checkpoints,
-        lineage=lineage,
-        resume_points=resume_points,
+        checkpoints=[classify(entry, points) for entry in parsed],
+        lineage=listing.lineage,
+        resume_points=points,
         max_rank=max_rank,
         ignored_lineage=ignored,
         epoch_floor=epoch_floor,
-        lineage_mtimes=lineage_mtimes,
+        lineage_mtimes=listing.lineage_mtimes,
     )
 
 
 _TOLD: set[tuple[Rank, str]] = set()
 
 
-def _read_lease(backend: Backend) -> LeaseRecord | None:
-    try:
-        return parse_lease(backend.read(LEASE_KEY), url=backend.url)
-    except (ObjectNotFound, LeaseError, BackendError):
-        return None  # no lease, or one nobody can vouch for: it corroborates nothing
-
-
 def _resume_points(
     lineage: dict[Rank, LineageRecord],
-    parsed: list[tuple[int, Rank, str, dict[str, ObjectInfo], Manifest | None, str | None]],
+    from_manifests: dict[Rank, set[int | None]],
+    used: set[Rank],
+    committed: list[tuple[int, Rank]],
     lease: Callable[[], LeaseRecord | None],
     *,
     exclusive: bool,
@@ -354,12 +427,6 @@ def _resume_points(
         known = max([held.epoch if held is not None else 0, *(r[0] for r in used)])
         return not exclusive and rank[0] <= known + 1
 
-    from_manifests: dict[Rank, set[int | None]] = {}
-    for _step, rank, _folder, _files, manifest, _reason in parsed:
-        if manifest is not None:
-            from_manifests.setdefault(rank, set()).add(manifest.writer.resumed_from_step)
-    used = {rank for _step, rank, _folder, _files, _manifest, _reason in parsed}
-    committed = [(step, rank) for step, rank, _folder, files, _manifest, _reason in parsed if MANIFEST in files]
     points: dict[Rank, int | None] = {}
     ignored: dict[Rank, str] = {}
     for rank, record in sorted(lineage.items()):

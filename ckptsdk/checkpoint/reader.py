@@ -20,6 +20,7 @@ from pydantic import JsonValue
 from ckptsdk.backends.base import Backend
 from ckptsdk.checkpoint import catalog as _catalog
 from ckptsdk.checkpoint.catalog import CheckpointInfo
+from ckptsdk.checkpoint.outline import Outline
 from ckptsdk.checkpoint.retention import Candidate, Mode, best_order, default_mode
 from ckptsdk.errors import CorruptCheckpointError, ManifestError, NoValidCheckpointError
 from ckptsdk.format.layout import MANIFEST, TENSORS
@@ -119,6 +120,11 @@ class CheckpointReader:
     def _scan(self) -> _catalog.Catalog:
         return _catalog.scan(self.backend, cache=self._memo)
 
+    def outline(self) -> Outline:
+        """One listing of the root, its manifests read only as the caller walks them (restore,
+        ``latest``, opening a writer); :meth:`list` and the rest read every manifest."""
+        return Outline(self.backend, cache=self._memo)
+
     # ------------------------------------------------------------------ the read API
 
     def list(self) -> builtins.list[CheckpointInfo]:  # `list`: this method, in the class
@@ -127,9 +133,10 @@ class CheckpointReader:
         return self._scan().rows()
 
     def latest(self) -> CheckpointInfo | None:
-        """The newest restorable checkpoint (sizes checked, digests not yet), or None."""
-        good = self._scan().restorable()
-        return good[0] if good else None
+        """The newest restorable checkpoint (sizes checked, digests not yet), or None.
+
+        Reads the manifests of the newest folders only, down to the first valid one."""
+        return self.outline().newest_valid()
 
     def best(self, metric: str, mode: Mode | None = None) -> CheckpointInfo | None:
         """The restorable checkpoint with the best ``metric``, or None when none holds it.
@@ -233,6 +240,18 @@ class CheckpointReader:
         Raises:
             NoValidCheckpointError: nothing readable of that key or step (lists each and why).
         """
+        if key is None and step is None:
+            outline = self.outline()
+            seen = []
+            for info in outline.newest_first():
+                if info.valid:
+                    return info
+                seen.append(info)
+            raise NoValidCheckpointError(
+                f"no valid checkpoint under {self.url}",
+                url=self.url,
+                tried={c.key: c.reason or "" for c in seen},
+            )
         cat = self._scan()
         if key is not None:
             match = next((c for c in cat.checkpoints if c.key == key.rstrip("/")), None)
@@ -242,15 +261,7 @@ class CheckpointReader:
                     f"cannot read checkpoint {self.url}/{key}: {why}", url=self.url, tried={key: why or ""}
                 )
             return match
-        if step is None:
-            good = cat.restorable()
-            if not good:
-                raise NoValidCheckpointError(
-                    f"no valid checkpoint under {self.url}",
-                    url=self.url,
-                    tried={c.key: c.reason or "" for c in cat.checkpoints},
-                )
-            return good[0]
+        assert step is not None
         found = cat.find(step)
         usable = [c for c in found if c.manifest is not None and not c.orphan]
         if not usable:
@@ -273,10 +284,11 @@ class CheckpointReader:
             NoValidCheckpointError: with ``tried`` empty when the root holds no committed
                 checkpoint of the live lineage (a fresh start), else listing each and why.
         """
-        cat = self._scan()
+        # One listing; a manifest is read only when its folder's turn comes (see Outline).
+        seen: list[CheckpointInfo] = []
         tried: dict[str, str] = {}
-        newest_first = sorted(cat.checkpoints, key=lambda c: (c.step, c.rank), reverse=True)
-        for info in newest_first:
+        for info in self.outline().newest_first():
+            seen.append(info)
             if not info.valid:
                 tried[info.key] = info.reason or ""
                 if info.committed and not info.orphan:
@@ -294,7 +306,7 @@ class CheckpointReader:
                 tried[info.key] = str(exc)
         # Only committed checkpoints of the live lineage count: a root holding nothing but an
         # interrupted first save (or a superseded writer's orphans) is a fresh start.
-        blocking = {c.key for c in cat.checkpoints if c.committed and not c.orphan}
+        blocking = {c.key for c in seen if c.committed and not c.orphan}
         if not blocking:
             tried = {}
         listing = "; ".join(f"{k}: {v}" for k, v in sorted(tried.items())) or "none"

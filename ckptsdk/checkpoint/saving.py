@@ -493,8 +493,3 @@ class SavePipeline(AfterCommit):
         if self.writer.fenced_by(seen):
             self.lease.fence(f"saw a newer writer (epoch {seen[0]}) under {self.url}", seen[0])
             self.lease.check()  # raises LeaseLostError
-
-    def confirm_writer(self) -> None:
-        """Renew the lease and look for newer writers; LeaseLostError if this one is stale."""
-        self.lease.renew()
-        self._relist()

@@ -205,7 +205,7 @@ def test_a_save_past_the_staging_budget_is_skipped_and_counted(
 def test_the_single_renewal_fences_a_zombie(make_backend_target: Callable[..., Any]) -> None:
     """A writer taken over between two saves writes its tensor file (it cannot know yet), then
     its one renewal fails: no manifest, LeaseLostError, nothing of the new writer touched; the
-    new writer removes the zombie's uncommitted folder at its next listing."""
+    new writer removes the zombie's uncommitted folder at its next listing (its first save's)."""
     target = make_backend_target("local")
     zombie_store = CountingBackend(target.open())
     zombie = CheckpointManager(zombie_store, keep_last=1, lease_ttl=60, _simulation=NO_HEARTBEAT)
@@ -232,9 +232,11 @@ def test_the_single_renewal_fences_a_zombie(make_backend_target: Callable[..., A
     assert ops[:2] == [("write", f"{folder}/{TENSORS}"), ("replace", LEASE_KEY)]
     assert all(op in ("read", "stat") for op, _key in ops[2:]), ops  # judging what it found
     assert not target.open().exists(f"{folder}/{MANIFEST}")
-    heir.save(heir_state, step=3, blocking=True)  # its catalog (listed at restore) cannot show that folder yet
-    assert target.open().exists(f"{folder}/{TENSORS}")
-    now[0] += RELIST_S + 1  # the periodic relist: it sees the folder and removes it
+    # Restore listed no manifest (its catalog is built at the first save): that first save
+    # lists the root, sees the folder and removes it (at once under compare-and-swap).
+    heir.save(heir_state, step=3, blocking=True)
+    assert not target.open().exists(f"{folder}/{TENSORS}")
+    now[0] += RELIST_S + 1  # the periodic relist finds nothing more to remove
     heir.save(heir_state, step=4, blocking=True)
     assert heir.wait(timeout=60)  # rotation (and the leftover's removal) follow a sync save on the worker
     cat = scan(target.open())
