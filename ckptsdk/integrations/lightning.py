@@ -26,6 +26,7 @@ require("lightning", "lightning")
 from lightning.fabric.plugins import CheckpointIO  # noqa: E402
 from lightning.fabric.utilities.cloud_io import get_filesystem  # noqa: E402
 from lightning.fabric.utilities.rank_zero import rank_zero_only  # noqa: E402
+from lightning.pytorch.callbacks import Callback  # noqa: E402
 
 from ckptsdk.checkpoint.retention import Rule, keep_best, keep_if  # noqa: E402
 from ckptsdk.errors import ConfigError, UnsupportedStateError  # noqa: E402
@@ -195,6 +196,13 @@ class CkptsdkCheckpointIO(CheckpointIO):
         path = os.path.join(self._tmpdir, f"resume-{info.step}.ckpt")
         self._write_pointer(path, Pointer(url=self.url, step=info.step, key=info.key))
         return path
+
+    def step_logger(self) -> Callback:
+        """A callback that puts each optimizer step's training loss in ckptsdk's step log, so that
+        ``ckptsdk audit`` compares the steps a resumed attempt runs again (without it a Lightning
+        run's audit is ``unverified``): ``L.Trainer(plugins=[io], callbacks=[io.step_logger()])``.
+        The loss is what ``training_step`` returned (a tensor, or a dict's ``"loss"``)."""
+        return _StepLogger(self)
 
     # ------------------------------------------------------------------ CheckpointIO
 
@@ -410,3 +418,22 @@ def _scores(checkpoint: Mapping[str, Any], path: str) -> dict[str, float]:
             score = scores[path]
             out[monitor] = float(score.item() if hasattr(score, "item") else score)
     return out
+
+
+class _StepLogger(Callback):
+    """``CkptsdkCheckpointIO.step_logger()``: one step-log row per optimizer step, on rank 0."""
+
+    def __init__(self, io: CkptsdkCheckpointIO) -> None:
+        self.io = io
+        self._last: int | None = None
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
+        step = int(trainer.global_step)
+        if rank_zero_only.rank != 0 or loss is None or step == self._last:  # accumulating: no new step yet
+            return
+        # A resumed fit has loaded its checkpoint by now; a fresh one opens the root as its first
+        # save would (refusing a root that holds checkpoints this fit did not resume from).
+        mgr, _ = self.io._start(loading=False)
+        mgr.log_step(step, loss=loss.detach() if hasattr(loss, "detach") else float(loss))
+        self._last = step

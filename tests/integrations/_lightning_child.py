@@ -3,7 +3,8 @@
 ``python -m tests.integrations._lightning_child ROOT WORK OUT --loader ckptsdk|torch [--workers W]
 [--kill-at STEP]``: 6 batches an epoch, 3 epochs, a checkpoint every 4 optimizer steps (so the
 one at step 8 is mid-epoch: 2 batches of epoch 1 done), dropout and random augmentation (so the
-RNGs matter). With ``--kill-at`` the process SIGKILLs itself as that step begins. At the end the
+RNGs matter), each step's loss in ckptsdk's step log (``io.step_logger()``). With ``--kill-at``
+the process SIGKILLs itself as that step begins, once the steps before it are in the step log. At the end the
 weights and the optimizer state go to OUT (safetensors). Used by test_lightning_mid_epoch.py.
 """
 
@@ -30,6 +31,21 @@ class Augmented(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.x[i] + 0.1 * torch.randn(8), self.y[i]
+
+
+def _wait_for_logged(root: str, step: int) -> None:
+    """Until the run log under ``root`` holds ``step`` (bounded: 60 s)."""
+    import threading
+
+    from ckptsdk.backends import open_backend
+    from ckptsdk.runlog.audit import read_runlog
+
+    backend, pause = open_backend(root), threading.Event()
+    for _ in range(600):
+        if any(step in rows for rows in read_runlog(backend)[1].values()):
+            return
+        pause.wait(0.1)
+    raise TimeoutError(f"step {step} never reached the run log under {root}")
 
 
 def main() -> None:
@@ -59,6 +75,9 @@ def main() -> None:
 
         def training_step(self, batch, batch_idx):
             if args.kill_at is not None and self.global_step == args.kill_at:
+                # The steps since the last save reach storage by the step log's flusher (every
+                # second): wait for the last one, so the audit has steps to compare.
+                _wait_for_logged(args.root, self.global_step)
                 os.kill(os.getpid(), signal.SIGKILL)
             x, y = batch
             return torch.nn.functional.binary_cross_entropy_with_logits(self.net(x), y)
@@ -79,6 +98,7 @@ def main() -> None:
             Augmented(), batch_size=BATCH, shuffle=True, generator=g, num_workers=args.workers
         )
     module = Module()
+    io = CkptsdkCheckpointIO(args.root, lease_ttl=2.0)
     trainer = L.Trainer(
         max_epochs=3,
         accelerator="cpu",
@@ -88,8 +108,11 @@ def main() -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
-        plugins=[CkptsdkCheckpointIO(args.root, lease_ttl=2.0)],
-        callbacks=[ModelCheckpoint(dirpath=f"{args.work}/ckpt", save_last=True, every_n_train_steps=4, save_top_k=-1)],
+        plugins=[io],
+        callbacks=[
+            ModelCheckpoint(dirpath=f"{args.work}/ckpt", save_last=True, every_n_train_steps=4, save_top_k=-1),
+            io.step_logger(),
+        ],
     )
     trainer.fit(module, loader, ckpt_path="last")
     opt = trainer.optimizers[0].state_dict()["state"]

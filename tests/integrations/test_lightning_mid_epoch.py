@@ -85,6 +85,10 @@ def test_lightning_killed_mid_epoch_with_ckptsdk_loader_resumes_bit_exact(tmp_pa
     assert "Restored all states" in resumed.stderr + resumed.stdout
     assert NOT_EXACT not in resumed.stderr
     assert out_bytes(tmp_path) == reference(kind)
+    # The audit compared the steps both attempts ran (9 and 10: after the save at 8, before the kill).
+    with CheckpointManager(str(tmp_path / "root"), read_only=True) as mgr:
+        report = mgr.audit()
+    assert report.verdict == "bit-exact" and report.overlap_steps == 2, report
 
 
 @pytest.mark.slow
@@ -96,6 +100,9 @@ def test_lightning_killed_mid_epoch_with_a_plain_loader_is_said_not_exact(tmp_pa
         NOT_EXACT in resumed.stderr and "2 batch(es) of epoch 1 done), but the train loader saved no" in resumed.stderr
     )
     assert out_bytes(tmp_path) != reference("torch")  # the warning is not a false alarm
+    with CheckpointManager(str(tmp_path / "root"), read_only=True) as mgr:
+        report = mgr.audit()
+    assert report.verdict.startswith("DIVERGED at step 9"), report  # and the audit says so too
 
 
 @pytest.mark.slow
