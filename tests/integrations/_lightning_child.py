@@ -33,27 +33,13 @@ class Augmented(torch.utils.data.Dataset):
         return self.x[i] + 0.1 * torch.randn(8), self.y[i]
 
 
-def _wait_for_logged(root: str, step: int) -> None:
-    """Until the run log under ``root`` holds ``step`` (bounded: 60 s)."""
-    import threading
-
-    from ckptsdk.backends import open_backend
-    from ckptsdk.runlog.audit import read_runlog
-
-    backend, pause = open_backend(root), threading.Event()
-    for _ in range(600):
-        if any(step in rows for rows in read_runlog(backend)[1].values()):
-            return
-        pause.wait(0.1)
-    raise TimeoutError(f"step {step} never reached the run log under {root}")
-
-
 def main() -> None:
     import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     import ckptsdk
     from ckptsdk.integrations.lightning import CkptsdkCheckpointIO
+    from tests.support._integration_jobs import wait_for_logged
 
     ap = argparse.ArgumentParser()
     ap.add_argument("root")
@@ -77,7 +63,7 @@ def main() -> None:
             if args.kill_at is not None and self.global_step == args.kill_at:
                 # The steps since the last save reach storage by the step log's flusher (every
                 # second): wait for the last one, so the audit has steps to compare.
-                _wait_for_logged(args.root, self.global_step)
+                wait_for_logged(args.root, self.global_step)
                 os.kill(os.getpid(), signal.SIGKILL)
             x, y = batch
             return torch.nn.functional.binary_cross_entropy_with_logits(self.net(x), y)

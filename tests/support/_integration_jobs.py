@@ -69,18 +69,23 @@ def _kill_if(step: int, kill_at: int | None) -> None:
 
 
 def _wait_for_logged(step: int) -> None:
-    """Until the run log's flusher thread has published ``step`` (bounded: 60 s)."""
+    wait_for_logged(str(_WAIT_FOR_LOG["url"]), step, dict(_WAIT_FOR_LOG["options"]))
+
+
+def wait_for_logged(url: str, step: int, options: dict[str, object] | None = None) -> None:
+    """Until the run log's flusher thread has published ``step`` under ``url`` (bounded: 60 s)."""
     import threading
 
     from ckptsdk.backends import open_backend
     from ckptsdk.runlog.audit import read_runlog
 
-    backend = open_backend(str(_WAIT_FOR_LOG["url"]), **dict(_WAIT_FOR_LOG["options"]))
+    backend = open_backend(url, **dict(options or {}))
     pause = threading.Event()
     for _ in range(600):
         if any(step in rows for rows in read_runlog(backend)[1].values()):
             return
         pause.wait(0.1)
+    raise TimeoutError(f"step {step} never reached the run log under {url}")
 
 
 def run_lightning(args: argparse.Namespace) -> dict[str, torch.Tensor]:
