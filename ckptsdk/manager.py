@@ -277,13 +277,14 @@ class CheckpointManager(CheckpointReader, KeepDecisions, WriterShutdown):
         """True every ``save_every`` steps (never at step 0), and at once after a stop signal."""
         return self.preempted or save_due(step, self.save_every)
 
-    def audit(self, tolerance: float = 0.0) -> AuditReport:
-        """Compare the steps run by several attempts (see :func:`ckptsdk.runlog.audit.audit`)."""
+    def audit(self, tolerance: float = 0.0, *, series: bool = False) -> AuditReport:
+        """Compare the steps run by several attempts (see :func:`ckptsdk.runlog.audit.audit`;
+        ``series=True`` keeps every step's scalars too, for ``plot_audit``)."""
         from ckptsdk.runlog.audit import audit
 
         if self.runlog is not None:
             self.runlog.flush()
-        return audit(self.backend, tolerance=tolerance)
+        return audit(self.backend, tolerance=tolerance, series=series)
 
     def _scan(self) -> Catalog:
         """The reads see this writer's rotations: a sync save's, still on the worker, ends first."""

@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
             ref.wait()
         ref_log.close()
 
-    report = audit(run_root)
+    report = audit(run_root, series=bool(args.plot))
     loss = report.scalars.get("loss")
     ref_step, ref_state = final_state(ref_root)
     run_step, run_state = final_state(run_root)

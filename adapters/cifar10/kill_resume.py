@@ -246,12 +246,12 @@ def final_state(url: str, storage_options: Mapping[str, Any] | None = None) -> t
         mgr.close()
 
 
-def audit(url: str, storage_options: Mapping[str, Any] | None = None) -> AuditReport:
-    """The resume audit of the run under ``url`` (read-only)."""
+def audit(url: str, storage_options: Mapping[str, Any] | None = None, *, series: bool = False) -> AuditReport:
+    """The resume audit of the run under ``url`` (read-only; ``series``: for a plot)."""
     import ckptsdk
 
     mgr = ckptsdk.CheckpointManager(url, read_only=True, storage_options=storage_options)
     try:
-        return mgr.audit()
+        return mgr.audit(series=series)
     finally:
         mgr.close()

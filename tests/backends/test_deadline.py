@@ -91,6 +91,7 @@ def test_running_out_of_time_after_the_commit_only_leaves_rotation(caplog) -> No
     out_of_time[0] = True
     with caplog.at_level(logging.WARNING, logger="ckptsdk.checkpoint.saving"):
         info = mgr.save({"w": torch.full((2,), 2.0)}, step=2)
+        mgr.wait()  # a sync save's rotation runs on the worker, after the commit
     assert info.committed and info.step == 2
     assert "step 2 is committed under memory://deadline-after-commit; rotation waits" in caplog.text
     assert [c.step for c in mgr.list() if c.committed] == [1, 2]  # step 1 not rotated out yet

@@ -235,6 +235,7 @@ def test_the_single_renewal_fences_a_zombie(make_backend_target: Callable[..., A
     # Restore listed no manifest (its catalog is built at the first save): that first save
     # lists the root, sees the folder and removes it (at once under compare-and-swap).
     heir.save(heir_state, step=3, blocking=True)
+    heir.wait()  # after the commit, on the worker
     assert not target.open().exists(f"{folder}/{TENSORS}")
     now[0] += RELIST_S + 1  # the periodic relist finds nothing more to remove
     heir.save(heir_state, step=4, blocking=True)

@@ -234,6 +234,7 @@ def test_the_memo_keeps_only_what_the_root_holds(url: str) -> None:
         state = _state()
         for step in range(1, 8):
             mgr.save(_at(state, step), step=step)
+            mgr.wait()  # its rotation (on the worker, after the commit) is done: the root is settled
             newest = Outline(backend, cache=memo).newest_valid()
             assert newest is not None and newest.step == step
     listed = {(o.key, o.version) for o in backend.list("")}

@@ -115,6 +115,13 @@ def test_a_torch_the_interpreter_imports_is_reused_not_installed(tmp_path):
     assert not list(venv.glob("lib/python*/site-packages/torch"))  # nothing of torch copied in
 
 
+def _is_sleep(pids: list[str]) -> bool:
+    try:
+        return bool(pids) and Path(f"/proc/{pids[0]}/cmdline").read_bytes().split(b"\0")[0].endswith(b"sleep")
+    except OSError:
+        return False
+
+
 def _session_alive(sid: int) -> list[int]:
     out = []
     for entry in os.listdir("/proc"):
@@ -162,7 +169,9 @@ exec {real} "$@"
     )
     try:
         deadline = time.monotonic() + 300
-        while not started.exists():  # pip is running
+        # pip is running: the fake has written its pid and become `sleep` (a Ctrl-C between the
+        # two would end the fake's own bash script, a window a real pip does not have)
+        while not (started.exists() and _is_sleep(started.read_text().split())):
             assert shell.poll() is None, shell.communicate()
             assert time.monotonic() < deadline, "pip never started"
             time.sleep(0.05)
