@@ -115,6 +115,16 @@ def test_a_torch_the_interpreter_imports_is_reused_not_installed(tmp_path):
     assert not list(venv.glob("lib/python*/site-packages/torch"))  # nothing of torch copied in
 
 
+def _as_at_a_terminal() -> None:
+    """In the child: the signals a shell at a terminal starts with. A signal ignored when bash
+    starts cannot be trapped, and something earlier in a full suite's worker process (not ckptsdk:
+    no test or module of ours ignores SIGINT) leaves SIGINT ignored, which children inherit: the
+    Ctrl-C below then did nothing (reproduced by ignoring SIGINT before running this test alone)."""
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_SETMASK, [])
+
+
 def _is_sleep(pids: list[str]) -> bool:
     try:
         return bool(pids) and Path(f"/proc/{pids[0]}/cmdline").read_bytes().split(b"\0")[0].endswith(b"sleep")
@@ -166,6 +176,7 @@ exec {real} "$@"
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
+        preexec_fn=_as_at_a_terminal,
     )
     try:
         deadline = time.monotonic() + 300
