@@ -171,23 +171,23 @@ class Rotation:
         return gone
 
     def _tidy(self, lease: Lease, rank: Rank, cat: Catalog) -> set[str]:
-        """Leftovers of saves that can never commit, and temp files of killed saves."""
-        gone = set()
-        # Under compare-and-swap the renewal that preceded this rotation proves no lower writer
-        # can still commit (its own renewal would fail): they go at once. Elsewhere only after
-        # the grace, by the store's own clock.
+        """Leftovers of saves that can never commit, and temp files of killed saves; never of a step
+        above this writer's newest commit: the next save, in flight (other ranks write into it)."""
+        gone, top = set(), max((c.step for c in cat.checkpoints if c.committed and c.rank == rank), default=-1)
+        # Under compare-and-swap no lower writer can still commit (its renewal would fail): at once.
         exclusive = self.backend.capabilities.compare_and_swap
         for c, why in cat.leftovers(rank=rank, grace=self.leftover_grace, exclusive=exclusive):
+            if c.rank == rank and c.step > top:
+                continue
             lease.check()
             logger.info("removing %s/%s (%s, %d bytes)", self.url, c.key, why, c.size)
             self.delete(c)
             gone.add(c.key)
 
-        # A save killed mid-write leaves a full-size temp file (invisible to listings) in its
-        # folder. Those of this writer's lineage go by the same rule; never a higher writer's.
+        # A killed save's full-size temp file (unlisted): this lineage's by the same rule, never a higher's.
         def ours(key: str) -> bool:
             found = folder_rank(key)
-            return found is not None and not outranks(found[1], rank)
+            return found is not None and not outranks(found[1], rank) and not (found[1] == rank and found[0] > top)
 
         lease.check()
         for key in self.backend.sweep(0.0 if exclusive else self.leftover_grace, only=ours):
