@@ -12,7 +12,7 @@ wording of the CLI's notes is cli/admin.py's; the rules themselves are retention
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from ckptsdk.checkpoint import retention
 from ckptsdk.checkpoint.catalog import Catalog, CheckpointInfo
@@ -98,9 +98,7 @@ class KeepDecisions:
     url: str
     _rotation: Rotation
     _by_record: bool  # read_only, and no keep rule given to the manager
-
-    def _scan(self) -> Catalog:
-        raise NotImplementedError  # CheckpointReader's
+    _scan: Callable[[], Catalog]  # CheckpointReader's (the manager's, which settles its saves first)
 
     def gc(
         self,
