@@ -215,7 +215,7 @@ class SavePipeline(AfterCommit):
             self._slots.committed += 1
             return info
         pending_info = CheckpointInfo(
-            step=step, epoch=self.writer.epoch, key=folder, size=0, committed=False, valid=False
+            step=step, epoch=self.writer.epoch, tag=self.tag, key=folder, size=0, committed=False, valid=False
         )
         pipelined = snapshot == "pipelined" and callable(getattr(state, "step_only_flags", None)) and state.optimizers()
         defer = state.step_only_flags(captured.tensors) if pipelined else [False] * len(captured.names)
@@ -411,9 +411,8 @@ class SavePipeline(AfterCommit):
         self._memo[(published.key, published.version)] = manifest  # the next scan need not re-read it
         size = sum(f.size for f in files)
         logger.info("committed %s/%s (%d bytes)", self.url, folder, size)
-        info = CheckpointInfo(
-            step=step, epoch=self.lease.epoch, key=folder, size=size, committed=True, valid=True, manifest=manifest
-        )
+        epoch, tag = self.lease.epoch, self.tag  # the full rank: rotation tells this writer's newest by it
+        info = CheckpointInfo(step, epoch, folder, size, committed=True, valid=True, manifest=manifest, tag=tag)
         self._committed = {folder: info}  # the newest only: an older one may have been rotated out
         return info
 

@@ -126,6 +126,7 @@ class WriterShutdown:
         return self._saving.last_committed or CheckpointInfo(
             step=step,
             epoch=self._saving.rank[0],
+            tag=self._saving.rank[1],
             key="",
             size=0,
             committed=False,

@@ -164,3 +164,19 @@ def test_due_step_log_flushes_run_off_the_training_thread(tmp_path):
     assert chunks and all(t != me for t, _op, key in chunks[:-1])  # only close() publishes here
     report = CheckpointManager(str(tmp_path / "r"), read_only=True).audit()
     assert report.attempts[0].steps == 20 and not report.attempts[0].missing_chunks
+
+
+@pytest.mark.parametrize("blocking", [True, False])
+@pytest.mark.parametrize("store", ["local", "drive"])
+def test_a_save_reports_the_writers_full_rank_as_the_listing_does(tmp_path, monkeypatch, store, blocking):
+    """The info a save returns (and rotation's catalog keeps) carries the writer's tag (in Drive's
+    folder names): without it the tidy took the newest commit for another lineage's and spared this
+    writer's own failed save's folder."""
+    monkeypatch.setenv("CKPTSDK_DRIVE_ROOT", str(tmp_path))
+    url = "drive://r" if store == "drive" else str(tmp_path / "r")
+    mgr = CheckpointManager(url, lease_ttl=30, save_on_signal=False, lease_settle=0)
+    info = mgr.save(_state(), step=1, blocking=blocking)
+    assert mgr.wait(timeout=60)
+    listed = CheckpointManager(url, read_only=True).list()
+    assert [c.rank for c in listed] == [info.rank]
+    assert (info.tag != "") == (store == "drive")
