@@ -101,7 +101,7 @@ class CheckpointManager(CheckpointReader, KeepDecisions, WriterShutdown):
             Shorthand: ``lease_ttl``, ``lease_wait``, ``lease_settle``, ``force``.
         save_options: when saves are due and how they run (:class:`~ckptsdk.options.SaveOptions`).
             Shorthand: ``save_every``, ``async_save``, ``snapshot``, ``save_on_signal``,
-            ``signal_deadline``, ``max_staging_bytes``, ``save_deadline``.
+            ``signal_deadline``, ``max_staging_bytes``, ``save_deadline``, ``incremental``.
         read_only: inspect without taking the lease; ``save`` is refused.
         storage_options: passed to fsspec for ``gs://`` (``endpoint_url``, ``token``, ...).
         run_id: name of the run (kept across takeovers); a new uuid on a fresh root by default.
@@ -149,6 +149,7 @@ class CheckpointManager(CheckpointReader, KeepDecisions, WriterShutdown):
         signal_deadline: float | None = None,
         max_staging_bytes: int | None = None,
         save_deadline: float | None = None,
+        incremental: bool | None = None,
         _simulation: Simulation | None = None,
     ) -> None:
         # Every option is checked here, by its group, before the store is opened.
@@ -158,7 +159,7 @@ class CheckpointManager(CheckpointReader, KeepDecisions, WriterShutdown):
         )
         flat.update(lease_settle=lease_settle, force=force, save_every=save_every, async_save=async_save)
         flat.update(snapshot=snapshot, save_on_signal=save_on_signal, signal_deadline=signal_deadline)
-        flat.update(max_staging_bytes=max_staging_bytes, save_deadline=save_deadline)
+        flat.update(max_staging_bytes=max_staging_bytes, save_deadline=save_deadline, incremental=incremental)
         kept = grouped("retention", retention, Retention, flat)
         leasing = grouped("lease_options", lease_options, LeaseOptions, flat)
         saves = grouped("save_options", save_options, SaveOptions, flat)
@@ -239,6 +240,7 @@ class CheckpointManager(CheckpointReader, KeepDecisions, WriterShutdown):
             clock=sim.clock,
         )
         self._saving.save_deadline = saves.save_deadline
+        self._saving.sharing.enabled = saves.incremental
         # An interpreter exit with a save in flight waits for it (or says it abandons it).
         atexit.register(_close_at_exit, weakref.ref(self))
         if saves.on_signal or (saves.on_signal is None and main):

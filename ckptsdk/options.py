@@ -133,7 +133,7 @@ class SaveOptions:
     """When saves are due and how they run.
 
     Shorthand: ``CheckpointManager(save_every=, async_save=, snapshot=, save_on_signal=, signal_deadline=,
-    max_staging_bytes=, save_deadline=)``.
+    max_staging_bytes=, save_deadline=, incremental=)``.
 
     Attributes:
         every: ``should_save(step)`` is true every this many steps (None: never by count).
@@ -166,6 +166,12 @@ class SaveOptions:
             staging buffer (a newer one replaces it while it waits). When that second buffer
             would exceed this bound, the due save is skipped and counted in ``mgr.stats``. None:
             no bound (at most two snapshots of the state).
+        incremental: a tensor of 1 MiB or more that is unchanged since the writer's newest
+            commit is not written again: the new manifest refers to the shared file that holds
+            it (a frozen fine-tuning base is written once). Unchanged is decided by the tensor's
+            digest (dtype, shape, bytes), never by a flag; a tensor whose version counter moved
+            is written without hashing (see :mod:`ckptsdk.checkpoint.sharing`). False: every
+            save writes every tensor into its own folder, readable by a 1.2 reader.
     """
 
     #: The manager's flat keywords for these fields (flat keyword -> field).
@@ -177,6 +183,7 @@ class SaveOptions:
         "save_on_signal": "on_signal",
         "signal_deadline": "signal_deadline",
         "save_deadline": "save_deadline",
+        "incremental": "incremental",
     }
 
     every: int | None = None
@@ -186,6 +193,7 @@ class SaveOptions:
     signal_deadline: float = DEFAULT_DEADLINE
     max_staging_bytes: int | None = None
     save_deadline: float | None = None
+    incremental: bool = True
 
     def __post_init__(self) -> None:
         _check_count("save_every (SaveOptions.every)", self.every, optional=True)
@@ -197,6 +205,8 @@ class SaveOptions:
                 raise ConfigError(f"{name} must be a number of seconds > 0, got {value!r}")
         _check_count("max_staging_bytes", self.max_staging_bytes, optional=True)
         _check_choice("snapshot", self.snapshot, SNAPSHOT_MODES)
+        if not isinstance(self.incremental, bool):
+            raise ConfigError(f"incremental must be True or False, got {self.incremental!r}")
 
 
 def grouped(keyword: str, group: _Group | None, cls: type[_Group], flat: Mapping[str, Any]) -> _Group:

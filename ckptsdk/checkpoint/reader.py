@@ -218,16 +218,12 @@ class CheckpointReader:
         return Verdict("ok", None, rehashed=True)
 
     def _rehash(self, info: CheckpointInfo) -> None:
-        """The one re-hash of a checkpoint: every file its manifest lists, size and digest."""
+        """The one re-hash of a checkpoint: every file its manifest lists (the shared ones too), size and digest."""
         assert info.manifest is not None
-        for entry in info.manifest.files:
-            verify_file(
-                self.backend,
-                f"{info.key}/{entry.name}",
-                size=entry.size,
-                digest=entry.digest,
-                algorithm=entry.algorithm,
-            )
+        for key, entry in [(f"{info.key}/{f.name}", f) for f in info.manifest.files] + [
+            (f.name, f) for f in info.manifest.shared
+        ]:
+            verify_file(self.backend, key, size=entry.size, digest=entry.digest, algorithm=entry.algorithm)
 
     # ------------------------------------------------------------------ picking and reading
 
@@ -343,6 +339,22 @@ class CheckpointReader:
             digest=entry.digest,
             algorithm=entry.algorithm,
         )
+        for shared in manifest.shared:  # tensors unchanged since an earlier save: verified the same way
+            held = read_tensorfile(
+                self.backend, shared.name, size=shared.size, digest=shared.digest, algorithm=shared.algorithm
+            )
+            for path in shared.tensors:
+                if path not in held or path in tensors:
+                    why = "does not hold" if path not in held else "repeats the folder's"
+                    raise CorruptCheckpointError(
+                        f"checkpoint {self.url}/{info.key}: shared file {shared.name} {why} tensor {path!r}; "
+                        "it cannot be restored (restore falls back to an earlier checkpoint)",
+                        url=self.url,
+                        step=info.step,
+                        key=info.key,
+                    )
+                tensors[path] = held[path]
+            del held  # the tensors of the file this checkpoint does not use
         try:
             tree = codec.decode(manifest.tree, tensors)
             unused = set(tensors) - set(tensor_paths(manifest.tree))

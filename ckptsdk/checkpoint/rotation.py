@@ -11,16 +11,17 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, get_args
+from typing import Literal, get_args
 
-from ckptsdk.backends.base import Backend, Rewritable, rewriter
+from ckptsdk.backends.base import Backend, rewriter
 from ckptsdk.backends.posix import deferred_dir_sync
 from ckptsdk.checkpoint import retention
 from ckptsdk.checkpoint.catalog import Catalog, CheckpointInfo
 from ckptsdk.checkpoint.retention import Rule
+from ckptsdk.checkpoint.shared_files import loose_files, release
 from ckptsdk.checkpoint.usage import record_trash
-from ckptsdk.errors import ConfigError, LeaseLostError, ObjectNotFound, PreconditionFailed
-from ckptsdk.format.layout import MANIFEST, Rank, folder_rank, outranks
+from ckptsdk.errors import ConfigError, LeaseLostError, ObjectNotFound
+from ckptsdk.format.layout import MANIFEST, Rank, folder_rank, outranks, shared_rank
 from ckptsdk.format.manifest import KeepRecord
 from ckptsdk.lease.acquire import Lease
 
@@ -150,15 +151,13 @@ class Rotation:
             )
             return set()
         mine = [c for c in cat.checkpoints if c.valid and not outranks(c.rank, rank)]
-        # Where writes reach the cloud late and out of order (Drive), a rotation's small deletes
-        # can arrive long before the new checkpoint's tensor file: rotate one save late, so the
-        # newest checkpoint has a whole save interval to upload before its predecessor goes.
+        # Drive: a rotation's small deletes can reach the cloud before the new checkpoint's tensor
+        # file does: rotate one save late (the newest has a save interval to upload).
         protected = self._protected(mine, rank, resumed_from)
         self._ledger_rank = rank
         doomed = self.beyond_retention(mine, protected=protected)
-        # Deletes need no fsync: a power cut only undoes removals (the old checkpoint back whole, or
-        # a leftover; a manifest without its file fails the size check), garbage the next listing or
-        # gc removes; the newest checkpoint was durable before rotation began.
+        # Deletes need no fsync: a power cut only undoes removals (an old checkpoint back whole, or
+        # garbage the next listing or gc removes); the newest was durable before rotation began.
         with deferred_dir_sync(sync=False):
             for c in doomed:
                 lease.check()
@@ -167,6 +166,10 @@ class Rotation:
             gone |= self.drop_copies(lease, rank, [c for c in mine if c.key not in gone])
             if tidy:
                 gone |= self._tidy(lease, rank, cat)
+            # Then the shared files no checkpoint left refers to (with a listing of them when tidying).
+            exclusive, grace = self.backend.capabilities.compare_and_swap, self.leftover_grace
+            loose = loose_files(self.backend, cat, gone, rank=rank, grace=grace, exclusive=exclusive, listing=tidy)
+            release(self.backend, loose, check=lease.check, trashed=self._trashed)
         self._flush_ledger()
         return gone
 
@@ -186,7 +189,7 @@ class Rotation:
 
         # A killed save's full-size temp file (unlisted): this lineage's by the same rule, never a higher's.
         def ours(key: str) -> bool:
-            found = folder_rank(key)
+            found = folder_rank(key) or shared_rank(key)
             return found is not None and not outranks(found[1], rank) and not (found[1] == rank and found[0] > top)
 
         lease.check()
@@ -267,21 +270,6 @@ class Rotation:
             return None  # someone else is cleaning it: write a new file
         self._trashed(0, 1)  # the manifest: a few KB
         return source
-
-    def take_file(self, src: str, dst: str) -> _InPlace | None:
-        """Move ``src`` to ``dst`` for a rewrite in place: the store to rewrite it with (as
-        ``write_tensorfile`` sees one), or None (write a new file) if it cannot."""
-        rewriting = rewriter(self.backend)
-        if rewriting is None:
-            return None
-        try:
-            rewriting.move(src, dst)
-        except (ObjectNotFound, PreconditionFailed) as exc:
-            # ``dst`` left by an earlier failed save of this step, or ``src`` gone: a new file it
-            # is; the recycled folder, now uncommitted, is removed by rotation as a leftover.
-            logger.info("cannot recycle %s into %s under %s (%s): writing a new file", src, dst, self.url, exc)
-            return None
-        return _InPlace(rewriting, self.url)
 
     def recycled(self, source: CheckpointInfo, folder: str, size: int) -> None:
         """Account a recycle that went through (the save log shows what the trash was spared)."""
@@ -441,11 +429,15 @@ class Rotation:
             if c.valid and c.step not in keeps:
                 reasons[c.key] = _why_not(in_force) + late
         sizes = {c.key: c.size for c in cat.checkpoints if c.key in reasons}
+        loose = loose_files(self.backend, cat, set(reasons), rank=None, grace=grace, exclusive=False)
+        for key, (why, size) in loose.items():
+            reasons[key], sizes[key] = why, size
         trash = sum(sizes.values()) if self.backend.capabilities.trash_on_delete else None
         if not dry_run:
             for c in cat.checkpoints:
                 if c.key in reasons:
                     self.delete(c)
+            release(self.backend, loose, check=lambda: None, trashed=lambda n, k: None)
             for key in self.backend.sweep(grace):
                 reasons[key] = f"temp file of a crashed write, older than {grace:.0f} s"
         return GcReport(deleted=sorted(reasons), reasons=reasons, dry_run=dry_run, sizes=sizes, trash_bytes=trash)
@@ -487,14 +479,3 @@ def _why_not(rules: Sequence[Rule]) -> str:
     if len(rules) == 1 and isinstance(rules[0], retention.KeepLast):
         return f"beyond keep_last={rules[0].n}"
     return f"no rule keeps it ({retention.describe_rules(rules)})"
-
-
-class _InPlace:
-    """The backend as ``write_tensorfile`` sees it when a recycled file is rewritten in place."""
-
-    def __init__(self, backend: Rewritable, url: str) -> None:
-        self._backend = backend
-        self.url = url
-
-    def write(self, key: str, data: Any) -> Any:
-        return self._backend.overwrite(key, data)

@@ -30,21 +30,23 @@ from typing import Any
 
 import torch
 
-from ckptsdk.backends.base import Backend, copier
+from ckptsdk.backends.base import Backend
 from ckptsdk.backends.deadline import SAVE_RATE_BPS, bounded
 from ckptsdk.backends.posix import deferred_dir_sync
 from ckptsdk.checkpoint.aftercommit import AfterCommit
+from ckptsdk.checkpoint.anchoring import Anchoring
 from ckptsdk.checkpoint.catalog import Catalog, CheckpointInfo
 from ckptsdk.checkpoint.lineage import LineageWriter
+from ckptsdk.checkpoint.recycling import take_file
 from ckptsdk.checkpoint.rotation import Rotation
 from ckptsdk.checkpoint.scheduling import SaveSlots, SaveStats, _Job
+from ckptsdk.checkpoint.sharing import Hints, Plan, Sharing, content_name
 from ckptsdk.checkpoint.staging import SnapshotMode
-from ckptsdk.errors import CheckpointError, DeadlineExceeded, LeaseLostError, PreconditionFailed
-from ckptsdk.format import codec
+from ckptsdk.errors import CheckpointError, DeadlineExceeded
 from ckptsdk.format.digest import DEFAULT as DIGEST_ALGORITHM
 from ckptsdk.format.environment import Environment, device_of
-from ckptsdk.format.layout import MANIFEST, TENSORS, Rank
-from ckptsdk.format.manifest import FileEntry, LineageRecord, Manifest, Position
+from ckptsdk.format.layout import MANIFEST, TENSORS, Rank, shared_key
+from ckptsdk.format.manifest import FileEntry, Manifest, Position, SharedFile
 from ckptsdk.format.manifest import Writer as WriterRecord
 from ckptsdk.format.template import EncodingCache
 from ckptsdk.format.tensorfile import write_tensorfile
@@ -71,9 +73,10 @@ class _Save:
     device: str
     extra_files: tuple[FileEntry, ...] = ()
     verify: Callable[[], None] | None = None  # right before the commit: the pipelined rule held
+    hints: Hints | None = None  # what save() saw of the live tensors (incremental saves)
 
 
-class SavePipeline(AfterCommit):
+class SavePipeline(AfterCommit, Anchoring):
     """Saves of one lease holder: foreground snapshot, background write, commit, rotation.
 
     Args:
@@ -119,6 +122,7 @@ class SavePipeline(AfterCommit):
         self._resumed_from: CheckpointInfo | None = None
         self._slots = SaveSlots(max_staging_bytes=max_staging_bytes)
         self._encoding = EncodingCache()
+        self.sharing = Sharing()  # the manager sets ``enabled`` (SaveOptions.incremental)
         self._lineage_written = False
         self._abandoned = threading.Event()
         self._committed: dict[str, CheckpointInfo] = {}
@@ -202,7 +206,13 @@ class SavePipeline(AfterCommit):
             return done
         tree = state.state_dict() if hasattr(state, "state_dict") else state
         captured = self._encoding.encode(tree)  # the tree's structure is cached between saves
-        job = _Save(folder, step, position, dict(metrics or {}), dict(tags or {}), "cpu", tuple(extra_files))
+        stepped = self.sharing.fresh and callable(getattr(state, "step_only_flags", None))
+        hints = self.sharing.hints(
+            captured.names, captured.tensors, state.step_only_flags(captured.tensors) if stepped else ()
+        )
+        job = _Save(
+            folder, step, position, dict(metrics or {}), dict(tags or {}), "cpu", tuple(extra_files), hints=hints
+        )
         if blocking:
             tensors = captured.tensor_dict()
             # It returns once the commit is durable: what follows (rotation's deletes, the step
@@ -291,6 +301,7 @@ class SavePipeline(AfterCommit):
                     job.device,
                     job.extra_files,
                     verify=job.verify,
+                    hints=job.hints,
                 )
             except BaseException as exc:
                 self._catalog = None  # whatever failed, the next save lists the root again
@@ -311,13 +322,21 @@ class SavePipeline(AfterCommit):
         device: str,
         extra_files: Sequence[FileEntry] = (),
         verify: Callable[[], None] | None = None,
+        hints: Hints | None = None,
     ) -> CheckpointInfo:
-        """Write the tensor file, renew the lease, publish the manifest (the commit), rotate.
+        """Write the tensor files, renew the lease, publish the manifest (the commit), rotate.
 
-        ``extra_files``: written into ``folder`` by other ranks beforehand; ``verify``: run before the commit."""
+        ``extra_files``: written into ``folder`` by other ranks beforehand; ``verify``: run before
+        the commit; ``hints``: what ``save()`` saw of the live tensors (None: write every tensor)."""
         self.lease.check()
+        plan = self.sharing.plan(tensors, hints)
         with deferred_dir_sync():  # one fsync per folder, once the manifest is in place
-            info = self._write(folder, step, tensors, skeleton, position, metrics, tags, device, extra_files, verify)
+            shared = self._write_shared(step, plan)
+            info = self._write(
+                folder, step, plan.own, skeleton, position, metrics, tags, device, extra_files, verify, shared
+            )
+        assert info.manifest is not None
+        self.sharing.committed(info.manifest, hints)
         self._after_commit(info)
         return info
 
@@ -333,6 +352,7 @@ class SavePipeline(AfterCommit):
         device: str,
         extra_files: Sequence[FileEntry],
         verify: Callable[[], None] | None,
+        shared: list[SharedFile],
     ) -> CheckpointInfo:
         key = f"{folder}/{TENSORS}"
         source = (
@@ -342,7 +362,7 @@ class SavePipeline(AfterCommit):
         )
         if source is not None:
             self._forget({source.key})  # its manifest is gone: it is no checkpoint any more
-        in_place = self.rotation.take_file(f"{source.key}/{TENSORS}", key) if source is not None else None
+        in_place = take_file(self.backend, f"{source.key}/{TENSORS}", key) if source is not None else None
         if source is not None and in_place is not None:
             # The file this checkpoint reuses is rewritten in place (not atomic: no manifest
             # refers to it now, and a reader holding a stale one fails its digest check).
@@ -351,7 +371,26 @@ class SavePipeline(AfterCommit):
         else:
             size, digest = write_tensorfile(self.backend, key, tensors)
         files = [FileEntry(name=TENSORS, size=size, digest=digest, algorithm=DIGEST_ALGORITHM), *extra_files]
-        return self._publish(folder, step, files, skeleton, position, metrics, tags, device, verify)
+        return self._publish(folder, step, files, skeleton, position, metrics, tags, device, verify, shared=shared)
+
+    def _write_shared(self, step: int, plan: Plan) -> list[SharedFile]:
+        """The manifest's ``shared`` list: a new shared file for ``plan.new`` (written here, once),
+        and the files already written that ``plan`` refers to (see :mod:`ckptsdk.checkpoint.sharing`)."""
+        new = None
+        if plan.new:
+            epoch, tag = self.rank
+            key = shared_key(step, epoch, tag, content_name(plan.new_digests))
+            self.lease.check()
+            size, digest = write_tensorfile(self.backend, key, plan.new)
+            new = SharedFile(name=key, size=size, digest=digest, algorithm=DIGEST_ALGORITHM, tensors=plan.new_digests)
+        if plan.new or plan.refs:
+            where = new.name if new else "no new shared file"
+            logger.info(
+                "the save of step %d under %s writes %d tensor(s) anew to %s and refers to %d unchanged "
+                "one(s) in shared files (%d MB hashed to decide)",
+                *(step, self.url, len(plan.new), where, plan.reused, plan.hashed >> 20),
+            )
+        return self.sharing.entries(plan, new)
 
     def _publish(
         self,
@@ -364,6 +403,8 @@ class SavePipeline(AfterCommit):
         tags: Mapping[str, str] | None,
         device: str,
         verify: Callable[[], None] | None = None,
+        *,
+        shared: Sequence[SharedFile] = (),
     ) -> CheckpointInfo:
         """Publish the manifest of ``folder`` (the commit; its files are in place).
 
@@ -391,6 +432,7 @@ class SavePipeline(AfterCommit):
             environment=Environment.current(device=device),
             tags=dict(tags or {}),
             keep=self.rotation.keep_record(),
+            shared=list(shared),
         )
         # The fence. A zombie that lost the lease while writing the tensors must not commit them:
         # renew (compare-and-swap, not just check) so a takeover during the write is seen here.
@@ -415,80 +457,3 @@ class SavePipeline(AfterCommit):
         info = CheckpointInfo(step, epoch, folder, size, committed=True, valid=True, manifest=manifest, tag=tag)
         self._committed = {folder: info}  # the newest only: an older one may have been rotated out
         return info
-
-    def anchor(self, tree: Any, source: CheckpointInfo) -> None:
-        """Re-commit a restored checkpoint under this writer's rank (see ``restore``).
-
-        Where the store copies cheaply (a hard link on local disk, a server-side rewrite on GCS)
-        the tensor file is copied there and only a new manifest is written; elsewhere (the Drive
-        mount has neither) the restored tensors are written again in full.
-        """
-        manifest = source.manifest
-        assert manifest is not None
-        folder = self.writer.folder(manifest.step)
-        device = manifest.environment.device or "cpu"
-        copying = copier(self.backend)
-        if copying is not None:
-            self.lease.check()
-            with deferred_dir_sync():
-                for entry in manifest.files:  # the tensor file and any distributed ranks' files
-                    copying.copy(f"{source.key}/{entry.name}", f"{folder}/{entry.name}")
-                info = self._publish(
-                    folder,
-                    manifest.step,
-                    list(manifest.files),
-                    manifest.tree,
-                    manifest.position,
-                    manifest.metrics,
-                    manifest.tags,
-                    device,
-                )
-            self._after_commit(info)
-            return
-        # Files beyond the tensor file (distributed ranks') are copied as they are, then listed.
-        extra = [f for f in manifest.files if f.name != TENSORS]
-        for entry in extra:
-            self.lease.check()
-            self.backend.write(f"{folder}/{entry.name}", self.backend.read(f"{source.key}/{entry.name}"))
-        tensors, skeleton = codec.encode(tree)
-        self.commit(
-            folder, manifest.step, tensors, skeleton, manifest.position, manifest.metrics, manifest.tags, device, extra
-        )
-
-    @property
-    def lineage_written(self) -> bool:
-        """This writer's lineage record is written: where its lineage starts is fixed."""
-        return self._lineage_written
-
-    def write_lineage(self, step: int | None, epoch: int | None) -> None:
-        """Record, once per epoch, where this writer's lineage starts (before its first commit)."""
-        if self._lineage_written:
-            return
-        record = LineageRecord(
-            epoch=self.lease.epoch,
-            attempt=self.lease.attempt,
-            run_id=self.lease.run_id,
-            resumed_from_step=step,
-            resumed_from_epoch=epoch,
-            host=socket.gethostname(),
-            pid=os.getpid(),
-        )
-        self.lease.check()
-        try:
-            self.backend.create(self.writer.lineage_key, record.to_json())
-        except PreconditionFailed as exc:
-            # Only the holder of this epoch writes this key: someone else did -> we lost the lease.
-            self.lease.fence(f"lineage record of epoch {self.lease.epoch} already exists", None)
-            raise LeaseLostError(
-                f"another writer already recorded epoch {self.lease.epoch} under {self.url}; "
-                "this writer stops (nothing was written or deleted)",
-                url=self.url,
-                epoch=self.lease.epoch,
-            ) from exc
-        self._lineage_written = True
-
-    def fence_if_newer(self, seen: Rank) -> None:
-        """Fence this writer (and raise ``LeaseLostError``) if ``seen`` outranks it."""
-        if self.writer.fenced_by(seen):
-            self.lease.fence(f"saw a newer writer (epoch {seen[0]}) under {self.url}", seen[0])
-            self.lease.check()  # raises LeaseLostError

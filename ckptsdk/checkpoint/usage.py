@@ -18,7 +18,7 @@ from ckptsdk.backends.base import Backend
 from ckptsdk.checkpoint.catalog import Catalog, scan
 from ckptsdk.errors import BackendError, CkptError, DataError, ObjectNotFound
 from ckptsdk.format.document import Document, UtcTime, parse_document, utc_now
-from ckptsdk.format.layout import Rank
+from ckptsdk.format.layout import SHARED_PREFIX, Rank, shared_rank
 
 logger = logging.getLogger(__name__)
 
@@ -108,6 +108,8 @@ class Usage:
         orphaned: a superseded writer's checkpoints past a takeover's resume point.
         invalid: committed but torn or unreadable.
         shared: bytes counted above that the store holds only once (hard-linked copies).
+        shared_files: bytes of the files under ``shared/`` (tensors several checkpoints refer
+            to, see :mod:`ckptsdk.checkpoint.sharing`), each counted once.
         folders: per kind, the folder keys.
         trash_bytes: on stores with a trash: what ckptsdk's writers recorded sending there within
             the last ``TRASH_DAYS`` days (estimated: a trash emptied by hand is not seen). None
@@ -122,6 +124,7 @@ class Usage:
     orphaned: int = 0
     invalid: int = 0
     shared: int = 0
+    shared_files: int = 0
     folders: dict[str, list[str]] = field(default_factory=dict)
     trash_bytes: int | None = None
     trash_files: int | None = None
@@ -136,6 +139,7 @@ class Usage:
             + self.uncommitted
             + self.orphaned
             + self.invalid
+            + self.shared_files
             - self.shared
         )
 
@@ -172,13 +176,22 @@ def usage(backend: Backend, *, catalog: Catalog | None = None) -> Usage:
             if obj.version in seen_versions:
                 shared += obj.size
             seen_versions.add(obj.version)
+    held = [o for o in backend.list(SHARED_PREFIX) if shared_rank(o.key) is not None]
+    folders["shared files"] = sorted(o.key for o in held)
     trash_bytes = trash_files = None
     if backend.capabilities.trash_on_delete:
         now = cat.store_now()
         recent = [t for t in read_trash(backend) if now is None or t.last is None or now - t.last < TRASH_DAYS * 86400]
         trash_bytes = sum(t.bytes for t in recent)
         trash_files = sum(t.files for t in recent)
-    return Usage(**sizes, shared=shared, folders=folders, trash_bytes=trash_bytes, trash_files=trash_files)
+    return Usage(
+        **sizes,
+        shared=shared,
+        shared_files=sum(o.size for o in held),
+        folders=folders,
+        trash_bytes=trash_bytes,
+        trash_files=trash_files,
+    )
 
 
 def _mib(n: int) -> str:
@@ -196,6 +209,7 @@ def as_dict(u: Usage) -> dict[str, object]:
             "orphaned": u.orphaned,
             "invalid": u.invalid,
             "shared": u.shared,
+            "shared_files": u.shared_files,
             "total": u.total,
         },
         "folders": u.folders,
@@ -209,6 +223,11 @@ def render(u: Usage, url: str) -> str:
     lines = [f"{'KIND':<12} {'FOLDERS':>7}  BYTES"]
     for kind in ("committed", "anchor", "duplicate", "uncommitted", "orphaned", "invalid"):
         lines.append(f"{kind:<12} {len(u.folders.get(kind, [])):>7}  {_mib(getattr(u, kind))}")
+    if u.shared_files:
+        n = len(u.folders.get("shared files", []))
+        lines.append(
+            f"{'shared files':<12} {n:>7}  {_mib(u.shared_files)}  unchanged tensors checkpoints refer to, held once"
+        )
     if u.shared:
         lines.append(f"{'(shared)':<12} {'':>7}  -{_mib(u.shared)}  hard-linked copies, held once")
     lines.append(f"{'total':<12} {'':>7}  {_mib(u.total)} under {url}")

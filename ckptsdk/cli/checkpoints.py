@@ -79,6 +79,7 @@ def _info_dict(info: CheckpointInfo) -> dict[str, Any]:
         "train_epoch": m.position.epoch if m is not None else None,
         "batch_idx": m.position.batch_idx if m is not None else None,
         "size": info.size,
+        "shared_size": sum(f.size for f in m.shared) if m is not None else 0,
         "committed": info.committed,
         "valid": info.valid,
         "orphan": info.orphan,
@@ -153,11 +154,13 @@ def cmd_ls(args: argparse.Namespace) -> int:
     if not rows:
         print(f"no checkpoints under {args.url}")
         return EXIT_OK
+    sharing = any(r["shared_size"] for r in rows)  # a column only where some checkpoint refers to shared files
     cells = [
         [
             r["step"],
             r["train_epoch"],
             human_size(r["size"]),
+            *([human_size(r["shared_size"]) if r["shared_size"] else "-"] if sharing else []),
             f"e{r['lease_epoch']}/a{r['attempt'] if r['attempt'] is not None else '?'}",
             short_time(r["created_at"]),
             _status(i),
@@ -165,13 +168,16 @@ def cmd_ls(args: argparse.Namespace) -> int:
         ]
         for r, i in zip(rows, infos, strict=True)
     ]
-    print(table(cells, ["STEP", "EPOCH", "SIZE", "WRITER", "CREATED", "STATUS", "KEPT BY"]))
+    heads = ["STEP", "EPOCH", "SIZE", *(["SHARED"] if sharing else []), "WRITER", "CREATED", "STATUS", "KEPT BY"]
+    print(table(cells, heads))
     valid = sum(1 for r in rows if r["valid"])
     print(
         f"\n{len(rows)} steps under {args.url} (one row per step, the highest writer's), {valid} "
         "restorable by their manifest and file sizes (WRITER: lease epoch/attempt); "
         "`ckptsdk verify URL --all` re-hashes the bytes"
     )
+    if sharing:
+        print("SIZE: the folder's own files; SHARED: the shared files it refers to (`ckptsdk du` counts each once)")
     print(f"KEPT BY: the keep rules {said} ({in_force.origin()}), judged from the manifests as gc judges them")
     return EXIT_OK
 

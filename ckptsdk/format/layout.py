@@ -1,7 +1,8 @@
 """Every key of a checkpoint root, and the writer rank its names carry: the one home of both.
 
-A folder ``step-0000005700.e2[.tag]`` and a record ``lineage/epoch-000002[.tag].json`` are
-formatted and parsed here and nowhere else, as are the writer tag and the order of writer ranks.
+A folder ``step-0000005700.e2[.tag]``, a record ``lineage/epoch-000002[.tag].json`` and a shared
+tensor file ``shared/0000005700.e2[.tag].<content>.safetensors`` are formatted and parsed here and
+nowhere else, as are the writer tag and the order of writer ranks.
 What a root's objects mean (committed, orphaned, restorable) is the catalog's; the lease record
 itself is :mod:`ckptsdk.lease.record`'s.
 """
@@ -14,6 +15,7 @@ __all__ = [
     "CKPT_PREFIX",
     "LINEAGE_PREFIX",
     "MANIFEST",
+    "SHARED_PREFIX",
     "TAG_DIGITS",
     "TENSORS",
     "Rank",
@@ -23,6 +25,8 @@ __all__ = [
     "lineage_rank",
     "outranks",
     "parse_folder",
+    "shared_key",
+    "shared_rank",
     "writer_tag",
 ]
 
@@ -30,6 +34,9 @@ CKPT_PREFIX = "step-"
 MANIFEST = "manifest.json"
 TENSORS = "tensors.safetensors"
 LINEAGE_PREFIX = "lineage/"
+#: Tensor files several checkpoints refer to (tensors unchanged between saves), named by the
+#: step that wrote them, the writer and their content: immutable, never rewritten.
+SHARED_PREFIX = "shared/"
 
 #: Hex digits of the lease nonce that make a writer's tag (and order writers of one epoch).
 TAG_DIGITS = 8
@@ -37,6 +44,7 @@ TAG_DIGITS = 8
 _TAG = f"[0-9a-f]{{{TAG_DIGITS}}}"
 _DIR_RE = re.compile(rf"^step-(\d{{10,}})\.e(\d+)(?:\.({_TAG}))?$")
 _LINEAGE_RE = re.compile(rf"^lineage/epoch-(\d+)(?:\.({_TAG}))?\.json$")
+_SHARED_RE = re.compile(rf"^shared/(\d{{10,}})\.e(\d+)(?:\.({_TAG}))?\.([0-9a-f]{{16}})\.safetensors$")
 
 # A writer's rank: its lease epoch, then its tag. On stores with compare-and-swap every epoch
 # has one writer and the tag is "". Where exclusion is only advisory (Drive), two VMs can both
@@ -85,3 +93,15 @@ def lineage_rank(key: str) -> Rank | None:
     """The writer rank a lineage record's key names, or None if ``key`` is not one."""
     m = _LINEAGE_RE.match(key)
     return None if m is None else (int(m.group(1)), m.group(2) or "")
+
+
+def shared_key(step: int, epoch: int, tag: str, content: str) -> str:
+    """Where the writer (``epoch``, ``tag``) keeps the shared tensors it wrote at ``step``;
+    ``content``: 16 hex digits of the tensors' digests (see ``checkpoint.sharing``)."""
+    return f"{SHARED_PREFIX}{step:010d}.e{epoch}" + (f".{tag}" if tag else "") + f".{content}.safetensors"
+
+
+def shared_rank(key: str) -> tuple[int, Rank] | None:
+    """(step, writer rank) of a shared tensor file's key, or None if ``key`` is not one."""
+    m = _SHARED_RE.match(key)
+    return None if m is None else (int(m.group(1)), (int(m.group(2)), m.group(3) or ""))

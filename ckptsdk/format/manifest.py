@@ -58,6 +58,7 @@ __all__ = [
     "Manifest",
     "Position",
     "ProtectRecord",
+    "SharedFile",
     "Writer",
     "json_schema",
     "parse_lineage",
@@ -68,7 +69,9 @@ __all__ = [
 #: What this code writes; it reads any ``/1.x`` (fields of a newer minor version are ignored).
 #: 1.1 added the ``checksum`` field; a 1.0 document (written before it) is read with a warning.
 #: 1.2 added ``keep``, the writer's keep rules (a 1.1 reader ignores it, as a newer minor's field).
-FORMAT = "ckptsdk.checkpoint/1.2"
+#: 1.3 added ``shared``: tensors kept in files outside the folder (an older reader finds them
+#: missing from the tensor file and skips the checkpoint as damaged, loudly: never a wrong state).
+FORMAT = "ckptsdk.checkpoint/1.3"
 LINEAGE_FORMAT = "ckptsdk.lineage/1.1"
 #: The first minor version of both that always carries a checksum.
 _CHECKSUM_MINOR = 1
@@ -109,6 +112,24 @@ class FileEntry(Strict):
                 f"file name {value!r} is not a relative name of [A-Za-z0-9_.-] parts without '.' or '..' components"
             )
         return value
+
+
+class SharedFile(Strict):
+    """A tensor file outside the checkpoint's folder holding tensors unchanged since an earlier
+    save (format 1.3 on): immutable, named relative to the root, several checkpoints refer to it."""
+
+    name: str = Field(
+        pattern=r"^shared/[0-9]{10,}\.e[0-9]+(\.[0-9a-f]{8})?\.[0-9a-f]{16}\.safetensors$",
+        description="relative to the root: shared/<step>.e<epoch>[.<tag>].<content>.safetensors",
+    )
+    size: int = Field(ge=0)
+    digest: str = Field(pattern=r"^[0-9a-f]+$", description="of the whole file, lowercase hex")
+    algorithm: str = Field(min_length=1, description='e.g. "xxh3-128"')
+    tensors: dict[str, Annotated[str, Field(pattern=r"^[0-9a-f]{32}$")]] = Field(
+        min_length=1,
+        description="the tensor paths this checkpoint takes from the file -> each tensor's own xxh3-128 "
+        "digest (of its raw bytes); the file may hold more tensors, which this checkpoint does not use",
+    )
 
 
 class Position(Strict):
@@ -232,6 +253,12 @@ class Manifest(Document):
         "newest checkpoint's govern `ckptsdk gc` and `ls`; a custom rule is only named",
     )
 
+    shared: list[SharedFile] = Field(
+        default_factory=list,
+        description="format 1.3 on: tensors kept outside the folder, in files several checkpoints share "
+        "(absent: every tensor is in tensors.safetensors)",
+    )
+
     @field_validator("keep", mode="before")
     @classmethod
     def _newer_rule_kinds(cls, value: Any, info: ValidationInfo) -> Any:
@@ -252,6 +279,8 @@ class Manifest(Document):
         data: dict[str, Any] = handler(self)
         if self.keep is None:
             data.pop("keep", None)
+        if not self.shared:
+            data.pop("shared", None)
         return data
 
     @field_validator("tree")
@@ -266,6 +295,17 @@ class Manifest(Document):
         names = [f.name for f in value]
         if len(set(names)) != len(names):
             raise ValueError(f"file names repeat: {names}")
+        return value
+
+    @field_validator("shared")
+    @classmethod
+    def _one_source_each(cls, value: list[SharedFile]) -> list[SharedFile]:
+        names = [f.name for f in value]
+        if len(set(names)) != len(names):
+            raise ValueError(f"shared file names repeat: {names}")
+        paths = [p for f in value for p in f.tensors]
+        if len(set(paths)) != len(paths):
+            raise ValueError("a tensor is taken from two shared files")
         return value
 
 
@@ -304,9 +344,17 @@ def parse_manifest(data: bytes, *, key: str = "") -> Manifest:
     """
     manifest = _parse(data, Manifest, key)
     try:
-        tensor_paths(manifest.tree)
+        paths = set(tensor_paths(manifest.tree))
     except ManifestError as exc:
         raise ManifestError(f"{key + ': ' if key else ''}{exc}", key=key or None, step=manifest.step) from exc
+    stray = sorted(p for f in manifest.shared for p in f.tensors if p not in paths)
+    if stray:
+        raise ManifestError(
+            f"{key + ': ' if key else ''}its shared files name tensors the tree never uses ({stray[:3]}); "
+            "it is not used (restore falls back to an earlier checkpoint)",
+            key=key or None,
+            step=manifest.step,
+        )
     return manifest
 
 

@@ -226,9 +226,9 @@ def test_future_major_is_refused_before_its_fields_are_looked_at():
 
 
 def test_newer_minor_version_is_read_and_its_new_fields_ignored():
-    data = _tweak(format="ckptsdk.checkpoint/1.3", shiny_new_field={"a": 1}, writer__gpu_count=8)
+    data = _tweak(format="ckptsdk.checkpoint/1.9", shiny_new_field={"a": 1}, writer__gpu_count=8)
     manifest = parse_manifest(data)
-    assert manifest.format == "ckptsdk.checkpoint/1.3" and manifest.writer.pid == 42
+    assert manifest.format == "ckptsdk.checkpoint/1.9" and manifest.writer.pid == 42
     old = json.loads(_tweak(format="ckptsdk.checkpoint/1.0"))
     del old["checksum"]  # 1.0 predates checksums: read, with a warning that it is unverified
     assert parse_manifest(json.dumps(old).encode()).step == 5700
@@ -270,7 +270,7 @@ def _released_reader() -> type[Document]:
 def test_a_released_reader_reads_a_manifest_with_keep_rules_because_the_minor_went_up():
     released = _released_reader()
     data = make_manifest().to_json()
-    assert json.loads(data)["format"] == "ckptsdk.checkpoint/1.2"
+    assert json.loads(data)["format"] == "ckptsdk.checkpoint/1.3"
     old = parse_document(data, released)  # a newer minor: its new field is ignored
     assert old.step == 5700 and not hasattr(old, "keep")
     # The same field under 1.1 would have made every new checkpoint unreadable to 0.1.0.
@@ -476,7 +476,7 @@ def test_format_md_reader_reads_a_checkpoint_without_torch(tmp_path):
     exec(compile(_reader_snippet(), "FORMAT.md", "exec"), namespace)  # noqa: S102 - our own doc
     assert namespace["ml_dtypes"] is None or namespace["ml_dtypes"].__name__ == "ml_dtypes"
     raw_manifest, back = namespace["read_checkpoint"](str(folder))
-    assert raw_manifest["step"] == 5700 and raw_manifest["format"] == "ckptsdk.checkpoint/1.2"
+    assert raw_manifest["step"] == 5700 and raw_manifest["format"] == "ckptsdk.checkpoint/1.3"
     assert raw_manifest["keep"] == [r.model_dump() for r in KEEP]  # checksummed, read with the rest
     expected = _as_numpy(tree)
     _assert_identical(expected, back)
