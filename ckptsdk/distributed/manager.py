@@ -269,7 +269,7 @@ class DistributedCheckpointManager:
         frozen = self._snapshotter.freeze(live, opts, where=where)
         self.last_snapshot = {"at_save": frozen.copied_bytes, "deferred": frozen.deferred_bytes}
         if frozen.deferred_bytes:
-            self._snapshotter.hold(frozen.pending, opts)
+            self._snapshotter.hold(frozen, opts)
         args = (
             frozen.tree,
             rng,
@@ -304,11 +304,7 @@ class DistributedCheckpointManager:
 
     def _background(self, frozen: Frozen, args: tuple[Any, ...]) -> str:
         """A non-blocking save on the worker: the deferred copies first, then the write."""
-        try:
-            frozen.pending.finish()
-        except BaseException:  # noqa: S110 -- raised again inside this rank's DCP write
-            # (``Frozen.verify``), where DCP hands it to every rank before any commit.
-            pass
+        frozen.finish()  # a failure is raised inside this rank's DCP write, so every rank gets it
         return self._save(*args)
 
     def _save(

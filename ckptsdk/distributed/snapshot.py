@@ -73,6 +73,9 @@ class Frozen:
         staged: ``id(DTensor in tree)`` -> the buffer holding its local shard (see
             :class:`ckptsdk.distributed.JsonSavePlanner`).
         pending: the snapshot; its deferred copies run in :meth:`PendingSnapshot.finish`.
+        outer: the pipelined rule's watch of the deferred DTensors themselves (None: none).
+            An in-place DTensor op moves the DTensor's version counter, not its local shard's,
+            so their counters are compared too, at the same moments (no copy of its own).
         copied_bytes: bytes copied on the training thread at ``save()``.
         deferred_bytes: bytes the worker copies (parameters and optimizer state).
     """
@@ -80,6 +83,7 @@ class Frozen:
     tree: dict[str, Any]
     staged: dict[int, torch.Tensor]
     pending: PendingSnapshot
+    outer: PendingSnapshot | None = None
     copied_bytes: int = 0
     deferred_bytes: int = 0
     cloned: list[str] = field(default_factory=list)
@@ -90,12 +94,37 @@ class Frozen:
         Called on every rank at the end of its DCP write, before rank 0 may commit.
         """
         try:
-            self.pending.wait_finished()
-            self.pending.verify()
+            for watch in (self.pending, self.outer):
+                if watch is not None:
+                    watch.wait_finished()
+                    watch.verify()
         except CheckpointError as exc:
             # PendingSnapshot names the single-process manager's option; this job has ours.
             message = str(exc).replace("CheckpointManager(", "DistributedCheckpointManager(")
             raise CheckpointError(message, url=exc.url, key=exc.key) from exc
+
+    def finish(self) -> None:
+        """On the worker: the deferred copies, then the rule's check after them. A failure is
+        kept for :meth:`verify` (every rank must still reach the DCP write, where it is raised)."""
+        try:
+            self.pending.finish()
+        except BaseException:  # noqa: S110 -- kept in pending, raised by verify()
+            pass
+        finally:
+            if self.outer is not None:
+                # The held step waits for this one too (Snapshotter._before_step): no held step
+                # can have moved these counters yet.
+                try:
+                    self.outer.finish()
+                except BaseException:  # noqa: S110 -- kept in outer, raised by verify()
+                    pass
+
+    def wait_copied(self) -> None:
+        """The held step's wait: the copies and the DTensors' check done, then the counters."""
+        self.pending.wait_copied()
+        if self.outer is not None:
+            self.outer.settle()
+            self.outer.wait_copied()
 
 
 class Snapshotter:
@@ -113,7 +142,7 @@ class Snapshotter:
         self.mode = mode
         self._stager = Stager()
         self._hooks: dict[int, Any] = {}
-        self._hold: PendingSnapshot | None = None
+        self._hold: Frozen | None = None
         self._told = False
 
     def freeze(self, state: Mapping[str, Any], optimizers: Sequence[torch.optim.Optimizer], *, where: str) -> Frozen:
@@ -171,10 +200,15 @@ class Snapshotter:
         raw = walk(dict(state), "")
         pending = self._stager.begin_aligned(tuple(names), sources, defer, where=where)
         staged: dict[int, torch.Tensor] = {}
-        for (container, key, live_tensor), name in zip(slots, names, strict=True):
+        outer: tuple[list[str], list[torch.Tensor], list[int]] = ([], [], [])
+        for (container, key, live_tensor), name, deferred in zip(slots, names, defer, strict=True):
             buf = pending.tensors[name]
             if isinstance(live_tensor, DTensor):
                 staged[id(live_tensor)] = buf
+                if deferred:
+                    outer[0].append(name)
+                    outer[1].append(live_tensor)
+                    outer[2].append(live_tensor._version)
             else:
                 container[key] = buf
         tree = _untuple(raw)  # tuples last: their slots were filled in above
@@ -183,24 +217,25 @@ class Snapshotter:
             tree=tree,
             staged=staged,
             pending=pending,
+            outer=PendingSnapshot({}, [], [], [], watched=outer, where=where) if outer[0] else None,
             copied_bytes=sum(n for n, d in zip(sizes, defer, strict=True) if not d),
             deferred_bytes=sum(n for n, d in zip(sizes, defer, strict=True) if d),
             cloned=cloned,
         )
 
-    def hold(self, pending: PendingSnapshot | None, optimizers: Sequence[torch.optim.Optimizer] = ()) -> None:
-        """Make ``optimizers``' next ``step()`` wait for ``pending``'s deferred copies (None: stop)."""
+    def hold(self, frozen: Frozen | None, optimizers: Sequence[torch.optim.Optimizer] = ()) -> None:
+        """Make ``optimizers``' next ``step()`` wait for ``frozen``'s deferred copies (None: stop)."""
         for opt in optimizers:
             if id(opt) not in self._hooks:
                 # One hook per optimizer for the manager's life: a hook cannot remove itself while
                 # torch iterates the hooks, and an idle one costs one attribute read per step.
                 self._hooks[id(opt)] = opt.register_step_pre_hook(self._before_step)
-        self._hold = pending
+        self._hold = frozen
 
     def _before_step(self, _opt: Any, _args: Any, _kwargs: Any) -> None:
-        pending = self._hold
-        if pending is not None:
-            pending.wait_copied()
+        frozen = self._hold
+        if frozen is not None:
+            frozen.wait_copied()
 
     def close(self) -> None:
         """Remove the step hooks and free the staging buffers."""
