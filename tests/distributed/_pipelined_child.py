@@ -164,6 +164,10 @@ def _edit(job: Job, how: str) -> None:
         torch.optim.SGD(job.plain.parameters(), lr=0.5, foreach=how.endswith("foreach")).step()
     elif how == "data-assigned":
         w.data = torch.zeros(BIG, BIG)
+    elif how == "new-parameter":
+        job.plain.weight = torch.nn.Parameter(torch.zeros(BIG, BIG))
+    elif how == "optimizer.load_state_dict":
+        job.opt_plain.load_state_dict(job.opt_plain.state_dict())
 
 
 def _manager(url: Any, **kw: Any) -> DistributedCheckpointManager:
