@@ -34,6 +34,11 @@ def find_optimizers(state: Mapping[str, Any]) -> list[torch.optim.Optimizer]:
         candidates = [value, *vars(value).values()] if hasattr(value, "__dict__") else [value]
         for obj in candidates:
             if isinstance(obj, torch.optim.Optimizer):
+                # A wrapper that subclasses Optimizer without its __init__ (accelerate's) has no
+                # step hooks and steps the optimizer it holds (as ckptsdk.state's TrainState sees it).
+                inner = getattr(obj, "optimizer", None)
+                if not hasattr(obj, "_optimizer_step_pre_hooks") and isinstance(inner, torch.optim.Optimizer):
+                    obj = inner
                 found.setdefault(id(obj), obj)
     return list(found.values())
 
@@ -166,6 +171,7 @@ class Snapshotter:
         sources: list[torch.Tensor] = []
         defer: list[bool] = []
         cloned: list[str] = []
+        seen: set[str] = set()
         slots: list[tuple[list[Any] | dict[Any, Any], Any, torch.Tensor]] = []
 
         def walk(obj: Any, path: str) -> Any:
@@ -175,7 +181,10 @@ class Snapshotter:
                     cloned.append(path)
                     return obj.detach().clone()
                 match = live.get(src.data_ptr())
-                names.append(path)
+                # Names key the staging buffers: two paths that print alike (keys 1 and "1") must
+                # never share one.
+                names.append(path if path not in seen else f"{path}#{len(names)}")
+                seen.add(names[-1])
                 sources.append(src)
                 defer.append(
                     match is not None and match.dtype is src.dtype and match.shape == src.shape and src.numel() > 0
