@@ -4,7 +4,8 @@ Rank 0 owns an ordinary :class:`ckptsdk.CheckpointManager` (lease, lineage, rota
 and commits; other ranks never touch the lease. Every decision (fenced or not, which folder, which
 checkpoint, did it commit) is made on rank 0 and broadcast as JSON, so no rank writes after rank 0
 was fenced. Tensors go through DCP with :mod:`.storage`; each rank's RNG states go to its own file.
-Restoring (offer, load, agree, fall back together) is restoring.py's.
+Restoring (offer, load, agree, fall back together) is restoring.py's; what a background save
+copies at ``save()`` and what waits for the worker is snapshot.py's.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import builtins
 import copy
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from typing import TYPE_CHECKING, Any
@@ -29,9 +30,11 @@ from ckptsdk.backends.base import Backend
 from ckptsdk.checkpoint import catalog as _catalog
 from ckptsdk.checkpoint.catalog import CheckpointInfo
 from ckptsdk.checkpoint.retention import Rule
+from ckptsdk.checkpoint.staging import SNAPSHOT_MODES, SnapshotMode
 from ckptsdk.distributed import restoring
 from ckptsdk.distributed.collective import broadcast_json, describe_error, gather_json, rebuild_error
 from ckptsdk.distributed.payload import PAYLOAD_FORMAT, local_file
+from ckptsdk.distributed.snapshot import Frozen, Snapshotter, find_optimizers
 from ckptsdk.distributed.storage import CkptStorageWriter, JsonSavePlanner, unwrap
 from ckptsdk.errors import CkptError, ConfigError, CorruptCheckpointError
 from ckptsdk.format import codec
@@ -51,7 +54,7 @@ __all__ = ["DistributedCheckpointManager"]
 
 
 def _snapshot(obj: Any) -> Any:
-    """A copy of a state tree whose tensors (DTensors too) no longer change with training."""
+    """A copy of a small tree (metrics, ``local`` extras) that no longer changes with training."""
     if isinstance(obj, torch.Tensor):
         return obj.detach().clone()
     if isinstance(obj, dict):
@@ -76,6 +79,14 @@ class DistributedCheckpointManager:
         async_save: make ``save`` non-blocking by default; sets up the gloo process group
             background saves use (``dist.new_group``: every rank of the world takes part, even
             with a ``group`` that holds only some of them).
+        snapshot: how a non-blocking save copies the state, as for ``CheckpointManager``:
+            ``"pipelined"`` (default) copies buffers, RNG and JSON at ``save()`` and leaves the
+            optimizers' parameters and state to the background, before their next ``step()``
+            (which waits for it; see :meth:`save`); ``"copy"`` copies everything at ``save()``.
+            Both copy into host buffers kept for the next save (no device memory doubled).
+        optimizers: the optimizers whose tensors a pipelined save may copy in the background,
+            where the state dict's Stateful values hold none as an attribute (found there by
+            default, one level down: ``AppState(model, optimizer).optimizer``).
 
     Raises:
         ConfigError: torch.distributed is not initialised.
@@ -105,8 +116,12 @@ class DistributedCheckpointManager:
         storage_options: Mapping[str, object] | None = None,
         run_id: str | None = None,
         async_save: bool = False,
+        snapshot: SnapshotMode = "pipelined",
+        optimizers: Sequence[torch.optim.Optimizer] = (),
         _simulation: Simulation | None = None,
     ) -> None:
+        if snapshot not in SNAPSHOT_MODES:
+            raise ConfigError(f"snapshot={snapshot!r}: expected one of {', '.join(map(repr, SNAPSHOT_MODES))}")
         if not dist.is_initialized():
             raise ConfigError(
                 "DistributedCheckpointManager needs torch.distributed initialised "
@@ -126,6 +141,12 @@ class DistributedCheckpointManager:
         self.async_save = async_save
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckptsdk-dist-save") if async_save else None
         self._pending: Future[str] | None = None
+        self.snapshot = snapshot
+        self._optimizers = list(optimizers)
+        self._snapshotter = Snapshotter(snapshot)
+        #: bytes the last non-blocking save copied on the training thread at ``save()`` and left
+        #: to the background (``{"at_save": ..., "deferred": ...}``), on this rank.
+        self.last_snapshot: dict[str, int] = {}
         # Background saves talk over a group of their own (gloo: CPU, any thread), so their
         # collectives never interleave with the training loop's on the main group.
         self._bg_group: Any = None
@@ -198,6 +219,7 @@ class DistributedCheckpointManager:
         tags: Mapping[str, str] | None = None,
         local: Mapping[str, Any] | None = None,
         blocking: bool | None = None,
+        optimizers: Sequence[torch.optim.Optimizer] | None = None,
     ) -> str:
         """Save ``state`` (a DCP state dict; Stateful values allowed) at ``step`` on every rank.
 
@@ -210,10 +232,16 @@ class DistributedCheckpointManager:
             step, epoch, batch_idx, metrics, extra, tags: as for ``CheckpointManager.save``.
             local: this rank's own JSON/tensor extras (its sampler position), restored to the
                 same rank.
-            blocking: False snapshots the state in memory (a copy of every tensor on its device)
-                and writes it from a background thread over a process group of its own; the
-                save's failure, on every rank, surfaces at the next ``save``/``wait``/``close``.
-                None: the manager's ``async_save``.
+            blocking: False snapshots the state into host buffers (see the manager's
+                ``snapshot``: by default the optimizers' parameters and state are copied in the
+                background, and their next ``step()`` waits for that copy) and writes it from a
+                background thread over a process group of its own; the save's failure, on every
+                rank, surfaces at the next ``save``/``wait``/``close``. None: ``async_save``.
+                The pipelined rule: between ``save()`` and the next ``optimizer.step()`` only
+                that step may change parameters and optimizer state; a break torch counts (an
+                in-place edit on any rank) fails the save on every rank with ``CheckpointError``
+                and commits nothing (docs/GUARANTEES.md says what it cannot see).
+            optimizers: for this save, instead of the manager's ``optimizers``.
 
         Returns:
             Blocking: the committed folder (the same on every rank). Not blocking:
@@ -235,9 +263,15 @@ class DistributedCheckpointManager:
                 "save(blocking=False) needs DistributedCheckpointManager(async_save=True), "
                 "which sets up the process group background saves talk over"
             )
-        snapshot = _snapshot({k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state.items()})
+        live = {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state.items()}
+        opts = list(optimizers) if optimizers is not None else (self._optimizers or find_optimizers(state))
+        where = f"the save of step {step} under {self.url} (rank {self.rank}): "
+        frozen = self._snapshotter.freeze(live, opts, where=where)
+        self.last_snapshot = {"at_save": frozen.copied_bytes, "deferred": frozen.deferred_bytes}
+        if frozen.deferred_bytes:
+            self._snapshotter.hold(frozen, opts)
         args = (
-            snapshot,
+            frozen.tree,
             rng,
             step,
             epoch,
@@ -247,9 +281,11 @@ class DistributedCheckpointManager:
             dict(tags or {}),
             _snapshot(dict(local or {})),
             self._bg_group,
+            frozen.staged,
+            frozen.verify,
         )
         assert self._pool is not None
-        self._pending = self._pool.submit(self._save, *args)
+        self._pending = self._pool.submit(self._background, frozen, args)
         # Every rank's folder is rank 0's decision, made in the background: name what it will be.
         return f"step-{step:010d} (saving)"
 
@@ -262,8 +298,14 @@ class DistributedCheckpointManager:
         if not done:
             return False
         self._pending = None
+        self._snapshotter.hold(None)  # its copy is long done: the next steps run free
         pending.result()  # re-raises the background failure here
         return True
+
+    def _background(self, frozen: Frozen, args: tuple[Any, ...]) -> str:
+        """A non-blocking save on the worker: the deferred copies first, then the write."""
+        frozen.finish()  # a failure is raised inside this rank's DCP write, so every rank gets it
+        return self._save(*args)
 
     def _save(
         self,
@@ -277,6 +319,8 @@ class DistributedCheckpointManager:
         tags: Mapping[str, str] | None,
         local: Mapping[str, Any] | None,
         group: Any,
+        staged: Mapping[int, torch.Tensor] | None = None,
+        verify: Callable[[], None] | None = None,
     ) -> str:
         decision: dict[str, Any] = {"ok": True}
         error: BaseException | None = None
@@ -341,10 +385,12 @@ class DistributedCheckpointManager:
                     key=info.key,
                 )
 
-        writer = CkptStorageWriter(self.backend, folder, commit=commit)
+        writer = CkptStorageWriter(self.backend, folder, commit=commit, verify=verify)
         failure: BaseException | None = None
         try:
-            state_dict_saver.save(state, storage_writer=writer, planner=JsonSavePlanner(), process_group=group)
+            state_dict_saver.save(
+                state, storage_writer=writer, planner=JsonSavePlanner(staged=staged), process_group=group
+            )
         except CheckpointException as exc:
             failure = writer.commit_error or unwrap(exc)
         outcome = {"ok": True, "key": folder} if failure is None else describe_error(failure)
@@ -432,6 +478,7 @@ class DistributedCheckpointManager:
         finally:
             if self._pool is not None:
                 self._pool.shutdown()
+            self._snapshotter.close()
             if self._core is not None:
                 self._core.close()
 

@@ -69,7 +69,24 @@ def rank_file(rank: int) -> str:
 
 
 class JsonSavePlanner(DefaultSavePlanner):
-    """DCP's default save planner, with non-tensor entries encoded as JSON (never pickled)."""
+    """DCP's default save planner, with non-tensor entries encoded as JSON (never pickled).
+
+    Args:
+        staged: ``id(DTensor in the state dict)`` -> a copy of its local shard: DCP plans the
+            DTensor's chunks from the DTensor and writes the copy's bytes (a background save's
+            staging buffer; see :mod:`.snapshot`).
+    """
+
+    def __init__(self, *, staged: Mapping[int, torch.Tensor] | None = None) -> None:
+        super().__init__()
+        self._staged = dict(staged or {})
+
+    def lookup_object(self, index: MetadataIndex) -> Any:
+        if self._staged:
+            buf = self._staged.get(id(self.state_dict.get(index.fqn)))
+            if buf is not None:  # a DTensor with a plain local shard: that shard is the whole item
+                return buf
+        return super().lookup_object(index)
 
     def transform_object(self, write_item: Any, object: Any) -> Any:  # noqa: A002 (DCP's name)
         if write_item.type != WriteItemType.BYTE_IO:
@@ -110,6 +127,9 @@ class CkptStorageWriter(StorageWriter):
         folder: the checkpoint folder (the manager names it; unique per writer).
         commit: called on the coordinator in ``finish()`` with the DCP metadata as JSON and
             ``{file: {"size", "digest", "algorithm"}}``; what it publishes is the commit.
+        verify: called on every rank at the end of ``write_data``, once its file is written;
+            raising there fails the save on every rank before the commit (DCP gathers the
+            ranks' write results first): a background save's check of the pipelined rule.
 
     Example (on every rank, with torch.distributed initialised)::
 
@@ -117,11 +137,14 @@ class CkptStorageWriter(StorageWriter):
                  planner=JsonSavePlanner())
     """
 
-    def __init__(self, backend: Backend, folder: str, *, commit: Commit) -> None:
+    def __init__(
+        self, backend: Backend, folder: str, *, commit: Commit, verify: Callable[[], None] | None = None
+    ) -> None:
         super().__init__()
         self.backend = backend
         self.folder = folder
         self._commit = commit
+        self._verify = verify
         self.is_coordinator = False
         #: the exception ``commit`` raised, if any (DCP wraps it; the manager re-raises this one).
         self.commit_error: BaseException | None = None
@@ -183,6 +206,8 @@ class CkptStorageWriter(StorageWriter):
                         },
                     )
                 )
+        if self._verify is not None:
+            self._verify()  # last: an edit made while this rank wrote is still seen
         fut: Future[list[WriteResult]] = Future()  # DCP waits on torch futures
         fut.set_result(results)
         return fut
