@@ -88,30 +88,25 @@ class Job:
         self.state = TrainState(model=self.model, optimizer=self.opt)
 
     def sizes(self) -> dict[str, int]:
-        """Bytes of the state's tensors: in all, each storage once, frozen (aliases once / apart), changing.
+        """Bytes of the state's tensors, each storage once (``total``: as the tree lists them).
 
         Frozen: model entries that are not trainable parameters (the frozen base, buffers).
-        Changing: trainable parameters, the optimizer's state, the RNG states.
+        Changing: trainable parameters, the optimizer's state, the RNG states. By storage, not by
+        name: GPT-2 ties lm_head.weight to wte.weight (``frozen_with_aliases`` counts it twice).
         """
-        # By storage, not by name: GPT-2 ties lm_head.weight to wte.weight, and named_parameters
-        # names a tied parameter once.
         trainable = {_alias(p) for p in self.model.parameters() if p.requires_grad}
-        frozen_seen: set[tuple[int, torch.dtype, tuple[int, ...]]] = set()
+        seen: set[tuple[int, torch.dtype, tuple[int, ...]]] = set()
         out = {"frozen": 0, "frozen_with_aliases": 0, "changing": 0, "total": 0, "distinct": 0}
-        every: set[tuple[int, torch.dtype, tuple[int, ...]]] = set()
         for path, t in _tensors(self.state.state_dict()):
             n = t.numel() * t.element_size()
             out["total"] += n
-            if _alias(t) not in every:
-                every.add(_alias(t))
-                out["distinct"] += n
-            if path.startswith("objects/model/") and _alias(t) not in trainable:
-                out["frozen_with_aliases"] += n
-                if _alias(t) not in frozen_seen:
-                    frozen_seen.add(_alias(t))
-                    out["frozen"] += n
-            else:
-                out["changing"] += n
+            frozen = path.startswith("objects/model/") and _alias(t) not in trainable
+            out["frozen_with_aliases"] += n if frozen else 0
+            if _alias(t) in seen:
+                continue
+            seen.add(_alias(t))
+            out["distinct"] += n
+            out["frozen" if frozen else "changing"] += n
         return out
 
 
@@ -264,7 +259,7 @@ def run_case_store(case: str, store: str, tmp: Path, args: argparse.Namespace) -
         for w in _rotated(writers, r):
             restore_into_fresh(w, job, args)
     sizes = job.sizes()
-    out = {"case": case, "store": store, "lora": job.lora, "sizes": sizes, "modes": {}}
+    out = {"case": case, "store": store, "lora": job.lora, "sizes": sizes, "loadavg": loadavg(), "modes": {}}
     for w in writers:
         out["modes"][w.mode] = {
             "bytes_per_save": w.bytes,
@@ -405,7 +400,7 @@ def _mb(n: float) -> str:
 def print_row(row: dict[str, Any], s: dict[str, Any], keep_last: int) -> None:
     sizes = row["sizes"]
     lora = f", LoRA by {row['lora']}" if row["lora"] else ""
-    print(f"\n== {row['case']} on {row['store']}{lora} ==")
+    print(f"\n== {row['case']} on {row['store']}{lora} (load average at its end {row['loadavg']}) ==")
     print(
         f"state {_mb(sizes['total'])}: frozen {_mb(sizes['frozen'])}"
         f" ({_mb(sizes['frozen_with_aliases'])} with tied aliases counted apart), changing {_mb(sizes['changing'])};"
@@ -419,6 +414,8 @@ def print_row(row: dict[str, Any], s: dict[str, Any], keep_last: int) -> None:
         b, t, rs = m["bytes"], m["save_s"], m["restore_s"]
         du = raw["du"]
         du_s = f"{du['total'] / 1e6:.2f} MB" if "total" in du else f"failed ({du.get('error', '?')})"
+        if du.get("trash_bytes") is not None:  # Drive: what rotation sent to the trash (30 days)
+            du_s += f", trash {du['trash_bytes'] / 1e6:.2f} MB"
         exact = "bit-exact OK" if raw["bit_exact"] else "bit-exact FAIL: " + ", ".join(raw["mismatches"][:3])
         print(
             f"{mode:11s} {b['median'] / 1e6:9.2f} ({b['min'] / 1e6:.2f}-{b['max'] / 1e6:.2f})".ljust(38)
