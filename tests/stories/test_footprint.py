@@ -39,7 +39,9 @@ def _unclean_takeover(url: str) -> None:
     On local disk the anchor is a hard link, and replaces e1's folder of step 2 at e2's next save;
     on Drive (no cheap copy, late consistency) both stay until rotation lets step 2 go."""
     state = _state()
-    first = CheckpointManager(url, keep_last=3, lease_ttl=5, _simulation=Simulation(heartbeat=False))
+    # A long ttl: without a heartbeat only saves renew, and two saves on a loaded machine can take
+    # longer than 5 s (the fresh-clone run saw "no renewal for 6.3 s"); the takeover forces anyway.
+    first = CheckpointManager(url, keep_last=3, lease_ttl=120, _simulation=Simulation(heartbeat=False))
     first.save(state, step=1)
     first.save(state, step=2)
     first._closed = True  # dies: never closes, never releases its lease
