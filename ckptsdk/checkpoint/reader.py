@@ -344,8 +344,9 @@ class CheckpointReader:
                 self.backend, shared.name, size=shared.size, digest=shared.digest, algorithm=shared.algorithm
             )
             for path in shared.tensors:
-                if path not in held or path in tensors:
-                    why = "does not hold" if path not in held else "repeats the folder's"
+                key = shared.aliases.get(path, path)  # tied weights: stored once, under one path
+                if key not in held or path in tensors:
+                    why = "does not hold" if key not in held else "repeats the folder's"
                     raise CorruptCheckpointError(
                         f"checkpoint {self.url}/{info.key}: shared file {shared.name} {why} tensor {path!r}; "
                         "it cannot be restored (restore falls back to an earlier checkpoint)",
@@ -353,7 +354,7 @@ class CheckpointReader:
                         step=info.step,
                         key=info.key,
                     )
-                tensors[path] = held[path]
+                tensors[path] = held[key]
             del held  # the tensors of the file this checkpoint does not use
         try:
             tree = codec.decode(manifest.tree, tensors)

@@ -381,8 +381,15 @@ class SavePipeline(AfterCommit, Anchoring):
             epoch, tag = self.rank
             key = shared_key(step, epoch, tag, content_name(plan.new_digests))
             self.lease.check()
-            size, digest = write_tensorfile(self.backend, key, plan.new)
-            new = SharedFile(name=key, size=size, digest=digest, algorithm=DIGEST_ALGORITHM, tensors=plan.new_digests)
+            size, digest = write_tensorfile(self.backend, key, plan.written())
+            new = SharedFile(
+                name=key,
+                size=size,
+                digest=digest,
+                algorithm=DIGEST_ALGORITHM,
+                tensors=plan.new_digests,
+                aliases=plan.new_aliases,
+            )
         if plan.new or plan.refs:
             where = new.name if new else "no new shared file"
             logger.info(

@@ -86,8 +86,15 @@ class Plan:
     own: dict[str, torch.Tensor] = field(default_factory=dict)
     new: dict[str, torch.Tensor] = field(default_factory=dict)
     new_digests: dict[str, str] = field(default_factory=dict)
+    #: paths of ``new`` whose bytes another path of it holds already (tied weights): written once
+    new_aliases: dict[str, str] = field(default_factory=dict)
     refs: dict[str, dict[str, str]] = field(default_factory=dict)  # file -> {path: digest}
+    ref_aliases: dict[str, dict[str, str]] = field(default_factory=dict)  # file -> {path: key in it}
     hashed: int = 0  # bytes hashed to decide
+
+    def written(self) -> dict[str, torch.Tensor]:
+        """The tensors the new shared file holds: ``new`` without its aliases."""
+        return {p: t for p, t in self.new.items() if p not in self.new_aliases}
 
     @property
     def reused(self) -> int:
@@ -106,7 +113,7 @@ class Sharing:
     def __init__(self, *, enabled: bool = True, min_bytes: int = SHARE_MIN_BYTES) -> None:
         self.enabled = enabled
         self.min_bytes = min_bytes
-        self._stored: dict[str, tuple[str, str]] = {}  # path -> (shared file, digest)
+        self._stored: dict[str, tuple[str, str, str]] = {}  # path -> (shared file, digest, key in it)
         self._files: dict[str, SharedFile] = {}  # shared file -> its entry (size, digest, algorithm)
         self._keys: dict[str, Key] | None = None  # at the newest commit's save() (None: not known)
         self._fresh = True  # no commit and no restore yet: the first-save rule applies
@@ -144,6 +151,8 @@ class Sharing:
                 plan.hashed += t.numel() * t.element_size()
                 if digest == stored[1]:
                     plan.refs.setdefault(stored[0], {})[name] = digest
+                    if stored[2] != name:
+                        plan.ref_aliases.setdefault(stored[0], {})[name] = stored[2]
                     continue
             if stored is None and ((before is not None and not moved) or (self._fresh and name not in hints.step_only)):
                 plan.new[name] = t
@@ -151,18 +160,24 @@ class Sharing:
             plan.own[name] = t
         plan.new_digests = {n: tensor_digest(t) for n, t in plan.new.items()}
         plan.hashed += sum(t.numel() * t.element_size() for t in plan.new.values())
+        first: dict[str, str] = {}  # equal digests (dtype, shape, bytes): one copy in the file
+        for name, digest in plan.new_digests.items():
+            if first.setdefault(digest, name) != name:
+                plan.new_aliases[name] = first[digest]
         return plan
 
     def entries(self, plan: Plan, new: SharedFile | None) -> list[SharedFile]:
         """The manifest's ``shared`` list for ``plan`` (``new``: the file written for ``plan.new``)."""
         out = [new] if new is not None else []
         for name, paths in sorted(plan.refs.items()):
-            out.append(self._files[name].model_copy(update={"tensors": paths}))
+            out.append(
+                self._files[name].model_copy(update={"tensors": paths, "aliases": plan.ref_aliases.get(name, {})})
+            )
         return out
 
     def committed(self, manifest: Manifest, hints: Hints | None) -> None:
         """After a commit: what it keeps in shared files is what later saves may refer to."""
-        self._stored = {p: (f.name, d) for f in manifest.shared for p, d in f.tensors.items()}
+        self._stored = {p: (f.name, d, f.aliases.get(p, p)) for f in manifest.shared for p, d in f.tensors.items()}
         self._files = {f.name: f for f in manifest.shared}
         self._keys = None if hints is None else dict(hints.keys)
         self._fresh = False

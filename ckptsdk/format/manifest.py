@@ -26,6 +26,7 @@ from pydantic import (
     field_serializer,
     field_validator,
     model_serializer,
+    model_validator,
 )
 from pydantic.json_schema import models_json_schema
 
@@ -128,8 +129,21 @@ class SharedFile(Strict):
     tensors: dict[str, Annotated[str, Field(pattern=r"^[0-9a-f]{32}$")]] = Field(
         min_length=1,
         description="the tensor paths this checkpoint takes from the file -> each tensor's own xxh3-128 "
-        "digest (of its raw bytes); the file may hold more tensors, which this checkpoint does not use",
+        "digest (of its dtype, shape and raw bytes); the file may hold more tensors, which this checkpoint "
+        "does not use",
     )
+    aliases: dict[str, str] = Field(
+        default_factory=dict,
+        description="paths of `tensors` stored in the file under another path's key (equal bytes: tied "
+        "weights are stored once); a path not named here is its own key",
+    )
+
+    @model_validator(mode="after")
+    def _aliases_of_taken(self) -> SharedFile:
+        stray = sorted(set(self.aliases) - set(self.tensors))
+        if stray:
+            raise ValueError(f"aliases name tensors this checkpoint does not take from the file: {stray[:3]}")
+        return self
 
 
 class Position(Strict):

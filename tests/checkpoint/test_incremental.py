@@ -326,15 +326,21 @@ def test_gc_and_du_count_and_remove_unreferenced_shared_files(tmp_path, capsys):
         assert mgr.load() is not None
 
 
-def test_the_torch_free_reader_reads_shared_files(tmp_path):
-    from tests.format.test_manifest import _no_torch_import, _reader_snippet
-
-    root = tmp_path / "r"
+def _two_saves(root) -> Tuned:  # noqa: ANN001
+    """Steps 1 and 2 of the fine-tune under ``root`` (step 2 refers to the shared base); the model."""
     model, opt, state = _job()
     with CheckpointManager(str(root), save_on_signal=False, lease_ttl=30) as mgr:
         for step in (1, 2):
             _step(model, opt)
             mgr.save(state, step=step)
+    return model
+
+
+def test_the_torch_free_reader_reads_shared_files(tmp_path):
+    from tests.format.test_manifest import _no_torch_import, _reader_snippet
+
+    root = tmp_path / "r"
+    model = _two_saves(root)
     folder = next(root.glob("step-0000000002.*"))
     namespace: dict = {"__builtins__": {**vars(builtins), "__import__": _no_torch_import}}
     exec(compile(_reader_snippet(), "FORMAT.md", "exec"), namespace)  # noqa: S102 - our own doc
@@ -350,13 +356,36 @@ def test_export_writes_a_self_contained_file(tmp_path):
     from ckptsdk.cli import main
 
     root = tmp_path / "r"
-    model, opt, state = _job()
-    with CheckpointManager(str(root), save_on_signal=False, lease_ttl=30) as mgr:
-        for step in (1, 2):
-            _step(model, opt)
-            mgr.save(state, step=step)
+    model = _two_saves(root)
     out = tmp_path / "export.safetensors"
     assert main(["export", str(root), str(out)]) == 0
     flat = safetensors.torch.load_file(str(out))
     weight = next(v for k, v in flat.items() if k.endswith("base.weight"))
     assert torch.equal(weight, model.base.weight.detach())
+
+
+@pytest.mark.parametrize("blocking", [True, False])
+def test_tied_frozen_weights_are_stored_once(tmp_path, blocking):
+    """Two state-dict entries of one storage (GPT-2's lm_head and wte): one copy in the shared file."""
+    root = tmp_path / "r"
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"enc": torch.nn.Linear(BASE, BASE), "dec": torch.nn.Linear(BASE, BASE)})
+    model["dec"].weight = model["enc"].weight  # tied
+    for p in model.parameters():
+        p.requires_grad_(False)
+    state = TrainState(model=model)
+    with CheckpointManager(str(root), save_on_signal=False, lease_ttl=30) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(state, step=step, blocking=blocking)
+            assert mgr.wait(timeout=60)
+    (held,) = list((root / "shared").iterdir())
+    weight = BASE * BASE * 4
+    assert weight < held.stat().st_size < 2 * weight  # the weight once (and the biases)
+    m = _manifest(root, 3)
+    assert m["shared"][0]["aliases"] == {"objects/model/dec.weight": "objects/model/enc.weight"}
+    torch.manual_seed(7)
+    fresh = torch.nn.ModuleDict({"enc": torch.nn.Linear(BASE, BASE), "dec": torch.nn.Linear(BASE, BASE)})
+    with CheckpointManager(str(root), save_on_signal=False, lease_ttl=30) as mgr:
+        assert mgr.restore(TrainState(model=fresh)).step == 3
+    for k, v in model.state_dict().items():
+        assert torch.equal(fresh.state_dict()[k], v), k
