@@ -73,6 +73,7 @@ def test_a_frozen_store_fails_a_blocking_save_within_one_deadline_and_nothing_is
         mgr = CheckpointManager(url, storage_options=options, save_deadline=SAVE_DEADLINE, save_on_signal=False)
         first = _state(1)
         mgr.save(first, step=1)
+        assert mgr.wait(timeout=60)  # its rotation runs on the worker after it: not what is frozen here
         os.kill(server.proc.pid, signal.SIGSTOP)
         try:
             started = time.monotonic()
