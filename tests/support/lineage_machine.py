@@ -207,11 +207,17 @@ class Coop:
 
 
 # ---------------------------------------------------------------------- writers and taps
+#: A frozen base every writer holds (1 MiB: at the threshold of ckptsdk's shared tensor files), so
+#: the machine's saves write, refer to, re-home and delete shared files as a fine-tune's do.
+BASE = torch.arange(1 << 18, dtype=torch.float32)
+
+
 class Weights:
-    """A one-tensor "model" whose value names who computed it: (writer uid, step)."""
+    """A one-tensor "model" whose value names who computed it: (writer uid, step), and the frozen base."""
 
     def __init__(self, uid: int, step: int) -> None:
         self.set(uid, step)
+        self.base = BASE.clone()
 
     def set(self, uid: int, step: int) -> None:
         self.w = torch.tensor([float(uid), float(step)], dtype=torch.float64)
@@ -221,10 +227,14 @@ class Weights:
         return int(self.w[0]), int(self.w[1])
 
     def state_dict(self) -> dict[str, Any]:
-        return {"w": self.w}
+        return {"w": self.w, "base": self.base}
 
     def load_state_dict(self, tree: dict[str, Any]) -> None:
+        if "base" in tree and not torch.equal(tree["base"], BASE):  # a stale or foreign shared file
+            raise AssertionError("restored a base that is not the frozen base every writer saved")
         self.w = tree["w"].clone()
+        if "base" in tree:
+            self.base.copy_(tree["base"])  # in place, as load_state_dict does: it stays put after
 
 
 @dataclass(repr=False)
