@@ -211,7 +211,11 @@ class Bench:
         self.mgr = None
         if use_manager:
             self.state = TrainState(**job.objects)
-            self.mgr = CheckpointManager(str(root / "mgr"), keep_last=1000, lease_ttl=600.0, save_on_signal=False)
+            # incremental=False: every rep saves the same state, which an incremental save would
+            # not write again; these rows measure the full write, against torch.save and raw writes.
+            self.mgr = CheckpointManager(
+                str(root / "mgr"), keep_last=1000, lease_ttl=600.0, save_on_signal=False, incremental=False
+            )
             # Restores go through a reader: a writer restores once, before its first save.
             # A new reader each time: a cold restore is a new process, with no manifest memo.
             self.reader = lambda: CheckpointManager(str(root / "mgr"), read_only=True)
@@ -221,6 +225,7 @@ class Bench:
                     keep_last=2,
                     lease_ttl=600.0,
                     save_on_signal=False,
+                    incremental=False,
                 )
                 for lat in LATENCIES
             }
@@ -399,7 +404,7 @@ def memory_child(state: str, large_mb: int, root: Path, with_manager: bool) -> d
         mgr = ts = None
         if method.startswith("manager"):
             ts = TrainState(**job.objects)
-            mgr = CheckpointManager(str(d / "mgr"), keep_last=1000, lease_ttl=600.0)
+            mgr = CheckpointManager(str(d / "mgr"), keep_last=1000, lease_ttl=600.0, incremental=False)
         backend = open_backend(str(d / "direct"))
         _trim()
         try:
@@ -473,7 +478,11 @@ def gcs_rows(job: Job, reps: int, warmup: int) -> dict[str, list[float]]:
         if CheckpointManager is not None:
             state = TrainState(**job.objects)
             mgr = CheckpointManager(
-                emu.url("bench", "mgr"), storage_options=emu.storage_options, keep_last=2, lease_ttl=600.0
+                emu.url("bench", "mgr"),
+                storage_options=emu.storage_options,
+                keep_last=2,
+                lease_ttl=600.0,
+                incremental=False,
             )
             reader = CheckpointManager(
                 emu.url("bench", "mgr"), storage_options=emu.storage_options, read_only=True
