@@ -212,6 +212,9 @@ def test_the_single_renewal_fences_a_zombie(make_backend_target: Callable[..., A
     state = _state()
     zombie.restore(state)
     zombie.save(state, step=1, blocking=True)
+    # Save 1's rotation runs on the worker after it: let it end first, so the takeover comes
+    # between the two saves (a fresh-clone run saw it fence the zombie before save 2 began).
+    assert zombie.wait(timeout=60)
     now = [0.0]
     heir = CheckpointManager(
         target.url,
