@@ -79,6 +79,10 @@ def torch_class(obj: Any) -> str | None:
     return None
 
 
+#: torch's own ``Module.state_dict``: a module using it takes ``keep_vars`` as documented.
+_MODULE_STATE_DICT = torch.nn.Module.state_dict
+
+
 def preflight(state: Any, call: str, *, encode: bool = True) -> None:
     """Refuse what ``save``/``restore`` cannot use, before anything is read, written or trained.
 
@@ -195,14 +199,27 @@ class TrainState:
         if wait is not None:
             wait()
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, *, keep_vars: bool = False) -> dict[str, Any]:
         """The whole state as a tree: ``{"objects": {name: obj.state_dict()}, "rng": ...}``.
 
         Tensors in it are the live ones (not copies); snapshot them before training goes on.
         Never draws from the global RNGs.
+
+        Args:
+            keep_vars: modules' parameters and buffers as they are (``nn.Parameter``, not
+                detached), as torch's own ``keep_vars``: what a save uses, which copies them
+                anyway and so skips a ``detach()`` per tensor. Modules overriding
+                ``state_dict`` are asked without it.
         """
+        if keep_vars:
+            objects = {
+                name: obj.state_dict(keep_vars=True) if type(obj).state_dict is _MODULE_STATE_DICT else obj.state_dict()
+                for name, obj in self.objects.items()
+            }
+        else:
+            objects = {name: obj.state_dict() for name, obj in self.objects.items()}
         return {
-            "objects": {name: obj.state_dict() for name, obj in self.objects.items()},
+            "objects": objects,
             "rng": capture_rng(),
             # Which torch class each optimizer/scheduler is: its state_dict does not say.
             "types": {n: t for n, o in self.objects.items() if (t := torch_class(o)) is not None},

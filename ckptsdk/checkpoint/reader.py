@@ -25,7 +25,6 @@ from ckptsdk.checkpoint.retention import Candidate, Mode, best_order, default_mo
 from ckptsdk.errors import CorruptCheckpointError, ManifestError, NoValidCheckpointError
 from ckptsdk.format.layout import MANIFEST, TENSORS
 from ckptsdk.format.manifest import Manifest
-from ckptsdk.format.skeleton import tensor_paths
 from ckptsdk.format.tensorfile import verify_file
 
 logger = logging.getLogger(__name__)
@@ -358,7 +357,7 @@ class CheckpointReader:
             del held  # the tensors of the file this checkpoint does not use
         try:
             tree = codec.decode(manifest.tree, tensors)
-            unused = set(tensors) - set(tensor_paths(manifest.tree))
+            unused = set(tensors) - manifest.tensor_path_set()
             if unused:  # the tree lost a leaf (a momentum buffer): never restore part of a state
                 raise ValueError(f"the tensor file holds {sorted(unused)[:3]} that the tree never uses")
         except (KeyError, ValueError, TypeError) as exc:

@@ -204,7 +204,10 @@ class SavePipeline(AfterCommit, Anchoring):
         if done is not None:
             logger.debug("step %d already committed as %s; not saving it twice", step, folder)
             return done
-        tree = state.state_dict() if hasattr(state, "state_dict") else state
+        if callable(getattr(state, "step_only_flags", None)):  # a TrainState (a layer above this one)
+            tree = state.state_dict(keep_vars=True)  # the staging copy or tensor_dict() detaches
+        else:
+            tree = state.state_dict() if hasattr(state, "state_dict") else state
         captured = self._encoding.encode(tree)  # the tree's structure is cached between saves
         stepped = self.sharing.fresh and callable(getattr(state, "step_only_flags", None))
         hints = self.sharing.hints(

@@ -164,7 +164,8 @@ class SaveSlots:
             if replaced is not None:
                 logger.info("the save of step %d replaces the save of step %d, still waiting", step, replaced.step)
                 replaced.settle()  # its copy must be done before its buffer is reused
-            pending = buffer.begin_aligned(captured.names, captured.tensors, defer, where=where)
+            fixed = captured.names if captured.sized else None  # see Stager.begin_aligned
+            pending = buffer.begin_aligned(captured.names, captured.tensors, defer, where=where, fixed=fixed)
             captured.tensors = []  # the buffers (and the pending copies) hold what is needed now
         except BaseException:
             self.release(buffer)

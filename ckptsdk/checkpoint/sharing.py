@@ -117,6 +117,9 @@ class Sharing:
         self._files: dict[str, SharedFile] = {}  # shared file -> its entry (size, digest, algorithm)
         self._keys: dict[str, Key] | None = None  # at the newest commit's save() (None: not known)
         self._fresh = True  # no commit and no restore yet: the first-save rule applies
+        # The positions of the tensors large enough to share, for the last names tuple seen (a
+        # cached template's: the same object at every save), so hints() visits only those.
+        self._large: tuple[Sequence[str] | None, list[int]] = (None, [])
 
     @property
     def fresh(self) -> bool:
@@ -129,8 +132,16 @@ class Sharing:
         """At ``save()``, on the training thread: the live tensors' keys (None when disabled)."""
         if not self.enabled:
             return None
-        keys = {n: (t.data_ptr(), t._version) for n, t in zip(names, tensors, strict=True)}
-        return Hints(keys, frozenset(n for n, s in zip(names, step_only, strict=False) if s))
+        # Only the tensors plan() may share: it never looks up a smaller one's key. A shape
+        # change the cached positions miss costs at most a hash there: keys only save hashing,
+        # the digest decides what is shared.
+        seen, large = self._large
+        if seen is not names:
+            large = [i for i, t in enumerate(tensors) if t.nbytes >= self.min_bytes]
+            self._large = (names, large)
+        keys = {names[i]: (tensors[i].data_ptr(), tensors[i]._version) for i in large}
+        stepped = frozenset(names[i] for i in large if i < len(step_only) and step_only[i])
+        return Hints(keys, stepped)
 
     def plan(self, tensors: Mapping[str, torch.Tensor], hints: Hints | None) -> Plan:
         """Decide, per tensor, where this save's bytes go (the tensors are the ones to be written:
@@ -141,14 +152,15 @@ class Sharing:
             return plan
         before = self._keys
         for name, t in tensors.items():
-            if t.numel() * t.element_size() < self.min_bytes:
+            nbytes = t.nbytes
+            if nbytes < self.min_bytes:
                 plan.own[name] = t
                 continue
             moved = before is not None and before.get(name) != hints.keys.get(name)
             stored = self._stored.get(name)
             if stored is not None and not moved:
                 digest = tensor_digest(t)
-                plan.hashed += t.numel() * t.element_size()
+                plan.hashed += nbytes
                 if digest == stored[1]:
                     plan.refs.setdefault(stored[0], {})[name] = digest
                     if stored[2] != name:
@@ -159,7 +171,7 @@ class Sharing:
                 continue
             plan.own[name] = t
         plan.new_digests = {n: tensor_digest(t) for n, t in plan.new.items()}
-        plan.hashed += sum(t.numel() * t.element_size() for t in plan.new.values())
+        plan.hashed += sum(t.nbytes for t in plan.new.values())
         first: dict[str, str] = {}  # equal digests (dtype, shape, bytes): one copy in the file
         for name, digest in plan.new_digests.items():
             if first.setdefault(digest, name) != name:

@@ -205,6 +205,10 @@ class Stager:
         self._names: tuple[str, ...] = ()
         self._list: list[torch.Tensor | None] = []
         self._pins: list[bool] = []
+        # The fixed layout (a sized template's names tuple) the buffers were last checked
+        # against, and per buffer whether it takes the one-call copy of small tensors.
+        self._fixed: tuple[str, ...] | None = None
+        self._small: list[bool] = []
         self._lock = threading.Lock()
         self.allocations = 0  # buffers allocated so far (a reuse check for tests and benchmarks)
 
@@ -254,7 +258,13 @@ class Stager:
         return self.begin_aligned(names, list(tensors.values()), [n in defer for n in names])
 
     def begin_aligned(
-        self, names: tuple[str, ...], tensors: list[torch.Tensor], defer: list[bool], *, where: str = ""
+        self,
+        names: tuple[str, ...],
+        tensors: list[torch.Tensor],
+        defer: list[bool],
+        *,
+        where: str = "",
+        fixed: tuple[str, ...] | None = None,
     ) -> PendingSnapshot:
         """:meth:`begin` for tensors given as a list aligned with ``names`` and a flag per tensor
         (what ``format.template.Captured`` holds): the buffers of the last snapshot are reused
@@ -265,6 +275,10 @@ class Stager:
             tensors: dense tensors on any device, aligned with ``names``.
             defer: per tensor, whether its copy may wait for the worker.
             where: prefix of the rule's error message (which save).
+            fixed: a token (the same object at every save) promising that every tensor is dense
+                and has the dtype and shape it had at the last snapshot given the same token: a
+                sized template's ``names``, whose capture checked exactly that. The buffers then
+                fit without a check per tensor; only the device is still looked at.
 
         Raises:
             ConfigError: a value is not a dense tensor.
@@ -272,7 +286,10 @@ class Stager:
         with self._lock:
             if names != self._names:
                 self._rebind(names)
+            trusted = fixed is not None and fixed is self._fixed
+            self._fixed = None  # set again below once every buffer was checked against ``fixed``
             bufs = self._list
+            pins, small = self._pins, self._small
             later: list[tuple[torch.Tensor, torch.Tensor]] = []
             watch_names: list[str] = []
             watch_src: list[torch.Tensor] = []
@@ -282,6 +299,19 @@ class Stager:
             devices: set[torch.device] = set()
             with torch.no_grad():
                 for i, src in enumerate(tensors):
+                    if trusted and not pins[i] and src.is_cpu:
+                        # The common case, in few calls: the buffer fits (see ``fixed``).
+                        if defer[i]:
+                            src = src.detach()  # see below
+                            later.append((bufs[i], src))  # type: ignore[arg-type]  # allocated
+                            watch_names.append(names[i])
+                            watch_src.append(src)
+                        elif small[i]:
+                            small_dst.append(bufs[i])  # type: ignore[arg-type]
+                            small_src.append(src.detach() if src.requires_grad else src)
+                        else:
+                            _copy(bufs[i], src)  # type: ignore[arg-type]
+                        continue
                     if not isinstance(src, torch.Tensor) or src.layout is not torch.strided:
                         raise ConfigError(
                             f"cannot stage {names[i]!r}: a {type(src).__name__} "
@@ -347,6 +377,9 @@ class Stager:
                 side_events.append((stream.device, ev))
             first = str(min(devices, key=str)) if devices else "cpu"
             watched = (watch_names, watch_src, [t._version for t in watch_src])
+            if fixed is not None:  # every buffer fits now: the next snapshot of ``fixed`` may trust it
+                self._small = [b is not None and b.numel() < _SMALL for b in bufs]
+                self._fixed = fixed
             return PendingSnapshot(
                 dict(zip(names, bufs, strict=True)),  # type: ignore[arg-type]  # all allocated above
                 later,
@@ -361,6 +394,7 @@ class Stager:
         """A new list of names: keep the buffers of names still present (reused if they fit)."""
         old = dict(zip(self._names, zip(self._list, self._pins, strict=True), strict=True))
         self._names = names
+        self._fixed = None
         kept = [old.get(n, (None, False)) for n in names]
         self._list = [b for b, _ in kept]
         self._pins = [p for _, p in kept]
@@ -378,6 +412,7 @@ class Stager:
         """Drop every buffer (frees the host memory; the next snapshot allocates again)."""
         with self._lock:
             self._names, self._list, self._pins = (), [], []
+            self._fixed, self._small = None, []
 
 
 #: ``tensor_key`` of every empty tensor (they share data pointer 0).

@@ -21,6 +21,7 @@ from typing import Annotated, Any, ClassVar, Literal, get_args
 from pydantic import (
     Field,
     JsonValue,
+    PrivateAttr,
     SerializerFunctionWrapHandler,
     ValidationInfo,
     field_serializer,
@@ -297,6 +298,21 @@ class Manifest(Document):
             data.pop("shared", None)
         return data
 
+    # The tree's tensor paths, walked once (parse checks them; restore compares them with the
+    # tensors read). A private attribute, so frozen and computed lazily; no code copies a
+    # manifest with another tree (``model_copy`` would carry this along).
+    _paths: frozenset[str] | None = PrivateAttr(default=None)
+
+    def tensor_path_set(self) -> frozenset[str]:
+        """Every tensor path the tree references (see ``skeleton.tensor_paths``).
+
+        Raises:
+            ManifestError: the skeleton is malformed.
+        """
+        if self._paths is None:
+            self._paths = frozenset(tensor_paths(self.tree))
+        return self._paths
+
     @field_validator("tree")
     @classmethod
     def _finite_tree(cls, value: Any) -> Any:
@@ -358,7 +374,7 @@ def parse_manifest(data: bytes, *, key: str = "") -> Manifest:
     """
     manifest = _parse(data, Manifest, key)
     try:
-        paths = set(tensor_paths(manifest.tree))
+        paths = manifest.tensor_path_set()
     except ManifestError as exc:
         raise ManifestError(f"{key + ': ' if key else ''}{exc}", key=key or None, step=manifest.step) from exc
     stray = sorted(p for f in manifest.shared for p in f.tensors if p not in paths)

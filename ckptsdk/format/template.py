@@ -50,11 +50,14 @@ class Captured:
 
     Attributes:
         names: the tensors' paths, in tree order (the same tuple for every save of a template).
-        tensors: the tree's tensors (detached where they require grad), aligned with ``names``.
+        tensors: the tree's tensors as found (a ``nn.Parameter`` is not detached: the staging
+            copy detaches what it defers, and :meth:`tensor_dict` detaches), aligned with ``names``.
         nbytes: the tensors' bytes.
+        sized: captured through a template that fixes every tensor's dtype and shape (its
+            ``names`` then stand for them: the same tuple at every save of the template).
     """
 
-    __slots__ = ("_build", "_skeleton", "_slots", "names", "nbytes", "tensors")
+    __slots__ = ("_build", "_skeleton", "_slots", "names", "nbytes", "sized", "tensors")
 
     def __init__(
         self,
@@ -65,9 +68,11 @@ class Captured:
         skeleton: JsonValue = None,
         *,
         nbytes: int,
+        sized: bool = False,
     ) -> None:
         self.names = names
         self.nbytes = nbytes
+        self.sized = sized
         self.tensors = tensors
         self._slots = slots
         self._build = build
@@ -84,8 +89,11 @@ class Captured:
         return self._skeleton
 
     def tensor_dict(self) -> dict[str, torch.Tensor]:
-        """name -> tensor, as ``codec.encode`` returns them."""
-        return dict(zip(self.names, self.tensors, strict=True))
+        """name -> tensor, as ``codec.encode`` returns them (detached)."""
+        return {
+            n: t.detach() if t.requires_grad or type(t) is not torch.Tensor else t
+            for n, t in zip(self.names, self.tensors, strict=True)
+        }
 
 
 class TreeTemplate:
@@ -153,7 +161,7 @@ class TreeTemplate:
         if len(tensors) != len(self.names):
             return None
         nbytes = self.nbytes if self._sized else sum(t.numel() * t.element_size() for t in tensors)
-        return Captured(self.names, tensors, slots, self._build, nbytes=nbytes)
+        return Captured(self.names, tensors, slots, self._build, nbytes=nbytes, sized=self._sized)
 
 
 class EncodingCache:
@@ -251,7 +259,7 @@ def _tensor(obj: torch.Tensor, node: dict[str, Any]) -> _Node:
     def cap(o: Any, tensors: list[torch.Tensor], _slots: list[Any]) -> None:
         if not _tensor_ok(o, spec[0], spec[1]):
             raise _Changed
-        tensors.append(o.detach() if o.requires_grad or type(o) is not torch.Tensor else o)
+        tensors.append(o)  # as found: see Captured.tensors
 
     return cap, lambda _it: _tensor_node(spec), spec
 
@@ -352,7 +360,7 @@ def _tensor_values(kind: Any, keys: tuple[Any, ...], types: tuple[type, ...], sp
                 or v.is_neg()
             ):
                 raise _Changed
-            append(v.detach() if kind_v is not plain or v.requires_grad else v)
+            append(v)  # as found (no detach per parameter): see Captured.tensors
 
     return cap
 

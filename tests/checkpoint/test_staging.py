@@ -82,6 +82,47 @@ def test_buffers_reallocated_when_shape_or_dtype_changes_and_stale_released():
     assert stager.nbytes == 0
 
 
+def _finished(stager: Stager, src: dict[str, torch.Tensor], defer: list[bool], fixed: tuple[str, ...] | None):
+    pending = stager.begin_aligned(tuple(src), list(src.values()), defer, fixed=fixed)
+    pending.finish()
+    return pending.tensors
+
+
+def test_a_fixed_layout_reuses_buffers_without_checks_and_copies_exactly():
+    """The token of a sized template: its second snapshot trusts the buffers; values stay exact."""
+    stager = Stager()
+    src = {**_state(), "p": torch.nn.Parameter(torch.randn(300, 200))}  # big, small, deferred, grad
+    names = tuple(src)
+    defer = [n in ("w", "p") for n in names]
+    _finished(stager, src, defer, names)
+    allocated = stager.allocations
+    for _ in range(2):
+        with torch.no_grad():
+            src["w"].add_(1)
+            src["p"].mul_(2)
+            src["steps"] += 1
+        snap = _finished(stager, src, defer, names)
+        assert stager.allocations == allocated
+        for name, t in src.items():
+            assert torch.equal(snap[name], t.detach()) and not snap[name].requires_grad, name
+
+
+def test_a_new_token_with_equal_names_checks_every_buffer_again():
+    """A template rebuilt with the same names but another shape is a new token: no stale buffer."""
+    stager = Stager()
+    src = _state()
+    names = tuple(src)
+    _finished(stager, src, [False] * len(src), names)
+    changed = {**src, "w": torch.randn(64, 64)}
+    again = tuple(changed)  # equal to ``names``, another object: another template's
+    assert again == names and again is not names
+    snap = _finished(stager, changed, [False] * len(src), again)
+    assert snap["w"].shape == (64, 64) and torch.equal(snap["w"], changed["w"])
+    stager.release()
+    snap = _finished(stager, changed, [False] * len(src), again)  # after release: allocated anew
+    assert torch.equal(snap["w"], changed["w"])
+
+
 def test_noncontiguous_lazy_and_grad_sources():
     param = torch.nn.Parameter(torch.randn(10, 20))
     src = {

@@ -228,3 +228,25 @@ def test_cuda_rng_streams_resume_on_every_device():
     expected = [torch.rand(3, device=f"cuda:{i}").tolist() for i in range(torch.cuda.device_count())]
     restore_rng(saved)
     assert [torch.rand(3, device=f"cuda:{i}").tolist() for i in range(torch.cuda.device_count())] == expected
+
+
+class _OwnStateDict(torch.nn.Linear):
+    """A module overriding ``state_dict`` without ``keep_vars``."""
+
+    def state_dict(self):  # type: ignore[override]
+        return {"w": self.weight.detach()}
+
+
+def test_state_dict_keep_vars_hands_over_parameters_as_they_are():
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
+    own = _OwnStateDict(2, 2)
+    state = TrainState(model=model, own=own)
+    kept = state.state_dict(keep_vars=True)["objects"]
+    assert kept["model"]["0.weight"] is model[0].weight  # the Parameter itself, not detached
+    assert kept["model"]["1.running_mean"] is model[1].running_mean
+    assert list(kept["own"]) == ["w"]  # asked without keep_vars, as it was written
+    plain = state.state_dict()["objects"]["model"]
+    assert type(plain["0.weight"]) is torch.Tensor and not plain["0.weight"].requires_grad
+    assert list(plain) == list(kept["model"]) and plain._metadata == kept["model"]._metadata
+    for key, t in plain.items():
+        assert torch.equal(t, kept["model"][key]) and t.data_ptr() == kept["model"][key].data_ptr(), key

@@ -136,6 +136,10 @@ def test_an_unsupported_object_fails_at_restore_before_training(tmp_path):
     assert info.value.path == "objects/odd/fn" and "recreate it in code" in str(info.value)
     assert mgr.list() == []
     mgr.close()
+    # A reader never saves, so it does not refuse what only a save could not store: its
+    # restore of the same state is a fresh start (the root holds nothing).
+    with ckptsdk.CheckpointManager(str(tmp_path / "run"), read_only=True) as reader:
+        assert reader.restore(ckptsdk.TrainState(model=model, odd=Odd())) is None
 
 
 def test_a_lazy_module_still_restores():
