@@ -14,7 +14,10 @@ per storage call. Each configuration runs ``--steps`` steps in turn with a run t
 Printed per latency: overhead (the steps' wall time against never saving), the stall inside
 ``save()`` (median, p99), the training thread's CPU per save (``time.thread_time`` around
 ``save()``: median, min-max), storage calls and bytes per
-committed save, saves committed / replaced / skipped (``mgr.stats``).
+committed save, saves committed / replaced / skipped (``mgr.stats``); then where the overhead
+goes in a 10-step period: inside ``save()``, the step right after it (whose optimizer step waits
+for the snapshot's deferred copies), and the nine other steps (the worker's CPU and memory
+traffic beside them).
 """
 
 from __future__ import annotations
@@ -74,7 +77,11 @@ def _run(job: Any, steps: int, start: int, mgr: CheckpointManager | None, res: d
     is not waited for: training never waits for it either, and the next run's steps feel it)."""
     t0 = time.perf_counter()
     for i in range(start + 1, start + steps + 1):
+        s0 = time.perf_counter()
         loss = job.step(i)
+        # Where the time goes: the step right after a save (its optimizer step waits for the
+        # snapshot's deferred copies) apart from the nine others of the period.
+        res["next" if i % 10 == 1 else "other"].append(time.perf_counter() - s0)
         if mgr is None:
             continue
         mgr.log_step(i, loss=loss)
@@ -113,7 +120,7 @@ def main(args: argparse.Namespace) -> int:
         for m in mgrs.values():
             m.restore(job.state)
         configs: list[float | None] = [None, *LATENCIES_MS]
-        res = {c: {"runs": [], "stalls": [], "cpu": []} for c in configs}
+        res = {c: {"runs": [], "stalls": [], "cpu": [], "next": [], "other": []} for c in configs}
         at = dict.fromkeys(configs, 0)
         for _ in range(2):
             job.step(-1)  # warm-up
@@ -154,6 +161,17 @@ def main(args: argparse.Namespace) -> int:
             f"{statistics.median(r['cpu']) * 1000:6.2f}ms ({min(r['cpu']) * 1000:.2f}-{max(r['cpu']) * 1000:.2f}) "
             f"{calls:11.1f} {sizes[lat] / 1e6:8.1f} {s.committed:9d} "
             f"{s.replaced:8d} {s.skipped:7d} {s.save_s_median or 0:7.2f}"
+        )
+    print("where the overhead goes, per 10-step period against never saving (means):")
+    for lat in LATENCIES_MS:
+        r, b = res[lat], res[None]
+        nxt = (statistics.fmean(r["next"]) - statistics.fmean(b["next"])) * 1000
+        other = (statistics.fmean(r["other"]) - statistics.fmean(b["other"])) * 9000
+        inside = statistics.fmean(r["stalls"]) * 1000
+        print(
+            f"{lat:10.0f}ms inside save() {inside:+7.2f} ms, the step after it {nxt:+7.2f} ms, "
+            f"the 9 other steps {other:+7.2f} ms (a period never saving: "
+            f"{(statistics.fmean(b['next']) + 9 * statistics.fmean(b['other'])) * 1000:.0f} ms)"
         )
     print(
         f"(calls/save: every storage call of the run, step log and lease heartbeat included, over the "

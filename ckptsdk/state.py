@@ -7,6 +7,7 @@ states it carries are ``ckptsdk.rng``'s. Encoding to tensors/JSON is codec.py's 
 from __future__ import annotations
 
 import logging
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
@@ -140,7 +141,12 @@ class TrainState:
         # A pipelined save copies parameters and optimizer state while the next forward and
         # backward run; each optimizer's next step() first waits for that copy (see hold_steps).
         self._hold: Callable[[], None] | None = None
+        #: Set while no optimizer's ``step()`` runs: a background save's tensor writes wait on it
+        #: (briefly) so as not to take a core from the step's threads (``checkpoint/pacing.py``).
+        self.steps_idle = threading.Event()
+        self.steps_idle.set()
         self._hooks = [opt.register_step_pre_hook(self._before_step) for opt in self.optimizers()]
+        self._hooks += [opt.register_step_post_hook(self._after_step) for opt in self.optimizers()]
 
     def optimizers(self) -> list[torch.optim.Optimizer]:
         """The optimizers among the objects (their ``step()`` waits for a pipelined snapshot)."""
@@ -198,6 +204,11 @@ class TrainState:
         wait = self._hold
         if wait is not None:
             wait()
+        self.steps_idle.clear()
+
+    def _after_step(self, _opt: Any, _args: Any, _kwargs: Any) -> None:
+        # Not called when step() raises: the writes' wait for it is bounded (pacing.MAX_WAIT_S).
+        self.steps_idle.set()
 
     def state_dict(self, *, keep_vars: bool = False) -> dict[str, Any]:
         """The whole state as a tree: ``{"objects": {name: obj.state_dict()}, "rng": ...}``.

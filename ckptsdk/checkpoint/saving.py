@@ -37,6 +37,7 @@ from ckptsdk.checkpoint.aftercommit import AfterCommit
 from ckptsdk.checkpoint.anchoring import Anchoring
 from ckptsdk.checkpoint.catalog import Catalog, CheckpointInfo
 from ckptsdk.checkpoint.lineage import LineageWriter
+from ckptsdk.checkpoint.pacing import Paced
 from ckptsdk.checkpoint.recycling import take_file
 from ckptsdk.checkpoint.rotation import Rotation
 from ckptsdk.checkpoint.scheduling import SaveSlots, SaveStats, _Job
@@ -74,6 +75,7 @@ class _Save:
     extra_files: tuple[FileEntry, ...] = ()
     verify: Callable[[], None] | None = None  # right before the commit: the pipelined rule held
     hints: Hints | None = None  # what save() saw of the live tensors (incremental saves)
+    pace: threading.Event | None = None  # background saves: set while no optimizer step runs
 
 
 class SavePipeline(AfterCommit, Anchoring):
@@ -131,6 +133,7 @@ class SavePipeline(AfterCommit, Anchoring):
         self._listed_at = 0.0
         self._tidy_due = True  # leftovers and the sweep: at the first listing and after a failure
         self._sync_caller = False  # a blocking save is committing on the caller's thread
+        self._pacing = threading.local()  # .idle: the running background save's (see pacing.py)
 
     @property
     def tag(self) -> str:
@@ -239,11 +242,12 @@ class SavePipeline(AfterCommit, Anchoring):
         if any(defer):
             state.hold_steps(pending.wait_copied)
 
+        idle = getattr(state, "steps_idle", None)  # a TrainState's (see pacing.py)
+
         def work() -> None:  # the skeleton is built here, from leaves copied at capture
             pending.wait_finished()
-            self._store(
-                replace(job, device=pending.device, verify=pending.verify), pending.tensors, captured.skeleton()
-            )
+            job_now = replace(job, device=pending.device, verify=pending.verify, pace=idle)
+            self._store(job_now, pending.tensors, captured.skeleton())
 
         self._slots.submit(_Job(run=work, buffer=buffer, step=step, settle=pending.settle))
         return replace(pending_info, reason="save in progress")
@@ -293,19 +297,23 @@ class SavePipeline(AfterCommit, Anchoring):
                     logger.debug("step %d already committed as %s; not saving it twice", job.step, job.folder)
                     return existing
                 self.write_lineage(None, None)  # once: a no-op after this writer's first commit or restore
-                return self.commit(
-                    job.folder,
-                    job.step,
-                    dict(tensors),
-                    skeleton,
-                    job.position,
-                    job.metrics,
-                    job.tags,
-                    job.device,
-                    job.extra_files,
-                    verify=job.verify,
-                    hints=job.hints,
-                )
+                self._pacing.idle = job.pace
+                try:
+                    return self.commit(
+                        job.folder,
+                        job.step,
+                        dict(tensors),
+                        skeleton,
+                        job.position,
+                        job.metrics,
+                        job.tags,
+                        job.device,
+                        job.extra_files,
+                        verify=job.verify,
+                        hints=job.hints,
+                    )
+                finally:
+                    self._pacing.idle = None
             except BaseException as exc:
                 self._catalog = None  # whatever failed, the next save lists the root again
                 if isinstance(exc, DeadlineExceeded) and job.folder in self._committed:
@@ -369,12 +377,17 @@ class SavePipeline(AfterCommit, Anchoring):
         if source is not None and in_place is not None:
             # The file this checkpoint reuses is rewritten in place (not atomic: no manifest
             # refers to it now, and a reader holding a stale one fails its digest check).
-            size, digest = write_tensorfile(in_place, key, tensors)  # type: ignore[arg-type]
+            size, digest = write_tensorfile(self._paced(in_place), key, tensors)
             self.rotation.recycled(source, folder, size)
         else:
-            size, digest = write_tensorfile(self.backend, key, tensors)
+            size, digest = write_tensorfile(self._paced(self.backend), key, tensors)
         files = [FileEntry(name=TENSORS, size=size, digest=digest, algorithm=DIGEST_ALGORITHM), *extra_files]
         return self._publish(folder, step, files, skeleton, position, metrics, tags, device, verify, shared=shared)
+
+    def _paced(self, backend: Any) -> Any:
+        """What a tensor file is written to: paced around optimizer steps on the worker."""
+        idle = getattr(self._pacing, "idle", None)
+        return backend if idle is None else Paced(backend, idle)
 
     def _write_shared(self, step: int, plan: Plan) -> list[SharedFile]:
         """The manifest's ``shared`` list: a new shared file for ``plan.new`` (written here, once),
@@ -384,7 +397,7 @@ class SavePipeline(AfterCommit, Anchoring):
             epoch, tag = self.rank
             key = shared_key(step, epoch, tag, content_name(plan.new_digests))
             self.lease.check()
-            size, digest = write_tensorfile(self.backend, key, plan.written())
+            size, digest = write_tensorfile(self._paced(self.backend), key, plan.written())
             new = SharedFile(
                 name=key,
                 size=size,
