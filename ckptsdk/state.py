@@ -222,15 +222,13 @@ class TrainState:
                 anyway and so skips a ``detach()`` per tensor. Modules overriding
                 ``state_dict`` are asked without it.
         """
-        if keep_vars:
-            objects = {
-                name: obj.state_dict(keep_vars=True) if type(obj).state_dict is _MODULE_STATE_DICT else obj.state_dict()
-                for name, obj in self.objects.items()
-            }
-        else:
-            objects = {name: obj.state_dict() for name, obj in self.objects.items()}
         return {
-            "objects": objects,
+            "objects": {
+                name: obj.state_dict(keep_vars=True)
+                if keep_vars and type(obj).state_dict is _MODULE_STATE_DICT
+                else obj.state_dict()
+                for name, obj in self.objects.items()
+            },
             "rng": capture_rng(),
             # Which torch class each optimizer/scheduler is: its state_dict does not say.
             "types": {n: t for n, o in self.objects.items() if (t := torch_class(o)) is not None},

@@ -207,12 +207,13 @@ class SavePipeline(AfterCommit, Anchoring):
         if done is not None:
             logger.debug("step %d already committed as %s; not saving it twice", step, folder)
             return done
-        if callable(getattr(state, "step_only_flags", None)):  # a TrainState (a layer above this one)
+        trained = callable(getattr(state, "step_only_flags", None))  # a TrainState (a layer above this one)
+        if trained:
             tree = state.state_dict(keep_vars=True)  # the staging copy or tensor_dict() detaches
         else:
             tree = state.state_dict() if hasattr(state, "state_dict") else state
         captured = self._encoding.encode(tree)  # the tree's structure is cached between saves
-        stepped = self.sharing.fresh and callable(getattr(state, "step_only_flags", None))
+        stepped = self.sharing.fresh and trained
         hints = self.sharing.hints(
             captured.names, captured.tensors, state.step_only_flags(captured.tensors) if stepped else ()
         )
@@ -233,7 +234,7 @@ class SavePipeline(AfterCommit, Anchoring):
         pending_info = CheckpointInfo(
             step=step, epoch=self.writer.epoch, tag=self.tag, key=folder, size=0, committed=False, valid=False
         )
-        pipelined = snapshot == "pipelined" and callable(getattr(state, "step_only_flags", None)) and state.optimizers()
+        pipelined = snapshot == "pipelined" and trained and state.optimizers()
         defer = state.step_only_flags(captured.tensors) if pipelined else [False] * len(captured.names)
         staged = self._slots.stage(step, captured, defer, where=f"the save of step {step} under {self.url}: ")
         if staged is None:

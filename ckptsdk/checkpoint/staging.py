@@ -205,10 +205,8 @@ class Stager:
         self._names: tuple[str, ...] = ()
         self._list: list[torch.Tensor | None] = []
         self._pins: list[bool] = []
-        # The fixed layout (a sized template's names tuple) the buffers were last checked
-        # against, and per buffer whether it takes the one-call copy of small tensors.
+        # The fixed layout (a sized template's names tuple) the buffers were last checked against.
         self._fixed: tuple[str, ...] | None = None
-        self._small: list[bool] = []
         self._lock = threading.Lock()
         self.allocations = 0  # buffers allocated so far (a reuse check for tests and benchmarks)
 
@@ -289,7 +287,7 @@ class Stager:
             trusted = fixed is not None and fixed is self._fixed
             self._fixed = None  # set again below once every buffer was checked against ``fixed``
             bufs = self._list
-            pins, small = self._pins, self._small
+            pins = self._pins  # (``_allocate`` updates it in place)
             later: list[tuple[torch.Tensor, torch.Tensor]] = []
             watch_names: list[str] = []
             watch_src: list[torch.Tensor] = []
@@ -299,33 +297,24 @@ class Stager:
             devices: set[torch.device] = set()
             with torch.no_grad():
                 for i, src in enumerate(tensors):
-                    if trusted and not pins[i] and src.is_cpu:
-                        # The common case, in few calls: the buffer fits (see ``fixed``).
-                        if defer[i]:
-                            src = src.detach()  # see below
-                            later.append((bufs[i], src))  # type: ignore[arg-type]  # allocated
-                            watch_names.append(names[i])
-                            watch_src.append(src)
-                        elif small[i]:
-                            small_dst.append(bufs[i])  # type: ignore[arg-type]
-                            small_src.append(src.detach() if src.requires_grad else src)
-                        else:
-                            _copy(bufs[i], src)  # type: ignore[arg-type]
-                        continue
-                    if not isinstance(src, torch.Tensor) or src.layout is not torch.strided:
-                        raise ConfigError(
-                            f"cannot stage {names[i]!r}: a {type(src).__name__} "
-                            f"({getattr(src, 'layout', '')}), not a dense tensor"
-                        )
                     buf = bufs[i]
-                    cpu = src.is_cpu
-                    if (
-                        buf is None
-                        or buf.dtype is not src.dtype
-                        or buf.shape != src.shape
-                        or self._pins[i] is not src.is_cuda
-                    ):
-                        buf = self._allocate(i, src)
+                    # The common case: a CPU source of a trusted layout, whose buffer fits (see ``fixed``).
+                    cpu = trusted and not pins[i] and src.is_cpu
+                    if not cpu:
+                        if not isinstance(src, torch.Tensor) or src.layout is not torch.strided:
+                            raise ConfigError(
+                                f"cannot stage {names[i]!r}: a {type(src).__name__} "
+                                f"({getattr(src, 'layout', '')}), not a dense tensor"
+                            )
+                        cpu = src.is_cpu
+                        if (
+                            buf is None
+                            or buf.dtype is not src.dtype
+                            or buf.shape != src.shape
+                            or pins[i] is not src.is_cuda
+                        ):
+                            buf = self._allocate(i, src)
+                    assert buf is not None  # allocated above, or by the snapshot that checked ``fixed``
                     if cpu:
                         if defer[i]:
                             # detach: a later ``p.data = x`` or ``set_`` on the live tensor leaves
@@ -378,7 +367,6 @@ class Stager:
             first = str(min(devices, key=str)) if devices else "cpu"
             watched = (watch_names, watch_src, [t._version for t in watch_src])
             if fixed is not None:  # every buffer fits now: the next snapshot of ``fixed`` may trust it
-                self._small = [b is not None and b.numel() < _SMALL for b in bufs]
                 self._fixed = fixed
             return PendingSnapshot(
                 dict(zip(names, bufs, strict=True)),  # type: ignore[arg-type]  # all allocated above
@@ -412,7 +400,7 @@ class Stager:
         """Drop every buffer (frees the host memory; the next snapshot allocates again)."""
         with self._lock:
             self._names, self._list, self._pins = (), [], []
-            self._fixed, self._small = None, []
+            self._fixed = None
 
 
 #: ``tensor_key`` of every empty tensor (they share data pointer 0).
