@@ -342,8 +342,9 @@ class CheckpointReader:
             held = read_tensorfile(
                 self.backend, shared.name, size=shared.size, digest=shared.digest, algorithm=shared.algorithm
             )
+            handed: set[str] = set()
             for path in shared.tensors:
-                key = shared.aliases.get(path, path)  # tied weights: stored once, under one path
+                key = shared.aliases.get(path, path)  # equal bytes (tied weights): stored once, under one key
                 if key not in held or path in tensors:
                     why = "does not hold" if key not in held else "repeats the folder's"
                     raise CorruptCheckpointError(
@@ -353,7 +354,11 @@ class CheckpointReader:
                         step=info.step,
                         key=info.key,
                     )
-                tensors[path] = held[key]
+                # An alias means equal bytes, not one storage: two zero momentum buffers share a
+                # key, and handing both paths one tensor would make the optimizer update it twice
+                # per step after the resume. Every path after the first gets its own copy.
+                tensors[path] = held[key].clone() if key in handed else held[key]
+                handed.add(key)
             del held  # the tensors of the file this checkpoint does not use
         try:
             tree = codec.decode(manifest.tree, tensors)

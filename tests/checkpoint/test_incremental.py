@@ -389,3 +389,42 @@ def test_tied_frozen_weights_are_stored_once(tmp_path, blocking):
         assert mgr.restore(TrainState(model=fresh)).step == 3
     for k, v in model.state_dict().items():
         assert torch.equal(fresh.state_dict()[k], v), k
+
+
+def _two_idle_layers(seed: int) -> tuple[torch.nn.Sequential, torch.optim.Optimizer, TrainState]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(BASE, BASE // 2), torch.nn.Linear(BASE, BASE // 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    return model, opt, TrainState(model=model, optimizer=opt)
+
+
+def _grads(model: torch.nn.Module, scale: float) -> None:
+    for i, p in enumerate(model.parameters()):
+        p.grad = torch.full_like(p, scale * (i + 1))
+
+
+def test_equal_bytes_shared_once_restore_as_separate_tensors(tmp_path):
+    """Two momentum buffers with equal bytes (zero so far: idle layers) are stored once in the
+    shared file, under one key. After a restore each param must own its buffer: one tensor for
+    both would take two updates per step, and the resumed run would drift from the uninterrupted one."""
+    root = tmp_path / "r"
+    model, opt, state = _two_idle_layers(0)
+    _grads(model, 0.0)
+    opt.step()  # every momentum buffer exists, all zero: the two weights' are equal bytes
+    with CheckpointManager(str(root), save_on_signal=False, lease_ttl=30) as mgr:
+        for step in (1, 2):  # unchanged between saves: the second takes them from the shared file
+            mgr.save(state, step=step)
+    aliases = _manifest(root, 2)["shared"][0]["aliases"]
+    assert "objects/optimizer/state/2/momentum_buffer" in aliases  # the premise: stored once
+
+    fresh, fresh_opt, fresh_state = _two_idle_layers(1)
+    with CheckpointManager(str(root), save_on_signal=False, lease_ttl=30) as mgr:
+        assert mgr.restore(fresh_state).step == 2
+    buffers = [fresh_opt.state[p]["momentum_buffer"] for p in fresh.parameters()]
+    assert len({b.data_ptr() for b in buffers}) == len(buffers)
+    for m, o in ((model, opt), (fresh, fresh_opt)):  # the steps after the resume, both runs
+        for k in range(3):
+            _grads(m, 1.0 + k)
+            o.step()
+    for (k, v), w in zip(model.state_dict().items(), fresh.state_dict().values(), strict=True):
+        assert torch.equal(v, w), k
