@@ -439,7 +439,7 @@ class SavePipeline(AfterCommit, Anchoring):
         after the block); on a journaling filesystem renames land in order, so a durable manifest
         means a durable tensor file, else the reader's size check rejects it and falls back.
         """
-        manifest = Manifest(
+        manifest = Manifest.built(  # the skeleton is the codec's own: not validated again
             step=step,
             position=position,
             writer=WriterRecord(

@@ -250,8 +250,12 @@ class Document(Strict):
         A parsed older or newer minor version is re-written as this one; sealed documents get
         their checksum.
         """
-        body = {**self.model_dump(mode="json"), "format": self.FORMAT}
+        body = {**self._json_body(), "format": self.FORMAT}
         return seal(body) if self.CHECKSUM_SINCE is not None else dumps(body)
+
+    def _json_body(self) -> dict[str, Any]:
+        """The fields as JSON values, in declared order (a kind may skip pydantic's walk of one)."""
+        return self.model_dump(mode="json")
 
 
 def dumps(obj: object) -> bytes:

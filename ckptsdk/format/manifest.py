@@ -298,6 +298,25 @@ class Manifest(Document):
             data.pop("shared", None)
         return data
 
+    @classmethod
+    def built(cls, *, tree: JsonValue, **fields: Any) -> Manifest:
+        """A manifest of ckptsdk's own making: every field validated as usual but ``tree``, taken as is.
+
+        Only for the skeleton ``codec.encode`` just built (JSON types only, its non-finite floats
+        tagged): validating it again, pydantic's walk for ``JsonValue`` and the walk for
+        finiteness, was most of a save worker's manifest time. A bare NaN would still fail in
+        ``to_json`` (strict JSON), and tests/format/test_manifest.py holds the bytes to those of
+        ``Manifest(...)``. A parsed manifest is always validated whole.
+        """
+        probe = cls(tree=None, **fields)
+        return cls.model_construct(_fields_set=probe.model_fields_set | {"tree"}, **{**dict(probe), "tree": tree})
+
+    def _json_body(self) -> dict[str, Any]:
+        # The tree is JSON already (validated at parse, or the codec's own): pydantic's walk over
+        # it, most of the dump's time, would hand it back unchanged. Field order is kept.
+        dumped = self.model_dump(mode="json", exclude={"tree"})
+        return {k: self.tree if k == "tree" else dumped[k] for k in type(self).model_fields if k == "tree" or k in dumped}
+
     # The tree's tensor paths, walked once (parse checks them; restore compares them with the
     # tensors read). A private attribute, so frozen and computed lazily; no code copies a
     # manifest with another tree (``model_copy`` would carry this along).

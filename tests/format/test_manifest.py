@@ -493,3 +493,60 @@ def struct_nan() -> float:
     import struct
 
     return struct.unpack(">d", bytes.fromhex("fff8000000000123"))[0]
+
+
+WRITER = Writer(run_id="r", attempt=1, lease_epoch=1, host="h", pid=1)
+
+
+def _odd_trees():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(5, 3)).sum().backward()
+    opt.step()
+    yield {"model": model.state_dict(), "optimizer": opt.state_dict(), "rng": torch.get_rng_state()}
+    yield {
+        "nan": float("nan"),
+        "inf": (-math.inf, math.inf, -0.0, 1e308, 5e-324),
+        "big": 2**80,
+        "é/%.$x": [None, True, 1.5, "", "\u2603"],
+        "kinds": (OrderedDict(a=1), Counter("aab"), defaultdict(list, b=[2]), deque([1], maxlen=3)),
+        "np": (np.float16(1.5), np.int64(-3), np.arange(3, dtype=np.int16)),
+        "t": torch.zeros(0, 2, dtype=torch.bfloat16),
+        "deep": [[[[{"k": [1, {"v": float("nan")}]}]]]],
+    }
+    yield {}
+
+
+@pytest.mark.parametrize("tree", list(_odd_trees()), ids=["train-state", "odd-values", "empty"])
+@pytest.mark.parametrize("with_optional", [False, True], ids=["bare", "keep+metrics"])
+def test_a_built_manifest_writes_the_bytes_of_a_validated_one(tree, with_optional):
+    """``Manifest.built`` (the save worker's: the codec's skeleton is not validated again) and
+    ``Manifest(...)`` write the same bytes, and both parse back to the same manifest."""
+    _, skeleton = encode(tree)
+    fields = dict(
+        step=7,
+        created_at="2026-12-02T01:02:03.000004Z",
+        writer=WRITER,
+        files=[FileEntry(name="tensors.safetensors", size=0, digest="00", algorithm="xxh3-128")],
+        environment=Environment.current(),
+    )
+    if with_optional:
+        fields.update(keep=KEEP, metrics={"loss": float("nan"), "n": 2, "np": np.float32(0.5)}, tags={"a": "b"})
+    validated = Manifest(tree=skeleton, **fields)
+    built = Manifest.built(tree=skeleton, **fields)
+    assert built.to_json() == validated.to_json()
+    assert built.model_fields_set == validated.model_fields_set
+    back = parse_manifest(built.to_json(), key="k")
+    assert back.tree == skeleton and back.to_json() == built.to_json()
+    assert built.tensor_path_set() == validated.tensor_path_set()
+
+
+def test_a_built_manifest_still_validates_every_other_field_and_refuses_a_bare_nan():
+    """Only the tree is taken as is; a bare NaN in it (never the codec's: it tags them) cannot be written."""
+    env = Environment.current()
+    with pytest.raises(ValidationError):
+        Manifest.built(tree={}, step=-1, writer=WRITER, files=[], environment=env)
+    bad = Manifest.built(tree={"x": float("nan")}, step=1, writer=WRITER, files=[], environment=env)
+    with pytest.raises(ValueError, match="not JSON compliant"):
+        bad.to_json()
