@@ -337,7 +337,9 @@ class CheckpointManager(CheckpointReader, KeepDecisions, WriterShutdown):
             for name, loader in loaders_of(state).items():
                 self.runlog.watch_data(f"data/{name}", loader.batch_digest)
         try:
-            tree, info = self._read_newest(_accept)  # _accept: ckptsdk.distributed's all-rank check
+            # _accept: ckptsdk.distributed's all-rank check; a TrainState's module tensors are read into
+            into = state if callable(getattr(state, "live_tensors", None)) else None
+            tree, info = self._read_newest(_accept, into)  # type: ignore[arg-type]
         except NoValidCheckpointError as exc:
             if not exc.tried:
                 if self._saving is not None:

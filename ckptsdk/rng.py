@@ -81,8 +81,10 @@ def restore_rng(tree: Mapping[str, Any]) -> None:
     random.setstate(tree["python"])
 
 
-def check_rng(tree: Any) -> list[str]:
+def check_rng(tree: Any, *, values: bool = True) -> list[str]:
     """What makes ``tree`` not an RNG state (wrong parts or types), as a list of problems.
+
+    ``values=False`` checks the parts and types only (a restore, before the bytes are read).
 
     Raises:
         CorruptCheckpointError: a part has the right type but a value no generator can be in
@@ -110,7 +112,7 @@ def check_rng(tree: Any) -> list[str]:
             "rng/python: expected random.getstate()'s tuple (a list? then the tree "
             "went through plain JSON instead of the codec)"
         )
-    if problems:
+    if problems or not values:
         return problems
     impossible = _rng_values(t, cuda, tree["numpy"], py)
     if impossible:

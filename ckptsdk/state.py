@@ -234,12 +234,45 @@ class TrainState:
             "types": {n: t for n, o in self.objects.items() if (t := torch_class(o)) is not None},
         }
 
-    def mismatches(self, tree: Any, *, strict: bool = True) -> list[str]:
+    def live_tensors(self) -> dict[str, torch.Tensor]:
+        """Tensor path (as the codec names it) -> the live module tensor a restore may read
+        straight into, detached: CPU, floating point, contiguous, of modules that load as stock
+        torch does. The rest is copied in by ``load_state_dict`` as before.
+
+        Stock only: a module whose loading transforms what it is given (its own
+        ``_load_from_state_dict``, load or state-dict hooks: a transpose, a rename) must see the
+        checkpoint's tensor, not its own memory already overwritten.
+        """
+        out: dict[str, torch.Tensor] = {}
+        for name, obj in self.objects.items():
+            if not (isinstance(obj, torch.nn.Module) and _loads_as_stock(obj)):
+                continue
+            prefix = f"objects/{codec.path_component(name)}/"
+            for key, t in obj.state_dict(keep_vars=True).items():
+                if (
+                    isinstance(t, torch.Tensor)
+                    and t.device.type == "cpu"
+                    and t.is_floating_point()
+                    and t.layout == torch.strided
+                    and t.is_contiguous()
+                    and not (t.is_conj() or t.is_neg())
+                ):
+                    out[prefix + codec.path_component(key)] = t.detach()
+        return out
+
+    def check_fit(self, tree: Any) -> None:
+        """Raise ``StateMismatchError`` unless ``tree`` fits the live objects, looking at its
+        structure only: restore calls it on a tree whose tensors' bytes are not read yet (their
+        values, the RNG states', are checked once they are)."""
+        _refuse_unfit(self.mismatches(tree, values=False))
+
+    def mismatches(self, tree: Any, *, strict: bool = True, values: bool = True) -> list[str]:
         """Every way ``tree`` does not fit the live objects (empty when it fits).
 
         Args:
             tree: a tree from ``state_dict()`` (usually through the codec and back).
             strict: also count objects and module keys present on one side only.
+            values: also check the RNG states' values (False: parts and types only, see ``check_fit``).
         """
         if not isinstance(tree, Mapping) or not isinstance(tree.get("objects"), Mapping):
             return ["the tree has no 'objects' dict; it is not a TrainState.state_dict()"]
@@ -271,7 +304,7 @@ class TrainState:
         if "rng" not in tree:
             problems.append("rng: missing from the checkpoint")
         else:
-            problems += check_rng(tree["rng"])
+            problems += check_rng(tree["rng"], values=values)
         return problems
 
     def load_state_dict(self, tree: Mapping[str, Any], *, strict: bool = True) -> None:
@@ -283,11 +316,7 @@ class TrainState:
         Raises:
             StateMismatchError: the tree does not fit; ``.mismatches`` lists every problem.
         """
-        problems = self.mismatches(tree, strict=strict)
-        if problems:
-            raise StateMismatchError(
-                problem_message("the checkpoint does not fit the live training state", problems), mismatches=problems
-            )
+        _refuse_unfit(self.mismatches(tree, strict=strict))
         for name, obj in self.objects.items():
             if name not in tree["objects"]:
                 continue
@@ -310,6 +339,33 @@ class TrainState:
         restore_rng(tree["rng"])
 
 
+def _refuse_unfit(problems: list[str]) -> None:
+    if problems:
+        raise StateMismatchError(
+            problem_message("the checkpoint does not fit the live training state", problems), mismatches=problems
+        )
+
+
+_STOCK_LOADERS = (torch.nn.Module._load_from_state_dict, torch.nn.modules.batchnorm._NormBase._load_from_state_dict)
+
+
+def _loads_as_stock(module: torch.nn.Module) -> bool:
+    """Whether loading ``module`` only copies each tensor given into its own (see ``live_tensors``)."""
+    top = type(module)
+    if top.state_dict is not _MODULE_STATE_DICT or top.load_state_dict is not torch.nn.Module.load_state_dict:
+        return False
+    return all(
+        type(m)._load_from_state_dict in _STOCK_LOADERS
+        and not (
+            m._state_dict_hooks
+            or m._state_dict_pre_hooks
+            or m._load_state_dict_pre_hooks
+            or m._load_state_dict_post_hooks
+        )
+        for m in module.modules()
+    )
+
+
 def _copied_in(module: torch.nn.Module, saved: Mapping[str, Any]) -> Mapping[str, Any]:
     """Copy saved CPU tensors into the module's live tensors with one plain memcpy each, and
     hand the live tensors back to ``load_state_dict`` in their place (its ``copy_`` of a tensor
@@ -328,7 +384,7 @@ def _copied_in(module: torch.nn.Module, saved: Mapping[str, Any]) -> Mapping[str
             if (
                 isinstance(src, torch.Tensor)
                 and isinstance(live, torch.Tensor)
-                and src is not live
+                and src.data_ptr() != live.data_ptr()  # read straight into it (live_tensors): nothing to copy
                 and src.device.type == "cpu"
                 and live.device.type == "cpu"
                 and src.dtype == live.dtype

@@ -12,8 +12,9 @@ from __future__ import annotations
 import builtins
 import logging
 from collections.abc import Callable, Mapping
+from contextlib import ExitStack
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from pydantic import JsonValue
 
@@ -22,17 +23,29 @@ from ckptsdk.checkpoint import catalog as _catalog
 from ckptsdk.checkpoint.catalog import CheckpointInfo
 from ckptsdk.checkpoint.outline import Outline
 from ckptsdk.checkpoint.retention import Candidate, Mode, best_order, default_mode
-from ckptsdk.errors import CorruptCheckpointError, ManifestError, NoValidCheckpointError
+from ckptsdk.errors import CorruptCheckpointError, ManifestError, NoValidCheckpointError, StateMismatchError
 from ckptsdk.format.layout import MANIFEST, TENSORS
-from ckptsdk.format.manifest import Manifest
+from ckptsdk.format.manifest import FileEntry, Manifest, SharedFile
 from ckptsdk.format.tensorfile import verify_file
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CheckpointReader", "MetricValue", "ResumePoint", "Verdict", "resume_point"]
+__all__ = ["CheckpointReader", "LiveTarget", "MetricValue", "ResumePoint", "Verdict", "resume_point"]
 
 #: What :meth:`CheckpointReader.check` found in one checkpoint folder.
 Status = Literal["ok", "orphan", "uncommitted", "CORRUPT"]
+
+
+class LiveTarget(Protocol):
+    """What a restore reads straight into (``TrainState`` is one): see :meth:`CheckpointReader.read_tree`."""
+
+    def live_tensors(self) -> Mapping[str, Any]:
+        """Tensor path -> a live CPU tensor (detached, floating point) to fill in place."""
+        ...
+
+    def check_fit(self, tree: Any) -> None:
+        """Raise ``StateMismatchError`` unless ``tree`` (its structure; no value read yet) fits."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -268,20 +281,28 @@ class CheckpointReader:
             )
         return usable[0]
 
-    def _read_newest(self, accept: Callable[[Any, CheckpointInfo], None] | None = None) -> tuple[Any, CheckpointInfo]:
+    def _read_newest(
+        self, accept: Callable[[Any, CheckpointInfo], None] | None = None, into: LiveTarget | None = None
+    ) -> tuple[Any, CheckpointInfo]:
         """The newest checkpoint that reads back whole, skipping (and naming) damaged ones.
 
         ``accept(tree, info)``, when given, is one more check of a candidate that read back
         whole (the distributed manager: every rank's files); raising ``CorruptCheckpointError``
         skips it like a damaged one, before anything (lineage, anchor) is decided from it.
 
+        ``into``: see :meth:`read_tree`. A candidate that failed after its bytes began to fill
+        ``into``'s live tensors left them NaN: a later one that restores overwrites them all, and
+        the error says so when none does (a half-overwritten model must not train on as fresh).
+
         Raises:
             NoValidCheckpointError: with ``tried`` empty when the root holds no committed
                 checkpoint of the live lineage (a fresh start), else listing each and why.
+            StateMismatchError: a candidate does not fit ``into``.
         """
         # One listing; a manifest is read only when its folder's turn comes (see Outline).
         seen: list[CheckpointInfo] = []
         tried: dict[str, str] = {}
+        dirty = False
         for info in self.outline().newest_first():
             seen.append(info)
             if not info.valid:
@@ -291,14 +312,22 @@ class CheckpointReader:
                 else:  # a save in progress, or a superseded writer's leftover: expected
                     logger.info("not restoring %s/%s: %s", self.url, info.key, info.reason)
                 continue
+            tree = None
             try:
-                tree = self.read_tree(info)
+                tree = self.read_tree(info, into)
                 if accept is not None:
                     accept(tree, info)
                 return tree, info
             except (CorruptCheckpointError, ManifestError) as exc:
                 logger.warning("skipping checkpoint %s/%s: %s", self.url, info.key, exc)
                 tried[info.key] = str(exc)
+                if tree is not None and into is not None:  # accept refused a tree read into them
+                    exc.poisoned = _poison(into.live_tensors())  # type: ignore[union-attr]
+                dirty = dirty or getattr(exc, "poisoned", False)
+            except StateMismatchError as exc:
+                if dirty:
+                    raise StateMismatchError(f"{exc} {_POISONED}", mismatches=exc.mismatches) from exc
+                raise
         # Only committed checkpoints of the live lineage count: a root holding nothing but an
         # interrupted first save (or a superseded writer's orphans) is a fresh start.
         blocking = {c.key for c in seen if c.committed and not c.orphan}
@@ -307,23 +336,33 @@ class CheckpointReader:
         listing = "; ".join(f"{k}: {v}" for k, v in sorted(tried.items())) or "none"
         raise NoValidCheckpointError(
             f"no valid checkpoint under {self.url}: tried {len(tried)} ({listing}). "
-            "Inspect with `ckptsdk ls URL` / `ckptsdk verify URL`; restore a copy, or start a new root",
+            "Inspect with `ckptsdk ls URL` / `ckptsdk verify URL`; restore a copy, or start a new root"
+            + (f". {_POISONED}" if dirty else ""),
             url=self.url,
             tried=tried,
         )
 
-    def read_tree(self, info: CheckpointInfo) -> Any:
-        """The state tree of one checkpoint (from :meth:`pick` or :meth:`list`), its tensor file
+    def read_tree(self, info: CheckpointInfo, into: LiveTarget | None = None) -> Any:
+        """The state tree of one checkpoint (from :meth:`pick` or :meth:`list`), its tensor files
         verified; never a part of it.
+
+        Every file's header is read and the tree decoded before a data byte is: ``into`` (a
+        :class:`LiveTarget`: restore's ``TrainState``) is checked against it first, then the
+        bytes go straight into its live tensors where dtype and shape match (one read, no copy).
+        A failure once the bytes began to arrive sets those tensors to NaN (``_read_newest`` then
+        restores another checkpoint into them, or says so in its error).
 
         Raises:
             CorruptCheckpointError: a file fails its check, or the tree does not match the tensors.
             ManifestError: the manifest lists no tensor file.
+            StateMismatchError: the tree does not fit ``into`` (nothing was read into it).
         """
         # torch (tensors, the codec, RNG checks) only here: listing and verifying a root, as the
         # CLI does, never pays its import.
-        from ckptsdk.format import codec
-        from ckptsdk.format.tensorfile import read_tensorfile
+        import torch
+
+        from ckptsdk.format.decoding import decode_before_values
+        from ckptsdk.format.tensorfile import open_tensorfile
         from ckptsdk.rng import check_rng
 
         manifest = info.manifest
@@ -331,48 +370,85 @@ class CheckpointReader:
         entry = next((f for f in manifest.files if f.name == TENSORS), None)
         if entry is None:
             raise ManifestError(f"{info.key}/{MANIFEST} lists no {TENSORS}", url=self.url, step=info.step)
-        tensors = read_tensorfile(
-            self.backend,
-            f"{info.key}/{TENSORS}",
-            size=entry.size,
-            digest=entry.digest,
-            algorithm=entry.algorithm,
-        )
-        for shared in manifest.shared:  # tensors unchanged since an earlier save: verified the same way
-            held = read_tensorfile(
-                self.backend, shared.name, size=shared.size, digest=shared.digest, algorithm=shared.algorithm
-            )
-            handed: set[str] = set()
-            for path in shared.tensors:
-                key = shared.aliases.get(path, path)  # equal bytes (tied weights): stored once, under one key
-                if key not in held or path in tensors:
-                    why = "does not hold" if key not in held else "repeats the folder's"
-                    raise CorruptCheckpointError(
-                        f"checkpoint {self.url}/{info.key}: shared file {shared.name} {why} tensor {path!r}; "
-                        "it cannot be restored (restore falls back to an earlier checkpoint)",
-                        url=self.url,
-                        step=info.step,
-                        key=info.key,
-                    )
-                # An alias means equal bytes, not one storage: two zero momentum buffers share a
-                # key, and handing both paths one tensor would make the optimizer update it twice
-                # per step after the resume. Every path after the first gets its own copy.
-                tensors[path] = held[key].clone() if key in handed else held[key]
-                handed.add(key)
-            del held  # the tensors of the file this checkpoint does not use
-        try:
-            tree = codec.decode(manifest.tree, tensors)
-            unused = set(tensors) - manifest.tensor_path_set()
-            if unused:  # the tree lost a leaf (a momentum buffer): never restore part of a state
-                raise ValueError(f"the tensor file holds {sorted(unused)[:3]} that the tree never uses")
-        except (KeyError, ValueError, TypeError) as exc:
-            raise CorruptCheckpointError(
-                f"checkpoint {self.url}/{info.key}: its manifest tree does not match its tensors "
-                f"({exc}); it cannot be restored",
-                url=self.url,
-                step=info.step,
-                key=info.key,
-            ) from exc
-        if isinstance(tree, Mapping) and isinstance(tree.get("rng"), Mapping):
-            check_rng(tree["rng"])  # an impossible RNG state is damage: fall back, not fail later
+        live = into.live_tensors() if into is not None else {}
+        files: list[tuple[str, FileEntry | SharedFile]] = [(f"{info.key}/{TENSORS}", entry)]
+        files += [(s.name, s) for s in manifest.shared]
+        with ExitStack() as stack:
+            opened = [
+                stack.enter_context(
+                    open_tensorfile(self.backend, key, size=f.size, digest=f.digest, algorithm=f.algorithm)
+                )
+                for key, f in files
+            ]
+            tensors = opened[0].allocate(live)
+            copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (an alias's own tensor, what it copies)
+            for shared, tf in zip(manifest.shared, opened[1:], strict=True):
+                # tensors unchanged since an earlier save: verified the same way
+                held = tf.allocate({p: live[p] for p in shared.tensors if p in live and p not in shared.aliases})
+                handed: set[str] = set()
+                for path in shared.tensors:
+                    key = shared.aliases.get(path, path)  # equal bytes (tied weights): stored once, under one key
+                    if key not in held or path in tensors:
+                        why = "does not hold" if key not in held else "repeats the folder's"
+                        raise CorruptCheckpointError(
+                            f"checkpoint {self.url}/{info.key}: shared file {shared.name} {why} tensor {path!r}; "
+                            "it cannot be restored (restore falls back to an earlier checkpoint)",
+                            url=self.url,
+                            step=info.step,
+                            key=info.key,
+                        )
+                    # An alias means equal bytes, not one storage: two zero momentum buffers share a
+                    # key, and handing both paths one tensor would make the optimizer update it twice
+                    # per step after the resume. Every path after the first gets its own copy.
+                    if key in handed:
+                        copies.append((torch.empty_like(held[key]), held[key]))
+                        tensors[path] = copies[-1][0]
+                    else:
+                        tensors[path] = held[key]
+                        handed.add(key)
+                del held  # the tensors of the file this checkpoint does not use
+            try:
+                tree, complete = decode_before_values(manifest.tree, tensors)
+                unused = set(tensors) - manifest.tensor_path_set()
+                if unused:  # the tree lost a leaf (a momentum buffer): never restore part of a state
+                    raise ValueError(f"the tensor file holds {sorted(unused)[:3]} that the tree never uses")
+            except (KeyError, ValueError, TypeError) as exc:
+                raise CorruptCheckpointError(
+                    f"checkpoint {self.url}/{info.key}: its manifest tree does not match its tensors "
+                    f"({exc}); it cannot be restored",
+                    url=self.url,
+                    step=info.step,
+                    key=info.key,
+                ) from exc
+            if into is not None:
+                into.check_fit(tree)  # before any byte lands in a live tensor
+            try:
+                for tf in opened:
+                    tf.fill()
+                for dest, src in copies:
+                    dest.copy_(src)
+                complete()
+                if isinstance(tree, Mapping) and isinstance(tree.get("rng"), Mapping):
+                    check_rng(tree["rng"])  # an impossible RNG state is damage: fall back, not fail later
+            except BaseException as exc:
+                if live:  # part of a file that failed (or a storage error) is in the live tensors
+                    exc.poisoned = _poison(live)  # type: ignore[attr-defined]  # read by _read_newest
+                raise
         return tree
+
+
+_POISONED = (
+    "The live model's tensors were being filled from a checkpoint that then failed, so they are "
+    "set to NaN: build the model again before training it from scratch"
+)
+
+
+def _poison(live: Mapping[str, Any]) -> bool:
+    """Set live tensors a failed read filled part of to NaN (a fallback that restores overwrites
+    them all: it loads every module key); whether there were any."""
+    import torch
+
+    with torch.no_grad():
+        for t in live.values():
+            t.fill_(float("nan"))
+    return bool(live)

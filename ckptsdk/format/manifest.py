@@ -315,7 +315,8 @@ class Manifest(Document):
         # The tree is JSON already (validated at parse, or the codec's own): pydantic's walk over
         # it, most of the dump's time, would hand it back unchanged. Field order is kept.
         dumped = self.model_dump(mode="json", exclude={"tree"})
-        return {k: self.tree if k == "tree" else dumped[k] for k in type(self).model_fields if k == "tree" or k in dumped}
+        order = [k for k in type(self).model_fields if k == "tree" or k in dumped]
+        return {k: self.tree if k == "tree" else dumped[k] for k in order}
 
     # The tree's tensor paths, walked once (parse checks them; restore compares them with the
     # tensors read). A private attribute, so frozen and computed lazily; no code copies a

@@ -17,7 +17,8 @@ import math
 import os
 import struct
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, BinaryIO
 
@@ -33,7 +34,7 @@ if TYPE_CHECKING:
     from ckptsdk.format.tensorwriter import write_tensorfile as write_tensorfile  # for type checkers
 
 # write_tensorfile is not listed: it resolves lazily (__getattr__ below), which pdoc cannot follow.
-__all__ = ["HeaderEntry", "read_header", "read_tensorfile", "verify_file"]
+__all__ = ["HeaderEntry", "TensorFile", "open_tensorfile", "read_header", "read_tensorfile", "verify_file"]
 
 # Reads go in chunks of this size: big enough for one syscall (or one ranged GET) to be cheap,
 # small enough that each chunk is hashed while it is still in the CPU cache.
@@ -84,8 +85,7 @@ class _Reader:
     def __init__(self, backend: Backend, key: str, f: BinaryIO, size: int, digest: str, algorithm: str) -> None:
         self.backend, self.key, self.f = backend, key, f
         self.size, self.digest, self.algorithm = size, digest, algorithm
-        self.hasher = new_hasher(algorithm, among=CHECKPOINT_ALGORITHMS)
-        self.pos = 0
+        self.hasher, self.pos = new_hasher(algorithm, among=CHECKPOINT_ALGORITHMS), 0
         self._scratch: memoryview | None = None
 
     def scratch(self, n: int) -> memoryview:
@@ -284,49 +284,81 @@ def _advise_huge_pages(t: torch.Tensor) -> None:
         fn(start, end - start, _MADV_HUGEPAGE)  # refused (EINVAL: THP off): 4 KiB pages, as before
 
 
-def _read_entries(reader: _Reader, entries: list[HeaderEntry]) -> dict[str, torch.Tensor]:
-    """Read the data section straight into one fresh tensor per entry, in file order."""
-    import torch
+class TensorFile:
+    """A tensor file opened for reading, its header checked: :meth:`allocate`, then :meth:`fill`.
 
-    out: dict[str, torch.Tensor] = {}
-    views: list[tuple[memoryview, int]] = []  # small tensors waiting for one shared read
-    pending = 0
+    Between the two a caller can look at the tensors' dtypes and shapes (restore decodes its
+    tree and checks that it fits the live state before a data byte is read), and name live
+    tensors the bytes go straight into. Made by :func:`open_tensorfile`.
+    """
 
-    def flush() -> None:
-        nonlocal pending
-        if not views:
-            return
-        buf = reader.scratch(pending)
-        reader.read_into(buf)
-        at = 0
-        for view, n in views:
-            view[:] = buf[at : at + n]
-            at += n
-        views.clear()
+    def __init__(self, reader: _Reader, entries: list[HeaderEntry]) -> None:
+        self._reader, self.entries = reader, entries
+        self._dest: list[tuple[HeaderEntry, torch.Tensor]] = []
+
+    def allocate(self, live: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """name -> the tensor each entry is read into: ``live[name]`` where its dtype and shape
+        are the entry's (a CPU contiguous tensor, given detached), else a fresh one.
+
+        Raises:
+            CheckpointTooLargeError: the fresh tensors exceed the memory this process can allocate.
+        """
+        import torch
+
+        plan = [(e, t if t is not None and t.dtype == e.dtype and list(t.shape) == e.shape else None)
+                for e in self.entries for t in ((live or {}).get(e.name),)]  # fmt: skip
+        need = sum(e.nbytes for e, t in plan if t is None)
+        room = available_memory()
+        if room is not None and need > room:
+            raise _too_large(self._reader, need, room)
+        dest: list[tuple[HeaderEntry, torch.Tensor]] = []
+        try:
+            for e, t in plan:
+                if t is None:
+                    # torch.empty per tensor: no zero-fill, aligned memory at offset 0 (set_rng_state
+                    # segfaults on a view at another), freed alone (no whole-file buffer kept alive).
+                    t = torch.empty(e.shape, dtype=e.dtype)
+                    if e.nbytes >= 2 * _HUGE_PAGE:
+                        _advise_huge_pages(t)
+                dest.append((e, t))
+        except RuntimeError as exc:  # torch's allocator said no after all (overcommit, another thread)
+            raise _too_large(self._reader, need, available_memory() or 0) from exc
+        self._dest = dest
+        return {e.name: t for e, t in dest}
+
+    def fill(self) -> None:
+        """Read the data section into the allocated tensors, in file order, and check the whole
+        file's size and digest (CorruptCheckpointError: the live tensors given hold part of it)."""
+        reader = self._reader
+        views: list[tuple[memoryview, int]] = []  # small tensors waiting for one shared read
         pending = 0
 
-    for e in entries:
-        # torch.empty per tensor: no zero-fill pass, each tensor owns aligned memory at offset 0
-        # (torch.set_rng_state segfaults on a view at a non-zero storage offset), and dropping
-        # one tensor frees it without keeping a whole-file buffer alive.
-        t = torch.empty(e.shape, dtype=e.dtype)
-        out[e.name] = t
-        n = e.nbytes
-        if n == 0:
-            continue
-        view = byte_view(t)
-        if n >= _SMALL_TENSOR:
-            flush()
-            if n >= 2 * _HUGE_PAGE:
-                _advise_huge_pages(t)
-            reader.read_into(view)  # large sequential reads straight into the tensor's memory
-        else:
-            if pending + n > _READ_CHUNK:
+        def flush() -> None:
+            nonlocal pending
+            if not views:
+                return
+            buf = reader.scratch(pending)
+            reader.read_into(buf)
+            at = 0
+            for view, n in views:
+                view[:], at = buf[at : at + n], at + n
+            views.clear()
+            pending = 0
+
+        for e, t in self._dest:
+            if not (n := e.nbytes):
+                continue
+            view = byte_view(t)
+            if n >= _SMALL_TENSOR:
                 flush()
-            views.append((view, n))
-            pending += n
-    flush()
-    return out
+                reader.read_into(view)  # large sequential reads straight into the tensor's memory
+            else:
+                if pending + n > _READ_CHUNK:
+                    flush()
+                views.append((view, n))
+                pending += n
+        flush()
+        reader.finish()
 
 
 def _size_of(backend: Backend, key: str, f: BinaryIO) -> int:
@@ -369,9 +401,8 @@ def read_tensorfile(
 ) -> dict[str, torch.Tensor]:
     """Read and verify a tensor file, returning its tensors (on the CPU, independent of the file).
 
-    The data is read with large sequential reads straight into each tensor's uninitialised
-    memory and hashed chunk by chunk as it arrives; nothing is mapped, and nothing is returned
-    unless the size and the digest of the whole file match.
+    Large sequential reads straight into each tensor's uninitialised memory, hashed chunk by
+    chunk as they arrive; nothing is mapped, nothing returned unless size and digest match.
 
     Args:
         backend: where the file is.
@@ -401,6 +432,18 @@ def read_tensorfile(
         >>> read_tensorfile(b, "t.safetensors", size=size, digest=digest)
         {'w': tensor([0, 1, 2])}
     """
+    with open_tensorfile(backend, key, size=size, digest=digest, algorithm=algorithm) as tf:
+        tensors = tf.allocate()
+        tf.fill()
+        return tensors
+
+
+@contextmanager
+def open_tensorfile(
+    backend: Backend, key: str, *, size: int, digest: str, algorithm: str = DEFAULT
+) -> Iterator[TensorFile]:
+    """The tensor file ``key`` open, its size and header checked (:func:`read_tensorfile`'s first
+    half; the same arguments and errors): ``allocate()`` then ``fill()`` read and verify it."""
     new_hasher(algorithm, among=CHECKPOINT_ALGORITHMS)
     if type(size) is not int or size < 0:
         raise ConfigError(f"size for {key!r} must be a non-negative int, got {size!r}")
@@ -424,16 +467,7 @@ def read_tensorfile(
             # and the header's own problem only for a file that is what was written.
             reader.finish()
             raise
-        need = sum(e.nbytes for e in entries)
-        room = available_memory()
-        if room is not None and need > room:
-            raise _too_large(reader, need, room)
-        try:
-            tensors = _read_entries(reader, entries)
-        except RuntimeError as exc:  # torch's allocator said no after all (overcommit, another thread)
-            raise _too_large(reader, need, available_memory() or 0) from exc
-        reader.finish()
-    return tensors
+        yield TensorFile(reader, entries)
 
 
 def __getattr__(name: str) -> Any:
