@@ -8,7 +8,10 @@ overwrites them all, else the error says so. Local roots (a real file, damaged a
 
 from __future__ import annotations
 
+import io
+import struct
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -91,6 +94,53 @@ def test_a_tree_that_does_not_fit_is_refused_before_a_data_byte_is_read(tmp_path
     assert "'extra' is in this TrainState but not in the checkpoint" in str(err.value)
     assert "NaN" not in str(err.value)
     _same(_values(model, opt), before)
+
+
+class _ReadCounting:
+    """The root's backend, counting the bytes read through the files it opens."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner, self.read_bytes = inner, 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def open(self, key: str) -> Any:
+        f, outer = self.inner.open(key), self
+
+        class Counted(io.RawIOBase):
+            def readinto(self, b: Any) -> int:
+                n = f.readinto(b)
+                outer.read_bytes += n
+                return n
+
+            def read(self, n: int = -1) -> bytes:
+                data = f.read(n)
+                outer.read_bytes += len(data)
+                return data
+
+            def fileno(self) -> int:
+                return f.fileno()
+
+            def close(self) -> None:
+                f.close()
+                super().close()
+
+        return Counted()
+
+
+def test_a_tree_that_does_not_fit_costs_only_the_headers(tmp_path: Path) -> None:
+    _save(tmp_path, {1: 0})
+    (path,) = tmp_path.glob("step-*/tensors.safetensors")
+    header = 8 + struct.unpack("<Q", path.read_bytes()[:8])[0]
+    model, opt, _ = _job(5, width=16)  # every shape differs from the checkpoint's
+    backend = _ReadCounting(CheckpointManager(str(tmp_path), read_only=True).backend)
+    reader = CheckpointReader(backend)  # type: ignore[arg-type]
+    info = reader.pick(None)
+    backend.read_bytes = 0
+    with pytest.raises(StateMismatchError, match="has shape"):
+        reader.read_tree(info, TrainState(model=model, optimizer=opt))
+    assert backend.read_bytes == header < path.stat().st_size  # the header, no data byte
 
 
 def test_a_damaged_newest_is_skipped_and_the_older_one_fills_the_live_tensors_exactly(tmp_path: Path) -> None:
