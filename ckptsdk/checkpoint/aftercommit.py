@@ -9,6 +9,7 @@ next save and ``close()`` wait for it.
 from __future__ import annotations
 
 import logging
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -26,8 +27,9 @@ logger = logging.getLogger("ckptsdk.checkpoint.saving")  # one logger for the sa
 __all__ = ["AfterCommit"]
 
 
-class AfterCommit:
-    """The after-commit half of the save pipeline. Not used on its own."""
+class AfterCommit(ABC):
+    """The after-commit half of the save pipeline. Not used on its own: the abstract members are
+    the pipeline's (an instance without them cannot be made)."""
 
     backend: Backend
     url: str
@@ -44,15 +46,15 @@ class AfterCommit:
     _sync_caller: bool
 
     @property
-    def rank(self) -> Rank:  # the pipeline's
-        raise NotImplementedError
+    @abstractmethod
+    def rank(self) -> Rank: ...
 
     @property
-    def resumed_from(self) -> CheckpointInfo | None:  # the pipeline's
-        raise NotImplementedError
+    @abstractmethod
+    def resumed_from(self) -> CheckpointInfo | None: ...
 
-    def catalog(self) -> Catalog:  # the pipeline's
-        raise NotImplementedError
+    @abstractmethod
+    def catalog(self) -> Catalog: ...
 
     def _after_commit(self, info: CheckpointInfo) -> None:
         """Off the critical path (the checkpoint is committed and durable): the catalog, rotation,

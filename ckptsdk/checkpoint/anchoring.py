@@ -22,7 +22,7 @@ from ckptsdk.checkpoint.lineage import LineageWriter
 from ckptsdk.checkpoint.sharing import Hints, Sharing
 from ckptsdk.errors import LeaseLostError, PreconditionFailed
 from ckptsdk.format import codec
-from ckptsdk.format.layout import TENSORS, Rank, shared_key, shared_rank
+from ckptsdk.format.layout import TENSORS, Rank, shared_key_for
 from ckptsdk.format.manifest import LineageRecord, SharedFile
 from ckptsdk.lease.acquire import Lease
 
@@ -105,11 +105,9 @@ class Anchoring:
 
     def _rehomed(self, entry: SharedFile) -> SharedFile:
         """``entry`` under this writer's name (same step and content): a zombie never deletes it."""
-        named = shared_rank(entry.name)
-        assert named is not None  # the manifest's pattern admits nothing else
-        content = entry.name.rsplit(".", 2)[-2]
-        epoch, tag = self.writer.rank
-        return entry.model_copy(update={"name": shared_key(named[0], epoch, tag, content)})
+        name = shared_key_for(entry.name, *self.writer.rank)
+        assert name is not None  # the manifest's pattern admits nothing else
+        return entry.model_copy(update={"name": name})
 
     @property
     def lineage_written(self) -> bool:

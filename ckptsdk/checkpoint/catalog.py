@@ -124,6 +124,10 @@ class Catalog:
         times = [c.mtime for c in self.checkpoints if c.mtime is not None] + self.lineage_mtimes
         return max(times, default=None)
 
+    def newest_step(self, rank: Rank | None) -> int:
+        """The newest step ``rank`` committed here (-1: none): its saves below it can never commit."""
+        return max((c.step for c in self.checkpoints if c.committed and c.rank == rank), default=-1)
+
     def leftovers(
         self,
         *,

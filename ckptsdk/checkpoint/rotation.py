@@ -176,7 +176,7 @@ class Rotation:
     def _tidy(self, lease: Lease, rank: Rank, cat: Catalog) -> set[str]:
         """Leftovers of saves that can never commit, and temp files of killed saves; never of a step
         above this writer's newest commit: the next save, in flight (other ranks write into it)."""
-        gone, top = set(), max((c.step for c in cat.checkpoints if c.committed and c.rank == rank), default=-1)
+        gone, top = set(), cat.newest_step(rank)
         # Under compare-and-swap no lower writer can still commit (its renewal would fail): at once.
         exclusive = self.backend.capabilities.compare_and_swap
         for c, why in cat.leftovers(rank=rank, grace=self.leftover_grace, exclusive=exclusive):

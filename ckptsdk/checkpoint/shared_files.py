@@ -51,7 +51,7 @@ def loose_files(
     was = {f.name: f.size for c in cat.checkpoints if c.key in gone and c.manifest for f in c.manifest.shared}
     out = {k: ("shared: no checkpoint kept refers to it any more", n) for k, n in was.items() if k not in left}
     if listing:
-        top = max((c.step for c in cat.checkpoints if c.committed and c.rank == rank), default=-1)
+        top = cat.newest_step(rank)
         now = cat.store_now()
         for obj in backend.list(SHARED_PREFIX):
             named = shared_rank(obj.key)

@@ -26,6 +26,7 @@ __all__ = [
     "outranks",
     "parse_folder",
     "shared_key",
+    "shared_key_for",
     "shared_rank",
     "writer_tag",
 ]
@@ -99,6 +100,18 @@ def shared_key(step: int, epoch: int, tag: str, content: str) -> str:
     """Where the writer (``epoch``, ``tag``) keeps the shared tensors it wrote at ``step``;
     ``content``: 16 hex digits of the tensors' digests (see ``checkpoint.sharing``)."""
     return f"{SHARED_PREFIX}{step:010d}.e{epoch}" + (f".{tag}" if tag else "") + f".{content}.safetensors"
+
+
+def shared_key_for(key: str, epoch: int, tag: str) -> str | None:
+    """The shared file ``key`` (same step and content) under the writer (``epoch``, ``tag``), or
+    None if ``key`` is not a shared file's.
+
+    Example:
+        >>> shared_key_for("shared/0000000005.e2.0123456789abcdef.safetensors", 3, "a1b2c3d4")
+        'shared/0000000005.e3.a1b2c3d4.0123456789abcdef.safetensors'
+    """
+    m = _SHARED_RE.match(key)
+    return None if m is None else shared_key(int(m.group(1)), epoch, tag, m.group(4))
 
 
 def shared_rank(key: str) -> tuple[int, Rank] | None:

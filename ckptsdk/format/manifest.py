@@ -302,9 +302,10 @@ class Manifest(Document):
     def built(cls, *, tree: JsonValue, **fields: Any) -> Manifest:
         """A manifest of ckptsdk's own making: every field validated as usual but ``tree``, taken as is.
 
-        Only for the skeleton ``codec.encode`` just built (JSON types only, its non-finite floats
-        tagged): validating it again, pydantic's walk for ``JsonValue`` and the walk for
-        finiteness, was most of a save worker's manifest time. A bare NaN would still fail in
+        Only for a skeleton ``codec.encode`` just built (JSON types only, its non-finite floats
+        tagged) or one a parse validated (an anchor re-commits a parsed manifest's): validating
+        it again, pydantic's walk for ``JsonValue`` and the walk for finiteness, was most of a
+        save worker's manifest time. A bare NaN would still fail in
         ``to_json`` (strict JSON), and tests/format/test_manifest.py holds the bytes to those of
         ``Manifest(...)``. A parsed manifest is always validated whole.
         """
