@@ -13,7 +13,7 @@ _ckptsdk_setup() (
     set -euo pipefail
     repo="$1"
     venv="$2"
-    py="${PYTHON:-python3}"
+    py="$3"
     if [ ! -f "$venv/.complete" ]; then
         # A set-up that is killed or fails leaves no half venv and no pip running: each pip runs
         # in its own process group, stopped with it, and the folder goes (no .complete is made).
@@ -94,12 +94,22 @@ PY
 )
 
 _ckptsdk_repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+# The interpreter: $PYTHON as given, else python3; where python3 is one of these venvs already (a
+# shell that sourced this before, or scripts/test.sh run from one), the one it was made from:
+# sourcing again must reuse the venv, not key (and build) a second one on the first one's python.
+_ckptsdk_py="${PYTHON:-}"
+if [ -z "$_ckptsdk_py" ]; then
+    _ckptsdk_py="$(python3 -c 'import os, sys
+base = getattr(sys, "_base_executable", "")
+print(base if base and os.path.isfile(os.path.join(sys.prefix, ".complete")) else "python3")' 2>/dev/null ||
+        echo python3)"
+fi
 _ckptsdk_key="$({ cat "$_ckptsdk_repo/pyproject.toml" "$_ckptsdk_repo/scripts/venv.sh"
-                  "${PYTHON:-python3}" -c 'import sys; print(sys.executable, sys.version)' 2>/dev/null || true
+                  "$_ckptsdk_py" -c 'import os, sys; print(os.path.realpath(sys.executable), sys.version)' 2>/dev/null || true
                 } | sha256sum | cut -c1-16)"
 _ckptsdk_venv="${CKPTSDK_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/ckptsdk/venv-$_ckptsdk_key}"
 # Not `if _ckptsdk_setup ...`: bash ignores `set -e` inside a condition, even in a subshell.
-_ckptsdk_setup "$_ckptsdk_repo" "$_ckptsdk_venv"
+_ckptsdk_setup "$_ckptsdk_repo" "$_ckptsdk_venv" "$_ckptsdk_py"
 _ckptsdk_rc=$?
 if [ "$_ckptsdk_rc" -eq 0 ]; then
     export PATH="$_ckptsdk_venv/bin:$PATH"
@@ -107,10 +117,10 @@ if [ "$_ckptsdk_rc" -eq 0 ]; then
     # gcsfs probes every bucket over gRPC unless told not to (minutes against an HTTP emulator).
     export GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false
     unset -f _ckptsdk_setup
-    unset _ckptsdk_repo _ckptsdk_key _ckptsdk_venv _ckptsdk_rc
+    unset _ckptsdk_repo _ckptsdk_key _ckptsdk_venv _ckptsdk_rc _ckptsdk_py
 else
     echo "[setup] scripts/venv.sh: setting up $_ckptsdk_venv failed (see above)" >&2
     unset -f _ckptsdk_setup
-    unset _ckptsdk_repo _ckptsdk_key _ckptsdk_venv _ckptsdk_rc
+    unset _ckptsdk_repo _ckptsdk_key _ckptsdk_venv _ckptsdk_rc _ckptsdk_py
     return 1 2>/dev/null || exit 1
 fi

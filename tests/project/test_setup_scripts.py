@@ -3,6 +3,7 @@ user's shell keeps its options and directory, two clones share one venv, a faile
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import signal
@@ -71,6 +72,26 @@ def test_two_clones_share_one_venv_and_each_runs_its_own_ckptsdk(tmp_path):
         CKPTSDK_VENV=str(VENV),
     )
     assert proc.stdout.splitlines() == ["the ckptsdk of clone2", "usage: ckptsdk [-h] [-v] COMMAND ..."]
+
+
+@needs_venv
+def test_sourcing_again_from_a_shell_in_the_venv_reuses_it(tmp_path):
+    """A shell that sourced venv.sh (or scripts/test.sh run from one) finds python3 in the venv:
+    the key is still the interpreter the venv was made from, so no second venv is built on the
+    first one's python. The venv of the base interpreter's key is made by hand here (no pip)."""
+    base = os.path.realpath(sys._base_executable)
+    text = (REPO / "pyproject.toml").read_bytes() + (REPO / "scripts" / "venv.sh").read_bytes()
+    key = hashlib.sha256(text + f"{base} {sys.version}\n".encode()).hexdigest()[:16]
+    made = tmp_path / "cache" / "ckptsdk" / f"venv-{key}"
+    (made / "bin").mkdir(parents=True)
+    (made / "bin" / "python").symlink_to(VENV / "bin" / "python")
+    (made / ".complete").touch()
+    for python3 in (VENV / "bin", Path(base).parent):  # from inside the venv, and from a bare shell
+        env = {"XDG_CACHE_HOME": str(tmp_path / "cache"), "PATH": f"{python3}:{os.environ['PATH']}"}
+        proc = bash(f"unset PYTHON CKPTSDK_VENV; source {REPO}/scripts/venv.sh && command -v python", tmp_path, **env)
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.splitlines()[-1] == str(made / "bin" / "python"), (python3, proc.stderr)
+        assert "creating it" not in proc.stderr
 
 
 def test_a_failed_set_up_returns_an_error_and_leaves_the_shell_alone(tmp_path):
