@@ -236,8 +236,8 @@ class TrainState:
 
     def live_tensors(self) -> dict[str, torch.Tensor]:
         """Tensor path (as the codec names it) -> the live module tensor a restore may read
-        straight into, detached: CPU, floating point, contiguous, of modules that load as stock
-        torch does. The rest is copied in by ``load_state_dict`` as before.
+        straight into, detached: plain (no subclass), CPU, floating point, contiguous, of modules
+        that load as stock torch does. The rest is copied in by ``load_state_dict`` as before.
 
         Stock only: a module whose loading transforms what it is given (its own
         ``_load_from_state_dict``, load or state-dict hooks: a transpose, a rename) must see the
@@ -250,7 +250,7 @@ class TrainState:
             prefix = f"objects/{codec.path_component(name)}/"
             for key, t in obj.state_dict(keep_vars=True).items():
                 if (
-                    isinstance(t, torch.Tensor)
+                    type(t) in _PLAIN  # not a subclass (a DTensor's memory is a shard of what it shows)
                     and t.device.type == "cpu"
                     and t.is_floating_point()
                     and t.layout == torch.strided
@@ -346,6 +346,7 @@ def _refuse_unfit(problems: list[str]) -> None:
         )
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 _STOCK_LOADERS = (torch.nn.Module._load_from_state_dict, torch.nn.modules.batchnorm._NormBase._load_from_state_dict)
 
 

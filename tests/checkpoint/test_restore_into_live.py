@@ -213,3 +213,14 @@ def test_arrays_of_another_byte_order_are_converted_once_the_bytes_are_in() -> N
     complete()
     assert tree["a"].dtype == np.dtype(">f4") and np.array_equal(tree["a"], big)
     assert np.array_equal(tree["b"], np.arange(3))
+
+
+class _Sub(torch.Tensor):
+    """A tensor subclass (as DTensor is one): its memory need not be what it shows."""
+
+
+def test_a_tensor_subclass_is_copied_in_not_read_into() -> None:
+    model = torch.nn.Linear(2, 2)
+    model.register_buffer("odd", torch.zeros(3).as_subclass(_Sub))
+    live = TrainState(model=model).live_tensors()
+    assert set(live) == {"objects/model/weight", "objects/model/bias"}
