@@ -238,6 +238,8 @@ class TrainState:
         """Tensor path (as the codec names it) -> the live module tensor a restore may read
         straight into, detached: plain (no subclass), CPU, floating point, contiguous, of modules
         that load as stock torch does. The rest is copied in by ``load_state_dict`` as before.
+        These are also what a failed read sets to NaN, so only what can be filled is offered
+        (``TensorFile.allocate`` checks the memory again for any caller).
 
         Stock only: a module whose loading transforms what it is given (its own
         ``_load_from_state_dict``, load or state-dict hooks: a transpose, a rename) must see the

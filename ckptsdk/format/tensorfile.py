@@ -10,13 +10,11 @@ writing): checking a header and re-hashing a file, as ``ckptsdk show``/``verify`
 
 from __future__ import annotations
 
-import ctypes
 import io
 import json
 import math
 import os
 import struct
-import sys
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -26,7 +24,7 @@ from ckptsdk.backends.base import Backend
 from ckptsdk.errors import CheckpointTooLargeError, CkptError, ConfigError, CorruptCheckpointError, ObjectNotFound
 from ckptsdk.format.digest import CHECKPOINT_ALGORITHMS, DEFAULT, new_hasher
 from ckptsdk.format.dtype import BY_CODE, byte_view, to_torch
-from ckptsdk.format.memory import available_memory, describe_size
+from ckptsdk.format.memory import advise_huge_pages, available_memory, describe_size
 
 if TYPE_CHECKING:
     import torch
@@ -41,13 +39,6 @@ __all__ = ["HeaderEntry", "TensorFile", "open_tensorfile", "read_header", "read_
 _READ_CHUNK = 8 << 20
 # Tensors at least this big are read straight into their own memory; smaller ones share one read.
 _SMALL_TENSOR = 64 << 10
-# Linux maps fresh memory 4 KiB at a time, one page fault each; where transparent huge pages are
-# "madvise" (the default of many distributions) a tensor asks for 2 MiB pages before its bytes
-# arrive: on a small VM that made filling 45 MB of fresh memory 34 ms -> 9 ms (a copy into
-# memory already mapped: 7 ms). Advice only: memory, values and verification are unchanged.
-_HUGE_PAGE = 2 << 20
-_MADV_HUGEPAGE = 14
-_madvise: list[Callable[[int, int, int], int] | None] = []
 # safetensors refuses headers larger than this; so do we (a torn length prefix must not make us
 # try to parse gigabytes as JSON).
 _MAX_HEADER = 100_000_000
@@ -85,7 +76,8 @@ class _Reader:
     def __init__(self, backend: Backend, key: str, f: BinaryIO, size: int, digest: str, algorithm: str) -> None:
         self.backend, self.key, self.f = backend, key, f
         self.size, self.digest, self.algorithm = size, digest, algorithm
-        self.hasher, self.pos = new_hasher(algorithm, among=CHECKPOINT_ALGORITHMS), 0
+        self.hasher = new_hasher(algorithm, among=CHECKPOINT_ALGORITHMS)
+        self.pos = 0
         self._scratch: memoryview | None = None
 
     def scratch(self, n: int) -> memoryview:
@@ -265,23 +257,19 @@ def _torch_holds(backend: Backend, key: str, entries: list[HeaderEntry]) -> None
             )
 
 
-def _advise_huge_pages(t: torch.Tensor) -> None:
-    """Ask Linux for 2 MiB pages for the 2 MiB-aligned inside of ``t``'s fresh memory (see _HUGE_PAGE)."""
-    if not _madvise:
-        found: Callable[[int, int, int], int] | None = None
-        if sys.platform.startswith("linux"):
-            try:
-                call = ctypes.CDLL(None, use_errno=True).madvise
-                call.argtypes, call.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
-                found = call
-            except (OSError, AttributeError):
-                found = None
-        _madvise.append(found)
-    fn = _madvise[0]
-    start = -(-t.data_ptr() // _HUGE_PAGE) * _HUGE_PAGE
-    end = (t.data_ptr() + t.numel() * t.element_size()) // _HUGE_PAGE * _HUGE_PAGE
-    if fn is not None and end > start:
-        fn(start, end - start, _MADV_HUGEPAGE)  # refused (EINVAL: THP off): 4 KiB pages, as before
+def _fills_in_place(t: torch.Tensor | None, e: HeaderEntry) -> bool:
+    """Whether entry ``e``'s bytes can be read straight into ``t``'s own memory as they are."""
+    import torch
+
+    return (
+        t is not None
+        and t.dtype == e.dtype
+        and list(t.shape) == e.shape
+        and t.device.type == "cpu"
+        and t.layout is torch.strided
+        and t.is_contiguous()
+        and not (t.is_conj() or t.is_neg())  # their memory holds other values than they show
+    )
 
 
 class TensorFile:
@@ -297,16 +285,19 @@ class TensorFile:
         self._dest: list[tuple[HeaderEntry, torch.Tensor]] = []
 
     def allocate(self, live: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-        """name -> the tensor each entry is read into: ``live[name]`` where its dtype and shape
-        are the entry's (a CPU contiguous tensor, given detached), else a fresh one.
+        """name -> the tensor each entry is read into: ``live[name]`` where its bytes can go
+        straight into that tensor's memory (its dtype and shape, CPU, dense; given detached),
+        else a fresh one.
 
         Raises:
             CheckpointTooLargeError: the fresh tensors exceed the memory this process can allocate.
         """
         import torch
 
-        plan = [(e, t if t is not None and t.dtype == e.dtype and list(t.shape) == e.shape else None)
-                for e in self.entries for t in ((live or {}).get(e.name),)]  # fmt: skip
+        plan: list[tuple[HeaderEntry, torch.Tensor | None]] = []
+        for e in self.entries:
+            t = (live or {}).get(e.name)
+            plan.append((e, t if _fills_in_place(t, e) else None))
         need = sum(e.nbytes for e, t in plan if t is None)
         room = available_memory()
         if room is not None and need > room:
@@ -318,8 +309,7 @@ class TensorFile:
                     # torch.empty per tensor: no zero-fill, aligned memory at offset 0 (set_rng_state
                     # segfaults on a view at another), freed alone (no whole-file buffer kept alive).
                     t = torch.empty(e.shape, dtype=e.dtype)
-                    if e.nbytes >= 2 * _HUGE_PAGE:
-                        _advise_huge_pages(t)
+                    advise_huge_pages(t.data_ptr(), e.nbytes)
                 dest.append((e, t))
         except RuntimeError as exc:  # torch's allocator said no after all (overcommit, another thread)
             raise _too_large(self._reader, need, available_memory() or 0) from exc
@@ -341,12 +331,14 @@ class TensorFile:
             reader.read_into(buf)
             at = 0
             for view, n in views:
-                view[:], at = buf[at : at + n], at + n
+                view[:] = buf[at : at + n]
+                at += n
             views.clear()
             pending = 0
 
         for e, t in self._dest:
-            if not (n := e.nbytes):
+            n = e.nbytes
+            if n == 0:
                 continue
             view = byte_view(t)
             if n >= _SMALL_TENSOR:

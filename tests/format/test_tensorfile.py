@@ -21,8 +21,9 @@ import xxhash
 from ckptsdk import open_backend
 from ckptsdk.errors import ConfigError, CorruptCheckpointError
 from ckptsdk.format.digest import DEFAULT as DIGEST_ALGORITHM
-from ckptsdk.format.dtype import TABLE, to_torch
+from ckptsdk.format.dtype import TABLE, byte_view, to_torch
 from ckptsdk.format.tensorfile import (
+    open_tensorfile,
     read_header,
     read_tensorfile,
     verify_file,
@@ -357,3 +358,34 @@ def test_each_restored_tensor_owns_its_memory(backend):
     assert len({t.untyped_storage().data_ptr() for t in out.values()}) == len(out)
     torch.set_rng_state(out["rng"])
     assert torch.equal(torch.rand(3), expected)
+
+
+def test_live_tensors_are_filled_only_where_the_bytes_fit_their_memory(local):
+    """``TensorFile.allocate`` takes a live tensor only where the file's bytes can go into its
+    memory as they are: a transposed view (its memory is not the row-major bytes), another
+    dtype or another shape gets a fresh tensor, and the live one is left as it was."""
+    backend, _ = local
+    saved = {"fits": torch.arange(6.0).reshape(2, 3), "view": torch.arange(6.0).reshape(2, 3) + 10,
+             "dtype": torch.ones(3), "shape": torch.ones(4)}  # fmt: skip
+    size, digest = write_tensorfile(backend, KEY, saved)
+    live = {
+        "fits": torch.zeros(2, 3),
+        "view": torch.zeros(3, 2).t(),  # shape (2, 3), not contiguous
+        "dtype": torch.zeros(3, dtype=torch.float64),
+        "shape": torch.zeros(5),
+    }
+    before = {k: v.clone() for k, v in live.items()}
+    with open_tensorfile(backend, KEY, size=size, digest=digest) as tf:
+        got = tf.allocate(live)
+        tf.fill()
+    assert got["fits"] is live["fits"]
+    assert all(got[k] is not live[k] for k in ("view", "dtype", "shape"))
+    for k, v in saved.items():
+        assert torch.equal(got[k], v), k
+    for k in ("view", "dtype", "shape"):
+        assert torch.equal(live[k], before[k]), k
+
+
+def test_byte_view_refuses_a_tensor_whose_view_would_be_a_copy():
+    with pytest.raises(ValueError, match="contiguous"):
+        byte_view(torch.zeros(3, 2).t())
