@@ -406,7 +406,6 @@ class CheckpointReader:
                     else:
                         tensors[path] = held[key]
                         handed.add(key)
-                del held  # the tensors of the file this checkpoint does not use
             try:
                 tree, complete = decode_before_values(manifest.tree, tensors)
                 unused = set(tensors) - manifest.tensor_path_set()

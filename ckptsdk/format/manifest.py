@@ -305,9 +305,9 @@ class Manifest(Document):
         Only for a skeleton ``codec.encode`` just built (JSON types only, its non-finite floats
         tagged) or one a parse validated (an anchor re-commits a parsed manifest's): validating
         it again, pydantic's walk for ``JsonValue`` and the walk for finiteness, was most of a
-        save worker's manifest time. A bare NaN would still fail in
-        ``to_json`` (strict JSON), and tests/format/test_manifest.py holds the bytes to those of
-        ``Manifest(...)``. A parsed manifest is always validated whole.
+        save worker's manifest time. A bare NaN would still fail in ``to_json`` (strict JSON),
+        and tests/format/test_manifest.py holds the bytes to those of ``Manifest(...)``. A parsed
+        manifest is always validated whole.
         """
         probe = cls(tree=None, **fields)
         return cls.model_construct(_fields_set=probe.model_fields_set | {"tree"}, **{**dict(probe), "tree": tree})
