@@ -41,6 +41,7 @@ _ckptsdk_setup() (
             return "$rc"
         }
         pip() { run "$venv/bin/python" -m pip install --progress-bar on "$@"; }
+        torch_imports() { "$venv/bin/python" -c 'import torch, torchvision' > /dev/null 2>&1; }
         echo "[setup] no complete venv at $venv: creating it (first run only; CKPTSDK_VENV=PATH reuses another)" >&2
         rm -rf "$venv"
         run "$py" -m venv "$venv"
@@ -69,13 +70,22 @@ PY
         else
             cpu_index="${CKPTSDK_TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}"
             echo "[setup] no GPU: installing the CPU build of torch and torchvision from $cpu_index (about 200 MB download, under 1 GB installed)" >&2
-            if ! pip --index-url "$cpu_index" --timeout 15 --retries 1 torch torchvision; then
-                echo "[setup] no CPU build from $cpu_index (pip's message above): installing the default build instead (CUDA, a 2-3 GB download, about 6 GB installed)" >&2
+            # pip can "succeed" here with a pair that does not import together: with that index
+            # out of reach, a machine's local wheels may give a CPU torch beside a PyPI torchvision
+            # built for another ('operator torchvision::nms does not exist'). Only an import counts.
+            if ! { pip --index-url "$cpu_index" --timeout 15 --retries 1 torch torchvision && torch_imports; }; then
+                echo "[setup] no working CPU build from $cpu_index (pip's message above): installing the default build instead (CUDA, a 2-3 GB download, about 6 GB installed)" >&2
                 pip "torch==2.14.1" "torchvision==0.29.1" || pip torch torchvision
             fi
         fi
         echo "[setup] installing the rest of the dependencies (pyproject.toml's extras)" >&2
         pip -r "$venv/requirements.txt"
+        if ! torch_imports; then  # a venv that cannot run the job is not complete: say so, keep none
+            echo "[setup] torch and torchvision are in $venv but do not import together:" >&2
+            "$venv/bin/python" -c 'import torch, torchvision' 2>&1 | tail -n 1 >&2 || true
+            echo "[setup] install a matching pair (https://pytorch.org/get-started/locally/) into the interpreter, or set CKPTSDK_TORCH_CPU_INDEX, then source this again" >&2
+            exit 1
+        fi
         touch "$venv/.complete"
         trap - INT TERM HUP EXIT
         echo "[setup] $venv is ready ($(du -sh "$venv" 2>/dev/null | cut -f1) on disk)" >&2

@@ -136,6 +136,74 @@ def test_a_torch_the_interpreter_imports_is_reused_not_installed(tmp_path):
     assert not list(venv.glob("lib/python*/site-packages/torch"))  # nothing of torch copied in
 
 
+def _fake_interpreter(tmp_path: Path, imports_after: str | None) -> tuple[Path, Path]:
+    """An interpreter with no torch whose venv's pip succeeds at once and logs its arguments; the
+    venv imports torch and torchvision together only once a pip was asked for ``imports_after``."""
+    log, works = tmp_path / "pips", tmp_path / "pair-imports"
+    real = sys.executable
+    marker = f'case "$*" in *{imports_after}*) touch {works};; esac; ' if imports_after else ""
+    fake = tmp_path / "python3"
+    fake.write_text(
+        f"""#!/bin/bash
+if [ "$1 $2" = "-m venv" ]; then
+    mkdir -p "$3/bin"
+    printf '%s\\n' '#!/bin/bash' \\
+        'if [ "$1 $2" = "-m pip" ]; then shift 5; echo "$*" >> {log}; {marker}exit 0; fi' \\
+        'if [ "$1" = "-c" ]; then case "$2" in *torchvision*) [ -e {works} ] || {{ echo "RuntimeError: operator torchvision::nms does not exist" >&2; exit 1; }}; exit 0;; esac; fi' \\
+        'exec {real} "$@"' > "$3/bin/python"
+    chmod +x "$3/bin/python"
+    exit 0
+fi
+[ "$1" = "-c" ] && case "$2" in *torch*) exit 1;; esac  # no torch to reuse here
+exec {real} "$@"
+"""
+    )
+    fake.chmod(0o755)
+    (tmp_path / "nvidia-smi").write_text("#!/bin/sh\nexit 1\n")  # no GPU, whatever machine runs this
+    (tmp_path / "nvidia-smi").chmod(0o755)
+    return fake, log
+
+
+def test_a_cpu_build_that_does_not_import_falls_back_to_the_default_pair(tmp_path):
+    """The CPU index out of reach, pip may still "succeed" from a machine's local wheels with a CPU
+    torch beside a torchvision built for another (seen on this VM): the import decides, and the
+    default pair is installed instead before the rest."""
+    fake, log = _fake_interpreter(tmp_path, imports_after="torchvision==0.29.1")
+    venv = tmp_path / "venv"
+    proc = bash(
+        f"source {REPO}/scripts/venv.sh || exit 9",
+        cwd=tmp_path,
+        CKPTSDK_VENV=str(venv),
+        PYTHON=str(fake),
+        PATH=f"{tmp_path}:{os.environ['PATH']}",
+    )
+    assert proc.returncode == 0, proc.stderr
+    pips = log.read_text().splitlines()
+    assert len(pips) == 3, pips
+    assert "--index-url https://download.pytorch.org/whl/cpu" in pips[0] and pips[0].endswith("torch torchvision")
+    assert pips[1] == "torch==2.14.1 torchvision==0.29.1"
+    assert pips[2] == f"-r {venv}/requirements.txt"
+    assert "no working CPU build" in proc.stderr
+    assert (venv / ".complete").exists()
+
+
+def test_a_pair_that_never_imports_fails_the_set_up_and_keeps_no_venv(tmp_path):
+    fake, log = _fake_interpreter(tmp_path, imports_after=None)
+    venv = tmp_path / "venv"
+    proc = bash(
+        f"source {REPO}/scripts/venv.sh; echo rc=$?",
+        cwd=tmp_path,
+        CKPTSDK_VENV=str(venv),
+        PYTHON=str(fake),
+        PATH=f"{tmp_path}:{os.environ['PATH']}",
+    )
+    assert proc.stdout.splitlines()[-1] == "rc=1", proc.stderr
+    assert "do not import together" in proc.stderr
+    assert "operator torchvision::nms does not exist" in proc.stderr  # what the import said
+    assert len(log.read_text().splitlines()) == 3  # CPU index, the default pair, the rest
+    assert not venv.exists()  # an incomplete venv is not kept to be reused
+
+
 def _as_at_a_terminal() -> None:
     """In the child: the signals a shell at a terminal starts with. A signal ignored when bash
     starts cannot be trapped, and something earlier in a full suite's worker process (not ckptsdk:
