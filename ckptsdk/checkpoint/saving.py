@@ -240,18 +240,26 @@ class SavePipeline(AfterCommit, Anchoring):
         if staged is None:
             return replace(pending_info, reason="skipped: storage cannot keep up and staging is full")
         pending, buffer = staged
-        if any(defer):
-            state.hold_steps(pending.wait_copied)
+        submitted = False
+        try:
+            if any(defer):
+                state.hold_steps(pending.wait_copied)
 
-        idle = getattr(state, "steps_idle", None)  # a TrainState's (see pacing.py)
+            idle = getattr(state, "steps_idle", None)  # a TrainState's (see pacing.py)
 
-        def work() -> None:  # the skeleton is built here, from leaves copied at capture
-            pending.wait_finished()
-            job_now = replace(job, device=pending.device, verify=pending.verify, pace=idle)
-            self._store(job_now, pending.tensors, captured.skeleton())
+            def work() -> None:  # the skeleton is built here, from leaves copied at capture
+                pending.wait_finished()
+                job_now = replace(job, device=pending.device, verify=pending.verify, pace=idle)
+                self._store(job_now, pending.tensors, captured.skeleton())
 
-        self._slots.submit(_Job(run=work, buffer=buffer, step=step, settle=pending.settle))
-        return replace(pending_info, reason="save in progress")
+            self._slots.submit(_Job(run=work, buffer=buffer, step=step, settle=pending.settle))
+            submitted = True
+            return replace(pending_info, reason="save in progress")
+        finally:
+            self._slots.start_copies(pending)  # last: see there
+            if not submitted:  # the buffer is free again once the copies into it are done
+                pending.settle()
+                self._slots.release(buffer)
 
     @property
     def last_committed(self) -> CheckpointInfo | None:

@@ -152,9 +152,9 @@ class SaveSlots:
         """Snapshot ``captured``'s tensors for the save of ``step`` into a free staging buffer
         (None: skipped). ``defer``: per tensor, whether its copy may wait (see ``Stager``).
 
-        The copies not deferred are made now; the deferred ones start at once on the copier
-        thread, not when the worker is free: the next optimizer step waits for them, and the
-        worker may still be writing the previous save. The caller submits the job next.
+        The copies not deferred are made now. The caller submits the job next, then starts the
+        deferred ones with :meth:`start_copies` (it must, whatever happens: the next optimizer
+        step waits for them).
         """
         need = captured.nbytes
         buffer, replaced = self.claim(step, need)
@@ -170,12 +170,22 @@ class SaveSlots:
         except BaseException:
             self.release(buffer)
             raise
+        return pending, buffer
+
+    def start_copies(self, pending: PendingSnapshot) -> None:
+        """Start ``pending``'s deferred copies on the copier thread, not when the worker is free:
+        the next optimizer step waits for them, and the worker may still be writing the previous
+        save.
+
+        The last thing ``save()`` does. The copier's loop is Python between copies: woken earlier,
+        it took the GIL from the rest of ``save()`` for a whole switch interval (5 ms) in most
+        saves, the stall's p90 (``benchmarks.bench_overhead --step gpu-like``).
+        """
         with self._cond:
             if self._copier is None:
                 self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptsdk-snapshot")
             copier = self._copier
         copier.submit(_finish_quietly, pending)
-        return pending, buffer
 
     def submit(self, job: _Job) -> None:
         """Put ``job`` in the waiting slot; the worker runs it once the running save is done."""

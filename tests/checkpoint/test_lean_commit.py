@@ -349,3 +349,45 @@ def test_a_sync_save_returns_before_rotation_deletes_and_close_waits_for_them(
     mgr.close()
     assert not inner.exists(f"{old}/{MANIFEST}") and not inner.exists(f"{old}/{TENSORS}")
     assert [c.step for c in scan(inner).restorable()] == [2]
+
+
+def test_the_deferred_copies_start_last_and_even_when_the_submit_fails(
+    make_backend_target: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The copier thread is woken as the last act of save() (woken earlier, its Python loop took
+    the GIL from the rest of save()), and always: the next optimizer step waits for its copies."""
+    mgr = CheckpointManager(make_backend_target("memory").open(), keep_last=2, lease_ttl=60)
+    state = _state()
+    mgr.restore(state)
+    slots = mgr._saving._slots
+    order: list[str] = []
+    for name in ("submit", "start_copies"):
+        real = getattr(slots, name)
+        monkeypatch.setattr(slots, name, lambda *a, _r=real, _n=name: (order.append(_n), _r(*a))[1])
+    _train(state)
+    mgr.save(state, step=1, blocking=False)
+    assert order == ["submit", "start_copies"]
+    assert mgr.wait(timeout=60) and [c.step for c in mgr.list()] == [1]
+
+    class Refused(RuntimeError):
+        pass
+
+    def refuse(_job: Any) -> None:
+        raise Refused("the worker could not take the save")
+
+    real_submit = slots.submit
+    monkeypatch.setattr(slots, "submit", refuse)
+    for step in (2, 3):  # two staging buffers at most: each failure must give its own back
+        with pytest.raises(Refused):
+            mgr.save(state, step=step, blocking=False)
+        stepped = threading.Thread(target=_train, args=(state,), daemon=True)
+        stepped.start()  # waits for the deferred copies of this snapshot: they ran
+        stepped.join(60)
+        assert not stepped.is_alive(), "the optimizer step waits for copies that never started"
+    assert [c.step for c in mgr.list()] == [1]  # nothing lost
+    monkeypatch.setattr(slots, "submit", real_submit)
+    info = mgr.save(state, step=4, blocking=False)
+    assert info.reason == "save in progress"  # not skipped: both buffers are free again
+    assert mgr.wait(timeout=60) and [c.step for c in mgr.list()] == [1, 4]
+    assert mgr.stats.skipped == 0
+    mgr.close()
