@@ -24,9 +24,9 @@ from ckptsdk.checkpoint.catalog import CheckpointInfo
 from ckptsdk.checkpoint.outline import Outline
 from ckptsdk.checkpoint.retention import Candidate, Mode, best_order, default_mode
 from ckptsdk.errors import CorruptCheckpointError, ManifestError, NoValidCheckpointError, StateMismatchError
+from ckptsdk.format.hashedread import verify_file
 from ckptsdk.format.layout import MANIFEST, TENSORS
 from ckptsdk.format.manifest import FileEntry, Manifest, SharedFile
-from ckptsdk.format.tensorfile import verify_file
 
 logger = logging.getLogger(__name__)
 
@@ -380,11 +380,24 @@ class CheckpointReader:
                 )
                 for key, f in files
             ]
-            tensors = opened[0].allocate(live)
+            # A shared file may hold tensors this checkpoint no longer uses (changed since): they
+            # are hashed, not kept. The memory check is of the whole read, every file together.
+            plans = [(live, None)] + [
+                (
+                    {p: live[p] for p in shared.tensors if p in live and p not in shared.aliases},
+                    {shared.aliases.get(p, p) for p in shared.tensors},
+                )
+                for shared in manifest.shared
+            ]
+            fresh = [tf.fresh_bytes(mine, wanted) for tf, (mine, wanted) in zip(opened, plans, strict=True)]
+            allocated = [
+                tf.allocate(mine, wanted=wanted, besides=sum(fresh) - own)
+                for tf, (mine, wanted), own in zip(opened, plans, fresh, strict=True)
+            ]
+            tensors = allocated[0]
             copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (an alias's own tensor, what it copies)
-            for shared, tf in zip(manifest.shared, opened[1:], strict=True):
+            for shared, held in zip(manifest.shared, allocated[1:], strict=True):
                 # tensors unchanged since an earlier save: verified the same way
-                held = tf.allocate({p: live[p] for p in shared.tensors if p in live and p not in shared.aliases})
                 handed: set[str] = set()
                 for path in shared.tensors:
                     key = shared.aliases.get(path, path)  # equal bytes (tied weights): stored once, under one key

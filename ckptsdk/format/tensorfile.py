@@ -3,8 +3,8 @@
 A checkpoint's tensors are one safetensors file (written by tensorwriter.py; ``write_tensorfile``
 is also importable from here, loaded on first use, so that ``ckptsdk.format.tensorfile`` is the
 whole API without importing torch at import time), plus a content digest of the whole file that every
-read checks. Nothing here knows about manifests, state trees or leases; the dtype table is
-dtype.py's and the digest table digest.py's. torch is imported only to make tensors (reading,
+read checks (through hashedread.py). Nothing here knows about manifests, state trees or leases;
+the dtype table is dtype.py's and the digest table digest.py's. torch is imported only to make tensors (reading,
 writing): checking a header and re-hashing a file, as ``ckptsdk show``/``verify`` do, need none.
 """
 
@@ -15,15 +15,16 @@ import json
 import math
 import os
 import struct
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, BinaryIO
 
 from ckptsdk.backends.base import Backend
-from ckptsdk.errors import CheckpointTooLargeError, CkptError, ConfigError, CorruptCheckpointError, ObjectNotFound
+from ckptsdk.errors import CheckpointTooLargeError, CkptError, ConfigError, CorruptCheckpointError
 from ckptsdk.format.digest import CHECKPOINT_ALGORITHMS, DEFAULT, new_hasher
 from ckptsdk.format.dtype import BY_CODE, byte_view, to_torch
+from ckptsdk.format.hashedread import READ_CHUNK, HashedReader, corrupt, open_file, verify_file
 from ckptsdk.format.memory import advise_huge_pages, available_memory, describe_size
 
 if TYPE_CHECKING:
@@ -34,9 +35,6 @@ if TYPE_CHECKING:
 # write_tensorfile is not listed: it resolves lazily (__getattr__ below), which pdoc cannot follow.
 __all__ = ["HeaderEntry", "TensorFile", "open_tensorfile", "read_header", "read_tensorfile", "verify_file"]
 
-# Reads go in chunks of this size: big enough for one syscall (or one ranged GET) to be cheap,
-# small enough that each chunk is hashed while it is still in the CPU cache.
-_READ_CHUNK = 8 << 20
 # Tensors at least this big are read straight into their own memory; smaller ones share one read.
 _SMALL_TENSOR = 64 << 10
 # safetensors refuses headers larger than this; so do we (a torn length prefix must not make us
@@ -46,111 +44,6 @@ _MAX_HEADER = 100_000_000
 # sizes whose int64 arithmetic cannot overflow.
 _MAX_DIMS = 64
 _MAX_NBYTES = 1 << 62
-
-
-def _corrupt(backend: Backend, key: str, why: str) -> CorruptCheckpointError:
-    return CorruptCheckpointError(
-        f"tensor file {key!r} at {backend.url} is corrupt: {why}. Restore an earlier checkpoint "
-        "(CheckpointManager.restore skips corrupt ones) or re-save it",
-        url=backend.url,
-        key=key,
-    )
-
-
-def _open(backend: Backend, key: str) -> BinaryIO:
-    try:
-        f = backend.open(key)
-    except ObjectNotFound as exc:
-        raise _corrupt(backend, key, "the file is missing") from exc
-    try:
-        # Tell the kernel the whole file is wanted in order: doubles readahead on Linux.
-        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
-    except (AttributeError, OSError, ValueError):
-        pass  # not a local file (GCS, memory): nothing to advise
-    return f
-
-
-class _Reader:
-    """Sequential reads of one file through a hasher, checking its size and digest at the end."""
-
-    def __init__(self, backend: Backend, key: str, f: BinaryIO, size: int, digest: str, algorithm: str) -> None:
-        self.backend, self.key, self.f = backend, key, f
-        self.size, self.digest, self.algorithm = size, digest, algorithm
-        self.hasher = new_hasher(algorithm, among=CHECKPOINT_ALGORITHMS)
-        self.pos = 0
-        self._scratch: memoryview | None = None
-
-    def scratch(self, n: int) -> memoryview:
-        """A reusable uninitialised buffer of at least ``n`` bytes (n <= _READ_CHUNK)."""
-        if self._scratch is None:
-            # A bytearray, not torch.empty: verify hashes without importing torch; its zero-fill
-            # is once per file, at most _READ_CHUNK bytes.
-            self._scratch = memoryview(bytearray(max(1, min(self.size, _READ_CHUNK))))
-        return self._scratch[:n]
-
-    def read_into(self, dest: memoryview) -> None:
-        """Fill ``dest`` from the file in chunks, hashing each chunk as it arrives."""
-        total = len(dest)
-        if self.pos + total > self.size:
-            raise _corrupt(self.backend, self.key, f"the header points past the {self.size} bytes of the file")
-        done = 0
-        while done < total:
-            window = dest[done : done + min(_READ_CHUNK, total - done)]
-            # Backend.open promises readinto (backends/base.py); typing.BinaryIO does not declare it.
-            got = self.f.readinto(window)  # type: ignore[attr-defined]
-            if not got:
-                raise _corrupt(
-                    self.backend, self.key, f"truncated: {self.pos + done} bytes where the manifest says {self.size}"
-                )
-            self.hasher.update(window[:got])
-            done += got
-        self.pos += total
-
-    def read_bytes(self, n: int) -> bytes:
-        out = bytearray(n)
-        self.read_into(memoryview(out))
-        return bytes(out)
-
-    def finish(self) -> None:
-        """Hash whatever is left, then check the size and the digest."""
-        while self.pos < self.size:
-            self.read_into(self.scratch(min(_READ_CHUNK, self.size - self.pos)))
-        if self.f.read(1):
-            raise _corrupt(self.backend, self.key, f"longer than the {self.size} bytes the manifest records")
-        actual = self.hasher.hexdigest()
-        if actual != self.digest.lower():
-            raise _corrupt(
-                self.backend, self.key, f"{self.algorithm} digest {actual} differs from the recorded {self.digest}"
-            )
-
-
-def verify_file(backend: Backend, key: str, *, size: int, digest: str, algorithm: str = DEFAULT) -> None:
-    """Check that ``key`` has exactly ``size`` bytes with the given digest, reading it once.
-
-    Args:
-        backend: where the file is.
-        key: the object key.
-        size: the size recorded in the manifest.
-        digest: the hex digest recorded in the manifest.
-        algorithm: one of ``digest.CHECKPOINT_ALGORITHMS`` (``"xxh3-128"``, ``"sha256"``), as
-            the manifest names it.
-
-    Raises:
-        CorruptCheckpointError: missing, truncated, too long, or a different digest.
-        ConfigError: a digest algorithm a checkpoint file may not name (md5 included).
-        BackendError: the storage failed while reading.
-
-    Example:
-        >>> import torch
-        >>> from ckptsdk import open_backend
-        >>> from ckptsdk.format.tensorfile import write_tensorfile
-        >>> b = open_backend("memory://verify-demo")
-        >>> size, digest = write_tensorfile(b, "t.safetensors", {"w": torch.ones(2)})
-        >>> verify_file(b, "t.safetensors", size=size, digest=digest)
-    """
-    new_hasher(algorithm, among=CHECKPOINT_ALGORITHMS)  # reject an unknown algorithm before any I/O
-    with _open(backend, key) as f:
-        _Reader(backend, key, f, size, digest, algorithm).finish()
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,10 +82,10 @@ def _header(backend: Backend, key: str, size: int, read: Callable[[int], bytes])
     raises): nothing a header says can make a reader allocate more than the file holds.
     """
     if size < 8:
-        raise _corrupt(backend, key, f"only {size} bytes, shorter than the 8-byte header length")
+        raise corrupt(backend, key, f"only {size} bytes, shorter than the 8-byte header length")
     (hlen,) = struct.unpack("<Q", read(8))
     if hlen > min(_MAX_HEADER, size - 8):
-        raise _corrupt(backend, key, f"header length {hlen} exceeds the file ({size} bytes)")
+        raise corrupt(backend, key, f"header length {hlen} exceeds the file ({size} bytes)")
     return _entries(backend, key, read(hlen), size - 8 - hlen)
 
 
@@ -201,9 +94,9 @@ def _entries(backend: Backend, key: str, raw: bytes, data_len: int) -> list[Head
     try:
         header = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise _corrupt(backend, key, f"the header is not valid JSON ({str(exc)[:200]})") from exc
+        raise corrupt(backend, key, f"the header is not valid JSON ({str(exc)[:200]})") from exc
     if not isinstance(header, dict):
-        raise _corrupt(backend, key, "the header is not a JSON object")
+        raise corrupt(backend, key, "the header is not a JSON object")
     header.pop("__metadata__", None)
     entries: list[HeaderEntry] = []
     for name, entry in header.items():
@@ -221,10 +114,10 @@ def _entries(backend: Backend, key: str, raw: bytes, data_len: int) -> list[Head
             if math.prod(d for d in shape if d) * itemsize > _MAX_NBYTES:
                 raise ValueError("dimensions too large")
         except (KeyError, TypeError, ValueError) as exc:
-            raise _corrupt(backend, key, f"malformed header entry for {name!r}: {str(entry)[:200]}") from exc
+            raise corrupt(backend, key, f"malformed header entry for {name!r}: {str(entry)[:200]}") from exc
         nbytes = math.prod(shape) * itemsize
         if end - begin != nbytes or end > data_len:
-            raise _corrupt(
+            raise corrupt(
                 backend,
                 key,
                 f"tensor {name!r} spans bytes [{begin}, {end}) of {data_len}, "
@@ -235,10 +128,10 @@ def _entries(backend: Backend, key: str, raw: bytes, data_len: int) -> list[Head
     pos = 0
     for e in entries:
         if e.begin != pos:
-            raise _corrupt(backend, key, f"tensor {e.name!r} starts at byte {e.begin}, expected {pos} (gap or overlap)")
+            raise corrupt(backend, key, f"tensor {e.name!r} starts at byte {e.begin}, expected {pos} (gap or overlap)")
         pos = e.end
     if pos != data_len:
-        raise _corrupt(backend, key, f"the header covers {pos} data bytes but the file has {data_len}")
+        raise corrupt(backend, key, f"the header covers {pos} data bytes but the file has {data_len}")
     return entries
 
 
@@ -249,7 +142,7 @@ def _torch_holds(backend: Backend, key: str, entries: list[HeaderEntry]) -> None
 
     for e in entries:
         if e.dtype is None:
-            raise _corrupt(
+            raise corrupt(
                 backend,
                 key,
                 f"tensor {e.name!r} is {BY_CODE[e.code].name}, which torch "
@@ -280,41 +173,65 @@ class TensorFile:
     tensors the bytes go straight into. Made by :func:`open_tensorfile`.
     """
 
-    def __init__(self, reader: _Reader, entries: list[HeaderEntry]) -> None:
+    def __init__(self, reader: HashedReader, entries: list[HeaderEntry]) -> None:
         self._reader, self.entries = reader, entries
-        self._dest: list[tuple[HeaderEntry, torch.Tensor]] = []
+        self._dest: list[tuple[HeaderEntry, torch.Tensor | None]] = []  # None: hashed, not kept
 
-    def allocate(self, live: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    def allocate(
+        self,
+        live: Mapping[str, torch.Tensor] | None = None,
+        *,
+        wanted: Collection[str] | None = None,
+        besides: int = 0,
+    ) -> dict[str, torch.Tensor]:
         """name -> the tensor each entry is read into: ``live[name]`` where its bytes can go
         straight into that tensor's memory (its dtype and shape, CPU, dense; given detached),
         else a fresh one.
+
+        Args:
+            live: tensors to read straight into, by name.
+            wanted: the entries to keep (None: all). The others get no memory: :meth:`fill`
+                hashes their bytes through the small scratch buffer (a shared file's tensors that
+                this checkpoint no longer uses).
+            besides: fresh bytes the caller takes for the other files of the same read, so that
+                the memory check is of the whole read, not of each file alone.
 
         Raises:
             CheckpointTooLargeError: the fresh tensors exceed the memory this process can allocate.
         """
         import torch
 
-        plan: list[tuple[HeaderEntry, torch.Tensor | None]] = []
-        for e in self.entries:
-            t = (live or {}).get(e.name)
-            plan.append((e, t if _fills_in_place(t, e) else None))
-        need = sum(e.nbytes for e, t in plan if t is None)
+        plan = self._plan(live, wanted)
+        need = self.fresh_bytes(live, wanted)
         room = available_memory()
-        if room is not None and need > room:
-            raise _too_large(self._reader, need, room)
-        dest: list[tuple[HeaderEntry, torch.Tensor]] = []
+        if room is not None and need + besides > room:
+            raise _too_large(self._reader, need, room, besides)
+        dest: list[tuple[HeaderEntry, torch.Tensor | None]] = []
         try:
-            for e, t in plan:
-                if t is None:
+            for e, t, keep in plan:
+                if keep and t is None:
                     # torch.empty per tensor: no zero-fill, aligned memory at offset 0 (set_rng_state
                     # segfaults on a view at another), freed alone (no whole-file buffer kept alive).
                     t = torch.empty(e.shape, dtype=e.dtype)
                     advise_huge_pages(t.data_ptr(), e.nbytes)
                 dest.append((e, t))
         except RuntimeError as exc:  # torch's allocator said no after all (overcommit, another thread)
-            raise _too_large(self._reader, need, available_memory() or 0) from exc
+            raise _too_large(self._reader, need, available_memory() or 0, besides) from exc
         self._dest = dest
-        return {e.name: t for e, t in dest}
+        return {e.name: t for e, t in dest if t is not None}
+
+    def fresh_bytes(self, live: Mapping[str, torch.Tensor] | None = None, wanted: Collection[str] | None = None) -> int:
+        """The bytes of fresh memory :meth:`allocate` with the same arguments takes."""
+        return sum(e.nbytes for e, t, keep in self._plan(live, wanted) if keep and t is None)
+
+    def _plan(
+        self, live: Mapping[str, torch.Tensor] | None, wanted: Collection[str] | None
+    ) -> list[tuple[HeaderEntry, torch.Tensor | None, bool]]:
+        out = []
+        for e in self.entries:
+            t = (live or {}).get(e.name)
+            out.append((e, t if _fills_in_place(t, e) else None, wanted is None or e.name in wanted))
+        return out
 
     def fill(self) -> None:
         """Read the data section into the allocated tensors, in file order, and check the whole
@@ -340,12 +257,16 @@ class TensorFile:
             n = e.nbytes
             if n == 0:
                 continue
+            if t is None:  # not wanted: hashed, not kept
+                flush()
+                reader.skip(n)
+                continue
             view = byte_view(t)
             if n >= _SMALL_TENSOR:
                 flush()
                 reader.read_into(view)  # large sequential reads straight into the tensor's memory
             else:
-                if pending + n > _READ_CHUNK:
+                if pending + n > READ_CHUNK:
                     flush()
                 views.append((view, n))
                 pending += n
@@ -377,12 +298,12 @@ def read_header(backend: Backend, key: str) -> list[HeaderEntry]:
         CorruptCheckpointError: missing, too short, or a malformed or inconsistent header.
         BackendError: the storage failed while reading.
     """
-    with _open(backend, key) as f:
+    with open_file(backend, key) as f:
 
         def read(n: int) -> bytes:
             data = f.read(n)
             if len(data) != n:
-                raise _corrupt(backend, key, f"truncated header: {len(data)} of {n} bytes")
+                raise corrupt(backend, key, f"truncated header: {len(data)} of {n} bytes")
             return data
 
         return _header(backend, key, _size_of(backend, key, f), read)
@@ -439,18 +360,18 @@ def open_tensorfile(
     new_hasher(algorithm, among=CHECKPOINT_ALGORITHMS)
     if type(size) is not int or size < 0:
         raise ConfigError(f"size for {key!r} must be a non-negative int, got {size!r}")
-    with _open(backend, key) as f:
+    with open_file(backend, key) as f:
         actual = _size_of(backend, key, f)
         if actual != size:
             # Before anything is read or allocated: the header is then bounded by a real size.
-            raise _corrupt(
+            raise corrupt(
                 backend,
                 key,
                 f"truncated: {actual} bytes where the manifest says {size}"
                 if actual < size
                 else f"longer than the {size} bytes the manifest records (it has {actual})",
             )
-        reader = _Reader(backend, key, f, size, digest, algorithm)
+        reader = HashedReader(backend, key, f, size, digest, algorithm)
         try:
             entries = _header(backend, key, size, reader.read_bytes)
             _torch_holds(backend, key, entries)
@@ -471,7 +392,7 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def _too_large(reader: _Reader, need: int, room: int) -> CkptError:
+def _too_large(reader: HashedReader, need: int, room: int, besides: int = 0) -> CkptError:
     """The error for tensors that do not fit, decided without allocating them.
 
     The rest of the file is hashed through the small scratch buffer first: a torn copy (a
@@ -480,12 +401,14 @@ def _too_large(reader: _Reader, need: int, room: int) -> CkptError:
     """
     reader.finish()  # raises CorruptCheckpointError when the bytes are not what was written
     return CheckpointTooLargeError(
-        f"tensor file {reader.key!r} at {reader.backend.url} holds {describe_size(need)} of tensors, but this "
+        f"tensor file {reader.key!r} at {reader.backend.url} holds {describe_size(need)} of tensors"
+        + (f" ({describe_size(need + besides)} with the checkpoint's other files)" if besides else "")
+        + ", but this "
         f"process can allocate only {describe_size(room)} now (RAM and swap, cgroup, ulimit -v); its bytes verify, "
         "so it is not corrupt. "
         "Free memory, or restore on a machine with more",
         url=reader.backend.url,
         key=reader.key,
-        needed=need,
+        needed=need + besides,
         available=room,
     )

@@ -428,3 +428,106 @@ def test_equal_bytes_shared_once_restore_as_separate_tensors(tmp_path):
             o.step()
     for (k, v), w in zip(model.state_dict().items(), fresh.state_dict().values(), strict=True):
         assert torch.equal(v, w), k
+
+
+class TwoBases(torch.nn.Module):
+    """Two frozen bases (one shared file holds both) and a trainable head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(BASE, BASE, bias=False)
+        self.b = torch.nn.Linear(BASE, BASE, bias=False)
+        self.head = torch.nn.Linear(BASE, 4)
+        for p in [*self.a.parameters(), *self.b.parameters()]:
+            p.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.b(self.a(x)))
+
+
+def _two_bases_root(url: str) -> tuple[TwoBases, torch.optim.Optimizer, dict[str, torch.Tensor]]:
+    """Saves 1 and 2 share one file holding both bases; before save 3, base ``a`` changes, so
+    save 3 still refers to that file for ``b`` only: ``a``'s bytes there are stale."""
+    torch.manual_seed(0)
+    model = TwoBases()
+    opt = torch.optim.AdamW(model.head.parameters(), lr=1e-3)
+    state = TrainState(model=model, optimizer=opt)
+    with CheckpointManager(url, keep_last=3, save_on_signal=False, lease_ttl=30) as mgr:
+        for step in (1, 2, 3):
+            if step == 3:
+                with torch.no_grad():
+                    model.a.weight.add_(1.0)
+            model(torch.randn(2, BASE)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            mgr.save(state, step=step, blocking=True)
+    expected = {f"model/{k}": v.detach().clone() for k, v in model.state_dict().items()}
+    return model, opt, expected
+
+
+def test_a_shared_files_tensors_the_checkpoint_no_longer_uses_are_hashed_not_kept(tmp_path, monkeypatch):
+    from ckptsdk.format.tensorfile import TensorFile
+
+    url = str(tmp_path / "r")
+    _, _, expected = _two_bases_root(url)
+    m = _manifest(tmp_path / "r", 3)
+    (shared,) = m["shared"]
+    assert list(shared["tensors"]) == ["objects/model/b.weight"]  # the file holds a.weight too, stale
+    kept: list[set[str]] = []
+    real = TensorFile.allocate
+
+    def spy(self, *args, **kwargs):
+        out = real(self, *args, **kwargs)
+        kept.append(set(out))
+        return out
+
+    monkeypatch.setattr(TensorFile, "allocate", spy)
+    torch.manual_seed(5)
+    fresh = TwoBases()
+    state = TrainState(model=fresh, optimizer=torch.optim.AdamW(fresh.head.parameters(), lr=1e-3))
+    with CheckpointManager(url, save_on_signal=False, lease_ttl=30) as mgr:
+        assert mgr.restore(state).step == 3
+    assert kept[1] == {"objects/model/b.weight"}  # the shared file: a.weight was not given memory
+    for k, v in fresh.state_dict().items():
+        assert torch.equal(v, expected[f"model/{k}"]), k
+
+
+def test_a_stale_tensor_in_a_shared_file_is_still_verified(tmp_path):
+    """Hashed, not kept, but hashed: a flipped byte in the stale part fails the file's digest."""
+    from ckptsdk.format.tensorfile import read_header
+
+    url = str(tmp_path / "r")
+    _two_bases_root(url)
+    (shared,) = _manifest(tmp_path / "r", 3)["shared"]
+    entries = {e.name: e for e in read_header(open_backend(url), shared["name"])}
+    path = tmp_path / "r" / shared["name"]
+    data = bytearray(path.read_bytes())
+    data_start = len(data) - sum(e.nbytes for e in entries.values())
+    data[data_start + entries["objects/model/a.weight"].begin + 7] ^= 0x01
+    path.write_bytes(bytes(data))
+    state = TrainState(model=(fresh := TwoBases()), optimizer=torch.optim.AdamW(fresh.head.parameters(), lr=1e-3))
+    from ckptsdk.errors import NoValidCheckpointError
+
+    with CheckpointManager(url, save_on_signal=False, lease_ttl=30) as mgr:
+        with pytest.raises(NoValidCheckpointError) as err:
+            mgr.restore(state)  # saves 1 and 2 refer to the same file (for both bases): refused too
+    assert "step-0000000003" in str(err.value) and "digest" in str(err.value)
+    assert path.exists() and len(_manifest(tmp_path / "r", 3)["shared"]) == 1  # nothing deleted
+
+
+def test_the_memory_check_is_of_the_whole_read_not_of_each_file(tmp_path, monkeypatch):
+    """Room for the folder's file and for the shared file, each alone, but not for both: the
+    restore says so before allocating anything, and the checkpoint is still there."""
+    import ckptsdk.format.tensorfile as tensorfile
+    from ckptsdk.errors import CheckpointTooLargeError
+
+    url = str(tmp_path / "r")
+    _two_bases_root(url)
+    before = sorted(p.name for p in (tmp_path / "r").rglob("*") if p.is_file())
+    both = 2 * BASE * BASE * 4  # a.weight (the folder's) and b.weight (shared), float32
+    monkeypatch.setattr(tensorfile, "available_memory", lambda: both - 1024)
+    with pytest.raises(CheckpointTooLargeError) as err:
+        CheckpointManager(url, read_only=True).load()
+    assert err.value.needed >= both and err.value.available == both - 1024
+    assert "with the checkpoint's other files" in str(err.value)
+    assert sorted(p.name for p in (tmp_path / "r").rglob("*") if p.is_file()) == before  # nothing lost
