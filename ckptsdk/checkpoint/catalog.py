@@ -11,21 +11,18 @@ import logging
 from collections.abc import Callable, Iterable, Mapping, MutableMapping
 from dataclasses import dataclass, field, replace
 
-from ckptsdk.backends.base import Backend, ObjectInfo
+from ckptsdk.backends.base import Backend
 from ckptsdk.checkpoint.lineage import superseded_by
-from ckptsdk.errors import BackendError, LeaseError, ManifestError, ObjectNotFound
+from ckptsdk.checkpoint.listing import Folder, Listing, list_root, prune_memo, read_folder
+from ckptsdk.errors import BackendError, LeaseError, ObjectNotFound
 from ckptsdk.format.layout import (
-    CKPT_PREFIX,
-    LINEAGE_PREFIX,
     MANIFEST,
     Rank,
     lineage_key,
-    lineage_rank,
     outranks,
-    parse_folder,
     writer_tag,
 )
-from ckptsdk.format.manifest import LineageRecord, Manifest, parse_lineage, parse_manifest
+from ckptsdk.format.manifest import LineageRecord, Manifest
 from ckptsdk.lease.record import LEASE_KEY, LeaseRecord, parse_lease
 
 logger = logging.getLogger(__name__)
@@ -173,108 +170,6 @@ class Catalog:
         return sorted((c for c in self.checkpoints if c.step == step), key=lambda c: c.rank, reverse=True)
 
 
-def _read_json_object(backend: Backend, key: str) -> bytes | None:
-    try:
-        return backend.read(key)
-    except ObjectNotFound:
-        return None  # deleted between list and read: treat as never seen
-
-
-#: One checkpoint folder as its listing and (when read) its manifest show it:
-#: (step, writer rank, folder, files by name, manifest or None, why it is not valid or None).
-Folder = tuple[int, Rank, str, dict[str, ObjectInfo], Manifest | None, str | None]
-
-
-@dataclass(frozen=True)
-class Listing:
-    """One listing of a root: its checkpoint folders and its lineage records, no manifest read.
-
-    Lineage records are read (there is one per writer, a few hundred bytes each); manifests are
-    not: :func:`read_folder` reads one, :func:`scan` reads them all.
-    """
-
-    folders: dict[str, dict[str, ObjectInfo]]
-    lineage: dict[Rank, LineageRecord]
-    lineage_objs: list[ObjectInfo] = field(repr=False)
-    lineage_mtimes: list[float] = field(repr=False)
-
-    def used(self) -> set[Rank]:
-        """Every writer rank a folder name carries."""
-        return {named[1] for f in self.folders if (named := parse_folder(f)) is not None}
-
-    def committed(self) -> list[tuple[int, Rank]]:
-        """(step, rank) of every folder whose manifest is listed."""
-        return [named for f, files in self.folders.items() if MANIFEST in files and (named := parse_folder(f))]
-
-
-def list_root(backend: Backend, memo: MutableMapping[tuple[str, str], object]) -> Listing:
-    """List the root: checkpoint folders by name, and every lineage record (read, memoised)."""
-    folders: dict[str, dict[str, ObjectInfo]] = {}
-    for obj in backend.list(CKPT_PREFIX):
-        folder, _, name = obj.key.partition("/")
-        if parse_folder(folder) is not None and name and "/" not in name:
-            folders.setdefault(folder, {})[name] = obj
-
-    lineage: dict[Rank, LineageRecord] = {}
-    lineage_mtimes: list[float] = []
-    lineage_objs = backend.list(LINEAGE_PREFIX)
-    for obj in lineage_objs:
-        rank = lineage_rank(obj.key)
-        if rank is None:
-            continue
-        if obj.mtime is not None:
-            lineage_mtimes.append(obj.mtime)
-        cached = memo.get((obj.key, obj.version))
-        record = cached if isinstance(cached, LineageRecord) else None
-        if record is None:
-            raw = _read_json_object(backend, obj.key)
-            if raw is None:
-                continue
-            try:
-                record = parse_lineage(raw, key=obj.key)
-            except ManifestError as exc:
-                logger.warning("ignoring unreadable lineage record %s: %s", obj.key, exc)
-                continue
-            memo[(obj.key, obj.version)] = record
-        if record.epoch != rank[0]:
-            logger.warning("ignoring lineage record %s: it says epoch %s", obj.key, record.epoch)
-            continue
-        lineage[rank] = record
-    return Listing(folders=folders, lineage=lineage, lineage_objs=list(lineage_objs), lineage_mtimes=lineage_mtimes)
-
-
-def read_folder(
-    backend: Backend, memo: MutableMapping[tuple[str, str], object], folder: str, files: dict[str, ObjectInfo]
-) -> Folder:
-    """One folder of a listing with its manifest read (memoised by version) and its files checked."""
-    named = parse_folder(folder)
-    assert named is not None
-    step, rank = named
-    manifest: Manifest | None = None
-    reason: str | None = None
-    mobj = files.get(MANIFEST)
-    if mobj is None:
-        reason = "uncommitted: no manifest (a save in progress, or one that crashed)"
-    else:
-        key = f"{folder}/{MANIFEST}"
-        cached = memo.get((key, mobj.version))
-        if isinstance(cached, Manifest):
-            manifest = cached
-        else:
-            raw = _read_json_object(backend, key)
-            if raw is None:
-                reason = "manifest vanished while listing (being deleted)"
-            else:
-                try:
-                    manifest = parse_manifest(raw, key=key)
-                    memo[(key, mobj.version)] = manifest
-                except ManifestError as exc:
-                    reason = f"bad manifest: {exc}"
-        if manifest is not None:
-            reason = _check_files(manifest, files, step, rank[0])
-    return step, rank, folder, files, manifest, reason
-
-
 def writer_points(
     listing: Listing,
     read: list[Folder],
@@ -332,19 +227,6 @@ def classify(entry: Folder, points: Mapping[Rank, int | None]) -> CheckpointInfo
         mtime=max((o.mtime for o in files.values() if o.mtime is not None), default=None),
         anchor=manifest is not None and points.get(rank) == step,
     )
-
-
-def prune_memo(memo: MutableMapping[tuple[str, str], object], listing: Listing) -> None:
-    """Drop from ``memo`` what ``listing`` no longer shows.
-
-    The memo holds what a root holds now, not everything it ever held: a manager that saves
-    (or a reader that restores) every few seconds for days must not keep each deleted
-    checkpoint's manifest alive."""
-    folders = listing.folders
-    listed = {(f"{folder}/{name}", obj.version) for folder, files in folders.items() for name, obj in files.items()}
-    listed |= {(obj.key, obj.version) for obj in listing.lineage_objs}
-    for stale in [k for k in memo if k not in listed]:
-        del memo[stale]
 
 
 def lease_witness(backend: Backend) -> LeaseRecord | None:
@@ -476,25 +358,3 @@ def _where(point: int | None) -> str:
 
 def _name(rank: Rank) -> str:
     return f"epoch {rank[0]}" + (f" (writer {rank[1]})" if rank[1] else "")
-
-
-def _check_files(manifest: Manifest, files: dict[str, ObjectInfo], step: int, epoch: int) -> str | None:
-    if manifest.step != step or manifest.writer.lease_epoch != epoch:
-        return (
-            f"manifest says step {manifest.step} epoch {manifest.writer.lease_epoch} but lives in "
-            f"the folder of step {step} epoch {epoch}"
-        )
-    from ckptsdk.format.digest import CHECKPOINT_ALGORITHMS as ALGORITHMS  # what a checkpoint's files may name
-
-    for entry in manifest.files:
-        if entry.algorithm not in ALGORITHMS:
-            return (
-                f"{entry.name}: unknown digest algorithm {entry.algorithm!r} (this ckptsdk knows "
-                f"{', '.join(ALGORITHMS)}); written by a newer ckptsdk? upgrade to read it"
-            )
-        obj = files.get(entry.name)
-        if obj is None:
-            return f"torn: {entry.name} is missing"
-        if obj.size != entry.size:
-            return f"torn: {entry.name} has {obj.size} bytes, the manifest says {entry.size}"
-    return None

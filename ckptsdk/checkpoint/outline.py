@@ -11,17 +11,8 @@ from __future__ import annotations
 from collections.abc import Iterator, MutableMapping
 
 from ckptsdk.backends.base import Backend
-from ckptsdk.checkpoint.catalog import (
-    CheckpointInfo,
-    Folder,
-    classify,
-    lease_witness,
-    list_root,
-    prune_memo,
-    read_folder,
-    writer_points,
-    writer_ranks,
-)
+from ckptsdk.checkpoint.catalog import CheckpointInfo, classify, lease_witness, writer_points, writer_ranks
+from ckptsdk.checkpoint.listing import Folder, list_root, prune_memo, read_folder
 from ckptsdk.format.layout import Rank, outranks, parse_folder
 from ckptsdk.lease.record import LeaseRecord
 
