@@ -1,4 +1,5 @@
-"""What follows a commit of one writer: its in-memory catalog, rotation, the step log.
+"""What follows a commit of one writer: its in-memory catalog (and when it is listed again), rotation,
+the step log.
 
 The base of :class:`ckptsdk.checkpoint.saving.SavePipeline` (which sets the attributes below):
 the commit is the pipeline's; this runs after it, off the critical path. After a blocking save it
@@ -15,6 +16,7 @@ from dataclasses import replace
 
 from ckptsdk.backends.base import Backend
 from ckptsdk.checkpoint.catalog import Catalog, CheckpointInfo
+from ckptsdk.checkpoint.recycling import retire_while_listing
 from ckptsdk.checkpoint.rotation import Rotation
 from ckptsdk.checkpoint.scheduling import SaveSlots
 from ckptsdk.errors import BackendError, DeadlineExceeded, LeaseLostError
@@ -24,7 +26,10 @@ from ckptsdk.runlog.writer import RunLog
 
 logger = logging.getLogger("ckptsdk.checkpoint.saving")  # one logger for the save pipeline
 
-__all__ = ["AfterCommit"]
+__all__ = ["RELIST_S", "AfterCommit"]
+
+#: Seconds the writer trusts its in-memory catalog before it lists the root again (to see gc).
+RELIST_S = 300.0
 
 
 class AfterCommit(ABC):
@@ -44,6 +49,8 @@ class AfterCommit(ABC):
     _listed_at: float
     _tidy_due: bool
     _sync_caller: bool
+    _retired: tuple[CheckpointInfo | None] | None
+    fence_if_newer: Callable[[Rank], None]  # Anchoring's, the pipeline's other base
 
     @property
     @abstractmethod
@@ -53,8 +60,36 @@ class AfterCommit(ABC):
     @abstractmethod
     def resumed_from(self) -> CheckpointInfo | None: ...
 
-    @abstractmethod
-    def catalog(self) -> Catalog: ...
+    def catalog(self) -> Catalog:
+        """The writer's view of the root: listed at the first save, after a failure and every
+        ``RELIST_S`` seconds (fencing on a newer writer it shows), else kept from its own commits."""
+        if self._catalog is None or self._clock() - self._listed_at > RELIST_S:
+            self._relist()
+        assert self._catalog is not None
+        return self._catalog
+
+    def _relist(self) -> Catalog:
+        cat = self._scan()
+        self._catalog, self._listed_at, self._tidy_due = cat, self._clock(), True
+        self.fence_if_newer(cat.max_rank)
+        return cat
+
+    def _relist_and_retire(self, step: int) -> None:
+        """Drive's listing before the upload. In recycle mode the checkpoint whose file this save
+        reuses loses its manifest meanwhile (:func:`~ckptsdk.checkpoint.recycling.retire_while_listing`),
+        chosen from the catalog kept since the last listing; at the first save and after a
+        failure (no catalog kept) the choice waits for this listing, as the anchor's does."""
+        known = self._catalog
+        if not self.rotation.recycles or known is None:
+            self._relist()
+            return
+        source = retire_while_listing(self._relist, lambda: self._retire(known, step))
+        if source is not None:
+            self._forget({source.key})  # whatever the listing saw: no checkpoint any more
+        self._retired = (source,)
+
+    def _retire(self, cat: Catalog, step: int) -> CheckpointInfo | None:
+        return self.rotation.recycle_source(self.lease, self.rank, cat, step, self.resumed_from)
 
     def _after_commit(self, info: CheckpointInfo) -> None:
         """Off the critical path (the checkpoint is committed and durable): the catalog, rotation,

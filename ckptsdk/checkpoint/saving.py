@@ -33,7 +33,7 @@ import torch
 from ckptsdk.backends.base import Backend
 from ckptsdk.backends.deadline import SAVE_RATE_BPS, bounded
 from ckptsdk.backends.posix import deferred_dir_sync
-from ckptsdk.checkpoint.aftercommit import AfterCommit
+from ckptsdk.checkpoint.aftercommit import RELIST_S, AfterCommit
 from ckptsdk.checkpoint.anchoring import Anchoring
 from ckptsdk.checkpoint.catalog import Catalog, CheckpointInfo
 from ckptsdk.checkpoint.lineage import LineageWriter
@@ -57,9 +57,6 @@ from ckptsdk.runlog.writer import RunLog
 logger = logging.getLogger(__name__)
 
 __all__ = ["RELIST_S", "SavePipeline"]
-
-#: Seconds the writer trusts its in-memory catalog before it lists the root again (to see gc).
-RELIST_S = 300.0
 
 
 @dataclass(frozen=True)
@@ -134,6 +131,9 @@ class SavePipeline(AfterCommit, Anchoring):
         self._tidy_due = True  # leftovers and the sweep: at the first listing and after a failure
         self._sync_caller = False  # a blocking save is committing on the caller's thread
         self._pacing = threading.local()  # .idle: the running background save's (see pacing.py)
+        # Drive's recycle mode: (the checkpoint retired for the save being stored, or None),
+        # chosen beside the listing before its upload; None: not chosen yet (see _write).
+        self._retired: tuple[CheckpointInfo | None] | None = None
 
     @property
     def tag(self) -> str:
@@ -273,20 +273,6 @@ class SavePipeline(AfterCommit, Anchoring):
         """
         self._abandoned.set()
 
-    def catalog(self) -> Catalog:
-        """The writer's view of the root: listed at the first save, after a failure and every
-        ``RELIST_S`` seconds (fencing on a newer writer it shows), else kept from its own commits."""
-        if self._catalog is None or self._clock() - self._listed_at > RELIST_S:
-            self._relist()
-        assert self._catalog is not None
-        return self._catalog
-
-    def _relist(self) -> Catalog:
-        cat = self._scan()
-        self._catalog, self._listed_at, self._tidy_due = cat, self._clock(), True
-        self.fence_if_newer(cat.max_rank)
-        return cat
-
     def _store(self, job: _Save, tensors: Mapping[str, torch.Tensor], skeleton: Any) -> CheckpointInfo:
         """The storage half of a save (tensors, renewal: the fence, commit; then rotate), within one
         deadline (``save_deadline``). Without compare-and-swap (Drive) a listing comes first: a fence too."""
@@ -299,11 +285,12 @@ class SavePipeline(AfterCommit, Anchoring):
                     # Drive: the listing is a fence (a newer writer's folders and lineage record), and
                     # before the upload, so a zombie stops before it sends a full-size file that could
                     # only end in the trash.
-                    self._relist()
+                    self._relist_and_retire(job.step)
                 cat = self.catalog()
                 existing = next((c for c in cat.checkpoints if c.key == job.folder and c.committed), None)
                 if existing is not None:
                     logger.debug("step %d already committed as %s; not saving it twice", job.step, job.folder)
+                    self._retired = None  # (its folder, now uncommitted, goes as a leftover)
                     return existing
                 self.write_lineage(None, None)  # once: a no-op after this writer's first commit or restore
                 self._pacing.idle = job.pace
@@ -325,6 +312,7 @@ class SavePipeline(AfterCommit, Anchoring):
                     self._pacing.idle = None
             except BaseException as exc:
                 self._catalog = None  # whatever failed, the next save lists the root again
+                self._retired = None
                 if isinstance(exc, DeadlineExceeded) and job.folder in self._committed:
                     logger.warning("step %d is committed under %s; rotation waits: %s", job.step, self.url, exc)
                     return self._committed[job.folder]
@@ -375,11 +363,11 @@ class SavePipeline(AfterCommit, Anchoring):
         shared: list[SharedFile],
     ) -> CheckpointInfo:
         key = f"{folder}/{TENSORS}"
-        source = (
-            self.rotation.recycle_source(self.lease, self.rank, self.catalog(), step, self.resumed_from)
-            if self.rotation.recycles
-            else None
-        )
+        chosen, self._retired = self._retired, None
+        if chosen is not None:  # retired beside the listing before the upload
+            source = chosen[0]
+        else:
+            source = self._retire(self.catalog(), step) if self.rotation.recycles else None
         if source is not None:
             self._forget({source.key})  # its manifest is gone: it is no checkpoint any more
         in_place = take_file(self.backend, f"{source.key}/{TENSORS}", key) if source is not None else None

@@ -58,12 +58,22 @@ def test_calls_per_steady_state_save(kind: str, make_backend_target: Callable[..
     target = make_backend_target(kind.partition("-")[0])
     # Where the two listings run at once (Drive), each waits at a barrier for the other: run one
     # after the other, the first would wait in vain and the save fail.
-    both = threading.Barrier(2, timeout=30)
+    # In recycle mode the retired checkpoint's manifest delete runs beside them too: in the
+    # measured save, the lineage listing also waits for that delete to start.
+    both, beside = threading.Barrier(2, timeout=30), threading.Barrier(2, timeout=30)
     concurrent = not target.open().capabilities.immediately_consistent
+    # the manifest whose delete the measured save runs beside the listing; whether the listing
+    # has yet to wait for it
+    retiring: dict[str, Any] = {"manifest": None, "listing_due": False}
 
     def meet(op: str, key: str, _n: int) -> None:
         if concurrent and op == "list" and key in ("step-", "lineage/"):
             both.wait()
+            if key == "lineage/" and retiring["listing_due"]:
+                retiring["listing_due"] = False
+                beside.wait()
+        if op == "delete" and key == retiring["manifest"]:
+            beside.wait()
 
     backend = CountingBackend(FaultyBackend(target.open(), fail_on=meet))
     mode = "delete" if kind == "drive-delete" else None
@@ -72,18 +82,20 @@ def test_calls_per_steady_state_save(kind: str, make_backend_target: Callable[..
     )
     state = _state()
     assert mgr.restore(state) is None
+    epoch = mgr.lease.epoch
+    tag = mgr._saving.tag
+    # Drive rotates one save late: with keep_last=2 the save of step 5 lets step 2 go.
+    old = checkpoint_dir(2, epoch, tag)
     for step in range(1, 6):
         _train(state)
         mgr.log_step(step, loss=float(step))
         start = len(backend.ops)
+        if step == 5 and concurrent and mode is None:
+            retiring.update(manifest=f"{old}/{MANIFEST}", listing_due=True)
         mgr.save(state, step=step, blocking=False)
         assert mgr.wait(timeout=120)
-    epoch = mgr.lease.epoch
-    tag = mgr._saving.tag
     folder = checkpoint_dir(5, epoch, tag)
     path = _critical_path(backend.ops[start:], folder)
-    # Drive rotates one save late: with keep_last=2 the save of step 5 lets step 2 go.
-    old = checkpoint_dir(2, epoch, tag)
     if backend.capabilities.compare_and_swap:
         assert path == [("write", f"{folder}/{TENSORS}"), ("replace", LEASE_KEY), ("write", f"{folder}/{MANIFEST}")]
     elif mode == "delete":
@@ -98,12 +110,12 @@ def test_calls_per_steady_state_save(kind: str, make_backend_target: Callable[..
             ("write", f"{folder}/{MANIFEST}"),
         ], path
     else:
-        # Drive, recycling (its default): after the same listing the oldest rotated-out checkpoint
-        # loses its manifest and gives its file (moved, rewritten in place). Six calls in sequence:
-        # the issue's five are not met in this mode (the listing must fence the manifest's delete).
-        assert set(path[:2]) == {("list", "step-"), ("list", "lineage/")}, path
-        assert path[2:] == [
-            ("delete", f"{old}/{MANIFEST}"),
+        # Drive, recycling (its default): the oldest rotated-out checkpoint loses its manifest
+        # beside the same listing (all three met at the barriers: one round trip), then gives its
+        # file (moved, rewritten in place) once the listing fenced a newer writer. Five calls in
+        # sequence.
+        assert set(path[:3]) == {("list", "step-"), ("list", "lineage/"), ("delete", f"{old}/{MANIFEST}")}, path
+        assert path[3:] == [
             ("move", f"{old}/{TENSORS}"),
             ("overwrite", f"{folder}/{TENSORS}"),
             ("replace", LEASE_KEY),
@@ -255,6 +267,49 @@ def test_the_single_renewal_fences_a_zombie(make_backend_target: Callable[..., A
     assert [(c.step, c.epoch) for c in cat.restorable()] == [(4, heir.lease.epoch)]
     assert not any(c.key == folder for c in cat.checkpoints)
     heir.close()
+    zombie.close()
+
+
+def test_a_drive_zombie_retires_only_its_own_doomed_checkpoint_and_touches_no_file(
+    make_backend_target: Callable[..., Any],
+) -> None:
+    """Drive, recycle mode: the retire runs beside the listing, so a zombie may delete the
+    manifest of the checkpoint its own retention lets go at this save. Nothing more: the listing
+    shows the heir, the save stops with LeaseLostError before any file is moved, rewritten or
+    written, and the heir's checkpoints restore exactly."""
+    target = make_backend_target("drive")
+    store = CountingBackend(target.open())
+    zombie = CheckpointManager(store, keep_last=1, lease_ttl=60, lease_settle=0.05, _simulation=NO_HEARTBEAT)
+    state = _state()
+    zombie.restore(state)
+    for step in (1, 2, 3):  # the save of step 3 recycled step 1's file: the steady state
+        _train(state)
+        zombie.save(state, step=step, blocking=False)
+        assert zombie.wait(timeout=60)
+    epoch, tag = zombie.lease.epoch, zombie._saving.tag
+    heir = CheckpointManager(
+        target.url, keep_last=1, lease_ttl=60, lease_settle=0.05, force=True, _simulation=Simulation(heartbeat=False)
+    )
+    heir_state = _state(seed=2)
+    assert heir.restore(heir_state).step == 3
+    expected = {k: v.clone() for k, v in heir_state.objects["model"].state_dict().items()}
+    _train(state)
+    start = len(store.ops)
+    zombie.save(state, step=4, blocking=False)
+    with pytest.raises(LeaseLostError):
+        zombie.wait(timeout=60)
+    ops = store.ops[start:]
+    doomed = checkpoint_dir(2, epoch, tag)
+    assert [k for op, k in ops if op == "delete"] == [f"{doomed}/{MANIFEST}"], ops  # retired beside the listing
+    assert not [(op, k) for op, k in ops if op in ("move", "overwrite", "write", "create")], ops
+    assert target.open().exists(f"{doomed}/{TENSORS}")  # its file stays where it was
+    heir.save(heir_state, step=4, blocking=True)
+    heir.close()
+    fresh = _state(seed=3)
+    assert CheckpointManager(target.url, read_only=True).restore(fresh).step == 4
+    reread = CheckpointManager(target.url, read_only=True).load(step=3)
+    for name, value in expected.items():
+        assert torch.equal(reread["objects"]["model"][name], value), name
     zombie.close()
 
 
