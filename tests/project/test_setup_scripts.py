@@ -136,20 +136,21 @@ def test_a_torch_the_interpreter_imports_is_reused_not_installed(tmp_path):
     assert not list(venv.glob("lib/python*/site-packages/torch"))  # nothing of torch copied in
 
 
-def _fake_interpreter(tmp_path: Path, imports_after: str | None) -> tuple[Path, Path]:
-    """An interpreter with no torch whose venv's pip succeeds at once and logs its arguments; the
-    venv imports torch and torchvision together only once a pip was asked for ``imports_after``."""
-    log, works = tmp_path / "pips", tmp_path / "pair-imports"
+_NMS = "RuntimeError: operator torchvision::nms does not exist"  # what PyPI's torchvision said beside a CPU torch
+
+
+def _no_torch_python(tmp_path: Path, *venv_lines: str) -> Path:
+    """``tmp_path/python3``: an interpreter that imports no torch, and whose venvs' python runs
+    ``venv_lines`` (quoted lines of bash) before it hands over to this test's real interpreter."""
     real = sys.executable
-    marker = f'case "$*" in *{imports_after}*) touch {works};; esac; ' if imports_after else ""
     fake = tmp_path / "python3"
+    lines = " \\\n        ".join(venv_lines)
     fake.write_text(
         f"""#!/bin/bash
 if [ "$1 $2" = "-m venv" ]; then
     mkdir -p "$3/bin"
     printf '%s\\n' '#!/bin/bash' \\
-        'if [ "$1 $2" = "-m pip" ]; then shift 5; echo "$*" >> {log}; {marker}exit 0; fi' \\
-        'if [ "$1" = "-c" ]; then case "$2" in *torchvision*) [ -e {works} ] || {{ echo "RuntimeError: operator torchvision::nms does not exist" >&2; exit 1; }}; exit 0;; esac; fi' \\
+        {lines} \\
         'exec {real} "$@"' > "$3/bin/python"
     chmod +x "$3/bin/python"
     exit 0
@@ -159,9 +160,34 @@ exec {real} "$@"
 """
     )
     fake.chmod(0o755)
+    return fake
+
+
+def _fake_interpreter(tmp_path: Path, imports_after: str | None) -> tuple[Path, Path]:
+    """An interpreter with no torch whose venv's pip succeeds at once and logs its arguments; the
+    venv imports torch and torchvision together only once a pip was asked for ``imports_after``."""
+    log, works = tmp_path / "pips", tmp_path / "pair-imports"
+    marker = f'case "$*" in *{imports_after}*) touch {works};; esac; ' if imports_after else ""
+    fake = _no_torch_python(
+        tmp_path,
+        f"""'if [ "$1 $2" = "-m pip" ]; then shift 5; echo "$*" >> {log}; {marker}exit 0; fi'""",
+        f"""'if [ "$1" = "-c" ]; then case "$2" in *torchvision*) [ -e {works} ] || {{ echo "{_NMS}" >&2; exit 1; }};"""
+        """ exit 0;; esac; fi'""",
+    )
     (tmp_path / "nvidia-smi").write_text("#!/bin/sh\nexit 1\n")  # no GPU, whatever machine runs this
     (tmp_path / "nvidia-smi").chmod(0o755)
     return fake, log
+
+
+def _set_up(tmp_path: Path, python: Path, venv: Path, then: str) -> subprocess.CompletedProcess[str]:
+    """Source venv.sh with ``python`` as the interpreter and ``tmp_path`` first on PATH."""
+    return bash(
+        f"source {REPO}/scripts/venv.sh {then}",
+        cwd=tmp_path,
+        CKPTSDK_VENV=str(venv),
+        PYTHON=str(python),
+        PATH=f"{tmp_path}:{os.environ['PATH']}",
+    )
 
 
 def test_a_cpu_build_that_does_not_import_falls_back_to_the_default_pair(tmp_path):
@@ -170,13 +196,7 @@ def test_a_cpu_build_that_does_not_import_falls_back_to_the_default_pair(tmp_pat
     default pair is installed instead before the rest."""
     fake, log = _fake_interpreter(tmp_path, imports_after="torchvision==0.29.1")
     venv = tmp_path / "venv"
-    proc = bash(
-        f"source {REPO}/scripts/venv.sh || exit 9",
-        cwd=tmp_path,
-        CKPTSDK_VENV=str(venv),
-        PYTHON=str(fake),
-        PATH=f"{tmp_path}:{os.environ['PATH']}",
-    )
+    proc = _set_up(tmp_path, fake, venv, "|| exit 9")
     assert proc.returncode == 0, proc.stderr
     pips = log.read_text().splitlines()
     assert len(pips) == 3, pips
@@ -190,13 +210,7 @@ def test_a_cpu_build_that_does_not_import_falls_back_to_the_default_pair(tmp_pat
 def test_a_pair_that_never_imports_fails_the_set_up_and_keeps_no_venv(tmp_path):
     fake, log = _fake_interpreter(tmp_path, imports_after=None)
     venv = tmp_path / "venv"
-    proc = bash(
-        f"source {REPO}/scripts/venv.sh; echo rc=$?",
-        cwd=tmp_path,
-        CKPTSDK_VENV=str(venv),
-        PYTHON=str(fake),
-        PATH=f"{tmp_path}:{os.environ['PATH']}",
-    )
+    proc = _set_up(tmp_path, fake, venv, "; echo rc=$?")
     assert proc.stdout.splitlines()[-1] == "rc=1", proc.stderr
     assert "do not import together" in proc.stderr
     assert "operator torchvision::nms does not exist" in proc.stderr  # what the import said
@@ -237,24 +251,8 @@ def _session_alive(sid: int) -> list[int]:
 def test_a_killed_set_up_leaves_no_pip_running_and_no_venv(tmp_path):
     """Ctrl-C while pip downloads: pip stops, no fallback install starts, the half venv goes."""
     started = tmp_path / "pip-started"
-    real = sys.executable
     # An interpreter whose venv's pip never ends (a slow download), recording each pip it starts.
-    fake = tmp_path / "python3"
-    fake.write_text(
-        f"""#!/bin/bash
-if [ "$1 $2" = "-m venv" ]; then
-    mkdir -p "$3/bin"
-    printf '%s\\n' '#!/bin/bash' \\
-        'if [ "$1 $2" = "-m pip" ]; then echo $$ >> {started}; exec sleep 600; fi' \\
-        'exec {real} "$@"' > "$3/bin/python"
-    chmod +x "$3/bin/python"
-    exit 0
-fi
-[ "$1" = "-c" ] && case "$2" in *torch*) exit 1;; esac  # no torch to reuse here
-exec {real} "$@"
-"""
-    )
-    fake.chmod(0o755)
+    fake = _no_torch_python(tmp_path, f"""'if [ "$1 $2" = "-m pip" ]; then echo $$ >> {started}; exec sleep 600; fi'""")
     venv = tmp_path / "venv"
     env = {**os.environ, "CKPTSDK_VENV": str(venv), "PYTHON": str(fake), "PATH": f"{tmp_path}:{os.environ['PATH']}"}
     shell = subprocess.Popen(
