@@ -17,6 +17,7 @@ from ckptsdk.backends.base import Backend, rewriter
 from ckptsdk.backends.posix import deferred_dir_sync
 from ckptsdk.checkpoint import retention
 from ckptsdk.checkpoint.catalog import Catalog, CheckpointInfo
+from ckptsdk.checkpoint.lineage import superseded_by
 from ckptsdk.checkpoint.retention import Rule
 from ckptsdk.checkpoint.shared_files import loose_files, release
 from ckptsdk.checkpoint.usage import record_trash
@@ -150,7 +151,7 @@ class Rotation:
                 "a newer writer (epoch %d) exists under %s: rotation deletes nothing", cat.max_epoch, self.url
             )
             return set()
-        mine = [c for c in cat.checkpoints if c.valid and not outranks(c.rank, rank)]
+        mine = _lineage(cat, rank, resumed_from)
         # Drive: a rotation's small deletes can reach the cloud before the new checkpoint's tensor
         # file does: rotate one save late (the newest has a save interval to upload).
         protected = self._protected(mine, rank, resumed_from)
@@ -253,7 +254,7 @@ class Rotation:
         if not self.recycles or outranks(cat.max_rank, rank):
             return None
         lease.check()
-        mine = [c for c in cat.checkpoints if c.valid and not outranks(c.rank, rank)]
+        mine = _lineage(cat, rank, resumed_from)
         probe = CheckpointInfo(step=step, epoch=rank[0], tag=rank[1], key="", size=0, committed=True, valid=True)
         # The probe has no manifest yet (no metrics, no time): judged without them, the rules keep
         # a superset of the other steps (a new score can only push one out of the best k), so a
@@ -479,3 +480,20 @@ def _why_not(rules: Sequence[Rule]) -> str:
     if len(rules) == 1 and isinstance(rules[0], retention.KeepLast):
         return f"beyond keep_last={rules[0].n}"
     return f"no rule keeps it ({retention.describe_rules(rules)})"
+
+
+def _lineage(cat: Catalog, rank: Rank, resumed_from: CheckpointInfo | None) -> list[CheckpointInfo]:
+    """The valid checkpoints of this writer's lineage: its own, and lower writers' up to the step
+    it resumed from (none after a fresh start).
+
+    The catalog may have been listed before this writer's lineage record was written (its
+    first save lists, then records where it started): what that record makes orphans still
+    looks valid there. Judged among them, a fresh start's step 10 went before a predecessor's
+    steps 40 and 50, which the record then orphaned: nothing was left to restore.
+    """
+    point = {rank: None if resumed_from is None else resumed_from.step}
+    return [
+        c
+        for c in cat.checkpoints
+        if c.valid and not outranks(c.rank, rank) and (c.rank == rank or superseded_by(c.step, c.rank, point) is None)
+    ]

@@ -286,3 +286,50 @@ def test_a_renewal_during_the_settle_cannot_make_two_writers_collide(
     finally:
         for m in managers:
             m._closed = True
+
+
+@pytest.mark.parametrize("kind", ["local", "drive"])
+def test_a_fresh_start_after_a_longer_run_keeps_its_own_first_checkpoint(kind, tmp_path, monkeypatch) -> None:
+    """Found by the deep lineage profile (2026-12-02): a writer that starts fresh (no restore) on a
+    root whose last run reached step 50 saves step 10. Its catalog, listed at that first save
+    before its lineage record existed, still showed steps 40 and 50 as part of its lineage, so its
+    rotation (keep_last=2) let its own step 10 go; the record then made 40 and 50 orphans, and a
+    reader restored nothing at all. Now only what the record keeps in the lineage is judged."""
+    import torch
+
+    from ckptsdk import TrainState
+
+    if kind == "drive":
+        monkeypatch.setenv("CKPTSDK_DRIVE_ROOT", str(tmp_path))
+        url = "drive://run"
+    else:
+        url = str(tmp_path / "run")
+
+    def state(seed: int) -> TrainState:
+        torch.manual_seed(seed)
+        return TrainState(model=torch.nn.Linear(4, 4))
+
+    kw: dict[str, Any] = dict(keep_last=2, lease_ttl=5, lease_settle=0, save_on_signal=False)
+    with CheckpointManager(url, **kw) as first:
+        s = state(0)
+        assert first.restore(s) is None
+        for step in (10, 20, 30, 40, 50):
+            first.save(s, step=step, blocking=True)
+    with CheckpointManager(url, **kw) as resumed:
+        assert resumed.restore(state(1)).step == 50
+    fresh = state(2)
+    expected = {k: v.clone() for k, v in fresh.objects["model"].state_dict().items()}
+    with CheckpointManager(url, **kw) as again:  # no restore: a new lineage from scratch
+        again.save(fresh, step=10, blocking=True)
+        epoch = again.lease.epoch
+    back = state(3)
+    got = CheckpointManager(url, read_only=True).restore(back)
+    assert got is not None and got.step == 10
+    for name, value in back.objects["model"].state_dict().items():
+        assert torch.equal(value, expected[name]), name
+    from ckptsdk import open_backend
+    from ckptsdk.checkpoint.catalog import scan
+
+    cat = scan(open_backend(url))
+    assert [(c.step, c.epoch) for c in cat.restorable()] == [(10, epoch)]
+    assert {c.step for c in cat.checkpoints if c.orphan} >= {40, 50}  # orphans, left to gc: nothing deleted
