@@ -2,9 +2,12 @@
 
 Registered at import. ``--hypothesis-profile=NAME`` (hypothesis' pytest plugin) loads a profile
 before test modules are imported, so for ``deep`` load this module first:
-``python -m pytest -p tests.support.hypothesis_profiles --hypothesis-profile=deep``
-``tests/stories/test_lineage_invariants.py``
+``python -m pytest -p tests.support.hypothesis_profiles --hypothesis-profile=deep --timeout=0``
+``tests/stories/test_lineage_invariants.py -n 2``
 (or set ``CKPTSDK_HYPOTHESIS_PROFILE=deep``). Only settings live here; no strategies, no tests.
+
+``--timeout=0``: pyproject's 300 s per test cuts the deep Drive machines off (about 30 min for the
+four on 2 cores), and hypothesis then reports the cut as a flaky failure.
 """
 
 from __future__ import annotations
