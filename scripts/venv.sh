@@ -14,6 +14,17 @@ _ckptsdk_setup() (
     repo="$1"
     venv="$2"
     py="$3"
+    if [ ! -f "$venv/.complete" ] && command -v flock > /dev/null; then
+        # Two set-ups of one venv at once (a test run and a shell sourcing this, two clones) would
+        # install over each other and leave neither working: the second waits for the first, then
+        # finds its venv complete. The lock is released when this subshell ends, however it ends.
+        mkdir -p "$(dirname "$venv")"
+        exec 9> "$venv.lock"
+        if ! flock -n 9; then
+            echo "[setup] another set-up of $venv is running: waiting for it to finish" >&2
+            flock 9
+        fi
+    fi
     if [ ! -f "$venv/.complete" ]; then
         # A set-up that is killed or fails leaves no half venv and no pip running: each pip runs
         # in its own process group, stopped with it, and the folder goes (no .complete is made).
@@ -33,7 +44,8 @@ _ckptsdk_setup() (
         # `setsid` puts pip in a group of its own (its build subprocesses too) so that _stop can
         # end all of it; `wait` keeps this shell able to run the trap meanwhile.
         run() {
-            if command -v setsid > /dev/null; then setsid "$@" & else "$@" & fi
+            # 9>&-: pip does not hold the set-up lock (a stray build process must not block the next set-up).
+            if command -v setsid > /dev/null; then setsid "$@" 9>&- & else "$@" 9>&- & fi
             child=$!
             wait "$child"
             local rc=$?

@@ -218,6 +218,50 @@ def test_a_pair_that_never_imports_fails_the_set_up_and_keeps_no_venv(tmp_path):
     assert not venv.exists()  # an incomplete venv is not kept to be reused
 
 
+def test_two_set_ups_at_once_build_one_venv_and_both_use_it(tmp_path):
+    """A test run and a shell sourcing venv.sh at once (seen on a fresh machine): they used to
+    install over each other and both failed. The second waits for the first, then reuses it."""
+    log, go = tmp_path / "pips", tmp_path / "go"
+    # pip: logs its arguments, then waits (boundedly) for the test's go; the pair imports.
+    fake = _no_torch_python(
+        tmp_path,
+        f"""'if [ "$1 $2" = "-m pip" ]; then shift 5; echo "$*" >> {log};"""
+        f""" for _ in $(seq 3000); do [ -e {go} ] && exit 0; sleep 0.1; done; exit 1; fi'""",
+    )
+    (tmp_path / "nvidia-smi").write_text("#!/bin/sh\nexit 1\n")
+    (tmp_path / "nvidia-smi").chmod(0o755)
+    venv = tmp_path / "venv"
+    env = {**os.environ, "CKPTSDK_VENV": str(venv), "PYTHON": str(fake), "PATH": f"{tmp_path}:{os.environ['PATH']}"}
+    script = f"source {REPO}/scripts/venv.sh && echo ready"
+    errs = [tmp_path / "first.err", tmp_path / "second.err"]
+    with errs[0].open("w") as err0, errs[1].open("w") as err1:
+        first = subprocess.Popen(["bash", "--norc", "--noprofile", "-c", script], env=env, cwd=tmp_path,
+                                 stdout=subprocess.PIPE, stderr=err0, text=True)
+        second = None
+        try:
+            deadline = time.monotonic() + 120
+            while not log.exists():  # the first set-up is inside its first pip, holding the lock
+                assert first.poll() is None and time.monotonic() < deadline, errs[0].read_text()
+                time.sleep(0.05)
+            second = subprocess.Popen(["bash", "--norc", "--noprofile", "-c", script], env=env, cwd=tmp_path,
+                                      stdout=subprocess.PIPE, stderr=err1, text=True)
+            while "another set-up" not in errs[1].read_text():
+                assert second.poll() is None and time.monotonic() < deadline, errs[1].read_text()
+                time.sleep(0.05)
+            go.touch()
+            outs = [first.communicate(timeout=120)[0], second.communicate(timeout=120)[0]]
+        finally:
+            for proc in (first, second):
+                if proc is not None and proc.poll() is None:
+                    proc.kill()
+                    proc.communicate()
+    assert (first.returncode, second.returncode) == (0, 0), [e.read_text() for e in errs]
+    assert outs == ["ready\n", "ready\n"]
+    assert len(log.read_text().splitlines()) == 2  # CPU index, the rest: all from the first set-up
+    assert "creating it" not in errs[1].read_text()  # the second found it complete
+    assert (venv / ".complete").exists()
+
+
 def _as_at_a_terminal() -> None:
     """In the child: the signals a shell at a terminal starts with. A signal ignored when bash
     starts cannot be trapped, and something earlier in a full suite's worker process (not ckptsdk:
