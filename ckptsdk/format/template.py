@@ -16,6 +16,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import numpy as np
 import torch
 from pydantic import JsonValue
 
@@ -214,6 +215,8 @@ def _compile(obj: Any, node: Any, path: tuple[str, ...], opaque: list[str]) -> _
         return _scalar, _build_scalar, None
     if kind in _TENSORS and isinstance(node, dict) and "$tensor" in node:
         return _tensor(obj, node)
+    if kind is np.ndarray and isinstance(node, dict) and "$ndarray" in node:
+        return _ndarray(obj, node)
     if kind in (list, tuple):
         if all(type(v) in _SCALARS for v in obj):
             return _scalar_seq(kind)
@@ -266,6 +269,30 @@ def _tensor(obj: torch.Tensor, node: dict[str, Any]) -> _Node:
 
 def _tensor_node(spec: tuple[Any, ...]) -> dict[str, Any]:
     return {"$tensor": spec[2], "dtype": spec[3], "shape": list(spec[4])}
+
+
+def _ndarray(obj: np.ndarray, node: dict[str, Any]) -> _Node:
+    """A numpy array of fixed dtype and shape: numpy's RNG key (``np.random.get_state``), in
+    every TrainState. Modelled so that such a tree stays sized (see ``Captured.sized``): encoded
+    in full, it cost a full encode of its subtree and every per-tensor check downstream."""
+    key, dtype_str, shape = node["$ndarray"], node["dtype"], obj.shape
+
+    def cap(o: Any, tensors: list[torch.Tensor], _slots: list[Any]) -> None:
+        # Only the codec's plain case (torch.from_numpy of the array itself): an array it would
+        # copy first (not native, read-only, negative strides) takes the full encode.
+        if (
+            type(o) is not np.ndarray
+            or o.dtype.str != dtype_str
+            or o.shape != shape
+            or not o.dtype.isnative
+            or not o.flags.writeable
+            or any(s < 0 for s in o.strides)
+        ):
+            raise _Changed
+        tensors.append(torch.from_numpy(o))  # shares the array's memory, as the codec's does
+
+    # Not a tensor spec (None): a mapping of these takes the general capture, not the module loop.
+    return cap, lambda _it: {"$ndarray": key, "dtype": dtype_str, "shape": list(shape)}, None
 
 
 def _scalar_seq(kind: Any) -> _Node:
@@ -422,7 +449,7 @@ def _state_dict(obj: OrderedDict[Any, Any], node: dict[str, Any], path: tuple[st
 
 
 def _opaque(obj: Any, path: tuple[str, ...], opaque: list[str]) -> _Node:
-    """A node this module does not model (numpy leaves, Counters, deques...): encoded in full at
+    """A node this module does not model (numpy scalars, Counters, deques...): encoded in full at
     every save, its tensors' paths checked against the template's."""
     names = tuple(codec.encode_subtree(obj, path)[0])
     opaque.extend(names)

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 
+from ckptsdk import TrainState
 from ckptsdk.format import codec
 from ckptsdk.format.template import EncodingCache, TreeTemplate
 
@@ -123,6 +124,16 @@ CHANGES = {
     "tensor to ndarray": _set(("model", "b"), np.zeros(3, dtype=np.float32)),
     "ndarray dtype": _set(("extra", "arr"), np.arange(3, dtype=np.int64)),
     "numpy scalar dtype": _set(("extra", "x"), np.float64(1.5)),
+    "ndarray shape": _set(("extra", "arr"), np.arange(4, dtype=np.int16)),
+    "ndarray values": _set(("extra", "arr"), np.array([7, -8, 9], dtype=np.int16)),
+    "ndarray byte order": _set(("extra", "arr"), np.arange(3, dtype=">i2")),
+    "read-only ndarray": lambda t: (
+        t["extra"].__setitem__("arr", np.arange(3, dtype=np.int16)) or t["extra"]["arr"].setflags(write=False)
+    ),
+    "reversed ndarray": _set(("extra", "arr"), np.arange(3, dtype=np.int16)[::-1]),
+    "strided ndarray": _set(("extra", "arr"), np.arange(6, dtype=np.int16)[::2]),
+    "ndarray to tensor": _set(("extra", "arr"), torch.arange(3, dtype=torch.int16)),
+    "ndarray to list": _set(("extra", "arr"), [0, 1, 2]),
     "counter values": lambda t: t["sched"]["milestones"].update({5: 1, 9: 2}),
     "deque grows": lambda t: t["extra"]["seen"].append(3),
     "dict to OrderedDict": lambda t: t.__setitem__("sched", OrderedDict(t["sched"])),
@@ -165,6 +176,21 @@ def test_an_unchanged_tree_is_captured_without_a_full_encode():
     for i in range(5):
         tree["sched"]["last_epoch"] = i
         tree["model"]["w"].add_(1)  # in place: same tensor
+        _same_as_full(cache, tree)
+    assert cache.rebuilds == 1
+
+
+def test_a_train_states_tree_is_sized_numpy_rng_key_included():
+    """Every TrainState carries numpy's RNG key (a uint32 array): modelled, the tree stays sized,
+    so a save checks no tensor twice (see Captured.sized)."""
+    model = torch.nn.Linear(3, 2)
+    state = TrainState(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    cache = EncodingCache()
+    cache.encode(state.state_dict(keep_vars=True))
+    for _ in range(3):
+        np.random.rand()  # the key moves; its dtype and shape do not
+        tree = state.state_dict(keep_vars=True)
+        assert cache.encode(tree).sized
         _same_as_full(cache, tree)
     assert cache.rebuilds == 1
 
