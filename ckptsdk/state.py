@@ -174,22 +174,32 @@ class TrainState:
         """Per tensor of a saved tree: whether it is one only ``optimizer.step()`` changes (see
         :meth:`step_only_tensors`), so a pipelined save may copy it in the background."""
         # tensor_key()'s rule (pointer, dtype, shape; never an empty tensor) without a tuple per
-        # tensor. Two stepped tensors at one pointer keep the last: a tree tensor matching the
-        # other is then copied at save(), which is always safe.
+        # tensor. A tree tensor that is one of them (a TrainState's tree holds the very objects:
+        # keep_vars, the optimizer's own state) is found by id(): both are alive, so an equal id
+        # is the same tensor. Only the others (module buffers, detached copies of a parameter)
+        # are looked up by pointer; two stepped tensors at one pointer keep the last there, and a
+        # tree tensor matching the other is then copied at save(), which is always safe.
         live: dict[int, torch.Tensor] = {}
         for opt in self.optimizers():
             for group in opt.param_groups:
                 for p in group["params"]:
-                    live[p.data_ptr()] = p
+                    live[id(p)] = p
             for entry in opt.state.values():
-                if isinstance(entry, Mapping):
+                if type(entry) is dict or isinstance(entry, Mapping):
                     for v in entry.values():
                         if isinstance(v, torch.Tensor):
-                            live[v.data_ptr()] = v
+                            live[id(v)] = v
         flags = []
+        by_pointer: dict[int, torch.Tensor] | None = None
         for t in tensors:
-            s = live.get(t.data_ptr())
-            flags.append(s is not None and s.dtype is t.dtype and s.shape == t.shape and t.numel() > 0)
+            s = live.get(id(t))
+            if s is None:
+                if by_pointer is None:
+                    by_pointer = {v.data_ptr(): v for v in live.values()}
+                s = by_pointer.get(t.data_ptr())
+                flags.append(s is not None and s.dtype is t.dtype and s.shape == t.shape and t.numel() > 0)
+            else:
+                flags.append(t.numel() > 0)
         return flags
 
     def hold_steps(self, wait: Callable[[], None] | None) -> None:

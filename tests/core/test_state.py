@@ -250,3 +250,32 @@ def test_state_dict_keep_vars_hands_over_parameters_as_they_are():
     assert list(plain) == list(kept["model"]) and plain._metadata == kept["model"]._metadata
     for key, t in plain.items():
         assert torch.equal(t, kept["model"][key]) and t.data_ptr() == kept["model"][key].data_ptr(), key
+
+
+def test_step_only_flags_follow_the_tensor_key_rule_by_object_and_by_pointer():
+    """Flags say which tree tensors only optimizer.step() changes (a pipelined save defers their
+    copy): the very objects, or another tensor at a stepped one's pointer, dtype and shape."""
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    state = TrainState(model=model, optimizer=opt)
+    weight = model[0].weight
+    momentum = opt.state[weight]["momentum_buffer"]
+    empty = torch.nn.Parameter(torch.empty(0))
+    opt.add_param_group({"params": [empty]})
+    tensors = [
+        weight,  # the parameter itself
+        weight.detach(),  # another object, same pointer, dtype and shape
+        weight.detach().view(-1),  # same pointer, another shape: changed by step(), not the same tensor
+        weight.detach().view(torch.int32),  # same pointer, another dtype
+        momentum,  # the optimizer's own state
+        model[1].running_mean,  # changed in forward: never deferred
+        weight.detach().clone(),  # a copy: its own storage
+        empty,  # nothing to copy
+    ]
+    assert state.step_only_flags(tensors) == [True, True, False, False, True, False, False, False]
+    keys = state.step_only_tensors()
+    assert state.step_only_flags(tensors) == [
+        t.numel() > 0 and (t.data_ptr(), t.dtype, tuple(t.shape)) in keys for t in tensors
+    ]
