@@ -438,23 +438,29 @@ class CheckpointManager(CheckpointReader, KeepDecisions, WriterShutdown):
         epoch, batch_idx = resolve_position(state, epoch, batch_idx)  # checked against its loader
         blocking = (not self.async_save) if blocking is None else blocking
         position = Position(epoch=epoch, batch_idx=batch_idx, extra=dict(extra or {}))
-        if self.runlog is not None:
-            self.runlog.flush_soon()  # the steps up to a save reach storage now, off this thread
         if self.preempted:
+            if self.runlog is not None:
+                self.runlog.flush_soon()  # the steps up to the stop reach storage beside the last save
             return self._save_and_stop(
                 state, step=step, position=position, metrics=metrics, tags=tags, extra_files=extra_files
             )
-        with self._lock:
-            return self._saving.save(
-                state,
-                step=step,
-                position=position,
-                metrics=metrics,
-                tags=tags,
-                blocking=blocking,
-                snapshot=self.snapshot,
-                extra_files=extra_files,
-            )
+        try:
+            with self._lock:
+                return self._saving.save(
+                    state,
+                    step=step,
+                    position=position,
+                    metrics=metrics,
+                    tags=tags,
+                    blocking=blocking,
+                    snapshot=self.snapshot,
+                    extra_files=extra_files,
+                )
+        finally:
+            # The steps up to a save reach storage now, off this thread. Asked last: the flusher
+            # woken earlier took the GIL from the snapshot (a stall of up to a switch interval).
+            if self.runlog is not None:
+                self.runlog.flush_soon()
 
     # ------------------------------------------------------------------ step log, lifecycle
 

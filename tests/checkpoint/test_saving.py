@@ -180,3 +180,36 @@ def test_a_save_reports_the_writers_full_rank_as_the_listing_does(tmp_path, monk
     listed = CheckpointManager(url, read_only=True).list()
     assert [c.rank for c in listed] == [info.rank]
     assert (info.tag != "") == (store == "drive")
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_the_step_log_flusher_is_woken_after_the_snapshot_even_when_the_save_fails(tmp_path, fails):
+    """Woken first, the flusher thread took the GIL from the snapshot (a stall of up to a switch
+    interval inside save()); the steps up to a save must still reach storage, failed save or not."""
+    mgr = CheckpointManager(str(tmp_path / "r"), lease_ttl=30, save_on_signal=False)
+    mgr.restore(_state())
+    order: list[str] = []
+    pipeline_save, flush_soon = mgr._saving.save, mgr.runlog.flush_soon
+
+    def save(*args, **kwargs):
+        order.append("snapshot")
+        if fails:
+            raise BackendError("a failing store")
+        return pipeline_save(*args, **kwargs)
+
+    def wake() -> None:
+        order.append("flush_soon")
+        flush_soon()
+
+    mgr._saving.save, mgr.runlog.flush_soon = save, wake
+    mgr.log_step(1, loss=1.0)
+    if fails:
+        with pytest.raises(BackendError, match="a failing store"):
+            mgr.save(_state(), step=1, blocking=False)
+    else:
+        mgr.save(_state(), step=1, blocking=False)
+    assert order == ["snapshot", "flush_soon"]
+    mgr.close()
+    report = CheckpointManager(str(tmp_path / "r"), read_only=True).audit()
+    assert report.attempts[0].steps == 1  # the step logged before the save reached storage
+    assert [c.step for c in CheckpointManager(str(tmp_path / "r"), read_only=True).list()] == ([] if fails else [1])
