@@ -18,7 +18,9 @@ from typing import Any
 
 import pytest
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
+# One worker runs them all: each reads the results of the one module-scoped job (two ranks, every
+# scenario, ~80 s), which every worker given one of them ran again for itself.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(400), pytest.mark.xdist_group("distributed-pipelined")]
 
 REPO = Path(__file__).resolve().parents[2]
 
