@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-GROUPED = '''
+GROUPED = """
 import os
 import pytest
 
@@ -29,7 +29,7 @@ def test_grouped(i):
 def test_marked_one_by_one(i):
     with open(os.environ["PARAMS_LOG"], "a") as log:
         log.write(os.environ["PYTEST_XDIST_WORKER"] + "\\n")
-'''
+"""
 
 
 @pytest.mark.timeout(300)
