@@ -35,6 +35,7 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "CHECKSUM_FIELD",
     "DEFAULT_MAX_BYTES",
+    "FINITE_JSON",
     "FLOAT_FORM",
     "Document",
     "Strict",
@@ -318,6 +319,20 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"non-standard JSON token {name}")
 
 
+def _finite_float(text: str) -> float:
+    # With NaN/Infinity tokens refused (above), an overflowing literal (1e999) is the only way to
+    # an inf: refused too, so a parsed document holds finite floats only (FINITE_JSON).
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"the number {text} is out of a float's range (JSON has no inf)")
+    return value
+
+
+#: The validation context's key set when the object comes straight from :func:`parse_document`'s
+#: JSON parse, which admits finite floats only: validators may then skip a walk that looks for nan/inf.
+FINITE_JSON = "finite_json"
+
+
 D = TypeVar("D", bound=Document)
 
 
@@ -376,7 +391,11 @@ def parse_document(
             None,
         )
     try:
-        obj = json.loads(bytes(data) if not isinstance(data, str) else data, parse_constant=_reject_constant)
+        obj = json.loads(
+            bytes(data) if not isinstance(data, str) else data,
+            parse_constant=_reject_constant,
+            parse_float=_finite_float,
+        )
     except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError included
         raise error(f"{where}not valid JSON ({exc}); the file is torn or is not a {expected} document", None) from exc
     if not isinstance(obj, dict):
@@ -398,7 +417,8 @@ def parse_document(
     written = _FORMAT_RE.fullmatch(expected)
     assert written is not None
     try:
-        return model.model_validate(obj, strict=True, context={"lenient": minor > int(written["minor"] or 0)})
+        context = {"lenient": minor > int(written["minor"] or 0), FINITE_JSON: legacy is None}
+        return model.model_validate(obj, strict=True, context=context)
     except ValidationError as exc:
         problems = [f"{'.'.join(map(str, e['loc'])) or '<root>'}: {e['msg']}" for e in exc.errors()]
         listed = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")

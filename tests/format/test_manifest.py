@@ -219,6 +219,18 @@ def test_bad_manifests_raise_manifest_error_with_key_and_reason(name):
     assert info.value.key == "root/step-0000000001.e1/manifest.json"
 
 
+def test_an_overflowing_float_is_refused_at_the_parse_so_the_tree_holds_finite_floats_only():
+    """The one way to an inf past the refused NaN/Infinity tokens is a literal out of a float's
+    range: refused by the parse, which is why the tree's nan/inf walk may skip parsed JSON (a
+    JSON Schema cannot say it: this is the parser's alone). A tree built in Python is walked."""
+    data = _tweak(tree={"x": 1.2345678}).replace(b"1.2345678", b"1e999")
+    with pytest.raises(ManifestError, match="1e999 is out of a float's range"):
+        parse_manifest(data, key="k")
+    assert parse_manifest(_tweak(tree={"x": 1.2345678}), key="k").tree == {"x": 1.2345678}
+    with pytest.raises(ValidationError, match="tree.x holds inf"):
+        make_manifest(tree={"x": math.inf})
+
+
 def test_future_major_is_refused_before_its_fields_are_looked_at():
     with pytest.raises(ManifestError, match=r"written by a newer ckptsdk .*upgrade ckptsdk") as info:
         parse_manifest(b'{"format": "ckptsdk.checkpoint/7", "everything": "different"}', key="k")
