@@ -438,9 +438,11 @@ class CheckpointManager(CheckpointReader, KeepDecisions, WriterShutdown):
         epoch, batch_idx = resolve_position(state, epoch, batch_idx)  # checked against its loader
         blocking = (not self.async_save) if blocking is None else blocking
         position = Position(epoch=epoch, batch_idx=batch_idx, extra=dict(extra or {}))
+        if self.runlog is not None and (blocking or self.preempted):
+            # The steps up to a blocking save reach storage beside its tensor write, off this
+            # thread: a kill inside the save leaves them on record for the audit to compare.
+            self.runlog.flush_soon()
         if self.preempted:
-            if self.runlog is not None:
-                self.runlog.flush_soon()  # the steps up to the stop reach storage beside the last save
             return self._save_and_stop(
                 state, step=step, position=position, metrics=metrics, tags=tags, extra_files=extra_files
             )
@@ -457,9 +459,9 @@ class CheckpointManager(CheckpointReader, KeepDecisions, WriterShutdown):
                     extra_files=extra_files,
                 )
         finally:
-            # The steps up to a save reach storage now, off this thread. Asked last: the flusher
-            # woken earlier took the GIL from the snapshot (a stall of up to a switch interval).
-            if self.runlog is not None:
+            # A non-blocking save asks last: the flusher, woken before the snapshot, took the GIL
+            # from it (a stall of up to a switch interval). Its tensors are written later anyway.
+            if self.runlog is not None and not blocking:
                 self.runlog.flush_soon()
 
     # ------------------------------------------------------------------ step log, lifecycle

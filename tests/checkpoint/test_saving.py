@@ -182,17 +182,22 @@ def test_a_save_reports_the_writers_full_rank_as_the_listing_does(tmp_path, monk
     assert (info.tag != "") == (store == "drive")
 
 
+@pytest.mark.parametrize("blocking", [False, True])
 @pytest.mark.parametrize("fails", [False, True])
-def test_the_step_log_flusher_is_woken_after_the_snapshot_even_when_the_save_fails(tmp_path, fails):
-    """Woken first, the flusher thread took the GIL from the snapshot (a stall of up to a switch
-    interval inside save()); the steps up to a save must still reach storage, failed save or not."""
+def test_the_step_log_flusher_is_woken_after_a_background_snapshot_and_before_a_blocking_save(
+    tmp_path, fails, blocking
+):
+    """Non-blocking: woken first, the flusher thread took the GIL from the snapshot (a stall of up
+    to a switch interval inside save()), so it is woken last. Blocking: first, so that the steps
+    up to the save are on storage when a kill lands inside it (the audit compares them). Either
+    way, failed save or not, the steps up to a save reach storage."""
     mgr = CheckpointManager(str(tmp_path / "r"), lease_ttl=30, save_on_signal=False)
     mgr.restore(_state())
     order: list[str] = []
     pipeline_save, flush_soon = mgr._saving.save, mgr.runlog.flush_soon
 
     def save(*args, **kwargs):
-        order.append("snapshot")
+        order.append("save")
         if fails:
             raise BackendError("a failing store")
         return pipeline_save(*args, **kwargs)
@@ -205,10 +210,10 @@ def test_the_step_log_flusher_is_woken_after_the_snapshot_even_when_the_save_fai
     mgr.log_step(1, loss=1.0)
     if fails:
         with pytest.raises(BackendError, match="a failing store"):
-            mgr.save(_state(), step=1, blocking=False)
+            mgr.save(_state(), step=1, blocking=blocking)
     else:
-        mgr.save(_state(), step=1, blocking=False)
-    assert order == ["snapshot", "flush_soon"]
+        mgr.save(_state(), step=1, blocking=blocking)
+    assert order == (["flush_soon", "save"] if blocking else ["save", "flush_soon"])
     mgr.close()
     report = CheckpointManager(str(tmp_path / "r"), read_only=True).audit()
     assert report.attempts[0].steps == 1  # the step logged before the save reached storage
