@@ -173,12 +173,10 @@ class TrainState:
     def step_only_flags(self, tensors: Sequence[torch.Tensor]) -> list[bool]:
         """Per tensor of a saved tree: whether it is one only ``optimizer.step()`` changes (see
         :meth:`step_only_tensors`), so a pipelined save may copy it in the background."""
-        # tensor_key()'s rule (pointer, dtype, shape; never an empty tensor) without a tuple per
-        # tensor. A tree tensor that is one of them (a TrainState's tree holds the very objects:
-        # keep_vars, the optimizer's own state) is found by id(): both are alive, so an equal id
-        # is the same tensor. Only the others (module buffers, detached copies of a parameter)
-        # are looked up by pointer; two stepped tensors at one pointer keep the last there, and a
-        # tree tensor matching the other is then copied at save(), which is always safe.
+        # tensor_key()'s rule (pointer, dtype, shape; never empty) without a tuple per tensor. The
+        # very objects (keep_vars, the optimizer's own state) are found by id(): both are alive,
+        # so an equal id is the same tensor. Only the others go by pointer, where two stepped
+        # tensors at one keep the last: one matching the other is copied at save() (always safe).
         live: dict[int, torch.Tensor] = {}
         for opt in self.optimizers():
             for group in opt.param_groups:
