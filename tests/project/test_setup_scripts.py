@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import IO
 
 import pytest
 
@@ -234,29 +235,20 @@ def test_two_set_ups_at_once_build_one_venv_and_both_use_it(tmp_path):
     env = {**os.environ, "CKPTSDK_VENV": str(venv), "PYTHON": str(fake), "PATH": f"{tmp_path}:{os.environ['PATH']}"}
     script = f"source {REPO}/scripts/venv.sh && echo ready"
     errs = [tmp_path / "first.err", tmp_path / "second.err"]
+
+    def set_up(err: IO[str]) -> subprocess.Popen[str]:
+        command = ["bash", "--norc", "--noprofile", "-c", script]
+        return subprocess.Popen(command, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=err, text=True)
+
     with errs[0].open("w") as err0, errs[1].open("w") as err1:
-        first = subprocess.Popen(
-            ["bash", "--norc", "--noprofile", "-c", script],
-            env=env,
-            cwd=tmp_path,
-            stdout=subprocess.PIPE,
-            stderr=err0,
-            text=True,
-        )
+        first = set_up(err0)
         second = None
         try:
             deadline = time.monotonic() + 120
             while not log.exists():  # the first set-up is inside its first pip, holding the lock
                 assert first.poll() is None and time.monotonic() < deadline, errs[0].read_text()
                 time.sleep(0.05)
-            second = subprocess.Popen(
-                ["bash", "--norc", "--noprofile", "-c", script],
-                env=env,
-                cwd=tmp_path,
-                stdout=subprocess.PIPE,
-                stderr=err1,
-                text=True,
-            )
+            second = set_up(err1)
             while "another set-up" not in errs[1].read_text():
                 assert second.poll() is None and time.monotonic() < deadline, errs[1].read_text()
                 time.sleep(0.05)
