@@ -50,7 +50,11 @@ def _race_rounds(patched: bool) -> list[int]:
 
 
 def test_unpatched_moto_lets_two_creators_win_and_the_patch_leaves_one():
-    assert _race_rounds(patched=False) == [RACERS] * ROUNDS  # every round: both "created" the key
+    shipped = _race_rounds(patched=False)
+    # Both "created" the key, round after round. Now and then (once in a loaded CI run) one of the
+    # two unlocked writes fails inside moto with a 500 instead, and its retry meets the key: that
+    # round has one winner, for the wrong reason. The fault is shown when both won at all.
+    assert shipped.count(RACERS) >= ROUNDS - 1 and all(1 <= n <= RACERS for n in shipped), shipped
     assert _race_rounds(patched=True) == [1] * ROUNDS
 
 
