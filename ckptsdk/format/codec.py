@@ -34,6 +34,7 @@ __all__ = [
     "SCALAR_TYPES",
     "encode_scalar",
     "encode_subtree",
+    "from_numpy_as_is",
     "path_component",
 ]
 
@@ -278,7 +279,7 @@ class _Encoder:
             raise _refuse(
                 path, a, f"numpy arrays of dtype {a.dtype} are not stored; convert it to a numeric array or a list"
             )
-        if not a.dtype.isnative or not a.flags.writeable or any(s < 0 for s in a.strides):
+        if not from_numpy_as_is(a):
             # from_numpy refuses these (or warns for read-only arrays): copy, the only case we do.
             a = a.astype(native, order="C", copy=True)  # (ascontiguousarray turns 0-d into 1-d)
         try:
@@ -290,6 +291,12 @@ class _Encoder:
         key = self.claim(path)
         self.tensors[key] = t
         return {"$ndarray": key, "dtype": dtype_str, "shape": list(a.shape)}
+
+
+def from_numpy_as_is(a: np.ndarray) -> bool:
+    """Whether the codec stores ``a`` as ``torch.from_numpy(a)``, sharing its memory (native byte
+    order, writeable, no negative strides); any other array is copied first."""
+    return a.dtype.isnative and a.flags.writeable and not any(s < 0 for s in a.strides)
 
 
 def _npscalar(x: np.generic, path: tuple[str, ...]) -> Any:

@@ -279,15 +279,8 @@ def _ndarray(obj: np.ndarray, node: dict[str, Any]) -> _Node:
 
     def cap(o: Any, tensors: list[torch.Tensor], _slots: list[Any]) -> None:
         # Only the codec's plain case (torch.from_numpy of the array itself): an array it would
-        # copy first (not native, read-only, negative strides) takes the full encode.
-        if (
-            type(o) is not np.ndarray
-            or o.dtype.str != dtype_str
-            or o.shape != shape
-            or not o.dtype.isnative
-            or not o.flags.writeable
-            or any(s < 0 for s in o.strides)
-        ):
+        # copy first takes the full encode.
+        if type(o) is not np.ndarray or o.dtype.str != dtype_str or o.shape != shape or not codec.from_numpy_as_is(o):
             raise _Changed
         tensors.append(torch.from_numpy(o))  # shares the array's memory, as the codec's does
 
