@@ -239,3 +239,19 @@ def test_the_memo_keeps_only_what_the_root_holds(url: str) -> None:
             assert newest is not None and newest.step == step
     listed = {(o.key, o.version) for o in backend.list("")}
     assert memo and set(memo) <= listed, sorted(set(memo) - listed)
+
+
+def test_a_listing_keeps_the_direct_files_of_checkpoint_folders_only(tmp_path: Path) -> None:
+    """The listing judges each folder's name once: stray folders, files beside the folders and
+    files nested deeper inside a checkpoint folder stay out, whatever order they come in."""
+    from ckptsdk.checkpoint.listing import list_root
+    from ckptsdk.format.layout import checkpoint_dir, parse_folder
+
+    backend = open_backend(str(tmp_path))
+    good = checkpoint_dir(7, 2)
+    for key in (f"{good}/a.bin", f"{good}/deeper/x.bin", "step-notes/readme.txt", "step-x.e1/a.bin", f"{good}/b.bin"):
+        backend.write(key, b"1")
+    listing = list_root(backend, {})
+    assert {f: sorted(files) for f, files in listing.folders.items()} == {good: ["a.bin", "b.bin"]}
+    assert listing.committed() == [] and listing.used() == {(2, "")}
+    assert parse_folder(good) == (7, (2, "")) and parse_folder("step-notes") is None
