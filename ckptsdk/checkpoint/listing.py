@@ -61,14 +61,8 @@ def list_root(backend: Backend, memo: MutableMapping[tuple[str, str], object]) -
     folders: dict[str, dict[str, ObjectInfo]] = {}
     for obj in folder_objs:
         folder, _, name = obj.key.partition("/")
-        if not name or "/" in name:
-            continue
-        files = folders.get(folder)
-        if files is None:  # the name is judged once per folder, not once per file
-            if parse_folder(folder) is None:
-                continue
-            files = folders[folder] = {}
-        files[name] = obj
+        if parse_folder(folder) is not None and name and "/" not in name:
+            folders.setdefault(folder, {})[name] = obj
 
     lineage: dict[Rank, LineageRecord] = {}
     lineage_mtimes: list[float] = []

@@ -242,8 +242,8 @@ def test_the_memo_keeps_only_what_the_root_holds(url: str) -> None:
 
 
 def test_a_listing_keeps_the_direct_files_of_checkpoint_folders_only(tmp_path: Path) -> None:
-    """The listing judges each folder's name once: stray folders, files beside the folders and
-    files nested deeper inside a checkpoint folder stay out, whatever order they come in."""
+    """Stray folders, files beside the folders and files nested deeper inside a checkpoint folder
+    stay out of a listing, whatever order they come in (``parse_folder`` is memoised)."""
     from ckptsdk.checkpoint.listing import list_root
     from ckptsdk.format.layout import checkpoint_dir, parse_folder
 
