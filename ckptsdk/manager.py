@@ -29,6 +29,8 @@ from ckptsdk.backends import open_backend
 from ckptsdk.backends.base import Backend
 from ckptsdk.backends.probe import prove_preconditions
 from ckptsdk.checkpoint.catalog import Catalog, CheckpointInfo
+from ckptsdk.checkpoint.listing import lineage_floor
+from ckptsdk.checkpoint.outline import Outline
 from ckptsdk.checkpoint.reader import CheckpointReader, ResumePoint, resume_point
 from ckptsdk.checkpoint.recorded import KeepDecisions
 from ckptsdk.checkpoint.retention import Rule, warn_if_changed
@@ -202,6 +204,7 @@ class CheckpointManager(CheckpointReader, KeepDecisions, WriterShutdown):
         )
         self._saving: SavePipeline | None = None
         self.resumed_from: CheckpointInfo | None = None
+        self._opened: Outline | None = None  # the listing taken at open, for the first restore
         self.lease: Lease | None = None
         self.runlog: RunLog | None = None
         if read_only:
@@ -217,8 +220,7 @@ class CheckpointManager(CheckpointReader, KeepDecisions, WriterShutdown):
             clock=sim.clock,
             sleep=sim.sleep,
         )
-        # Epochs never go back, even on a root whose LEASE.json was lost: names stay unique.
-        self.lease.acquire(min_epoch=self.outline().epoch_floor + 1)
+        self._opened = self._take_lease()
         if sim.heartbeat:
             self.lease.start_heartbeat()
         self.runlog = RunLog(
@@ -255,6 +257,28 @@ class CheckpointManager(CheckpointReader, KeepDecisions, WriterShutdown):
             self.lease.epoch,
         )
 
+    def _take_lease(self) -> Outline | None:
+        """Acquire the lease; returns the root's listing the first restore may read, or None.
+
+        Epochs never go back, even on a root whose LEASE.json was lost: names stay unique. With
+        compare-and-swap the lease comes first (above every lineage record's epoch: each writer
+        records one before its first folder), then the one listing of the root, which shows what
+        a restore's own listing would: nobody commits past our takeover but a previous holder's
+        save already through its fence, whose late folder the lineage orphans either way. Where
+        that listing shows a name of our epoch or above, our record moves up before anything is
+        written. Without compare-and-swap (Drive) the listing comes first and restore lists again:
+        other machines' writes reach us late there, and the later listing sees more of them.
+        """
+        assert self.lease is not None
+        if not self.backend.capabilities.compare_and_swap:
+            self.lease.acquire(min_epoch=self.outline().epoch_floor + 1)
+            return None
+        self.lease.acquire(min_epoch=lineage_floor(self.backend) + 1)
+        opened = self.outline()
+        if opened.epoch_floor >= self.lease.epoch:
+            self.lease.raise_epoch(opened.epoch_floor + 1)
+        return opened
+
     @property
     def backend(self) -> Backend:
         """The storage of the root (the lease keeps the one it was opened with)."""
@@ -290,6 +314,7 @@ class CheckpointManager(CheckpointReader, KeepDecisions, WriterShutdown):
 
     def _scan(self) -> Catalog:
         """The reads see this writer's rotations: a sync save's, still on the worker, ends first."""
+        self._opened = None  # gc and friends may change the root; a restore then lists it again
         if self._saving is not None:
             self._saving.settle()
         return super()._scan()
@@ -339,7 +364,10 @@ class CheckpointManager(CheckpointReader, KeepDecisions, WriterShutdown):
         try:
             # _accept: ckptsdk.distributed's all-rank check; a TrainState's module tensors are read into
             into = state if callable(getattr(state, "live_tensors", None)) else None
-            tree, info = self._read_newest(_accept, into)  # type: ignore[arg-type]
+            # The listing taken at open, unless something was saved or scanned since (then a
+            # listing of its own): one listing for opening and restoring a writer.
+            opened, self._opened = self._opened, None
+            tree, info = self._read_newest(_accept, into, opened)  # type: ignore[arg-type]
         except NoValidCheckpointError as exc:
             if not exc.tried:
                 if self._saving is not None:
@@ -429,6 +457,7 @@ class CheckpointManager(CheckpointReader, KeepDecisions, WriterShutdown):
         """
         if self.read_only or self._saving is None:
             raise ConfigError(f"{self.url} was opened read_only: save() is refused; open it without read_only")
+        self._opened = None  # a restore after this save lists the root again
         if self._closed:
             raise ConfigError(f"save() after close() on {self.url}")
         if step < 0:

@@ -18,7 +18,7 @@ from ckptsdk.format.manifest import LineageRecord, Manifest, parse_lineage, pars
 
 logger = logging.getLogger("ckptsdk.checkpoint.catalog")
 
-__all__ = ["Folder", "Listing", "list_root", "prune_memo", "read_folder", "read_json_object"]
+__all__ = ["Folder", "Listing", "lineage_floor", "list_root", "prune_memo", "read_folder", "read_json_object"]
 
 
 def read_json_object(backend: Backend, key: str) -> bytes | None:
@@ -89,6 +89,15 @@ def list_root(backend: Backend, memo: MutableMapping[tuple[str, str], object]) -
             continue
         lineage[rank] = record
     return Listing(folders=folders, lineage=lineage, lineage_objs=list(lineage_objs), lineage_mtimes=lineage_mtimes)
+
+
+def lineage_floor(backend: Backend) -> int:
+    """The highest epoch a lineage record's name uses (0: none), from one small listing.
+
+    A writer records its lineage before its first commit, so a folder name of a higher epoch is
+    rare (lost records, ranks' files ahead of a first commit); the caller still checks the names.
+    """
+    return max((rank[0] for obj in backend.list(LINEAGE_PREFIX) if (rank := lineage_rank(obj.key))), default=0)
 
 
 def _list_both(backend: Backend) -> tuple[list[ObjectInfo], list[ObjectInfo]]:

@@ -282,7 +282,10 @@ class CheckpointReader:
         return usable[0]
 
     def _read_newest(
-        self, accept: Callable[[Any, CheckpointInfo], None] | None = None, into: LiveTarget | None = None
+        self,
+        accept: Callable[[Any, CheckpointInfo], None] | None = None,
+        into: LiveTarget | None = None,
+        outline: Outline | None = None,
     ) -> tuple[Any, CheckpointInfo]:
         """The newest checkpoint that reads back whole, skipping (and naming) damaged ones.
 
@@ -294,6 +297,9 @@ class CheckpointReader:
         ``into``'s live tensors left them NaN: a later one that restores overwrites them all, and
         the error says so when none does (a half-overwritten model must not train on as fresh).
 
+        ``outline``: a listing of the root to walk instead of a new one (a writer's, taken at open
+        once its lease was held).
+
         Raises:
             NoValidCheckpointError: with ``tried`` empty when the root holds no committed
                 checkpoint of the live lineage (a fresh start), else listing each and why.
@@ -303,7 +309,7 @@ class CheckpointReader:
         seen: list[CheckpointInfo] = []
         tried: dict[str, str] = {}
         dirty = False
-        for info in self.outline().newest_first():
+        for info in (self.outline() if outline is None else outline).newest_first():
             seen.append(info)
             if not info.valid:
                 tried[info.key] = info.reason or ""

@@ -29,7 +29,7 @@ import uuid
 from collections.abc import Callable
 
 from ckptsdk.backends.base import Backend
-from ckptsdk.errors import ConfigError, LeaseError, LeaseHeldError, ObjectNotFound, PreconditionFailed
+from ckptsdk.errors import BackendError, ConfigError, LeaseError, LeaseHeldError, ObjectNotFound, PreconditionFailed
 from ckptsdk.format.document import utc_now
 from ckptsdk.lease.record import (
     LEASE_FORMAT,
@@ -178,6 +178,57 @@ class Lease(HeldLease):
             self._fenced = self._released = False
             self._hb_stop.clear()
             return self._acquire(min_epoch)
+
+    def raise_epoch(self, epoch: int) -> LeaseRecord:
+        """Move our held record up to ``epoch`` by one compare-and-swap, before anything is written
+        under the epoch we took.
+
+        For a writer that lists the root only once it holds the lease (stores with
+        compare-and-swap) and finds a name of our epoch or above (a root whose ``LEASE.json``
+        and lineage records were lost): epochs never go back, so names stay unique.
+
+        Raises:
+            LeaseLostError: another writer took the lease meanwhile (we are fenced).
+            LeaseError: called without compare-and-swap, where one write proves nothing.
+            BackendError: the storage failed; the record is unchanged.
+        """
+        with self._lock:
+            self._raise_if_lost()
+            record = self._held_record()
+            if epoch <= record.epoch:
+                return record
+            if not self._cas:
+                raise LeaseError(f"raise_epoch needs compare-and-swap, which {self.url} does not have", url=self.url)
+            new = record.model_copy(update={"epoch": epoch, "renewed_at": utc_now()})
+            for _ in range(2):
+                try:
+                    info = self.backend.replace(LEASE_KEY, new.to_json(), version=self._version or "")
+                except (PreconditionFailed, ObjectNotFound):
+                    snap = self._snapshot()
+                    if snap is not None and snap[0] == new.to_json():  # ours landed; its reply was lost
+                        self._adopt(new, snap[1])
+                        break
+                    # Judged by a renewal: it fences and raises if another writer holds it now,
+                    # else it rewrites our record (at the old epoch) and we try once more.
+                    record = self.renew()
+                    new = record.model_copy(update={"epoch": epoch, "renewed_at": utc_now()})
+                    continue
+                self._adopt(new, info.version)
+                break
+            else:
+                raise BackendError(
+                    f"could not move the lease on {self.url} to epoch {epoch}: it changed under us twice",
+                    url=self.url,
+                    key=LEASE_KEY,
+                )
+            logger.warning(
+                "the root %s holds names of epoch %d or above (its LEASE.json and lineage records were "
+                "lost?): this writer takes epoch %d so that no name is used twice",
+                self.url,
+                epoch - 1,
+                epoch,
+            )
+            return new
 
     def _acquire(self, min_epoch: int) -> LeaseRecord:
         notice = WaitNotice(f"waiting for the lease on {self.url}")
