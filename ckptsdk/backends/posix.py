@@ -303,17 +303,28 @@ def scan(root: str, folder: str, descend: Callable[[str], bool]) -> Iterator[tup
         if not folder:
             raise
         return
-    for entry in entries:
-        key = f"{folder}/{entry.name}" if folder else entry.name
-        try:
-            is_dir = entry.is_dir(follow_symlinks=False)
-        except FileNotFoundError:
-            continue
-        if is_dir:
-            if descend(key):
-                yield from scan(root, key, descend)
+    # Depth first, in scandir order, with a stack rather than a generator per folder: a root of
+    # 1,000 checkpoints is 1,000 folders, and resuming nested generators was a tenth of its listing.
+    stack = [(folder, iter(entries))]
+    while stack:
+        parent, rest = stack[-1]
+        for entry in rest:
+            key = f"{parent}/{entry.name}" if parent else entry.name
+            try:
+                is_dir = entry.is_dir(follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            if not is_dir:
+                yield key, entry
+            elif descend(key):
+                try:
+                    inner = list(os.scandir(entry.path))
+                except NOT_THERE:  # removed while we walked
+                    continue
+                stack.append((key, iter(inner)))
+                break
         else:
-            yield key, entry
+            stack.pop()
 
 
 def prune(root: str, folder: str) -> None:
