@@ -29,7 +29,7 @@ from ckptsdk.backends import open_backend
 from ckptsdk.backends.base import Backend
 from ckptsdk.backends.probe import prove_preconditions
 from ckptsdk.checkpoint.catalog import Catalog, CheckpointInfo
-from ckptsdk.checkpoint.listing import lineage_floor
+from ckptsdk.checkpoint.opening import take_lease
 from ckptsdk.checkpoint.outline import Outline
 from ckptsdk.checkpoint.reader import CheckpointReader, ResumePoint, resume_point
 from ckptsdk.checkpoint.recorded import KeepDecisions
@@ -220,7 +220,7 @@ class CheckpointManager(CheckpointReader, KeepDecisions, WriterShutdown):
             clock=sim.clock,
             sleep=sim.sleep,
         )
-        self._opened = self._take_lease()
+        self._opened = take_lease(self.lease, self.backend, self.outline)
         if sim.heartbeat:
             self.lease.start_heartbeat()
         self.runlog = RunLog(
@@ -256,28 +256,6 @@ class CheckpointManager(CheckpointReader, KeepDecisions, WriterShutdown):
             self.lease.attempt,
             self.lease.epoch,
         )
-
-    def _take_lease(self) -> Outline | None:
-        """Acquire the lease; returns the root's listing the first restore may read, or None.
-
-        Epochs never go back, even on a root whose LEASE.json was lost: names stay unique. With
-        compare-and-swap the lease comes first (above every lineage record's epoch: each writer
-        records one before its first folder), then the one listing of the root, which shows what
-        a restore's own listing would: nobody commits past our takeover but a previous holder's
-        save already through its fence, whose late folder the lineage orphans either way. Where
-        that listing shows a name of our epoch or above, our record moves up before anything is
-        written. Without compare-and-swap (Drive) the listing comes first and restore lists again:
-        other machines' writes reach us late there, and the later listing sees more of them.
-        """
-        assert self.lease is not None
-        if not self.backend.capabilities.compare_and_swap:
-            self.lease.acquire(min_epoch=self.outline().epoch_floor + 1)
-            return None
-        self.lease.acquire(min_epoch=lineage_floor(self.backend) + 1)
-        opened = self.outline()
-        if opened.epoch_floor >= self.lease.epoch:
-            self.lease.raise_epoch(opened.epoch_floor + 1)
-        return opened
 
     @property
     def backend(self) -> Backend:

@@ -54,7 +54,7 @@ def test_opening_and_restoring_a_writer_lists_the_root_once(kind: str, make_back
     with _open(backend) as mgr:
         point = mgr.restore(live)
     assert point is not None and point.step == 3
-    assert all(torch.equal(a, b) for a, b in zip(_weights(live).values(), _weights(saved).values()))
+    assert all(torch.equal(a, b) for a, b in zip(_weights(live).values(), _weights(saved).values(), strict=True))
     listings = [i for i, (op, key) in enumerate(backend.ops) if (op, key) == ("list", "step-")]
     taken = next(i for i, (op, key) in enumerate(backend.ops) if key == LEASE_KEY and op in ("create", "replace"))
     if backend.capabilities.compare_and_swap:
@@ -78,7 +78,7 @@ def test_a_restore_after_a_save_reads_a_new_listing(blocking: bool, make_backend
         live = _state(3)
         point = mgr.restore(live)
     assert point is not None and point.step == 7
-    assert all(torch.equal(a, b) for a, b in zip(_weights(live).values(), _weights(newer).values()))
+    assert all(torch.equal(a, b) for a, b in zip(_weights(live).values(), _weights(newer).values(), strict=True))
 
 
 def test_a_restore_after_gc_reads_a_new_listing(make_backend_target: Callable[..., Any]) -> None:
