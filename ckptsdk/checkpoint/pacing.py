@@ -9,7 +9,10 @@ after a save took +20 to +70 ms more than without saving; with one intra-op thre
 So the worker writes a tensor file in slices of at most ``SLICE_BYTES`` and, before each slice,
 waits while an optimizer step of the saved ``TrainState`` runs (``TrainState.steps_idle``), for at
 most ``MAX_WAIT_S`` in all per file: a save still finishes when steps run back to back, or when a
-step raised and never said it ended. Only the bytes' order in time changes, never the bytes.
+step raised and never said it ended. The file's digest, hashed on a thread of its own once the
+writes are done (while the store syncs), gives way the same way, slice by slice, from the same
+budget: unpaced, it added 5-11 ms per 10-step period to the steps beside it. Only the bytes'
+order in time changes, never the bytes.
 """
 
 from __future__ import annotations
@@ -60,10 +63,16 @@ class Paced:
             if view.format != "B" or view.ndim != 1:
                 view = view.cast("B")
             for start in range(0, len(view), SLICE_BYTES):
-                self._wait()
+                self.wait()
                 yield view[start : start + SLICE_BYTES]
 
-    def _wait(self) -> None:
+    def wait(self) -> None:
+        """Return once no optimizer step runs, or at once when the file's wait budget is spent.
+
+        The writes call it before each slice, then the digest thread before each slice it hashes
+        (``write_tensorfile(pause=...)``): one after the other, never at once (the hash starts
+        after the last write), so the budget needs no lock.
+        """
         if self._left <= 0 or self._idle.is_set():
             return
         t = time.monotonic()

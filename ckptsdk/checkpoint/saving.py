@@ -374,17 +374,20 @@ class SavePipeline(AfterCommit, Anchoring):
         if source is not None and in_place is not None:
             # The file this checkpoint reuses is rewritten in place (not atomic: no manifest
             # refers to it now, and a reader holding a stale one fails its digest check).
-            size, digest = write_tensorfile(self._paced(in_place), key, tensors)
+            size, digest = self._write_tensors(in_place, key, tensors)
             self.rotation.recycled(source, folder, size)
         else:
-            size, digest = write_tensorfile(self._paced(self.backend), key, tensors)
+            size, digest = self._write_tensors(self.backend, key, tensors)
         files = [FileEntry(name=TENSORS, size=size, digest=digest, algorithm=DIGEST_ALGORITHM), *extra_files]
         return self._publish(folder, step, files, skeleton, position, metrics, tags, device, verify, shared=shared)
 
-    def _paced(self, backend: Any) -> Any:
-        """What a tensor file is written to: paced around optimizer steps on the worker."""
+    def _write_tensors(self, backend: Any, key: str, tensors: Mapping[str, torch.Tensor]) -> tuple[int, str]:
+        """``write_tensorfile``; on the worker paced around optimizer steps, the writes and the hash."""
         idle = getattr(self._pacing, "idle", None)
-        return backend if idle is None else Paced(backend, idle)
+        if idle is None:
+            return write_tensorfile(backend, key, tensors)
+        paced = Paced(backend, idle)
+        return write_tensorfile(paced, key, tensors, pause=paced.wait)
 
     def _write_shared(self, step: int, plan: Plan) -> list[SharedFile]:
         """The manifest's ``shared`` list: a new shared file for ``plan.new`` (written here, once),
@@ -394,7 +397,7 @@ class SavePipeline(AfterCommit, Anchoring):
             epoch, tag = self.rank
             key = shared_key(step, epoch, tag, content_name(plan.new_digests))
             self.lease.check()
-            size, digest = write_tensorfile(self._paced(self.backend), key, plan.written())
+            size, digest = self._write_tensors(self.backend, key, plan.written())
             new = SharedFile(
                 name=key,
                 size=size,

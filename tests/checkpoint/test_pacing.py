@@ -16,6 +16,7 @@ import torch
 from ckptsdk import CheckpointManager, TrainState, open_backend
 from ckptsdk.checkpoint import pacing, saving
 from ckptsdk.checkpoint.pacing import Paced
+from ckptsdk.format import tensorwriter
 from ckptsdk.format.layout import TENSORS
 from ckptsdk.format.tensorfile import read_tensorfile, write_tensorfile
 from ckptsdk.testing import FaultyBackend
@@ -85,6 +86,42 @@ def test_nothing_is_written_while_a_step_runs_and_all_of_it_once_it_ends(monkeyp
     assert not writer.is_alive()
     assert [len(c) for c in sink.chunks] == [1000, 1000, 560]
     assert b"".join(sink.chunks) == data
+
+
+def test_the_digest_is_hashed_only_while_no_step_runs_and_is_the_unpaced_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The hash after the writes (a thread of its own, zero-copy path) looks at the gate before
+    each slice: a step running after the last write holds it back, and the digest is unchanged."""
+    monkeypatch.setattr(tensorwriter, "_HASH_SLICE", 4096)
+    backend = open_backend("memory://paced-digest")
+    plain = write_tensorfile(backend, "plain.safetensors", _tensors())
+    idle = threading.Event()
+    idle.set()
+    paced = Paced(backend, idle, max_wait=600.0)
+    hashed: list[bool] = []  # per slice hashed: was the gate open?
+    step_began = threading.Event()
+
+    def pause() -> None:
+        if not hashed:  # the writes are done: an optimizer step starts now
+            idle.clear()
+            step_began.set()
+        paced.wait()
+        hashed.append(idle.is_set())
+
+    result: list[tuple[int, str]] = []
+    writer = threading.Thread(
+        target=lambda: result.append(write_tensorfile(paced, "paced.safetensors", _tensors(), pause=pause)),
+        daemon=True,
+    )
+    writer.start()
+    assert step_began.wait(60), "the digest thread never looked at the gate"
+    assert hashed == []  # held back while the step runs
+    idle.set()  # the step ended
+    writer.join(60)
+    assert not writer.is_alive()
+    assert result == [plain]  # same size, same digest
+    assert len(hashed) >= 120_000 // 4096 and all(hashed)
 
 
 def test_a_gate_that_never_opens_costs_at_most_the_budget() -> None:
