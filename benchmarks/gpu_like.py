@@ -4,14 +4,19 @@ The step of a T4 training the CIFAR ResNet-18 (SGD momentum: 89.4 MB of state): 
 and backward as ``time.sleep(0.08)`` (the GIL is released, as it is while CUDA runs), then the
 optimizer's in-place update on the CPU. ``log_step`` every step, ``save(blocking=False)`` every
 10 steps, on a local root behind :class:`ckptsdk.testing.FaultyBackend` that sleeps 0, 20 or 50 ms
-per storage call. Each configuration runs ``--steps`` steps in turn with a run that never saves
-(``--reps`` rounds), so a shared machine's drifting load hits all alike. With ``--device cuda``
-(``examples/gpu_check.py``) the step is the real job's, with AMP.
+per storage call. The configurations and a run that never saves take turns in blocks of
+``--block`` (10) steps, ``--steps`` per configuration and round (``--reps`` rounds), so a shared
+machine's drifting load hits all alike: on 2 cores the update itself (two intra-op threads) takes
+8 or 19 ms from one step to the next, and in turns of 100 steps a baseline's bad luck moved the
+overhead by ±3 %. Each block's first step is followed by its save, whose background write runs
+inside the block; a write still running at the block's end is waited for and counted. With
+``--device cuda`` (``examples/gpu_check.py``) the step is the real job's, with AMP.
 
     python -m benchmarks.bench_overhead --step gpu-like                 # ~3 min
     python -m benchmarks.bench_overhead --step gpu-like --reps 3 --steps 100
 
-Printed per latency: overhead (the steps' wall time against never saving), the stall inside
+Printed per latency: overhead (the steps' wall time against never saving; "median block": the
+median block's, robust to another process's load spike, as in ``bench_overhead``), the stall inside
 ``save()`` (median, p99), the training thread's CPU per save (``time.thread_time`` around
 ``save()``: median, min-max), storage calls and bytes per
 committed save, saves committed / replaced / skipped (``mgr.stats``); then where the overhead
@@ -75,8 +80,8 @@ def _p99(xs: list[float]) -> float:
 
 
 def _run(job: Any, steps: int, start: int, mgr: CheckpointManager | None, res: dict[str, Any]) -> None:
-    """``steps`` steps; the wall time of the steps themselves (a save still writing at the end
-    is not waited for: training never waits for it either, and the next run's steps feel it)."""
+    """``steps`` steps (one block); its wall time includes waiting for a save still writing at
+    its end, so that no other configuration's block feels it (conservative: training never waits)."""
     t0 = time.perf_counter()
     for i in range(start + 1, start + steps + 1):
         s0 = time.perf_counter()
@@ -92,6 +97,8 @@ def _run(job: Any, steps: int, start: int, mgr: CheckpointManager | None, res: d
             mgr.save(job.state, step=i, blocking=False)
             res["cpu"].append(time.thread_time() - c)
             res["stalls"].append(time.perf_counter() - w)
+    if mgr is not None:
+        mgr.wait()
     if job_is_cuda(job):
         torch.cuda.synchronize()
     res["runs"].append(time.perf_counter() - t0)
@@ -130,14 +137,15 @@ def main(args: argparse.Namespace) -> int:
             m.wait()
         configs: list[float | None] = [None, *LATENCIES_MS]
         res = {c: {"runs": [], "stalls": [], "cpu": [], "next": [], "other": []} for c in configs}
-        at = dict.fromkeys(configs, 0)
+        # Steps from 10 on: each block's first step (step % 10 == 0) is followed by its save.
+        at = dict.fromkeys(configs, 9)
         for _ in range(2):
             job.step(-1)  # warm-up
-        for r in range(args.reps):
+        for r in range(max(1, args.steps // args.block) * args.reps):
             order = configs[r % len(configs) :] + configs[: r % len(configs)]
             for c in order:
-                _run(job, args.steps, at[c], None if c is None else mgrs[c], res[c])
-                at[c] += args.steps
+                _run(job, args.block, at[c], None if c is None else mgrs[c], res[c])
+                at[c] += args.block
         drain = {}
         for lat, m in mgrs.items():
             t = time.perf_counter()
@@ -153,20 +161,22 @@ def main(args: argparse.Namespace) -> int:
     what = "the CUDA job, AMP" if args.device == "cuda" else f"sleep {GPU_STEP_S * 1000:.0f} ms + SGD update"
     print(
         f"\n== gpu-like step ({what}), "
-        f"state {state_mb:.1f} MB, save every 10 steps, {steps} steps per configuration in runs of {args.steps} =="
+        f"state {state_mb:.1f} MB, save every 10 steps, {steps} steps per configuration in blocks of {args.block} =="
     )
     print(f"never saving: {base:.2f} s ({base / steps * 1000:.1f} ms/step)")
     print(
-        f"{'latency/call':>12s} {'overhead':>9s} {'stall med':>10s} {'stall p99':>10s} {'CPU/save (min-max)':>20s} "
+        f"{'latency/call':>12s} {'overhead':>9s} {'(median block)':>14s} {'stall med':>10s} {'stall p99':>10s} "
+        f"{'CPU/save (min-max)':>20s} "
         f"{'calls/save':>11s} {'MB/save':>8s} {'committed':>9s} {'replaced':>8s} {'skipped':>7s} {'save s':>7s}"
     )
     for lat in LATENCIES_MS:
         r, s = res[lat], stats[lat]
         over = sum(r["runs"]) / base - 1
+        block = statistics.median(r["runs"]) / statistics.median(res[None]["runs"]) - 1
         calls = sum(backends[lat].calls.values()) / max(1, s.committed)
         stall, top = statistics.median(r["stalls"]) * 1000, _p99(r["stalls"]) * 1000
         print(
-            f"{lat:10.0f}ms {over:+9.2%} {stall:8.2f}ms {top:8.2f}ms "
+            f"{lat:10.0f}ms {over:+9.2%} {block:+14.2%} {stall:8.2f}ms {top:8.2f}ms "
             f"{statistics.median(r['cpu']) * 1000:6.2f}ms ({min(r['cpu']) * 1000:.2f}-{max(r['cpu']) * 1000:.2f}) "
             f"{calls:11.1f} {sizes[lat] / 1e6:8.1f} {s.committed:9d} "
             f"{s.replaced:8d} {s.skipped:7d} {s.save_s_median or 0:7.2f}"
