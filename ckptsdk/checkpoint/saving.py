@@ -386,8 +386,8 @@ class SavePipeline(AfterCommit, Anchoring):
         idle = getattr(self._pacing, "idle", None)
         if idle is None:
             return write_tensorfile(backend, key, tensors)
-        paced = Paced(backend, idle)
-        return write_tensorfile(paced, key, tensors, pause=paced.wait)
+        paced = Paced(backend, idle)  # a backend as write_tensorfile uses one: only its write
+        return write_tensorfile(paced, key, tensors, pause=paced.wait)  # type: ignore[arg-type]
 
     def _write_shared(self, step: int, plan: Plan) -> list[SharedFile]:
         """The manifest's ``shared`` list: a new shared file for ``plan.new`` (written here, once),
