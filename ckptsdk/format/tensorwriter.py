@@ -160,11 +160,9 @@ class _Digest:
     def _run(self, chunks: list[memoryview]) -> None:
         try:
             for chunk in chunks:
-                if self.pause is None:
-                    self.hasher.update(chunk)
-                    continue
                 for start in range(0, len(chunk), _HASH_SLICE):
-                    self.pause()
+                    if self.pause is not None:
+                        self.pause()
                     self.hasher.update(chunk[start : start + _HASH_SLICE])
         except BaseException as exc:  # re-raised by result(): a thread cannot raise to its caller
             self.error = exc
