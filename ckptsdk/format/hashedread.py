@@ -12,11 +12,16 @@ from ckptsdk.backends.base import Backend
 from ckptsdk.errors import CorruptCheckpointError, ObjectNotFound
 from ckptsdk.format.digest import CHECKPOINT_ALGORITHMS, DEFAULT, new_hasher
 
-__all__ = ["READ_CHUNK", "HashedReader", "corrupt", "open_file", "verify_file"]
+__all__ = ["LOCAL_CHUNK", "READ_CHUNK", "HashedReader", "corrupt", "open_file", "verify_file"]
 
-#: Reads go in chunks of this size: big enough for one syscall (or one ranged GET) to be cheap,
-#: small enough that each chunk is hashed while it is still in the CPU cache.
+#: Reads from an object store go in chunks of this size: each is one ranged GET, so it must be big
+#: enough for the round trip to be cheap.
 READ_CHUNK = 8 << 20
+#: Reads of a local file (a file descriptor: disk, the Drive mount) go in chunks of this size,
+#: so that each is hashed while it is still in the CPU's cache after the kernel copied it in.
+#: Measured on a 2-core EPYC VM (512 KiB L2 per core, 16 MiB L3), a cold 89 MB read+xxh3: 34 ms
+#: in 1 MiB chunks (512 KiB: the same), 36 ms in 2 MiB, 40 ms in 8 MiB.
+LOCAL_CHUNK = 1 << 20
 
 
 def corrupt(backend: Backend, key: str, why: str) -> CorruptCheckpointError:
@@ -41,6 +46,15 @@ def open_file(backend: Backend, key: str) -> BinaryIO:
     return f
 
 
+def _is_local(f: BinaryIO) -> bool:
+    """Whether ``f`` reads a file through the kernel (a descriptor), not through ranged GETs."""
+    try:
+        f.fileno()
+    except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is both
+        return False
+    return True
+
+
 class HashedReader:
     """Sequential reads of one file through a hasher, checking its size and digest at the end."""
 
@@ -49,14 +63,16 @@ class HashedReader:
         self.size, self.digest, self.algorithm = size, digest, algorithm
         self.hasher = new_hasher(algorithm, among=CHECKPOINT_ALGORITHMS)
         self.pos = 0
+        #: the size of each read (and the most :meth:`scratch` holds): see LOCAL_CHUNK
+        self.chunk = LOCAL_CHUNK if _is_local(f) else READ_CHUNK
         self._scratch: memoryview | None = None
 
     def scratch(self, n: int) -> memoryview:
-        """A reusable uninitialised buffer of at least ``n`` bytes (n <= READ_CHUNK)."""
+        """A reusable uninitialised buffer of at least ``n`` bytes (n <= self.chunk)."""
         if self._scratch is None:
             # A bytearray, not torch.empty: verify hashes without importing torch; its zero-fill
-            # is once per file, at most READ_CHUNK bytes.
-            self._scratch = memoryview(bytearray(max(1, min(self.size, READ_CHUNK))))
+            # is once per file, at most one chunk.
+            self._scratch = memoryview(bytearray(max(1, min(self.size, self.chunk))))
         return self._scratch[:n]
 
     def read_into(self, dest: memoryview) -> None:
@@ -66,7 +82,7 @@ class HashedReader:
             raise corrupt(self.backend, self.key, f"the header points past the {self.size} bytes of the file")
         done = 0
         while done < total:
-            window = dest[done : done + min(READ_CHUNK, total - done)]
+            window = dest[done : done + min(self.chunk, total - done)]
             # Backend.open promises readinto (backends/base.py); typing.BinaryIO does not declare it.
             got = self.f.readinto(window)  # type: ignore[attr-defined]
             if not got:
@@ -86,7 +102,7 @@ class HashedReader:
         """Hash the next ``n`` bytes through the scratch buffer, keeping none."""
         end = self.pos + n
         while self.pos < end:
-            self.read_into(self.scratch(min(READ_CHUNK, end - self.pos)))
+            self.read_into(self.scratch(min(self.chunk, end - self.pos)))
 
     def finish(self) -> None:
         """Hash whatever is left, then check the size and the digest."""

@@ -24,7 +24,7 @@ from ckptsdk.backends.base import Backend
 from ckptsdk.errors import CheckpointTooLargeError, CkptError, ConfigError, CorruptCheckpointError
 from ckptsdk.format.digest import CHECKPOINT_ALGORITHMS, DEFAULT, new_hasher
 from ckptsdk.format.dtype import BY_CODE, byte_view, to_torch
-from ckptsdk.format.hashedread import READ_CHUNK, HashedReader, corrupt, open_file, verify_file
+from ckptsdk.format.hashedread import HashedReader, corrupt, open_file, verify_file
 from ckptsdk.format.memory import advise_huge_pages, available_memory, describe_size
 
 if TYPE_CHECKING:
@@ -262,11 +262,11 @@ class TensorFile:
                 reader.skip(n)
                 continue
             view = byte_view(t)
-            if n >= _SMALL_TENSOR:
+            if n >= _SMALL_TENSOR or n > reader.chunk:  # (a chunk below 64 KiB: only tests shrink it so)
                 flush()
                 reader.read_into(view)  # large sequential reads straight into the tensor's memory
             else:
-                if pending + n > READ_CHUNK:
+                if pending + n > reader.chunk:
                     flush()
                 views.append((view, n))
                 pending += n

@@ -389,3 +389,50 @@ def test_live_tensors_are_filled_only_where_the_bytes_fit_their_memory(local):
 def test_byte_view_refuses_a_tensor_whose_view_would_be_a_copy():
     with pytest.raises(ValueError, match="contiguous"):
         byte_view(torch.zeros(3, 2).t())
+
+
+def test_reads_spanning_many_chunks_round_trip_and_catch_damage_in_a_late_chunk(backend, monkeypatch):
+    """A local file is read (and hashed) in LOCAL_CHUNK pieces, an object store's in READ_CHUNK
+    pieces; both shrunk here so that tensors, the small-tensor batches and the skipped (unwanted)
+    tensors all cross chunk boundaries. Every byte lands where it belongs, and a flipped byte in
+    the last chunk is caught."""
+    from ckptsdk.format import hashedread
+
+    monkeypatch.setattr(hashedread, "LOCAL_CHUNK", 4096)
+    monkeypatch.setattr(hashedread, "READ_CHUNK", 4096)
+    g = torch.Generator().manual_seed(3)
+    saved = {
+        "big": torch.randn(10_000, generator=g),  # 40,000 bytes: ten chunks
+        **{f"small{i}": torch.randn(700 + i, generator=g) for i in range(12)},  # batched, crossing chunks
+        "skipped": torch.randn(5_000, generator=g),
+        "tail": torch.randn(3_001, generator=g),
+    }
+    size, digest = write_tensorfile(backend, KEY, saved)
+    with backend.open(KEY) as f:
+        reader = hashedread.HashedReader(backend, KEY, f, size, digest, DIGEST_ALGORITHM)
+        assert reader.chunk == 4096
+    with open_tensorfile(backend, KEY, size=size, digest=digest) as tf:
+        got = tf.allocate(wanted=set(saved) - {"skipped"})
+        tf.fill()
+    assert set(got) == set(saved) - {"skipped"}
+    for name, t in got.items():
+        assert torch.equal(t, saved[name]), name
+    data = bytearray(backend.read(KEY))
+    data[size - 10] ^= 0x01
+    backend.write(KEY, bytes(data))
+    with pytest.raises(CorruptCheckpointError, match="differs"):
+        read_tensorfile(backend, KEY, size=size, digest=digest)
+    assert backend.read(KEY) == bytes(data)  # the evidence is kept
+
+
+def test_a_local_file_is_read_in_cache_sized_chunks_an_object_store_in_large_ones(local):
+    from ckptsdk.format import hashedread
+
+    backend, _ = local
+    size, digest = write_tensorfile(backend, KEY, {"w": torch.ones(4)})
+    with backend.open(KEY) as f:
+        assert hashedread.HashedReader(backend, KEY, f, size, digest, DIGEST_ALGORITHM).chunk == hashedread.LOCAL_CHUNK
+    memory = open_backend("memory://chunks-demo")
+    write_tensorfile(memory, KEY, {"w": torch.ones(4)})
+    with memory.open(KEY) as f:
+        assert hashedread.HashedReader(memory, KEY, f, size, digest, DIGEST_ALGORITHM).chunk == hashedread.READ_CHUNK
