@@ -183,6 +183,18 @@ class Backend(Protocol):
 # unusable on this store, as Drive's ``copy`` is), so no caller needs ``getattr``.
 
 
+class Writable(Protocol):
+    """The one operation a streamed file write needs: ``write`` (atomic or not, as the store
+    offers), and ``url`` for its messages. A :class:`Backend` is one; so are the save pipeline's
+    wrappers that pace a background write or rewrite a recycled file in place."""
+
+    url: str
+
+    def write(self, key: str, data: Data) -> ObjectInfo:
+        """Publish ``data`` at ``key``; see :meth:`Backend.write`."""
+        ...
+
+
 @runtime_checkable
 class Copyable(Protocol):
     """A store that duplicates an object without sending its bytes through this machine."""

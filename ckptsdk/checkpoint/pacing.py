@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterable, Iterator
-from typing import Any
+from collections.abc import Iterator
+
+from ckptsdk.backends.base import Data, ObjectInfo, Writable
 
 __all__ = ["MAX_WAIT_S", "SLICE_BYTES", "Paced"]
 
@@ -47,18 +48,18 @@ class Paced:
         3
     """
 
-    def __init__(self, backend: Any, idle: threading.Event, *, max_wait: float = MAX_WAIT_S) -> None:
+    def __init__(self, backend: Writable, idle: threading.Event, *, max_wait: float = MAX_WAIT_S) -> None:
         self._backend = backend
         self._idle = idle
         self._left = max_wait
         self.url = backend.url
         self.waited = 0.0  # seconds spent waiting for steps (a check for tests and benchmarks)
 
-    def write(self, key: str, data: Iterable[Any]) -> Any:
+    def write(self, key: str, data: Data) -> ObjectInfo:
         return self._backend.write(key, self._slices(data))
 
-    def _slices(self, data: Iterable[Any]) -> Iterator[memoryview]:
-        for chunk in data:
+    def _slices(self, data: Data) -> Iterator[memoryview]:
+        for chunk in [data] if isinstance(data, (bytes, bytearray, memoryview)) else data:
             view = memoryview(chunk)
             if view.format != "B" or view.ndim != 1:
                 view = view.cast("B")

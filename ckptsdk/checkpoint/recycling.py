@@ -11,9 +11,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from ckptsdk.backends.base import Backend, Rewritable, rewriter
+from ckptsdk.backends.base import Backend, Data, ObjectInfo, Rewritable, rewriter
 from ckptsdk.backends.deadline import carried
 from ckptsdk.errors import ObjectNotFound, PreconditionFailed
 
@@ -32,7 +32,7 @@ class InPlace:
         self._backend = backend
         self.url = url
 
-    def write(self, key: str, data: Any) -> Any:
+    def write(self, key: str, data: Data) -> ObjectInfo:
         return self._backend.overwrite(key, data)
 
 

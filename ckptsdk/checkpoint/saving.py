@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from ckptsdk.backends.base import Backend
+from ckptsdk.backends.base import Backend, Writable
 from ckptsdk.backends.deadline import SAVE_RATE_BPS, bounded
 from ckptsdk.backends.posix import deferred_dir_sync
 from ckptsdk.checkpoint.aftercommit import RELIST_S, AfterCommit
@@ -381,13 +381,13 @@ class SavePipeline(AfterCommit, Anchoring):
         files = [FileEntry(name=TENSORS, size=size, digest=digest, algorithm=DIGEST_ALGORITHM), *extra_files]
         return self._publish(folder, step, files, skeleton, position, metrics, tags, device, verify, shared=shared)
 
-    def _write_tensors(self, backend: Any, key: str, tensors: Mapping[str, torch.Tensor]) -> tuple[int, str]:
+    def _write_tensors(self, backend: Writable, key: str, tensors: Mapping[str, torch.Tensor]) -> tuple[int, str]:
         """``write_tensorfile``; on the worker paced around optimizer steps, the writes and the hash."""
         idle = getattr(self._pacing, "idle", None)
         if idle is None:
             return write_tensorfile(backend, key, tensors)
-        paced = Paced(backend, idle)  # a backend as write_tensorfile uses one: only its write
-        return write_tensorfile(paced, key, tensors, pause=paced.wait)  # type: ignore[arg-type]
+        paced = Paced(backend, idle)
+        return write_tensorfile(paced, key, tensors, pause=paced.wait)
 
     def _write_shared(self, step: int, plan: Plan) -> list[SharedFile]:
         """The manifest's ``shared`` list: a new shared file for ``plan.new`` (written here, once),

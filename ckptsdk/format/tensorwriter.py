@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ckptsdk.backends.base import Backend
+from ckptsdk.backends.base import Writable
 from ckptsdk.errors import ConfigError, CorruptCheckpointError
 from ckptsdk.format.digest import DEFAULT, Hasher, new_hasher
 from ckptsdk.format.dtype import TABLE, byte_view, of_torch, to_torch
@@ -180,7 +180,7 @@ class _Digest:
 
 
 def write_tensorfile(
-    backend: Backend,
+    backend: Writable,
     key: str,
     tensors: Mapping[str, torch.Tensor],
     *,
@@ -197,7 +197,8 @@ def write_tensorfile(
     them with :class:`ckptsdk.checkpoint.staging.Stager` to keep training meanwhile).
 
     Args:
-        backend: where to write; its ``write`` publishes the file atomically.
+        backend: where to write (a backend, or anything with its ``write`` and ``url``); a
+            backend's ``write`` publishes the file atomically.
         key: the object key, e.g. ``"step-0000000100.e1/tensors.safetensors"``.
         tensors: name -> dense tensor (any device, any safetensors dtype; 0-d and empty too).
         metadata: optional str -> str map, stored as the header's ``__metadata__``.
