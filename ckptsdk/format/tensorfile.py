@@ -202,7 +202,7 @@ class TensorFile:
         import torch
 
         plan = self._plan(live, wanted)
-        need = self.fresh_bytes(live, wanted)
+        need = _fresh(plan)
         room = available_memory()
         if room is not None and need + besides > room:
             raise _too_large(self._reader, need, room, besides)
@@ -222,7 +222,7 @@ class TensorFile:
 
     def fresh_bytes(self, live: Mapping[str, torch.Tensor] | None = None, wanted: Collection[str] | None = None) -> int:
         """The bytes of fresh memory :meth:`allocate` with the same arguments takes."""
-        return sum(e.nbytes for e, t, keep in self._plan(live, wanted) if keep and t is None)
+        return _fresh(self._plan(live, wanted))
 
     def _plan(
         self, live: Mapping[str, torch.Tensor] | None, wanted: Collection[str] | None
@@ -272,6 +272,11 @@ class TensorFile:
                 pending += n
         flush()
         reader.finish()
+
+
+def _fresh(plan: list[tuple[HeaderEntry, torch.Tensor | None, bool]]) -> int:
+    """The bytes of fresh memory a plan (``TensorFile._plan``) takes: kept entries with no live tensor."""
+    return sum(e.nbytes for e, t, keep in plan if keep and t is None)
 
 
 def _size_of(backend: Backend, key: str, f: BinaryIO) -> int:
