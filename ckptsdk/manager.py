@@ -28,7 +28,7 @@ import torch
 from ckptsdk.backends import open_backend
 from ckptsdk.backends.base import Backend
 from ckptsdk.backends.probe import prove_preconditions
-from ckptsdk.checkpoint.catalog import Catalog, CheckpointInfo
+from ckptsdk.checkpoint.catalog import Catalog, CheckpointInfo, Judge
 from ckptsdk.checkpoint.opening import take_lease
 from ckptsdk.checkpoint.outline import Outline
 from ckptsdk.checkpoint.reader import CheckpointReader, ResumePoint, resume_point
@@ -39,6 +39,7 @@ from ckptsdk.checkpoint.saving import SavePipeline
 from ckptsdk.checkpoint.shutdown import WriterShutdown, _close_at_exit
 from ckptsdk.checkpoint.staging import SnapshotMode
 from ckptsdk.errors import ConfigError, NoValidCheckpointError
+from ckptsdk.format.layout import writer_tag
 from ckptsdk.format.manifest import FileEntry, Position
 from ckptsdk.format.userfield import user_fields
 from ckptsdk.lease.acquire import Lease
@@ -290,6 +291,13 @@ class CheckpointManager(CheckpointReader, KeepDecisions, WriterShutdown):
             self.runlog.flush()
         return audit(self.backend, tolerance=tolerance, series=series)
 
+    def _judge(self) -> Judge | None:
+        """A writer judges lineage records by the lease it took over from (see ``Judge``)."""
+        if self.lease is None or (record := self.lease.record) is None:
+            return None  # a reader, or a writer before its lease (Drive's first listing: the epoch floor)
+        cas = self.backend.capabilities.compare_and_swap
+        return Judge(self.lease.previous, (record.epoch, writer_tag(record.holder.nonce, compare_and_swap=cas)))
+
     def _scan(self) -> Catalog:
         """The reads see this writer's rotations: a sync save's, still on the worker, ends first."""
         self._opened = None  # gc and friends may change the root; a restore then lists it again
@@ -367,7 +375,8 @@ class CheckpointManager(CheckpointReader, KeepDecisions, WriterShutdown):
 
     def _confirm_writer(self, saving: SavePipeline) -> None:  # CAS: the renewal is the fence; Drive: a listing too
         saving.lease.renew()
-        saving.fence_if_newer(saving.rank if self.backend.capabilities.compare_and_swap else self.outline().max_rank)
+        cas = self.backend.capabilities.compare_and_swap
+        saving.fence_if_newer(saving.rank if cas else self.outline().fencing_rank)
 
     def _start_lineage(self, tree: Any, info: CheckpointInfo) -> None:
         """Record that this writer resumes from ``info`` (lineage, step log) and anchor it."""

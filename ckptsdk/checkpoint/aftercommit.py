@@ -71,7 +71,7 @@ class AfterCommit(ABC):
     def _relist(self) -> Catalog:
         cat = self._scan()
         self._catalog, self._listed_at, self._tidy_due = cat, self._clock(), True
-        self.fence_if_newer(cat.max_rank)
+        self.fence_if_newer(cat.fencing_rank)
         return cat
 
     def _relist_and_retire(self, step: int) -> None:
@@ -121,6 +121,10 @@ class AfterCommit(ABC):
             # in it fences this writer and rotation deletes nothing.
             cat = self._scan()
             self._listed_at, self._tidy_due = self._clock(), True
+            try:
+                self.fence_if_newer(cat.fencing_rank)  # a record not believed fences as well
+            except LeaseLostError:
+                pass  # fenced now: rotate() deletes nothing and says so
         else:
             cat = self.catalog() if self._catalog is None else self._catalog
             # The fence for rotation's deletes (one call, after the commit): a takeover during the

@@ -144,5 +144,12 @@ class Anchoring:
     def fence_if_newer(self, seen: Rank) -> None:
         """Fence this writer (and raise ``LeaseLostError``) if ``seen`` outranks it."""
         if self.writer.fenced_by(seen):
-            self.lease.fence(f"saw a newer writer (epoch {seen[0]}) under {self.url}", seen[0])
+            why = f"saw a newer writer (epoch {seen[0]}) under {self.url}"
+            if not self.backend.capabilities.compare_and_swap:
+                # Here a lineage record alone fences (catalog.writer_ranks): say what a stray one means.
+                why += (
+                    "; if no writer of that epoch exists, its lineage record is stray: reopening is "
+                    "safe (the next writer judges the record by the lease it takes over from)"
+                )
+            self.lease.fence(why, seen[0])
             self.lease.check()  # raises LeaseLostError

@@ -85,11 +85,19 @@ class Catalog:
     ignored_lineage: dict[Rank, str] = field(default_factory=dict)
     #: the highest epoch any name uses, believed or not: a new writer takes one above it
     epoch_floor: int = 0
+    #: what fences a writer (see :func:`writer_ranks`): ``max_rank``, and on stores without
+    #: compare-and-swap the highest rank any lineage record shows, believed or not. None: as ``max_rank``
+    fence_rank: Rank | None = None
     lineage_mtimes: list[float] = field(default_factory=list, repr=False)
 
     @property
     def max_epoch(self) -> int:
         return self.max_rank[0]
+
+    @property
+    def fencing_rank(self) -> Rank:
+        """The rank that fences a writer below it (``fence_rank``, else ``max_rank``)."""
+        return self.max_rank if self.fence_rank is None else max(self.fence_rank, self.max_rank)
 
     def restorable(self) -> list[CheckpointInfo]:
         """Valid checkpoints, newest first (higher step, then higher writer rank)."""
@@ -170,12 +178,27 @@ class Catalog:
         return sorted((c for c in self.checkpoints if c.step == step), key=lambda c: c.rank, reverse=True)
 
 
+@dataclass(frozen=True)
+class Judge:
+    """Who judges a root's lineage records, when it is a writer.
+
+    A writer takes its lease above every epoch it lists, a stray record's too, so its own lease
+    vouches for no record: it judges them by the lease it took over from (``previous``, what
+    LEASE.json said when it acquired; None on a fresh root), as a reader would have judged them
+    just before. Its own record (``rank``) it always believes.
+    """
+
+    previous: LeaseRecord | None
+    rank: Rank
+
+
 def writer_points(
     listing: Listing,
     read: list[Folder],
     lease: Callable[[], LeaseRecord | None],
     *,
     exclusive: bool,
+    mine: Rank | None = None,
 ) -> tuple[dict[Rank, int | None], dict[Rank, str]]:
     """Where each writer resumed from, and the lineage records not believed (see ``_resume_points``).
 
@@ -189,17 +212,25 @@ def writer_points(
         if manifest is not None:
             from_manifests.setdefault(rank, set()).add(manifest.writer.resumed_from_step)
     return _resume_points(
-        listing.lineage, from_manifests, listing.used(), listing.committed(), lease, exclusive=exclusive
+        listing.lineage, from_manifests, listing.used(), listing.committed(), lease, exclusive=exclusive, mine=mine
     )
 
 
-def writer_ranks(listing: Listing, ignored: Mapping[Rank, str]) -> tuple[Rank, int]:
-    """(the highest writer seen, the epoch floor): what fences a writer and what a new one takes above."""
+def writer_ranks(listing: Listing, ignored: Mapping[Rank, str], *, exclusive: bool) -> tuple[Rank, Rank, int]:
+    """(the highest writer seen, the rank that fences, the epoch floor).
+
+    Only believed records count as the highest writer (rotation and restore go by it), and
+    where the lease is exclusive only they fence: there the renewal fences a superseded writer
+    anyway, and a stray record must not stop the live one. Without compare-and-swap (Drive) a
+    genuine takeover's record can reach a zombie before the lease and the intermediate epochs
+    that would make it believable, so every record fences there: a stray one costs a loud stop
+    (the next writer judges it by the lease it takes over from, and ignores it). Every record's
+    epoch is used up: a new writer never takes it.
+    """
     ranks = [(0, "")] + sorted(listing.used())
-    # Only believed records count as a newer writer: a stray record must not fence the live
-    # writer. Every record's epoch is used up, though: a new writer never takes it.
     epoch_floor = max([ranks[-1][0], *(r[0] for r in listing.lineage)])
-    return max([ranks[-1], *(r for r in listing.lineage if r not in ignored)]), epoch_floor
+    believed = max([ranks[-1], *(r for r in listing.lineage if r not in ignored)])
+    return believed, believed if exclusive else max([believed, *listing.lineage]), epoch_floor
 
 
 def classify(entry: Folder, points: Mapping[Rank, int | None]) -> CheckpointInfo:
@@ -237,7 +268,19 @@ def lease_witness(backend: Backend) -> LeaseRecord | None:
         return None
 
 
-def scan(backend: Backend, *, cache: MutableMapping[tuple[str, str], object] | None = None) -> Catalog:
+def witness(backend: Backend, judge: Judge | None) -> tuple[Callable[[], LeaseRecord | None], Rank | None]:
+    """(the lease that vouches for records, the rank always believed) of a reader or a writer."""
+    if judge is None:
+        return lambda: lease_witness(backend), None
+    return lambda: judge.previous, judge.rank
+
+
+def scan(
+    backend: Backend,
+    *,
+    cache: MutableMapping[tuple[str, str], object] | None = None,
+    judge: Judge | None = None,
+) -> Catalog:
     """List the root and classify every checkpoint folder (every manifest is read: ``ls``, gc,
     rotation; restore reads only what it restores, see :mod:`ckptsdk.checkpoint.outline`).
 
@@ -245,6 +288,7 @@ def scan(backend: Backend, *, cache: MutableMapping[tuple[str, str], object] | N
         backend: the checkpoint root.
         cache: optional memo of parsed manifests/lineage records keyed by (key, version); a
             manager passes one so that repeated scans read only what changed.
+        judge: a writer's (see :class:`Judge`); None for a reader, which goes by LEASE.json now.
     """
     memo: MutableMapping[tuple[str, str], object] = cache if cache is not None else {}
     listing = list_root(backend, memo)
@@ -252,10 +296,10 @@ def scan(backend: Backend, *, cache: MutableMapping[tuple[str, str], object] | N
 
     if cache is not None:
         prune_memo(cache, listing)
-    points, ignored = writer_points(
-        listing, parsed, lambda: lease_witness(backend), exclusive=backend.capabilities.compare_and_swap
-    )
-    max_rank, epoch_floor = writer_ranks(listing, ignored)
+    exclusive = backend.capabilities.compare_and_swap
+    lease, mine = witness(backend, judge)
+    points, ignored = writer_points(listing, parsed, lease, exclusive=exclusive, mine=mine)
+    max_rank, fence_rank, epoch_floor = writer_ranks(listing, ignored, exclusive=exclusive)
     return Catalog(
         checkpoints=[classify(entry, points) for entry in parsed],
         lineage=listing.lineage,
@@ -263,6 +307,7 @@ def scan(backend: Backend, *, cache: MutableMapping[tuple[str, str], object] | N
         max_rank=max_rank,
         ignored_lineage=ignored,
         epoch_floor=epoch_floor,
+        fence_rank=fence_rank,
         lineage_mtimes=listing.lineage_mtimes,
     )
 
@@ -278,6 +323,7 @@ def _resume_points(
     lease: Callable[[], LeaseRecord | None],
     *,
     exclusive: bool,
+    mine: Rank | None = None,
 ) -> tuple[dict[Rank, int | None], dict[Rank, str]]:
     """Where each writer resumed from, and the lineage records that are not believed (and why).
 
@@ -309,8 +355,12 @@ def _resume_points(
         ):
             return True  # its writer holds (or last held) the lease
         # Where a zombie's late write can put an older lease back (Drive), the lease cannot
-        # vouch; an epoch one above everything seen is then plausible, and believed.
+        # vouch; an epoch one above everything seen is then plausible, and believed, and so is
+        # one above that (a chain of takeovers, each one above what it saw): not a gap.
         known = max([held.epoch if held is not None else 0, *(r[0] for r in used)])
+        for epoch in sorted({r[0] for r in lineage}):
+            if epoch <= known + 1:
+                known = max(known, epoch)
         return not exclusive and rank[0] <= known + 1
 
     points: dict[Rank, int | None] = {}
@@ -326,14 +376,20 @@ def _resume_points(
                 " / ".join(map(_where, said)),
             )
             continue  # taken from the manifests below
-        if rank in used:
+        if rank in used or rank == mine:
             points[rank] = point
             continue
         erased = sorted({s for s, r in committed if r < rank and (point is None or s > point)})
-        if not erased or vouched(rank, record):
+        newer = _overruled_by(rank, point, lineage)
+        if not erased or (newer is None and vouched(rank, record)):
             points[rank] = point  # harmless (it orphans nothing committed), or its writer is known
             continue
         why = (
+            f"{_name(newer[0])} resumed from step {newer[1]} of epoch {newer[2]}, which it would orphan: "
+            "a newer writer judged it (or never saw it), and its judgement stands"
+            if newer is not None
+            else None
+        ) or (
             f"it says {_name(rank)} took over from {_where(point)}, which would discard committed "
             f"step(s) {erased[:5]}{' ...' if len(erased) > 5 else ''}, but no writer of {_name(rank)} "
             "wrote any checkpoint and LEASE.json does not name it; a stray or forged record cannot "
@@ -350,6 +406,18 @@ def _resume_points(
         elif rank not in points:  # its own manifests disagree: take the most conservative point
             points[rank] = max((p for p in said if p is not None), default=None)
     return points, ignored
+
+
+def _overruled_by(rank: Rank, point: int | None, lineage: Mapping[Rank, LineageRecord]) -> tuple[Rank, int, int] | None:
+    """(a newer writer, the step and epoch it resumed from) where that checkpoint is one the record of
+    ``rank`` would orphan: the newer writer did not believe the record (or never saw it) and its
+    lineage, not the record, is the run's now. Else None."""
+    for other, rec in sorted(lineage.items(), reverse=True):
+        step, epoch = rec.resumed_from_step, rec.resumed_from_epoch
+        if outranks(other, rank) and step is not None and epoch is not None and epoch < rank[0]:
+            if point is None or step > point:
+                return other, step, epoch
+    return None
 
 
 def _where(point: int | None) -> str:

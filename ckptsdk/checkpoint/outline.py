@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterator, MutableMapping
 
 from ckptsdk.backends.base import Backend
-from ckptsdk.checkpoint.catalog import CheckpointInfo, classify, lease_witness, writer_points, writer_ranks
+from ckptsdk.checkpoint.catalog import CheckpointInfo, Judge, classify, witness, writer_points, writer_ranks
 from ckptsdk.checkpoint.listing import Folder, list_root, prune_memo, read_folder
 from ckptsdk.format.layout import Rank, outranks, parse_folder
 from ckptsdk.lease.record import LeaseRecord
@@ -26,10 +26,12 @@ class Outline:
         backend: the checkpoint root.
         cache: the memo of parsed manifests and lineage records by (key, version) that
             :func:`~ckptsdk.checkpoint.catalog.scan` shares (a reader's).
+        judge: a writer's (:class:`~ckptsdk.checkpoint.catalog.Judge`); None for a reader.
 
     Attributes:
         max_rank: the highest writer a full scan would report (folder names and believed
-            lineage records): what fences a writer.
+            lineage records).
+        fencing_rank: what fences a writer (see :func:`~ckptsdk.checkpoint.catalog.writer_ranks`).
         epoch_floor: the highest epoch any name uses; a new writer takes one above it.
         ignored_lineage: lineage records not believed, and why (as the scan says).
 
@@ -44,22 +46,33 @@ class Outline:
         (3, True)
     """
 
-    def __init__(self, backend: Backend, *, cache: MutableMapping[tuple[str, str], object] | None = None) -> None:
+    def __init__(
+        self,
+        backend: Backend,
+        *,
+        cache: MutableMapping[tuple[str, str], object] | None = None,
+        judge: Judge | None = None,
+    ) -> None:
         self.backend = backend
         self._memo: MutableMapping[tuple[str, str], object] = cache if cache is not None else {}
         self._exclusive = backend.capabilities.compare_and_swap
         self._lease_seen: list[LeaseRecord | None] = []
+        self._witness, self._mine = witness(backend, judge)
         self.listing = list_root(backend, self._memo)
         if cache is not None:
             prune_memo(cache, self.listing)
         # Which records are believed needs no manifest (see catalog.writer_points): known now.
-        _points, self.ignored_lineage = writer_points(self.listing, [], self._lease, exclusive=self._exclusive)
-        self.max_rank, self.epoch_floor = writer_ranks(self.listing, self.ignored_lineage)
+        _points, self.ignored_lineage = writer_points(
+            self.listing, [], self._lease, exclusive=self._exclusive, mine=self._mine
+        )
+        self.max_rank, self.fencing_rank, self.epoch_floor = writer_ranks(
+            self.listing, self.ignored_lineage, exclusive=self._exclusive
+        )
         self._read: dict[str, Folder] = {}
 
     def _lease(self) -> LeaseRecord | None:
         if not self._lease_seen:  # LEASE.json is read only when a record needs vouching: rarely
-            self._lease_seen.append(lease_witness(self.backend))
+            self._lease_seen.append(self._witness())
         return self._lease_seen[0]
 
     def _folder(self, folder: str) -> Folder:
@@ -98,7 +111,9 @@ class Outline:
                     if outranks(other, rank):
                         self._folder(key)
                 read = [e for e in self._read.values() if not outranks(rank, e[1])]
-                points_of[rank], _ = writer_points(self.listing, read, self._lease, exclusive=self._exclusive)
+                points_of[rank], _ = writer_points(
+                    self.listing, read, self._lease, exclusive=self._exclusive, mine=self._mine
+                )
             yield classify(entry, points_of[rank])
 
     def newest_valid(self) -> CheckpointInfo | None:

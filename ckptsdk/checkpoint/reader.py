@@ -129,13 +129,17 @@ class CheckpointReader:
         """The storage of the root."""
         return self._backend
 
+    def _judge(self) -> _catalog.Judge | None:
+        """Who judges the root's lineage records: None, a reader (by LEASE.json now)."""
+        return None
+
     def _scan(self) -> _catalog.Catalog:
-        return _catalog.scan(self.backend, cache=self._memo)
+        return _catalog.scan(self.backend, cache=self._memo, judge=self._judge())
 
     def outline(self) -> Outline:
         """One listing of the root, its manifests read only as the caller walks them (restore,
         ``latest``, opening a writer); :meth:`list` and the rest read every manifest."""
-        return Outline(self.backend, cache=self._memo)
+        return Outline(self.backend, cache=self._memo, judge=self._judge())
 
     # ------------------------------------------------------------------ the read API
 

@@ -405,10 +405,10 @@ class DistributedCheckpointManager:
         core.lease.renew()
         if core.runlog is not None:
             core.runlog.flush()  # the steps before a save are on storage even if a rank dies in it
-        cat = _catalog.scan(self.backend)
         own = self._writer()
-        if cat.max_rank > own:  # the core manager's fencing rule: any newer writer fences this one
-            core.lease.fence(f"saw a newer writer (epoch {cat.max_rank[0]}) under {self.url}", cat.max_rank[0])
+        cat = _catalog.scan(self.backend, judge=_catalog.Judge(core.lease.previous, own))
+        if cat.fencing_rank > own:  # the core manager's fencing rule: any newer writer fences this one
+            core.lease.fence(f"saw a newer writer (epoch {cat.fencing_rank[0]}) under {self.url}", cat.fencing_rank[0])
             core.lease.check()  # raises LeaseLostError
         folder = self._folder(step)
         existing = any(c.key == folder and c.committed for c in cat.checkpoints)

@@ -60,6 +60,11 @@ class HeldLease:
         return self._record
 
     @property
+    def previous(self) -> LeaseRecord | None:
+        """The record ``acquire`` took over from (None on a fresh root, or a lost ``LEASE.json``)."""
+        return self._previous
+
+    @property
     def clean_handover(self) -> bool:
         """Whether ``acquire`` took over a lease its holder had released (``close()``d).
 

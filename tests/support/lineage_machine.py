@@ -840,6 +840,9 @@ class LineageMachine(RuleBasedStateMachine):
         try:
             w.weights.set(w.uid, step)
             w.mgr.save(w.weights, step=step)
+            # Rotation after a commit runs on a worker thread: finish it now (its listing draws
+            # delays too), so the schedule stays deterministic.
+            w.mgr.wait()
         except LeaseLostError as exc:
             self.stats["save refused (fenced)"] += 1
             self._say(
