@@ -335,10 +335,15 @@ def _resume_points(
     writer left a checkpoint folder (a takeover re-commits its resume point at once), or when
     LEASE.json names its writer (same epoch, attempt, run, host and pid: the writer holds the
     lease or released it last). Where the lease is only advisory (Drive: a zombie's late write
-    can put an older record back), an epoch one above everything seen is believed too. Anything
-    else (``epoch-000999`` next to a lease at epoch 2) is ignored, loudly. The price: a takeover
-    that crashed before its first save, taken over in turn, no longer hides the checkpoints its
-    zombie predecessor committed meanwhile; those are real states of the run, and restorable.
+    can put an older record back), an epoch one above everything seen is believed too, and one
+    above that (a chain of takeovers, each one above what it saw). Anything else
+    (``epoch-000999`` next to a lease at epoch 2) is ignored, loudly. Never believed, whatever
+    vouches: a folder-less record that a newer writer's resume point contradicts (its judgement
+    stands), and a folder-less fresh start (its writer saved nothing; it cannot erase a run's
+    progress). A writer judges by the lease it took over from, not its own (see :class:`Judge`),
+    and always believes its own record (``mine``). The price: a takeover that crashed before its
+    first save, taken over in turn, no longer hides the checkpoints its zombie predecessor
+    committed meanwhile; those are real states of the run, and restorable.
     """
     lease_seen: list[LeaseRecord | None] = []
 
@@ -380,21 +385,10 @@ def _resume_points(
             points[rank] = point
             continue
         erased = sorted({s for s, r in committed if r < rank and (point is None or s > point)})
-        newer = _overruled_by(rank, point, lineage)
-        if not erased or (newer is None and vouched(rank, record)):
+        why = _doubt(rank, point, erased, lineage, lambda: vouched(rank, record))  # noqa: B023 (called at once)
+        if why is None:
             points[rank] = point  # harmless (it orphans nothing committed), or its writer is known
             continue
-        why = (
-            f"{_name(newer[0])} resumed from step {newer[1]} of epoch {newer[2]}, which it would orphan: "
-            "a newer writer judged it (or never saw it), and its judgement stands"
-            if newer is not None
-            else None
-        ) or (
-            f"it says {_name(rank)} took over from {_where(point)}, which would discard committed "
-            f"step(s) {erased[:5]}{' ...' if len(erased) > 5 else ''}, but no writer of {_name(rank)} "
-            "wrote any checkpoint and LEASE.json does not name it; a stray or forged record cannot "
-            "erase a run's progress"
-        )
         ignored[rank] = why
         if (rank, why) in _TOLD:
             continue  # every scan would say it again (a save scans): once per process is loud enough
@@ -406,6 +400,36 @@ def _resume_points(
         elif rank not in points:  # its own manifests disagree: take the most conservative point
             points[rank] = max((p for p in said if p is not None), default=None)
     return points, ignored
+
+
+def _doubt(
+    rank: Rank, point: int | None, erased: list[int], lineage: Mapping[Rank, LineageRecord], vouched: Callable[[], bool]
+) -> str | None:
+    """Why the record of ``rank``, whose writer left no checkpoint folder, is not believed (None: it is)."""
+    if not erased:
+        return None  # it orphans nothing committed: harmless
+    steps = f"committed step(s) {erased[:5]}{' ...' if len(erased) > 5 else ''}"
+    newer = _overruled_by(rank, point, lineage)
+    if newer is not None:
+        return (
+            f"{_name(newer[0])} resumed from step {newer[1]} of epoch {newer[2]}, which it would orphan: "
+            "a newer writer judged it (or never saw it), and its judgement stands"
+        )
+    if point is None:
+        # A genuine one is a writer that restored nothing (on Drive most likely because the
+        # checkpoints had not reached its VM) and died before its first save: it discarded
+        # nothing of its own, and resuming the committed progress is what its run wants.
+        return (
+            f"it says {_name(rank)} started fresh, which would discard {steps}, but no writer of "
+            f"{_name(rank)} saved anything; a fresh start that saved nothing cannot erase a run's progress"
+        )
+    if vouched():
+        return None
+    return (
+        f"it says {_name(rank)} took over from {_where(point)}, which would discard {steps}, but no "
+        f"writer of {_name(rank)} wrote any checkpoint and the lease does not name it; a stray or "
+        "forged record cannot erase a run's progress"
+    )
 
 
 def _overruled_by(rank: Rank, point: int | None, lineage: Mapping[Rank, LineageRecord]) -> tuple[Rank, int, int] | None:

@@ -3,7 +3,8 @@
 Found 2026-12-03. On Drive a writer lists before it takes the lease, so it takes its epoch above
 a stray ``lineage/epoch-000999.json``; it then judged the record by its *own* lease (epoch 1000),
 believed it ("one above everything seen") and started fresh while steps 10 and 20 were committed.
-A writer now judges records by the lease it took over from. The other half (deep lineage profile,
+A writer now judges records by the lease it took over from, and a fresh start that saved
+nothing erases no run's progress (``epoch-000002``, the very next epoch). The other half (deep lineage profile,
 invariant [3]): a zombie on Drive that sees a newer writer's record two epochs above anything
 else it knows must stop, though nobody believes that record yet.
 """
@@ -19,6 +20,9 @@ import torch
 from ckptsdk import CheckpointManager, TrainState, open_backend
 from ckptsdk.errors import LeaseLostError
 from ckptsdk.format.manifest import parse_lineage
+from ckptsdk.manager import Simulation
+from tests.stories.test_faults_hostile import INTACT
+from tests.support._fault_state import expected, make_state, observe
 
 KW: dict[str, Any] = dict(keep_last=3, lease_ttl=5, lease_settle=0, save_on_signal=False)
 
@@ -55,6 +59,27 @@ def drive(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
     return "drive://run"
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("attack", INTACT, ids=lambda f: f.__name__)
+def test_the_hostile_stray_records_change_nothing_on_drive_either(drive: str, tmp_path: Path, attack: Any) -> None:
+    """The hostile attacks that must change nothing (tests/stories/test_faults_hostile.py), on a
+    Drive root: there the lease cannot vouch by name alone, so the rules differ."""
+    with CheckpointManager(drive, _simulation=Simulation(heartbeat=False), lease_settle=0) as mgr:
+        mgr.restore(make_state(0))
+        mgr.log_step(1, loss=0.5)
+        mgr.save(make_state(1), step=1)
+        mgr.log_step(2, loss=0.25)
+        mgr.save(make_state(2), step=2)
+    attack(tmp_path / "run")
+    report = observe(drive)
+    assert report["step"] == 2 and report["digest"] == expected(2), report
+    with CheckpointManager(drive, _simulation=Simulation(heartbeat=False), lease_settle=0) as mgr:
+        assert mgr.restore(make_state(0)).step == 2  # neither fenced nor sent back
+        mgr.save(make_state(3), step=3)
+        assert mgr.audit() is not None
+    assert observe(drive)["digest"] == expected(3)
+
+
 def _run_to_20(url: str) -> dict[str, torch.Tensor]:
     with CheckpointManager(url, **KW) as first:
         s = _state(0)
@@ -67,7 +92,7 @@ def _run_to_20(url: str) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("epoch", [999, 5])
+@pytest.mark.parametrize("epoch", [999, 5, 2])
 def test_a_stray_record_far_above_does_not_make_the_next_writer_start_fresh(drive: str, epoch: int) -> None:
     saved = _run_to_20(drive)
     _stray(drive, epoch)

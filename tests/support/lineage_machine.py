@@ -981,18 +981,29 @@ class LineageMachine(RuleBasedStateMachine):
                 higher = f[1]
             if higher is None or higher <= rank or higher not in self.resume:
                 continue
+            if not self._counts(higher, self._view(vm)):
+                continue
             point = self.resume[higher]
             if point is None or step > point[0]:
                 self._violate(
                     f"[1] {who} got step {step} of {_r(rank)}, but {_r(higher)} (visible as {key}) resumed from {point}"
                 )
 
-    def _tip(self) -> tuple[int, Rank] | None:
+    def _counts(self, rank: Rank, keys: Any) -> bool:
+        """Whether the lineage record of ``rank`` supersedes anything: not a fresh start whose
+        writer saved nothing (no folder of ``rank`` among ``keys``), which erases no run's progress."""
+        if self.resume.get(rank) is not None:
+            return True
+        return any((f := _folder(k)) is not None and f[1] == rank for k in keys)
+
+    def _tip(self, keys: Any = ()) -> tuple[int, Rank] | None:
         """The newest committed, undeleted checkpoint of the highest rank with a lineage record
-        (else the checkpoint that rank resumed from; None for a fresh start)."""
-        if not self.resume:
+        that counts (see ``_counts``; else the checkpoint that rank resumed from; None for a
+        fresh start)."""
+        counted = [r for r in self.resume if self._counts(r, keys)]
+        if not counted:
             return None
-        top = max(self.resume)
+        top = max(counted)
         own = [s for (s, r) in self.committed if r == top and (s, r) not in self.deleted]
         if own:
             return max(own), top
@@ -1007,7 +1018,7 @@ class LineageMachine(RuleBasedStateMachine):
         return point
 
     def _expect_tip(self, where: str, backend: Any) -> None:
-        tip = self._tip()
+        tip = self._tip([o.key for o in backend.list("")])
         rp, payload = self._read(backend)
         got = None if rp is None else (rp.step, _key_rank(rp.key))
         if got != tip:
