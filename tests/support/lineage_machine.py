@@ -1040,7 +1040,9 @@ class LineageMachine(RuleBasedStateMachine):
             if self.resume:
                 top = max(self.resume)
                 owner = next((w for w in self.writers if w.name == self.rank_owner.get(top)), None)
-                if owner is not None:
+                # (a fresh start that saved nothing supersedes nothing: its VM has no claim then,
+                # and lower writers' checkpoints may still be in flight to it)
+                if owner is not None and self._counts(top, self._view(owner.vm)):
                     self._expect_tip(f"on {owner.vm}, the VM of {_r(top)}", self._raw_backend(owner.vm))
         if self.violations:
             self._fail("invariant broken: " + "; ".join(dict.fromkeys(self.violations)))
