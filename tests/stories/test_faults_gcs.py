@@ -35,13 +35,25 @@ def _fast(backend: GCSBackend) -> GCSBackend:
     return backend
 
 
+def _patient(backend: GCSBackend) -> GCSBackend:
+    """Retry quickly, wait patiently: for the calls a test does not mean to time out."""
+    backend.backoff_s = 0.05
+    backend.read_timeout_s, backend.request_deadline_s = 30.0, 60.0
+    return backend
+
+
 @pytest.fixture
 def rig(gcs_emulator: Emulator) -> Iterator[tuple[LoopbackProxy, GCSBackend, GCSBackend]]:
-    """(proxy, backend through it, direct backend on the same root)."""
+    """(proxy, backend through it, direct backend on the same root).
+
+    The backend through the proxy retries quickly but waits patiently: a loaded machine's
+    emulator may take over a second to answer an upload, which fast timeouts would call a
+    failure (CI saw it). A test of timeouts shrinks them with ``_fast`` once it has opened.
+    """
     bucket = f"faults-{uuid.uuid4().hex[:12]}"
     gcs_emulator.make_bucket(bucket)
     proxy = LoopbackProxy(gcs_emulator.port)
-    through = _fast(
+    through = _patient(
         GCSBackend(f"{bucket}/run", endpoint_url=proxy.endpoint, token="anon", project="test", skip_instance_cache=True)
     )
     direct = GCSBackend(f"{bucket}/run", **gcs_emulator.storage_options, skip_instance_cache=True)
@@ -61,6 +73,7 @@ def test_a_stalled_server_fails_the_save_in_bounded_time_and_commits_nothing(rig
     mgr = CheckpointManager(through, _simulation=Simulation(heartbeat=False))
     mgr.restore(make_state(0))
     mgr.save(make_state(1), step=1)
+    _fast(through)
     proxy.plan = lambda n, head: "stall"
     started = time.monotonic()
     with pytest.raises(BackendError, match="deadline|failed"):
@@ -68,6 +81,7 @@ def test_a_stalled_server_fails_the_save_in_bounded_time_and_commits_nothing(rig
     took = time.monotonic() - started
     assert took < 30, f"a save against a frozen server took {took:.1f} s"
     proxy.plan = lambda n, head: "pass"
+    _patient(through)
     assert _restored(direct) == (1, expected(1))  # step 2 committed nothing
     mgr.save(make_state(3), step=3)  # the writer carries on once the server answers again
     mgr.close()
@@ -96,9 +110,6 @@ def test_a_storm_of_429_and_503_is_retried_and_a_lasting_one_commits_nothing(rig
 @pytest.mark.timeout(120)
 def test_lost_replies_are_retried_and_restores_are_exact(rig):
     proxy, through, direct = rig
-    # Opening (the precondition probe, the lease) is not under test: a loaded machine's emulator
-    # may take over a second to answer, which the fast timeouts would call a failure.
-    through.read_timeout_s, through.request_deadline_s = 30.0, 60.0
     mgr = CheckpointManager(through, _simulation=Simulation(heartbeat=False))
     mgr.restore(make_state(0))
     _fast(through)
