@@ -363,7 +363,9 @@ class CheckpointManager(CheckpointReader, KeepDecisions, WriterShutdown):
                     self.runlog.start()
                 return None
             raise
-        state.load_state_dict(tree)
+        # read_tree checked a TrainState's fit (check_fit, check_rng): its load need not check again
+        fitted = into is not None and type(state).load_state_dict is TrainState.load_state_dict
+        (state._load_fitted if fitted else state.load_state_dict)(tree)  # type: ignore[union-attr]
         if self._saving is None:
             self.resumed_from = info
         else:

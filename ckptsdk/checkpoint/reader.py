@@ -14,7 +14,7 @@ import logging
 from collections.abc import Callable, Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Any, BinaryIO, Literal, Protocol
 
 from pydantic import JsonValue
 
@@ -372,6 +372,8 @@ class CheckpointReader:
         import torch
 
         from ckptsdk.format.decoding import decode_before_values
+        from ckptsdk.format.hashedread import open_file
+        from ckptsdk.format.readahead import read_ahead
         from ckptsdk.format.tensorfile import open_tensorfile
         from ckptsdk.rng import check_rng
 
@@ -384,11 +386,21 @@ class CheckpointReader:
         files: list[tuple[str, FileEntry | SharedFile]] = [(f"{info.key}/{TENSORS}", entry)]
         files += [(s.name, s) for s in manifest.shared]
         with ExitStack() as stack:
+            streams: list[BinaryIO] = []
+            for key, _ in files:
+                streams.append(stack.enter_context(open_file(self.backend, key)))
+            # The disk reads the files while their headers, the plan, the decode and the fit
+            # check below run; fill() then copies from the page cache (local files and the Drive
+            # mount; object stores have no descriptor to warm). Started before the first header
+            # read: ResNet-18 restore 43 -> 35 ms, against 46 ms without (benchmarks/bench_restore.py).
+            stack.enter_context(read_ahead(streams))
             opened = [
                 stack.enter_context(
-                    open_tensorfile(self.backend, key, size=f.size, digest=f.digest, algorithm=f.algorithm)
+                    open_tensorfile(
+                        self.backend, key, size=f.size, digest=f.digest, algorithm=f.algorithm, stream=stream
+                    )
                 )
-                for key, f in files
+                for (key, f), stream in zip(files, streams, strict=True)
             ]
             # A shared file may hold tensors this checkpoint no longer uses (changed since): they
             # are hashed, not kept. The memory check is of the whole read, every file together.

@@ -358,14 +358,26 @@ def read_tensorfile(
 
 @contextmanager
 def open_tensorfile(
-    backend: Backend, key: str, *, size: int, digest: str, algorithm: str = DEFAULT
+    backend: Backend,
+    key: str,
+    *,
+    size: int,
+    digest: str,
+    algorithm: str = DEFAULT,
+    stream: BinaryIO | None = None,
 ) -> Iterator[TensorFile]:
     """The tensor file ``key`` open, its size and header checked (:func:`read_tensorfile`'s first
-    half; the same arguments and errors): ``allocate()`` then ``fill()`` read and verify it."""
+    half; the same arguments and errors): ``allocate()`` then ``fill()`` read and verify it.
+
+    ``stream``: ``key`` already opened with ``hashedread.open_file`` (restore opens its files
+    first to read them ahead); it is read from its start and closed on leaving, like one opened here.
+    """
     new_hasher(algorithm, among=CHECKPOINT_ALGORITHMS)
     if type(size) is not int or size < 0:
+        if stream is not None:
+            stream.close()
         raise ConfigError(f"size for {key!r} must be a non-negative int, got {size!r}")
-    with open_file(backend, key) as f:
+    with stream if stream is not None else open_file(backend, key) as f:
         actual = _size_of(backend, key, f)
         if actual != size:
             # Before anything is read or allocated: the header is then bounded by a real size.

@@ -9,6 +9,7 @@ overwrites them all, else the error says so. Local roots (a real file, damaged a
 from __future__ import annotations
 
 import io
+import os
 import struct
 from pathlib import Path
 from typing import Any
@@ -224,3 +225,36 @@ def test_a_tensor_subclass_is_copied_in_not_read_into() -> None:
     model.register_buffer("odd", torch.zeros(3).as_subclass(_Sub))
     live = TrainState(model=model).live_tensors()
     assert set(live) == {"objects/model/weight", "objects/model/bias"}
+
+
+def test_restore_reads_its_tensor_files_ahead_in_the_order_it_fills_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The folder's own file, then the shared ones (unchanged tensors since the first save), each
+    handed to the read-ahead before its header is read; the restored state is the saved one."""
+    from ckptsdk.format import readahead
+
+    model, opt, state = _job(0, width=1 << 16)  # the first weight and its momentum: 1 MiB each
+    with CheckpointManager(str(tmp_path), keep_last=10, save_on_signal=False, lease_ttl=30) as mgr:
+        mgr.save(state, step=1)
+        model[2].bias.data.add_(1.0)  # only this tensor changes: the 1 MiB ones stay in a shared file
+        mgr.save(state, step=2)
+    held = _values(model, opt)
+    warmed: list[list[tuple[str, int]]] = []
+    real = readahead.read_ahead
+
+    def spy(files: Any) -> Any:
+        # (the files are opened from descriptors: their names are in /proc)
+        names = [Path(os.readlink(f"/proc/self/fd/{f.fileno()}")) for f in files]
+        warmed.append([(n.relative_to(tmp_path).as_posix(), f.tell()) for n, f in zip(names, files, strict=True)])
+        return real(files)
+
+    monkeypatch.setattr(readahead, "read_ahead", spy)
+    model2, opt2, state2 = _job(5, width=1 << 16)
+    with CheckpointManager(str(tmp_path), read_only=True) as mgr:
+        assert mgr.restore(state2).step == 2  # type: ignore[union-attr]
+    (own,) = tmp_path.glob("step-0000000002.*/tensors.safetensors")
+    shared = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.glob("shared/*.safetensors"))
+    assert shared, "the unchanged tensors of step 2 live in a shared file"
+    assert warmed == [[(own.relative_to(tmp_path).as_posix(), 0)] + [(s, 0) for s in shared]]
+    _same(_values(model2, opt2), held)
