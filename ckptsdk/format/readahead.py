@@ -43,9 +43,10 @@ def _descriptors(files: Sequence[BinaryIO]) -> list[tuple[int, int]]:
 def _warm(descriptors: list[tuple[int, int]], stop: threading.Event, done: threading.Event) -> None:
     # sendfile to /dev/null: the kernel reads each page into the cache and drops it there, with
     # no copy into this process. Measured on this project's 2-core VM (89.5 MB ResNet-18 state,
-    # cold cache, 12 reps): restore 44.2 -> 37.9 ms; POSIX_FADV_WILLNEED instead made it slower
-    # (54.6 ms: the call itself blocks while it queues the reads), and pread into a scratch
-    # buffer in 4 MiB slices gained 2 ms (each slice waited for the GIL).
+    # cold cache): restore 46.1 -> 35.1 ms (16 reps; cold torch.load 39.0). In a run of 12 reps
+    # (44.2 ms without), POSIX_FADV_WILLNEED made it slower, 54.6 ms (the call itself blocks
+    # while it queues the reads), and pread into a scratch buffer in 4 MiB slices gave 42.2 ms
+    # (each slice waited for the GIL).
     try:
         with open(os.devnull, "wb") as null:
             for fd, size in descriptors:
