@@ -111,8 +111,9 @@ def test_a_stuck_lock_holder_fails_a_local_save_within_its_deadline(tmp_path) ->
     from ckptsdk.backends.posix import LOCK_NAME
 
     root = tmp_path / "run"
-    mgr = CheckpointManager(str(root), save_deadline=1.0, save_on_signal=False, _simulation=Simulation(heartbeat=False))
+    mgr = CheckpointManager(str(root), save_deadline=60.0, save_on_signal=False, _simulation=Simulation(heartbeat=False))
     mgr.save({"w": torch.ones(2)}, step=1)
+    mgr._saving.save_deadline = 1.0  # only the save behind the held lock is short (a loaded disk may be slow)
     fd = os.open(root / LOCK_NAME, os.O_RDWR)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
@@ -122,6 +123,7 @@ def test_a_stuck_lock_holder_fails_a_local_save_within_its_deadline(tmp_path) ->
         os.close(fd)
     assert str(caught.value).startswith(f"the save of step 2 under {root} did not finish within its 1.0 s")
     assert caught.value.waited_for.startswith(f"the lock {LOCK_NAME} in {root}, held by another process")
+    mgr._saving.save_deadline = 60.0
     mgr.save({"w": torch.full((2,), 3.0)}, step=3)  # the lock is free again: the writer carries on
     mgr.close()
     reader = CheckpointManager(str(root), read_only=True)
