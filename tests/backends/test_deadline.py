@@ -111,7 +111,9 @@ def test_a_stuck_lock_holder_fails_a_local_save_within_its_deadline(tmp_path) ->
     from ckptsdk.backends.posix import LOCK_NAME
 
     root = tmp_path / "run"
-    mgr = CheckpointManager(str(root), save_deadline=60.0, save_on_signal=False, _simulation=Simulation(heartbeat=False))
+    mgr = CheckpointManager(
+        str(root), save_deadline=60.0, save_on_signal=False, _simulation=Simulation(heartbeat=False)
+    )
     mgr.save({"w": torch.ones(2)}, step=1)
     mgr._saving.save_deadline = 1.0  # only the save behind the held lock is short (a loaded disk may be slow)
     fd = os.open(root / LOCK_NAME, os.O_RDWR)
