@@ -73,6 +73,9 @@ def test_a_stalled_server_fails_the_save_in_bounded_time_and_commits_nothing(rig
     mgr = CheckpointManager(through, _simulation=Simulation(heartbeat=False))
     mgr.restore(make_state(0))
     mgr.save(make_state(1), step=1)
+    # Its rotation and renewal run on the worker after the commit, and save 2 waits for them:
+    # against the stall they added their own timeouts to save 2's (35 s in all, on CI).
+    assert mgr.wait(timeout=60)
     _fast(through)
     proxy.plan = lambda n, head: "stall"
     started = time.monotonic()
@@ -98,6 +101,7 @@ def test_a_storm_of_429_and_503_is_retried_and_a_lasting_one_commits_nothing(rig
     proxy.plan = lambda n, head: (429 if n % 4 == 1 else 503) if n % 2 else "pass"
     for step in (1, 2):
         mgr.save(make_state(step), step=step)
+    assert mgr.wait(timeout=60)  # save 2's rotation on the worker is not what fails below
     assert any(action in (429, 503) for action, _ in proxy.seen)
     proxy.plan = lambda n, head: 503  # the service stays down
     with pytest.raises(BackendError):
