@@ -248,23 +248,21 @@ class Bench:
             ("DCP save", lambda: self._dcp_save(d / "dcp")),
             ("ckptsdk save (direct, sync)", lambda: written.update(r=write_tensorfile(self.direct, key, tensors))),
         ]
-        # Async: the stall is what the training loop waits for; the rest runs behind it. These
-        # take their turn in the rotation too (they record their own rows): always last, after
-        # six writes of 89 MB, their totals waited for the disk's writeback of the others
-        # (async total 2.9x a sync save in one run, against 1.3-1.5x side by side).
-        timed_by_caller: list[tuple[str | None, Callable[[], None]]] = [
-            (None, lambda: self._async_direct(r, tensors, keep))
-        ]
         if self.mgr is not None:
             saves.append(("ckptsdk save (manager, sync)", self._mgr_sync))
-            timed_by_caller.append((None, lambda: self._async_manager(keep)))
-        turns: list[tuple[str | None, Callable[[], Any]]] = [*saves, *timed_by_caller]
+        # Every turn records its own rows; the async saves (stall: what the training loop waits
+        # for; total: with the background write) take theirs in the rotation too. Always last,
+        # after six 89 MB writes, the async total read 2.86x a sync save in one run.
+        turns: list[Callable[[], None]] = [
+            *(lambda row=row, fn=fn: self.record(row, timed(fn)[0], keep) for row, fn in saves),
+            lambda: self._async_direct(r, tensors, keep),
+        ]
+        if self.mgr is not None:
+            turns.append(lambda: self._async_manager(keep))
         rot = r % len(turns)
-        for row, fn in turns[rot:] + turns[:rot]:
+        for turn in turns[rot:] + turns[:rot]:
             gc.collect()
-            seconds, _ = timed(fn)
-            if row is not None:
-                self.record(row, seconds, keep)
+            turn()
         if self.mgr is not None:
             for lat, mgr in self.slow.items():
                 self._async_slow(mgr, lat, keep)
