@@ -223,6 +223,31 @@ class Rewritable(Protocol):
         ...
 
 
+@runtime_checkable
+class Browsable(Protocol):
+    """A store that names its top-level folders in one cheap call, without listing their files.
+
+    A root of 1,000 checkpoints is 1,000 folders: a writer's open and a restore need their names
+    (who writes the root, which is newest) and the files of one or two, so naming them costs a
+    read of the root's directory where a full listing walks every folder.
+    """
+
+    def list_folders(self, prefix: str) -> builtins.list[str]:
+        """The names of the folders at the top of the root whose names start with ``prefix``
+        (which holds no ``/``), sorted.
+
+        Hint: a folder may be named while it holds no object yet or no longer (a write in
+        progress, a delete under way); ``list(name + "/")`` is then empty. Names starting with
+        ``.ckptsdk-`` (temp and lock files) are never folders of objects.
+        """
+        ...
+
+
+def browser(backend: Backend) -> Browsable | None:
+    """``backend`` as a :class:`Browsable` where it is one, else None (list everything instead)."""
+    return backend if isinstance(backend, Browsable) else None
+
+
 def copier(backend: Backend) -> Copyable | None:
     """``backend`` as a :class:`Copyable` where ``capabilities.cheap_copy`` says it is one, else None."""
     if backend.capabilities.cheap_copy and isinstance(backend, Copyable):
@@ -271,6 +296,14 @@ def check_prefix(prefix: str, *, url: str = "") -> str:
     if prefix == "":
         return prefix
     check_key(prefix[:-1] if prefix.endswith("/") else prefix, url=url)
+    return prefix
+
+
+def check_folder_prefix(prefix: str, *, url: str = "") -> str:
+    """A prefix of top-level folder names (:meth:`Browsable.list_folders`): a list prefix without ``/``."""
+    check_prefix(prefix, url=url)
+    if "/" in prefix:
+        raise InvalidKey(f"list_folders({prefix!r}) under {url}: a prefix of top-level folder names has no '/'")
     return prefix
 
 

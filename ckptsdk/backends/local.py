@@ -18,13 +18,20 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import BinaryIO
 
-from ckptsdk.backends.base import Capabilities, Data, ObjectInfo, check_key, check_prefix, iter_chunks
+from ckptsdk.backends.base import (
+    Capabilities,
+    Data,
+    ObjectInfo,
+    check_folder_prefix,
+    check_key,
+    check_prefix,
+    iter_chunks,
+)
 from ckptsdk.backends.deadline import current
 from ckptsdk.backends.posix import (
     LOCK_NAME,
     LOCK_TIMEOUT_S,
     NO_FLOCK_ERRNOS,
-    NOT_AN_OBJECT_ERRNOS,
     NOT_THERE,
     RESERVED_PREFIX,
     TMP_PREFIX,
@@ -37,18 +44,14 @@ from ckptsdk.backends.posix import (
     open_regular,
     prune,
     published_key,
+    regular_stat,
     scan,
     thread_lock,
+    top_folders,
     version_of,
     write_temp,
 )
-from ckptsdk.errors import (
-    BackendError,
-    InvalidKey,
-    ObjectNotFound,
-    PreconditionFailed,
-    StorageUnavailable,
-)
+from ckptsdk.errors import BackendError, InvalidKey, ObjectNotFound, PreconditionFailed, StorageUnavailable
 
 logger = logging.getLogger(__name__)
 
@@ -150,22 +153,22 @@ class LocalBackend:
 
         with self._errors("list", prefix or None):
             for key, entry in self._scan(start, wanted):
-                if entry.name.startswith(RESERVED_PREFIX) or not key.startswith(prefix):
-                    continue
-                try:
-                    st = entry.stat()
-                except OSError as exc:
-                    # Deleted while we listed, or a link that leads nowhere (dangling, a loop):
-                    # not an object, like a FIFO or a folder. One bad entry must not fail the
-                    # listing of a whole root.
-                    if exc.errno not in NOT_AN_OBJECT_ERRNOS:
-                        raise
-                    logger.debug("not listing %s under %s: %s", key, self.url, exc)
-                    continue
-                if stat_mod.S_ISREG(st.st_mode):
+                listed = key.startswith(prefix) and not entry.name.startswith(RESERVED_PREFIX)
+                if listed and (st := regular_stat(entry)) is not None:
                     out.append(ObjectInfo(key, st.st_size, version_of(st), st.st_mtime_ns / 1e9))
         out.sort(key=lambda info: info.key)
         return out
+
+    def list_folders(self, prefix: str) -> builtins.list[str]:
+        """The top-level folders whose names start with ``prefix``, sorted: one read of the root
+        (``list`` reads every folder it descends into); symlinked ones are not followed there either."""
+        check_folder_prefix(prefix, url=self.url)
+        with self._errors("list", prefix or None):
+            try:
+                return top_folders(self.root, prefix)
+            except NOT_THERE:  # a missing root has none; one that is a file is an error
+                self._check_root()
+                return []
 
     # -- writes ------------------------------------------------------------------------------
 

@@ -15,7 +15,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import BinaryIO
 
-from ckptsdk.backends.base import Capabilities, Data, ObjectInfo, check_key, check_prefix, iter_chunks
+from ckptsdk.backends.base import (
+    Capabilities,
+    Data,
+    ObjectInfo,
+    check_folder_prefix,
+    check_key,
+    check_prefix,
+    iter_chunks,
+)
 from ckptsdk.errors import ObjectNotFound, PreconditionFailed
 
 
@@ -91,6 +99,12 @@ class MemoryBackend:
         with self._store.lock:
             items = [(k, v) for k, v in self._store.objects.items() if k.startswith(prefix)]
         return [ObjectInfo(k, len(data), version, mtime) for k, (data, version, mtime) in sorted(items)]
+
+    def list_folders(self, prefix: str) -> builtins.list[str]:
+        """The top-level folders (first parts of keys with a ``/``) starting with ``prefix``, sorted."""
+        check_folder_prefix(prefix, url=self.url)
+        with self._store.lock:
+            return sorted({k.partition("/")[0] for k in self._store.objects if k.startswith(prefix) and "/" in k})
 
     def write(self, key: str, data: Data) -> ObjectInfo:
         """Publish ``data`` at ``key``; the joined bytes appear at once, never in part."""

@@ -327,6 +327,37 @@ def scan(root: str, folder: str, descend: Callable[[str], bool]) -> Iterator[tup
             stack.pop()
 
 
+def regular_stat(entry: os.DirEntry[str]) -> os.stat_result | None:
+    """The stat of a listed entry that is a regular file (links followed), else None."""
+    try:
+        st = entry.stat()
+    except OSError as exc:
+        # Deleted while we listed, or a link that leads nowhere (dangling, a loop): not an
+        # object, like a FIFO or a folder. One bad entry must not fail the listing of a root.
+        if exc.errno not in NOT_AN_OBJECT_ERRNOS:
+            raise
+        logger.debug("not listing %s: %s", entry.path, exc)
+        return None
+    return st if stat_mod.S_ISREG(st.st_mode) else None
+
+
+def top_folders(root: str, prefix: str) -> list[str]:
+    """The folders directly in ``root`` whose names start with ``prefix``, sorted; one read of
+    ``root``. Not named: symlinked folders (``scan`` does not follow them) and reserved names. A
+    missing ``root`` raises (the caller decides what it means)."""
+    names: list[str] = []
+    with os.scandir(root) as entries:
+        for entry in entries:
+            if not entry.name.startswith(prefix) or entry.name.startswith(RESERVED_PREFIX):
+                continue
+            try:
+                if entry.is_dir(follow_symlinks=False):
+                    names.append(entry.name)
+            except FileNotFoundError:  # removed while we read
+                continue
+    return sorted(names)
+
+
 def prune(root: str, folder: str) -> None:
     """Remove ``folder`` and its parents while they are empty, never ``root`` itself."""
     while folder != root and folder.startswith(root + os.sep):

@@ -212,7 +212,7 @@ def writer_points(
         if manifest is not None:
             from_manifests.setdefault(rank, set()).add(manifest.writer.resumed_from_step)
     return _resume_points(
-        listing.lineage, from_manifests, listing.used(), listing.committed(), lease, exclusive=exclusive, mine=mine
+        listing.lineage, from_manifests, listing.used(), listing.committed, lease, exclusive=exclusive, mine=mine
     )
 
 
@@ -319,7 +319,7 @@ def _resume_points(
     lineage: dict[Rank, LineageRecord],
     from_manifests: dict[Rank, set[int | None]],
     used: set[Rank],
-    committed: list[tuple[int, Rank]],
+    committed: Callable[[], list[tuple[int, Rank]]],
     lease: Callable[[], LeaseRecord | None],
     *,
     exclusive: bool,
@@ -346,6 +346,9 @@ def _resume_points(
     committed meanwhile; those are real states of the run, and restorable.
     """
     lease_seen: list[LeaseRecord | None] = []
+    # What is committed (every folder's files: a lazy listing lists them all) only for a record
+    # whose writer left no folder: rare, a writer records its lineage just before its first save.
+    committed_seen: list[list[tuple[int, Rank]]] = []
 
     def vouched(rank: Rank, record: LineageRecord) -> bool:
         """Whether the lease vouches for ``record`` (read LEASE.json only when asked: rarely)."""
@@ -384,7 +387,9 @@ def _resume_points(
         if rank in used or rank == mine:
             points[rank] = point
             continue
-        erased = sorted({s for s, r in committed if r < rank and (point is None or s > point)})
+        if not committed_seen:
+            committed_seen.append(committed())
+        erased = sorted({s for s, r in committed_seen[0] if r < rank and (point is None or s > point)})
         why = _doubt(rank, point, erased, lineage, lambda: vouched(rank, record))  # noqa: B023 (called at once)
         if why is None:
             points[rank] = point  # harmless (it orphans nothing committed), or its writer is known

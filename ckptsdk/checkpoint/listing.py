@@ -6,11 +6,11 @@ restorable) is catalog.py's.
 from __future__ import annotations
 
 import logging
-from collections.abc import MutableMapping
+from collections.abc import Iterator, Mapping, MutableMapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from ckptsdk.backends.base import Backend, ObjectInfo
+from ckptsdk.backends.base import Backend, ObjectInfo, browser
 from ckptsdk.backends.deadline import carried
 from ckptsdk.errors import ManifestError, ObjectNotFound
 from ckptsdk.format.layout import CKPT_PREFIX, LINEAGE_PREFIX, MANIFEST, Rank, lineage_rank, parse_folder
@@ -18,7 +18,16 @@ from ckptsdk.format.manifest import LineageRecord, Manifest, parse_lineage, pars
 
 logger = logging.getLogger("ckptsdk.checkpoint.catalog")
 
-__all__ = ["Folder", "Listing", "lineage_floor", "list_root", "prune_memo", "read_folder", "read_json_object"]
+__all__ = [
+    "Folder",
+    "Folders",
+    "Listing",
+    "lineage_floor",
+    "list_root",
+    "prune_memo",
+    "read_folder",
+    "read_json_object",
+]
 
 
 def read_json_object(backend: Backend, key: str) -> bytes | None:
@@ -33,21 +42,77 @@ def read_json_object(backend: Backend, key: str) -> bytes | None:
 Folder = tuple[int, Rank, str, dict[str, ObjectInfo], Manifest | None, str | None]
 
 
+class Folders(Mapping[str, dict[str, ObjectInfo]]):
+    """Checkpoint folders by name, named in one call; each one's files listed when first asked for.
+
+    What a writer's open and a restore read of a root of 1,000 checkpoints: every name (who
+    writes the root, which folder is newest) and the files of the one or two folders they judge.
+    A folder named here and gone when its files are listed lists as empty (uncommitted), as a
+    folder deleted between a full listing's steps would have.
+    """
+
+    def __init__(self, backend: Backend, names: list[str]) -> None:
+        self._backend = backend
+        self._names = dict.fromkeys(names)
+        self._files: dict[str, dict[str, ObjectInfo]] = {}
+        self._ranks: set[Rank] | None = None
+
+    def __getitem__(self, folder: str) -> dict[str, ObjectInfo]:
+        if folder not in self._names:
+            raise KeyError(folder)
+        files = self._files.get(folder)
+        if files is None:
+            files = {}
+            for obj in self._backend.list(f"{folder}/"):
+                name = obj.key[len(folder) + 1 :]
+                if name and "/" not in name:
+                    files[name] = obj
+            self._files[folder] = files
+        return files
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def listed(self) -> dict[str, dict[str, ObjectInfo]]:
+        """The folders whose files were listed so far."""
+        return dict(self._files)
+
+    def ranks(self) -> set[Rank]:
+        """Every writer rank of a folder that holds an object, as a full listing shows them (it
+        sees no empty folder): per rank, its folders are listed newest first until one holds an
+        object, so a writer of 1,000 checkpoints costs one listing (the one restore reads)."""
+        if self._ranks is None:
+            by_rank: dict[Rank, list[tuple[int, str]]] = {}
+            for folder in self._names:
+                named = parse_folder(folder)
+                assert named is not None  # list_root names only checkpoint folders
+                by_rank.setdefault(named[1], []).append((named[0], folder))
+            self._ranks = {r for r, steps in by_rank.items() if any(self[f] for _s, f in sorted(steps, reverse=True))}
+        return self._ranks
+
+
 @dataclass(frozen=True)
 class Listing:
     """One listing of a root: its checkpoint folders and its lineage records, no manifest read.
 
     Lineage records are read (there is one per writer, a few hundred bytes each); manifests are
-    not: :func:`read_folder` reads one, :func:`scan` reads them all.
+    not: :func:`read_folder` reads one, :func:`scan` reads them all. ``folders`` is a dict of
+    every folder's files, or (``list_root(lazy=True)`` on a store that names folders) a
+    :class:`Folders` that lists a folder's files when they are first asked for.
     """
 
-    folders: dict[str, dict[str, ObjectInfo]]
+    folders: Mapping[str, dict[str, ObjectInfo]]
     lineage: dict[Rank, LineageRecord]
     lineage_objs: list[ObjectInfo] = field(repr=False)
     lineage_mtimes: list[float] = field(repr=False)
 
     def used(self) -> set[Rank]:
-        """Every writer rank a folder name carries."""
+        """Every writer rank a folder that holds an object carries."""
+        if isinstance(self.folders, Folders):
+            return self.folders.ranks()
         return {named[1] for f in self.folders if (named := parse_folder(f)) is not None}
 
     def committed(self) -> list[tuple[int, Rank]]:
@@ -55,14 +120,22 @@ class Listing:
         return [named for f, files in self.folders.items() if MANIFEST in files and (named := parse_folder(f))]
 
 
-def list_root(backend: Backend, memo: MutableMapping[tuple[str, str], object]) -> Listing:
-    """List the root: checkpoint folders by name, and every lineage record (read, memoised)."""
-    folder_objs, lineage_objs = _list_both(backend)
-    folders: dict[str, dict[str, ObjectInfo]] = {}
-    for obj in folder_objs:
-        folder, _, name = obj.key.partition("/")
-        if parse_folder(folder) is not None and name and "/" not in name:
-            folders.setdefault(folder, {})[name] = obj
+def list_root(backend: Backend, memo: MutableMapping[tuple[str, str], object], *, lazy: bool = False) -> Listing:
+    """List the root: checkpoint folders by name, and every lineage record (read, memoised).
+
+    ``lazy``: where the store names its folders in one call (:func:`~ckptsdk.backends.base.browser`),
+    only their names are listed now, and a folder's files when first asked for (:class:`Folders`).
+    """
+    folder_objs, lineage_objs = _list_both(backend, lazy=lazy)
+    folders: Mapping[str, dict[str, ObjectInfo]]
+    if isinstance(folder_objs, Folders):
+        folders = folder_objs
+    else:
+        folders = {}
+        for obj in folder_objs:
+            folder, _, name = obj.key.partition("/")
+            if parse_folder(folder) is not None and name and "/" not in name:
+                folders.setdefault(folder, {})[name] = obj
 
     lineage: dict[Rank, LineageRecord] = {}
     lineage_mtimes: list[float] = []
@@ -100,22 +173,29 @@ def lineage_floor(backend: Backend) -> int:
     return max((rank[0] for obj in backend.list(LINEAGE_PREFIX) if (rank := lineage_rank(obj.key))), default=0)
 
 
-def _list_both(backend: Backend) -> tuple[list[ObjectInfo], list[ObjectInfo]]:
-    """The listings of the checkpoint folders and of the lineage records.
+def _list_both(backend: Backend, *, lazy: bool) -> tuple[list[ObjectInfo] | Folders, list[ObjectInfo]]:
+    """The listings of the checkpoint folders (or their names, ``lazy``) and of the lineage records.
 
     In this order where the store is immediately consistent: a folder seen then means its
-    writer's lineage record (written before its first commit) is seen too. Where another host's
-    writes arrive in no order anyway (Drive), nothing can rest on that, and the two run at once:
-    the listing that fences each save there is one round trip, not two.
+    writer's lineage record (written before its first commit) is seen too; a folder named first
+    and listed later is still one whose writer's record was listed. Where another host's writes
+    arrive in no order anyway (Drive), nothing can rest on that, and the two run at once: the
+    listing that fences each save there is one round trip, not two.
     """
+    naming = browser(backend) if lazy else None
+
+    def folders() -> list[ObjectInfo] | Folders:
+        if naming is None:
+            return backend.list(CKPT_PREFIX)
+        return Folders(backend, [f for f in naming.list_folders(CKPT_PREFIX) if parse_folder(f) is not None])
+
     if backend.capabilities.immediately_consistent:
-        return backend.list(CKPT_PREFIX), backend.list(LINEAGE_PREFIX)
+        return folders(), backend.list(LINEAGE_PREFIX)
     # A thread per listing: a few hundred microseconds beside a mount's round trip. The deadline
     # of the save goes with it (carried); leaving the block waits for it, whatever was raised.
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptsdk-list") as pool:
         lineage = pool.submit(carried(lambda: backend.list(LINEAGE_PREFIX)))
-        folders = backend.list(CKPT_PREFIX)
-        return folders, lineage.result()
+        return folders(), lineage.result()
 
 
 def read_folder(
@@ -157,9 +237,16 @@ def prune_memo(memo: MutableMapping[tuple[str, str], object], listing: Listing) 
     (or a reader that restores) every few seconds for days must not keep each deleted
     checkpoint's manifest alive."""
     folders = listing.folders
+    # A folder named but not listed yet (a lazy listing) keeps what the memo holds of it: the
+    # root still holds the folder, and bounds what is kept.
+    unlisted: set[str] = set()
+    if isinstance(folders, Folders):
+        seen = folders.listed()
+        unlisted = set(folders) - set(seen)
+        folders = seen
     listed = {(f"{folder}/{name}", obj.version) for folder, files in folders.items() for name, obj in files.items()}
     listed |= {(obj.key, obj.version) for obj in listing.lineage_objs}
-    for stale in [k for k in memo if k not in listed]:
+    for stale in [k for k in memo if k not in listed and k[0].partition("/")[0] not in unlisted]:
         del memo[stale]
 
 

@@ -58,7 +58,9 @@ class Outline:
         self._exclusive = backend.capabilities.compare_and_swap
         self._lease_seen: list[LeaseRecord | None] = []
         self._witness, self._mine = witness(backend, judge)
-        self.listing = list_root(backend, self._memo)
+        # Folder names now, a folder's files when its turn comes: a root of 1,000 checkpoints
+        # lists one or two folders, not 1,000 (where the store names folders; see Folders).
+        self.listing = list_root(backend, self._memo, lazy=True)
         if cache is not None:
             prune_memo(cache, self.listing)
         # Which records are believed needs no manifest (see catalog.writer_points): known now.
@@ -105,6 +107,8 @@ class Outline:
         named.sort(reverse=True)
         points_of: dict[Rank, dict[Rank, int | None]] = {}
         for _step, rank, folder in named:
+            if not self.listing.folders[folder]:
+                continue  # named but empty (a lazy listing): a full listing would not show it
             entry = self._folder(folder)
             if rank not in points_of:
                 for _s, other, key in named:

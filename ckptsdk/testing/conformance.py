@@ -18,7 +18,7 @@ from typing import cast
 
 import pytest
 
-from ckptsdk.backends.base import Backend, Capabilities, Copyable, Data, ObjectInfo, copier
+from ckptsdk.backends.base import Backend, Browsable, Capabilities, Copyable, Data, ObjectInfo, browser, copier
 from ckptsdk.errors import BackendError, InvalidKey, ObjectNotFound, PreconditionFailed
 
 __all__ = ["BackendConformance"]
@@ -160,6 +160,24 @@ class BackendConformance:
         assert keys("a/b/c/d") == ["a/b/c/d"]
         assert keys("nothing/") == [] and keys("q") == []
         assert backend.list("") == backend.list()
+
+    def test_folders_are_named_without_their_files(self, backend: Backend) -> None:
+        """Where the store names its top-level folders (``browser``), they are the first parts of
+        the keys ``list`` shows under the prefix, sorted; a prefix with a ``/`` is refused."""
+        for key in ("a/1", "a/b/2", "ab/3", "b/4", "top", "abc"):
+            backend.write(key, b"x")
+        naming = browser(backend)
+        if naming is None:
+            assert not isinstance(backend, Browsable)
+            return
+        assert naming.list_folders("") == ["a", "ab", "b"]
+        assert naming.list_folders("a") == ["a", "ab"]
+        assert naming.list_folders("q") == []
+        backend.delete("b/4")
+        assert naming.list_folders("") == ["a", "ab"]  # its last object gone: no folder left
+        with pytest.raises(InvalidKey):
+            naming.list_folders("a/")
+        assert [i.key for i in backend.list()] == ["a/1", "a/b/2", "ab/3", "abc", "top"]
 
     def test_stat_and_exists(self, backend: Backend) -> None:
         assert not backend.exists("k/v")

@@ -11,9 +11,9 @@ import builtins
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterable
-from typing import BinaryIO, TypeVar
+from typing import Any, BinaryIO, TypeVar
 
-from ckptsdk.backends.base import Backend, Capabilities, Copyable, Data, ObjectInfo, Rewritable
+from ckptsdk.backends.base import Backend, Browsable, Capabilities, Copyable, Data, ObjectInfo, Rewritable
 from ckptsdk.errors import BackendError
 
 _T = TypeVar("_T")
@@ -146,6 +146,14 @@ class FaultyBackend:
         if not isinstance(inner, Rewritable):
             raise _lacks(inner, "overwrite")
         return self._call("overwrite", key, lambda: inner.overwrite(key, data))
+
+    def __getattr__(self, name: str) -> Any:
+        # ``list_folders`` only where the wrapped store has it (``browser`` then finds it here),
+        # and as a "list" call: a fault aimed at the listings hits the one that names folders too.
+        inner = self.__dict__.get("inner")
+        if name == "list_folders" and isinstance(inner, Browsable):
+            return lambda prefix: self._call("list", prefix, lambda: inner.list_folders(prefix))
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def _call(self, op: str, key: str, run: Callable[[], _T]) -> _T:
         with self._lock:

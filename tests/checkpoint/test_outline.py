@@ -22,6 +22,7 @@ import torch
 from ckptsdk import CheckpointManager, TrainState
 from ckptsdk.backends import open_backend
 from ckptsdk.backends.base import Backend
+from ckptsdk.backends.local import TMP_PREFIX, LocalBackend
 from ckptsdk.backends.memory import MemoryBackend
 from ckptsdk.checkpoint.catalog import CheckpointInfo, scan
 from ckptsdk.checkpoint.outline import Outline
@@ -74,8 +75,12 @@ def _flip_a_byte(backend: Backend, key: str) -> None:
     backend.write(key, bytes(data))
 
 
-@pytest.fixture
-def url() -> Iterator[str]:
+@pytest.fixture(params=["memory", "local"])
+def url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """A memory root, and a root on disk (whose folders can exist without any object in them)."""
+    if request.param == "local":
+        yield str(tmp_path / "root")
+        return
     store = f"outline-{uuid.uuid4().hex}"
     yield f"memory://{store}"
     MemoryBackend.discard_store(store)
@@ -125,7 +130,25 @@ def _fresh_start_heir(url: str) -> None:
         heir.save(_at(_state(), 5), step=5)
 
 
+def _folders_without_objects(url: str) -> None:
+    """On disk a folder can be named and hold no object: an heir whose first save died with only
+    its temp file written (its record says it took over from step 10), and a folder emptied by
+    hand. A full listing never sees them; the outline names every folder and must judge alike."""
+    _saved(url, [10, 20])
+    b = open_backend(url)
+    if not isinstance(b, LocalBackend):
+        return  # a store of objects has no folder without an object
+    real = parse_lineage(b.read("lineage/epoch-000001.json"))
+    heir = real.model_copy(update={"epoch": 2, "resumed_from_step": 10, "resumed_from_epoch": 1})
+    b.write("lineage/epoch-000002.json", heir.to_json())
+    root = Path(b.root)
+    (root / "step-0000000030.e2").mkdir()
+    (root / "step-0000000030.e2" / f"{TMP_PREFIX}tensors.safetensors.x").write_bytes(b"half")
+    (root / "step-0000000040.e1").mkdir()
+
+
 ROOTS: dict[str, Callable[[str], None]] = {
+    "folders-without-objects": _folders_without_objects,
     "plain": _plain,
     "damaged": _damaged,
     "zombie": _zombie,
@@ -197,6 +220,10 @@ def test_open_and_restore_read_one_manifest_whatever_the_root_holds(tmp_path: Pa
         store, restored, ops = _open_and_restore(root)
         assert restored == float(n)
         assert _manifest_reads(store) == [f"step-{n:010d}.e1/manifest.json"]
+        # Folder names in one call; the files of the newest folder only, not of every folder.
+        listed = [key for op, key in store.ops if op == "list" and key.startswith("step-")]
+        assert listed == [f"step-{n:010d}.e1/"], listed
+        assert Counter(op for op, _key in store.ops)["list_folders"] == 1
         counts[n] = Counter(ops)
     # Every other call (listings, lineage, lease, the anchor) is the same for 3 and for 50.
     assert counts[3] == counts[50], (counts[3], counts[50])
