@@ -17,9 +17,9 @@ from typing import ClassVar
 import pytest
 
 from ckptsdk.backends import open_backend
-from ckptsdk.backends.base import Backend, Capabilities
+from ckptsdk.backends.base import Backend, Capabilities, browser
 from ckptsdk.backends.drive import DriveBackend
-from ckptsdk.backends.local import LOCK_NAME, TMP_PREFIX, LocalBackend
+from ckptsdk.backends.local import LOCK_NAME, RESERVED_PREFIX, TMP_PREFIX, LocalBackend
 from ckptsdk.errors import (
     BackendError,
     InvalidKey,
@@ -203,6 +203,27 @@ def test_delete_prunes_empty_folders_but_not_the_root(file_backend):
     assert os.path.isdir(b.root) and not os.path.exists(os.path.join(b.root, "s"))
 
 
+def test_folder_names_of_a_file_root(file_backend, tmp_path):
+    """``list_folders`` reads the root once: a folder holding only a temp file (a write under way)
+    is named, its listing empty; reserved names and symlinked folders are not; a missing root
+    has none and a root that became a file is unavailable, as ``list`` says."""
+    b = file_backend
+    b.write("step-1/a", b"1")
+    os.makedirs(os.path.join(b.root, "step-2"))
+    with open(os.path.join(b.root, "step-2", TMP_PREFIX + "a.x"), "wb") as f:
+        f.write(b"half")
+    os.makedirs(os.path.join(b.root, RESERVED_PREFIX + "x"))
+    os.symlink(os.path.join(b.root, "step-1"), os.path.join(b.root, "step-3"))
+    assert b.list_folders("step-") == ["step-1", "step-2"] and b.list("step-2/") == []
+    assert [o.key for o in b.list("step-")] == ["step-1/a"]
+    assert LocalBackend(str(tmp_path / "not" / "yet")).list_folders("") == []
+    gone = LocalBackend(str(tmp_path / "root"))
+    (tmp_path / "root").write_bytes(b"oops")
+    with pytest.raises(StorageUnavailable):
+        gone.list_folders("")
+    assert (tmp_path / "root").read_bytes() == b"oops"
+
+
 def test_writing_under_an_object_is_a_backend_error(file_backend):
     file_backend.write("a", b"file")
     with pytest.raises(BackendError) as exc_info:
@@ -366,6 +387,20 @@ def test_faulty_backend_prefix_persist_and_crash(backend):
     b.fail_on = None
     b.write("step-1/manifest.json", b"m")
     assert b.exists("step-1/manifest.json") and b.calls["write"] == 5 and b.calls["exists"] == 1
+
+
+def test_faulty_backend_names_folders_only_where_its_store_does_and_as_a_listing(backend):
+    """``list_folders`` through FaultyBackend is a "list" call (a fault aimed at the listings hits
+    it too), and exists only where the wrapped store has it (``browser`` finds it, or not)."""
+    backend.write("f/a", b"1")
+    b = FaultyBackend(backend, fail_on=fail_nth("list", 1))
+    if browser(backend) is None:
+        assert browser(b) is None and not hasattr(b, "list_folders")
+        return
+    assert browser(b) is b
+    with pytest.raises(BackendError, match="injected fault: list #1"):
+        b.list_folders("")
+    assert b.list_folders("") == ["f"] and b.calls["list"] == 2 and backend.read("f/a") == b"1"
 
 
 def test_faulty_backend_counts_every_op_and_checks_arguments(backend):
