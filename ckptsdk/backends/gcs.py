@@ -18,11 +18,11 @@ import json
 import logging
 import os
 import secrets
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, BinaryIO
 from urllib.parse import quote
 
-from ckptsdk.backends.base import Capabilities, Data, ObjectInfo, check_prefix
+from ckptsdk.backends.base import Capabilities, Data, ObjectInfo, check_folder_prefix, check_prefix
 from ckptsdk.backends.bucket import BucketRoot
 from ckptsdk.backends.gcs_payload import b64crc, chain, crc32c, rechunk, rfc3339, slices
 from ckptsdk.backends.gcs_transport import Reply, endpoint_of
@@ -215,9 +215,29 @@ class GCSBackend(BucketRoot, ChunkedUploads):
         """Every object whose key starts with ``prefix``, sorted; always a fresh listing."""
         check_prefix(prefix, url=self.url)
         root = f"{self.prefix}/" if self.prefix else ""
-        url = f"{self.endpoint}/storage/v1/b/{quote(self.bucket, safe='')}/o"
-        params = {"prefix": root + prefix, "maxResults": "1000"}
         out: list[ObjectInfo] = []
+        for page in self._pages(prefix, {}):
+            for item in page.get("items") or []:
+                name = item["name"]
+                if name.endswith("/"):  # folder placeholders made by consoles, not objects of ours
+                    continue
+                out.append(self._info(name[len(root) :], item))
+        out.sort(key=lambda info: info.key)
+        return out
+
+    def list_folders(self, prefix: str) -> builtins.list[str]:
+        """The top-level folders whose names start with ``prefix``, sorted: a listing with
+        ``delimiter=/``, which names each folder once instead of sending its objects."""
+        check_folder_prefix(prefix, url=self.url)
+        root = f"{self.prefix}/" if self.prefix else ""
+        pages = self._pages(prefix, {"delimiter": "/"})
+        return sorted({p[len(root) : -1] for page in pages for p in page.get("prefixes") or []})
+
+    def _pages(self, prefix: str, extra: dict[str, str]) -> Iterator[dict[str, Any]]:
+        """The pages of the bucket's listing of ``prefix`` under the root (``extra``: more parameters)."""
+        root = f"{self.prefix}/" if self.prefix else ""
+        url = f"{self.endpoint}/storage/v1/b/{quote(self.bucket, safe='')}/o"
+        params = {"prefix": root + prefix, "maxResults": "1000", **extra}
         for _ in range(1_000_000):  # pages; bounded so a server that loops cannot hang us
             reply = self._request("GET", url, key=prefix or None, params=params)
             if reply.status == 404:
@@ -226,17 +246,11 @@ class GCSBackend(BucketRoot, ChunkedUploads):
                 raise self._fail(reply, "GET", url, prefix, "list")
             self._bucket_seen = True
             page = json.loads(reply.body)
-            for item in page.get("items") or []:
-                name = item["name"]
-                if name.endswith("/"):  # folder placeholders made by consoles, not objects of ours
-                    continue
-                out.append(self._info(name[len(root) :], item))
+            yield page
             token = page.get("nextPageToken")
             if not token:
-                break
+                return
             params["pageToken"] = token
-        out.sort(key=lambda info: info.key)
-        return out
 
     # -- writes --------------------------------------------------------------------------------
 

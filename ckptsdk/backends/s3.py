@@ -18,7 +18,7 @@ import zlib
 from collections.abc import Callable, Iterator
 from typing import Any, BinaryIO
 
-from ckptsdk.backends.base import Capabilities, Data, ObjectInfo, check_prefix, iter_chunks
+from ckptsdk.backends.base import Capabilities, Data, ObjectInfo, check_folder_prefix, check_prefix, iter_chunks
 from ckptsdk.backends.bucket import BucketRoot
 from ckptsdk.backends.ranged import RangedReader
 from ckptsdk.backends.s3_payload import crc_b64, etag_of, http_date, store_time
@@ -161,16 +161,8 @@ class S3Backend(S3Transport, BucketRoot):
         """Every object whose key starts with ``prefix``, sorted; always a fresh listing."""
         check_prefix(prefix, url=self.url)
         root = f"{self.prefix}/" if self.prefix else ""
-        params: dict[str, Any] = {"Prefix": root + prefix, "MaxKeys": 1000}
         out: list[ObjectInfo] = []
-        for _ in range(1_000_000):  # pages; bounded so a server that loops cannot hang us
-            answer = self._call("list_objects_v2", prefix or None, **params)
-            if answer.response is None:
-                if answer.status == 404:
-                    raise self._missing_bucket(prefix or None)
-                raise self._fail(answer, "list_objects_v2", prefix or None, "list")
-            self._bucket_seen = True
-            page = answer.response
+        for page in self._pages(prefix, {}):
             for item in page.get("Contents") or []:
                 name = item["Key"]
                 if name.endswith("/"):  # folder placeholders made by consoles, not objects of ours
@@ -180,11 +172,33 @@ class S3Backend(S3Transport, BucketRoot):
                         name[len(root) :], int(item["Size"]), etag_of(item["ETag"]), store_time(item["LastModified"])
                     )
                 )
-            if not page.get("IsTruncated"):
-                break
-            params["ContinuationToken"] = page["NextContinuationToken"]
         out.sort(key=lambda info: info.key)
         return out
+
+    def list_folders(self, prefix: str) -> builtins.list[str]:
+        """The top-level folders whose names start with ``prefix``, sorted: a listing with
+        ``Delimiter=/``, which names each folder once instead of sending its objects."""
+        check_folder_prefix(prefix, url=self.url)
+        root = f"{self.prefix}/" if self.prefix else ""
+        pages = self._pages(prefix, {"Delimiter": "/"})
+        return sorted({c["Prefix"][len(root) : -1] for page in pages for c in page.get("CommonPrefixes") or []})
+
+    def _pages(self, prefix: str, extra: dict[str, Any]) -> Iterator[dict[str, Any]]:
+        """The pages of the bucket's listing of ``prefix`` under the root (``extra``: more parameters)."""
+        root = f"{self.prefix}/" if self.prefix else ""
+        params: dict[str, Any] = {"Prefix": root + prefix, "MaxKeys": 1000, **extra}
+        for _ in range(1_000_000):  # pages; bounded so a server that loops cannot hang us
+            answer = self._call("list_objects_v2", prefix or None, **params)
+            if answer.response is None:
+                if answer.status == 404:
+                    raise self._missing_bucket(prefix or None)
+                raise self._fail(answer, "list_objects_v2", prefix or None, "list")
+            self._bucket_seen = True
+            page = answer.response
+            yield page
+            if not page.get("IsTruncated"):
+                return
+            params["ContinuationToken"] = page["NextContinuationToken"]
 
     # -- writes ------------------------------------------------------------------------------
 

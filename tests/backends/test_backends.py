@@ -393,11 +393,19 @@ def test_faulty_backend_names_folders_only_where_its_store_does_and_as_a_listing
     """``list_folders`` through FaultyBackend is a "list" call (a fault aimed at the listings hits
     it too), and exists only where the wrapped store has it (``browser`` finds it, or not)."""
     backend.write("f/a", b"1")
+
+    class Plain:  # a store without list_folders: forwards the rest
+        url, capabilities = backend.url, backend.capabilities
+
+        def __getattr__(self, name: str) -> object:
+            if name == "list_folders":
+                raise AttributeError(name)
+            return getattr(backend, name)
+
+    plain = FaultyBackend(Plain())
+    assert browser(plain) is None and not hasattr(plain, "list_folders") and plain.list("f/")[0].key == "f/a"
     b = FaultyBackend(backend, fail_on=fail_nth("list", 1))
-    if browser(backend) is None:
-        assert browser(b) is None and not hasattr(b, "list_folders")
-        return
-    assert browser(b) is b
+    assert browser(backend) is backend and browser(b) is b
     with pytest.raises(BackendError, match="injected fault: list #1"):
         b.list_folders("")
     assert b.list_folders("") == ["f"] and b.calls["list"] == 2 and backend.read("f/a") == b"1"
