@@ -8,8 +8,9 @@ answer means is each backend's.
 from __future__ import annotations
 
 import abc
+from collections.abc import Iterable
 
-from ckptsdk.backends.base import check_key
+from ckptsdk.backends.base import check_folder_prefix, check_key
 from ckptsdk.errors import BackendError, ConfigError, ObjectNotFound, StorageUnavailable
 
 __all__ = ["BucketRoot"]
@@ -43,6 +44,18 @@ class BucketRoot(abc.ABC):
         """The object name of ``key``: under the prefix, checked first."""
         check_key(key, url=self.url)
         return f"{self.prefix}/{key}" if self.prefix else key
+
+    def list_folders(self, prefix: str) -> list[str]:
+        """The top-level folders whose names start with ``prefix``, sorted: a delimiter listing
+        (:meth:`_subfolders`), which names each folder once instead of sending its objects."""
+        check_folder_prefix(prefix, url=self.url)
+        root = f"{self.prefix}/" if self.prefix else ""
+        return sorted({p[len(root) :].removesuffix("/") for p in self._subfolders(prefix)})
+
+    @abc.abstractmethod
+    def _subfolders(self, prefix: str) -> Iterable[str]:
+        """The store's names (``<root prefix>/NAME/``) of the folders under the root starting with
+        ``prefix``: its listing with the delimiter ``/``, every page."""
 
     @abc.abstractmethod
     def _bucket_exists(self, key: str | None) -> bool | None:

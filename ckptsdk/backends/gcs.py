@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any, BinaryIO
 from urllib.parse import quote
 
-from ckptsdk.backends.base import Capabilities, Data, ObjectInfo, check_folder_prefix, check_prefix
+from ckptsdk.backends.base import Capabilities, Data, ObjectInfo, check_prefix
 from ckptsdk.backends.bucket import BucketRoot
 from ckptsdk.backends.gcs_payload import b64crc, chain, crc32c, rechunk, rfc3339, slices
 from ckptsdk.backends.gcs_transport import Reply, endpoint_of
@@ -225,13 +225,8 @@ class GCSBackend(BucketRoot, ChunkedUploads):
         out.sort(key=lambda info: info.key)
         return out
 
-    def list_folders(self, prefix: str) -> builtins.list[str]:
-        """The top-level folders whose names start with ``prefix``, sorted: a listing with
-        ``delimiter=/``, which names each folder once instead of sending its objects."""
-        check_folder_prefix(prefix, url=self.url)
-        root = f"{self.prefix}/" if self.prefix else ""
-        pages = self._pages(prefix, {"delimiter": "/"})
-        return sorted({p[len(root) : -1] for page in pages for p in page.get("prefixes") or []})
+    def _subfolders(self, prefix: str) -> Iterator[str]:
+        return (p for page in self._pages(prefix, {"delimiter": "/"}) for p in page.get("prefixes") or [])
 
     def _pages(self, prefix: str, extra: dict[str, str]) -> Iterator[dict[str, Any]]:
         """The pages of the bucket's listing of ``prefix`` under the root (``extra``: more parameters)."""

@@ -18,7 +18,7 @@ import zlib
 from collections.abc import Callable, Iterator
 from typing import Any, BinaryIO
 
-from ckptsdk.backends.base import Capabilities, Data, ObjectInfo, check_folder_prefix, check_prefix, iter_chunks
+from ckptsdk.backends.base import Capabilities, Data, ObjectInfo, check_prefix, iter_chunks
 from ckptsdk.backends.bucket import BucketRoot
 from ckptsdk.backends.ranged import RangedReader
 from ckptsdk.backends.s3_payload import crc_b64, etag_of, http_date, store_time
@@ -175,13 +175,9 @@ class S3Backend(S3Transport, BucketRoot):
         out.sort(key=lambda info: info.key)
         return out
 
-    def list_folders(self, prefix: str) -> builtins.list[str]:
-        """The top-level folders whose names start with ``prefix``, sorted: a listing with
-        ``Delimiter=/``, which names each folder once instead of sending its objects."""
-        check_folder_prefix(prefix, url=self.url)
-        root = f"{self.prefix}/" if self.prefix else ""
+    def _subfolders(self, prefix: str) -> Iterator[str]:
         pages = self._pages(prefix, {"Delimiter": "/"})
-        return sorted({c["Prefix"][len(root) : -1] for page in pages for c in page.get("CommonPrefixes") or []})
+        return (c["Prefix"] for page in pages for c in page.get("CommonPrefixes") or [])
 
     def _pages(self, prefix: str, extra: dict[str, Any]) -> Iterator[dict[str, Any]]:
         """The pages of the bucket's listing of ``prefix`` under the root (``extra``: more parameters)."""
