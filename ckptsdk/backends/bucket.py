@@ -40,17 +40,21 @@ class BucketRoot(abc.ABC):
         self.bucket, self.prefix = bucket, prefix
         self._bucket_seen = False  # set by the first answer that proves the bucket is there
 
+    @property
+    def _root(self) -> str:
+        """What every object name under this root starts with: ``prefix/``, or nothing."""
+        return f"{self.prefix}/" if self.prefix else ""
+
     def _name(self, key: str) -> str:
         """The object name of ``key``: under the prefix, checked first."""
         check_key(key, url=self.url)
-        return f"{self.prefix}/{key}" if self.prefix else key
+        return self._root + key
 
     def list_folders(self, prefix: str) -> list[str]:
         """The top-level folders whose names start with ``prefix``, sorted: a delimiter listing
         (:meth:`_subfolders`), which names each folder once instead of sending its objects."""
         check_folder_prefix(prefix, url=self.url)
-        root = f"{self.prefix}/" if self.prefix else ""
-        return sorted({p[len(root) :].removesuffix("/") for p in self._subfolders(prefix)})
+        return sorted({p[len(self._root) :].removesuffix("/") for p in self._subfolders(prefix)})
 
     @abc.abstractmethod
     def _subfolders(self, prefix: str) -> Iterable[str]:

@@ -214,7 +214,7 @@ class GCSBackend(BucketRoot, ChunkedUploads):
     def list(self, prefix: str = "") -> builtins.list[ObjectInfo]:
         """Every object whose key starts with ``prefix``, sorted; always a fresh listing."""
         check_prefix(prefix, url=self.url)
-        root = f"{self.prefix}/" if self.prefix else ""
+        root = self._root
         out: list[ObjectInfo] = []
         for page in self._pages(prefix, {}):
             for item in page.get("items") or []:
@@ -230,9 +230,8 @@ class GCSBackend(BucketRoot, ChunkedUploads):
 
     def _pages(self, prefix: str, extra: dict[str, str]) -> Iterator[dict[str, Any]]:
         """The pages of the bucket's listing of ``prefix`` under the root (``extra``: more parameters)."""
-        root = f"{self.prefix}/" if self.prefix else ""
         url = f"{self.endpoint}/storage/v1/b/{quote(self.bucket, safe='')}/o"
-        params = {"prefix": root + prefix, "maxResults": "1000", **extra}
+        params = {"prefix": self._root + prefix, "maxResults": "1000", **extra}
         for _ in range(1_000_000):  # pages; bounded so a server that loops cannot hang us
             reply = self._request("GET", url, key=prefix or None, params=params)
             if reply.status == 404:

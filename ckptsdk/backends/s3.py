@@ -160,7 +160,7 @@ class S3Backend(S3Transport, BucketRoot):
     def list(self, prefix: str = "") -> builtins.list[ObjectInfo]:
         """Every object whose key starts with ``prefix``, sorted; always a fresh listing."""
         check_prefix(prefix, url=self.url)
-        root = f"{self.prefix}/" if self.prefix else ""
+        root = self._root
         out: list[ObjectInfo] = []
         for page in self._pages(prefix, {}):
             for item in page.get("Contents") or []:
@@ -181,8 +181,7 @@ class S3Backend(S3Transport, BucketRoot):
 
     def _pages(self, prefix: str, extra: dict[str, Any]) -> Iterator[dict[str, Any]]:
         """The pages of the bucket's listing of ``prefix`` under the root (``extra``: more parameters)."""
-        root = f"{self.prefix}/" if self.prefix else ""
-        params: dict[str, Any] = {"Prefix": root + prefix, "MaxKeys": 1000, **extra}
+        params: dict[str, Any] = {"Prefix": self._root + prefix, "MaxKeys": 1000, **extra}
         for _ in range(1_000_000):  # pages; bounded so a server that loops cannot hang us
             answer = self._call("list_objects_v2", prefix or None, **params)
             if answer.response is None:
@@ -452,13 +451,12 @@ class S3Backend(S3Transport, BucketRoot):
         aborted. Ages are judged on the store's clock (its ``Date`` against ``Initiated``).
         Returns the keys whose uploads were aborted.
         """
-        root = f"{self.prefix}/" if self.prefix else ""
-        answer = self._call("list_multipart_uploads", None, Prefix=root)
+        answer = self._call("list_multipart_uploads", None, Prefix=self._root)
         page = self._check(answer, "", "list uploads")
         now = http_date(answer.response["ResponseMetadata"]["HTTPHeaders"].get("date") if answer.response else None)
         removed = []
         for upload in page.get("Uploads") or []:
-            key = upload["Key"][len(root) :]
+            key = upload["Key"][len(self._root) :]
             started = store_time(upload.get("Initiated"))
             if only is not None and not only(key):
                 continue
