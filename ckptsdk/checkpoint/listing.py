@@ -62,12 +62,7 @@ class Folders(Mapping[str, dict[str, ObjectInfo]]):
             raise KeyError(folder)
         files = self._files.get(folder)
         if files is None:
-            files = {}
-            for obj in self._backend.list(f"{folder}/"):
-                name = obj.key[len(folder) + 1 :]
-                if name and "/" not in name:
-                    files[name] = obj
-            self._files[folder] = files
+            files = self._files[folder] = _direct_files(self._backend.list(f"{folder}/")).get(folder, {})
         return files
 
     def __iter__(self) -> Iterator[str]:
@@ -131,11 +126,7 @@ def list_root(backend: Backend, memo: MutableMapping[tuple[str, str], object], *
     if isinstance(folder_objs, Folders):
         folders = folder_objs
     else:
-        folders = {}
-        for obj in folder_objs:
-            folder, _, name = obj.key.partition("/")
-            if parse_folder(folder) is not None and name and "/" not in name:
-                folders.setdefault(folder, {})[name] = obj
+        folders = {f: files for f, files in _direct_files(folder_objs).items() if parse_folder(f) is not None}
 
     lineage: dict[Rank, LineageRecord] = {}
     lineage_mtimes: list[float] = []
@@ -162,6 +153,16 @@ def list_root(backend: Backend, memo: MutableMapping[tuple[str, str], object], *
             continue
         lineage[rank] = record
     return Listing(folders=folders, lineage=lineage, lineage_objs=list(lineage_objs), lineage_mtimes=lineage_mtimes)
+
+
+def _direct_files(objs: list[ObjectInfo]) -> dict[str, dict[str, ObjectInfo]]:
+    """Top-level folder -> its direct files by name (files nested deeper are no checkpoint's)."""
+    folders: dict[str, dict[str, ObjectInfo]] = {}
+    for obj in objs:
+        folder, _, name = obj.key.partition("/")
+        if name and "/" not in name:
+            folders.setdefault(folder, {})[name] = obj
+    return folders
 
 
 def lineage_floor(backend: Backend) -> int:
