@@ -15,7 +15,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from ckptsdk.checkpoint.staging import NO_STORAGE, tensor_key
+from ckptsdk.checkpoint.deferral import Deferral, step_only_keys
 from ckptsdk.errors import ConfigError, StateMismatchError
 from ckptsdk.format import codec
 from ckptsdk.loader import check_loader
@@ -133,6 +133,7 @@ class TrainState:
         #: (briefly) so as not to take a core from the step's threads (``checkpoint/pacing.py``).
         self.steps_idle = threading.Event()
         self.steps_idle.set()
+        self._deferral = Deferral()  # which tensors a pipelined save defers, kept between saves
         self._hooks = [opt.register_step_pre_hook(self._before_step) for opt in self.optimizers()]
         self._hooks += [opt.register_step_post_hook(self._after_step) for opt in self.optimizers()]
 
@@ -147,46 +148,12 @@ class TrainState:
         copies them in the background; everything else (module buffers such as BatchNorm's
         running stats, which change in forward; schedulers; RNG states) is copied at ``save()``.
         """
-        keys: set[tuple[int, torch.dtype, tuple[int, ...]]] = set()
-        for opt in self.optimizers():
-            for group in opt.param_groups:
-                for p in group["params"]:
-                    keys.add(tensor_key(p))
-            for entry in opt.state.values():
-                if isinstance(entry, Mapping):
-                    keys.update(tensor_key(v) for v in entry.values() if isinstance(v, torch.Tensor))
-        keys.discard(NO_STORAGE)
-        return keys
+        return step_only_keys(self.optimizers())
 
     def step_only_flags(self, tensors: Sequence[torch.Tensor]) -> list[bool]:
         """Per tensor of a saved tree: whether it is one only ``optimizer.step()`` changes (see
         :meth:`step_only_tensors`), so a pipelined save may copy it in the background."""
-        # tensor_key()'s rule (pointer, dtype, shape; never empty) without a tuple per tensor. The
-        # very objects (keep_vars, the optimizer's own state) are found by id(): both are alive,
-        # so an equal id is the same tensor. Only the others go by pointer, where two stepped
-        # tensors at one keep the last: one matching the other is copied at save() (always safe).
-        live: dict[int, torch.Tensor] = {}
-        for opt in self.optimizers():
-            for group in opt.param_groups:
-                for p in group["params"]:
-                    live[id(p)] = p
-            for entry in opt.state.values():
-                if type(entry) is dict or isinstance(entry, Mapping):
-                    for v in entry.values():
-                        if isinstance(v, torch.Tensor):
-                            live[id(v)] = v
-        flags = []
-        by_pointer: dict[int, torch.Tensor] | None = None
-        for t in tensors:
-            s = live.get(id(t))
-            if s is None:
-                if by_pointer is None:
-                    by_pointer = {v.data_ptr(): v for v in live.values()}
-                s = by_pointer.get(t.data_ptr())
-                flags.append(s is not None and s.dtype is t.dtype and s.shape == t.shape and t.numel() > 0)
-            else:
-                flags.append(t.numel() > 0)
-        return flags
+        return self._deferral.flags(self.optimizers(), tensors)
 
     def hold_steps(self, wait: Callable[[], None] | None) -> None:
         """Make every held optimizer's next ``step()`` call ``wait()`` first (None: stop).
