@@ -9,7 +9,7 @@ import torch
 
 from ckptsdk import open_backend
 from ckptsdk.checkpoint.staging import Stager
-from ckptsdk.errors import ConfigError
+from ckptsdk.errors import CheckpointError, ConfigError
 from ckptsdk.format.tensorfile import read_tensorfile, write_tensorfile
 
 
@@ -105,6 +105,65 @@ def test_a_fixed_layout_reuses_buffers_without_checks_and_copies_exactly():
         assert stager.allocations == allocated
         for name, t in src.items():
             assert torch.equal(snap[name], t.detach()) and not snap[name].requires_grad, name
+
+
+def _taken(stager: Stager, src: dict[str, torch.Tensor], defer: list[bool], fixed: tuple[str, ...]) -> dict:
+    pending = stager.begin_aligned(tuple(src), list(src.values()), defer, fixed=fixed)
+    watched = pending._watched
+    later = [(buf.data_ptr(), s.data_ptr(), s.requires_grad) for buf, s in pending._later]
+    pending.finish()
+    return {
+        "buffers": {n: (t.data_ptr(), t.clone()) for n, t in pending.tensors.items()},
+        "later": later,
+        "watched": (list(watched[0]), [t.data_ptr() for t in watched[1]], list(watched[2])),
+        "device": pending.device,
+    }
+
+
+def test_a_fixed_layout_sorted_as_before_takes_the_same_snapshot_as_the_full_loop():
+    """The snapshot of a layout sorted like the last one (deferred, small, large) skips the test
+    per tensor: it must be the full loop's snapshot, the same buffers, copies, deferred sources
+    (detached, same memory), watched counters, whatever changed in between."""
+    src = {**_state(), "big": torch.randn(300, 200), "p": torch.nn.Parameter(torch.randn(300, 200))}
+    src["small_p"] = torch.nn.Parameter(torch.randn(5))  # small, requires grad, not deferred
+    names = tuple(src)
+    planned, full = Stager(), Stager()
+    defer = [n in ("w", "p") for n in names]
+    changes = [
+        lambda: src["w"].add_(1),
+        lambda: src["p"].data.mul_(2),
+        lambda: src.__setitem__("big", torch.randn(200, 300).t()),  # same shape, not contiguous
+        lambda: defer.__setitem__(names.index("w"), False),  # sorted otherwise: the full loop
+        lambda: defer.__setitem__(names.index("big"), True),
+        lambda: src["steps"].add_(1),
+        lambda: src.__setitem__("p", torch.nn.Parameter(torch.randn(300, 200))),  # a new object
+    ]
+    for change in [lambda: None, *changes, lambda: None]:
+        change()
+        full._plan = None  # (the full loop every time)
+        got, want = _taken(planned, src, list(defer), names), _taken(full, src, list(defer), names)
+        assert got["later"] == [(a, s, False) for a, s, _ in got["later"]]  # detached
+        assert [s for _, s, _ in got["later"]] == [s for _, s, _ in want["later"]]
+        assert got["watched"][0] == want["watched"][0] and got["watched"][1:] == want["watched"][1:]
+        assert got["device"] == want["device"] == "cpu"
+        assert list(got["buffers"]) == list(src)
+        for name, (_, value) in got["buffers"].items():
+            assert torch.equal(value, want["buffers"][name][1]) and torch.equal(value, src[name].detach()), name
+    assert planned._plan is not None  # (the path under test was taken)
+    assert planned.allocations == full.allocations == len(src)
+
+
+def test_a_fixed_layout_sorted_as_before_still_fails_a_broken_rule():
+    stager = Stager()
+    src = {"p": torch.nn.Parameter(torch.randn(300, 200)), "b": torch.randn(4)}
+    names, defer = tuple(src), [True, False]
+    _finished(stager, src, defer, names)
+    pending = stager.begin_aligned(names, list(src.values()), defer, fixed=names)
+    assert stager._plan is not None
+    with torch.no_grad():
+        src["p"].add_(1)  # changed before its deferred copy: the rule is broken
+    with pytest.raises(CheckpointError, match="pipelined snapshot's rule was broken"):
+        pending.finish()
 
 
 def test_a_new_token_with_equal_names_checks_every_buffer_again():
