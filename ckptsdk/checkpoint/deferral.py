@@ -45,7 +45,9 @@ class Deferral:
     tensor given another storage in place, ``p.data = x``) only changes a match by pointer between
     two distinct objects, which a job does not make; and a stale answer is never a wrong
     checkpoint: False copies at ``save()`` (always safe), True defers a copy whose source's version
-    counter is checked (a change fails the save, loudly).
+    counter is checked (a change fails the save, loudly). It holds the last save's tensors (alive
+    anyway while they are the job's) until the next save: a model or optimizer a job drops from
+    its ``TrainState`` between saves is freed at the next save, or with the ``TrainState``.
 
     Example:
         >>> p = torch.nn.Parameter(torch.ones(2))
