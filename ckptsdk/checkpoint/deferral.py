@@ -14,22 +14,33 @@ import torch
 
 from ckptsdk.checkpoint.staging import NO_STORAGE, tensor_key
 
-__all__ = ["Deferral", "step_only_keys"]
+__all__ = ["Deferral", "held_tensors", "step_only_keys"]
 
 
 def step_only_keys(optimizers: Sequence[torch.optim.Optimizer]) -> set[tuple[int, torch.dtype, tuple[int, ...]]]:
     """Keys (data pointer, dtype, shape) of the tensors only ``optimizer.step()`` changes: the
     optimizers' parameters and their state tensors (see ``staging.tensor_key``)."""
-    keys: set[tuple[int, torch.dtype, tuple[int, ...]]] = set()
-    for opt in optimizers:
-        for group in opt.param_groups:
-            for p in group["params"]:
-                keys.add(tensor_key(p))
-        for entry in opt.state.values():
-            if isinstance(entry, Mapping):
-                keys.update(tensor_key(v) for v in entry.values() if isinstance(v, torch.Tensor))
+    keys = {tensor_key(t) for t in held_tensors(optimizers)}
     keys.discard(NO_STORAGE)
     return keys
+
+
+def held_tensors(optimizers: Sequence[torch.optim.Optimizer]) -> list[torch.Tensor]:
+    """The optimizers' parameters, then their state tensors, in their order."""
+    objects: list[torch.Tensor] = []
+    for opt in optimizers:
+        for group in opt.param_groups:
+            objects.extend(group["params"])
+        objects.extend(  # one comprehension: a generator per entry cost more than the lookups saved
+            [
+                v
+                for entry in opt.state.values()
+                if type(entry) is dict or isinstance(entry, Mapping)
+                for v in entry.values()
+                if isinstance(v, torch.Tensor)
+            ]
+        )
+    return objects
 
 
 class Deferral:
@@ -63,19 +74,7 @@ class Deferral:
 
     def flags(self, optimizers: Sequence[torch.optim.Optimizer], tensors: Sequence[torch.Tensor]) -> list[bool]:
         """Per tensor of ``tensors``, whether it is one of :func:`step_only_keys` (not empty)."""
-        objects: list[torch.Tensor] = []
-        for opt in optimizers:
-            for group in opt.param_groups:
-                objects.extend(group["params"])
-            objects.extend(  # one comprehension: a generator per entry cost more than the lookups saved
-                [
-                    v
-                    for entry in opt.state.values()
-                    if type(entry) is dict or isinstance(entry, Mapping)
-                    for v in entry.values()
-                    if isinstance(v, torch.Tensor)
-                ]
-            )
+        objects = held_tensors(optimizers)
         held = self._held
         if held is None or not _same_objects(held.objects, objects):
             held = self._held = _Held(objects)
