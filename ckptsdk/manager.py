@@ -452,7 +452,7 @@ class CheckpointManager(CheckpointReader, KeepDecisions, WriterShutdown):
         if step < 0:
             raise ConfigError(f"step must be >= 0, got {step}")
         preflight(state, "save", encode=False)
-        metrics, extra = user_fields(metrics=metrics, extra=extra)
+        metrics, extra = user_fields(metrics=metrics, extra=extra, tags=tags)  # and what readers parse
         epoch, batch_idx = resolve_position(state, epoch, batch_idx)  # checked against its loader
         blocking = (not self.async_save) if blocking is None else blocking
         position = Position(epoch=epoch, batch_idx=batch_idx, extra=dict(extra or {}))

@@ -250,9 +250,18 @@ class Document(Strict):
 
         A parsed older or newer minor version is re-written as this one; sealed documents get
         their checksum.
+
+        Raises:
+            ManifestError: the document is larger than ``MAX_BYTES`` (no reader would parse it).
         """
         body = {**self._json_body(), "format": self.FORMAT}
-        return seal(body) if self.CHECKSUM_SINCE is not None else dumps(body)
+        data = seal(body) if self.CHECKSUM_SINCE is not None else dumps(body)
+        if len(data) > self.MAX_BYTES:  # what parse_document refuses is never written
+            raise ManifestError(
+                f"a {self.FORMAT} document of {len(data)} bytes is not written: every reader refuses more than "
+                f"{self.MAX_BYTES} (limits.py says what a save may hold)"
+            )
+        return data
 
     def _json_body(self) -> dict[str, Any]:
         """The fields as JSON values, in declared order (a kind may skip pydantic's walk of one)."""

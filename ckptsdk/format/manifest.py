@@ -32,6 +32,7 @@ from pydantic import (
 from pydantic.json_schema import models_json_schema
 
 from ckptsdk.errors import ManifestError
+from ckptsdk.format import limits
 from ckptsdk.format.document import (
     CHECKSUM_FIELD,
     FINITE_JSON,
@@ -241,8 +242,9 @@ class Manifest(Document):
     FORMAT: ClassVar[str] = FORMAT
     CHECKSUM_SINCE: ClassVar[int | None] = _CHECKSUM_MINOR
     # The skeleton grows with the tensor count (a distributed one with ranks x chunks): a few
-    # MiB for the largest trees seen; the cap leaves room for ten times that.
-    MAX_BYTES: ClassVar[int] = 64 << 20
+    # MiB for the largest trees seen; the cap leaves room for ten times that. A save refuses
+    # what would outgrow it (limits.py), before it writes anything.
+    MAX_BYTES: ClassVar[int] = limits.MANIFEST_BYTES
 
     format: str = Field(default=FORMAT, pattern=r"^ckptsdk\.checkpoint/1(\.[0-9]+)?$")
     step: int = Field(ge=0)

@@ -7,6 +7,8 @@ then walks the tree against that template (``EncodingCache.encode``: it checks a
 the training thread) and the skeleton is rebuilt from what was collected (``Captured.skeleton``:
 on the save worker). Any difference, however small, sends the tree through a full encode again,
 which also builds the next template. What a skeleton is belongs to codec.py and skeleton.py.
+Every encoding is also held to what a manifest reader parses (``limits``: the skeleton's size and
+depth), exactly after a full encode and by a cheap bound through a template.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ import numpy as np
 import torch
 from pydantic import JsonValue
 
-from ckptsdk.format import codec
+from ckptsdk.errors import UnsupportedStateError
+from ckptsdk.format import codec, limits
 
 logger = logging.getLogger(__name__)
 
@@ -111,13 +114,16 @@ class TreeTemplate:
         True
     """
 
-    def __init__(self, names: tuple[str, ...], node: _Node, nbytes: int, *, sized: bool) -> None:
+    def __init__(self, names: tuple[str, ...], node: _Node, nbytes: int, *, sized: bool, base: int = 0) -> None:
         self.names = names
         self._capture, self._build, _ = node
         #: bytes of the tensors (fixed when ``sized``: dtypes and shapes are part of the template,
         #: except those of nodes encoded in full at each save)
         self.nbytes = nbytes
         self._sized = sized
+        # JSON bytes of the skeleton the template was compiled from: with a bound on what each
+        # save's leaves add, a bound on its skeleton's (see ``check_room``).
+        self._base = base
 
     @classmethod
     def of(cls, tree: object) -> tuple[TreeTemplate | None, Captured]:
@@ -135,8 +141,13 @@ class TreeTemplate:
         names = tuple(tensors)
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         first = Captured(names, list(tensors.values()), [], None, skeleton, nbytes=nbytes)
+        base = check_room(skeleton)
+        if limits.json_depth(skeleton) + 1 > limits.JSON_DEPTH:
+            # At the limit: a leaf tagged later (nan, a big int) nests one level deeper; every
+            # save of such a tree is encoded, and checked, in full.
+            return None, first
         opaque: list[str] = []  # the tensors of nodes encoded in full at each save
-        template = cls(names, _compile(tree, skeleton, (), opaque), nbytes, sized=not opaque)
+        template = cls(names, _compile(tree, skeleton, (), opaque), nbytes, sized=not opaque, base=base)
         # The template proves itself once against the full encode: a capture that would differ
         # (a bug here, or a tree this module does not model) costs speed, never a wrong skeleton.
         again = template.capture(tree)
@@ -162,7 +173,12 @@ class TreeTemplate:
         if len(tensors) != len(self.names):
             return None
         nbytes = self.nbytes if self._sized else sum(t.numel() * t.element_size() for t in tensors)
-        return Captured(self.names, tensors, slots, self._build, nbytes=nbytes, sized=self._sized)
+        captured = Captured(self.names, tensors, slots, self._build, nbytes=nbytes, sized=self._sized)
+        # The leaves' bound is a few hundred slots' len(); only a save whose strings could
+        # outgrow the manifest builds its skeleton here to measure it exactly.
+        if self._base + sum(map(_leaf_bound, slots)) > limits.TREE_BYTES:
+            check_room(captured.skeleton())
+        return captured
 
 
 class EncodingCache:
@@ -197,6 +213,68 @@ class EncodingCache:
         self.rebuilds += 1
         self._template, captured = TreeTemplate.of(tree)
         return captured
+
+
+def check_room(skeleton: JsonValue) -> int:
+    """Refuse a skeleton no manifest reader would parse (``limits``); its JSON bytes.
+
+    Raises:
+        UnsupportedStateError: deeper than ``limits.JSON_DEPTH`` or larger than
+            ``limits.TREE_BYTES``; names the largest string leaf and what to do.
+    """
+    depth = limits.json_depth(skeleton)
+    if depth > limits.JSON_DEPTH:
+        raise UnsupportedStateError(
+            f"the state's skeleton nests {depth} JSON levels deep (tuples and int-keyed dicts take two or "
+            f"three each), more than the {limits.JSON_DEPTH} a manifest reader accepts; flatten the state",
+            path="<root>",
+            type_name="dict",
+        )
+    size = limits.json_size(skeleton)
+    if size > limits.TREE_BYTES:
+        where, length = _largest_str(skeleton)
+        raise UnsupportedStateError(
+            f"the state's non-tensor values take {size} bytes of JSON, more than the {limits.TREE_BYTES} a manifest "
+            f"holds for them (every reader refuses a manifest over {limits.MANIFEST_BYTES} bytes); the largest is "
+            f"a str of {length} characters at {where!r}. Store large data as a tensor (a str s: "
+            "torch.frombuffer(bytearray(s.encode()), dtype=torch.uint8)) or in a file of your own",
+            path=where,
+            type_name="str",
+        )
+    return size
+
+
+def _largest_str(skeleton: Any) -> tuple[str, int]:
+    best: tuple[str, int] = ("<root>", 0)
+    stack: list[tuple[Any, str]] = [(skeleton, "")]
+    while stack:
+        node, path = stack.pop()
+        if isinstance(node, dict):
+            for k, v in node.items():
+                if len(k) > best[1]:
+                    best = (f"{path}/{k[:40]}", len(k))
+                stack.append((v, f"{path}/{k[:40]}"))
+        elif isinstance(node, list):
+            stack.extend((v, f"{path}/{i}") for i, v in enumerate(node))
+        elif isinstance(node, str) and len(node) > best[1]:
+            best = (path or "<root>", len(node))
+    return best
+
+
+def _leaf_bound(leaf: Any) -> int:
+    """At least the JSON bytes a captured leaf adds to the template's skeleton: a str escapes
+    to at most 12 bytes a character (a non-BMP one as two \\u escapes), an int beyond int64 is
+    a hex string, a fragment of a node encoded in full is measured."""
+    kind = type(leaf)
+    if kind is str:
+        return 12 * len(leaf) + 2
+    if kind is int:
+        return int(leaf.bit_length()) // 3 + 24
+    if kind is tuple:
+        return sum(map(_leaf_bound, leaf)) + len(leaf) + 16
+    if kind is dict or kind is list:
+        return limits.json_size(leaf)
+    return 40  # None, bool, a float (a tagged one included)
 
 
 def _same_tensors(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
@@ -444,12 +522,15 @@ def _state_dict(obj: OrderedDict[Any, Any], node: dict[str, Any], path: tuple[st
 def _opaque(obj: Any, path: tuple[str, ...], opaque: list[str]) -> _Node:
     """A node this module does not model (numpy scalars, Counters, deques...): encoded in full at
     every save, its tensors' paths checked against the template's."""
-    names = tuple(codec.encode_subtree(obj, path)[0])
+    first, fragment0 = codec.encode_subtree(obj, path)
+    names = tuple(first)
+    depth = limits.json_depth(fragment0) + 1  # a leaf tagged later nests one level deeper
     opaque.extend(names)
 
     def cap(o: Any, tensors: list[torch.Tensor], slots: list[Any]) -> None:
         found, fragment = codec.encode_subtree(o, path)
-        if tuple(found) != names:
+        # A deeper fragment takes the full encode, which measures the whole skeleton's depth.
+        if tuple(found) != names or limits.json_depth(fragment) > depth:
             raise _Changed
         tensors.extend(found.values())
         slots.append(fragment)

@@ -7,12 +7,14 @@ The manifest's other fields and the state tree (the codec's) do not belong here.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 from typing import Annotated, Any
 
 from pydantic import BeforeValidator, JsonValue, PlainSerializer, WithJsonSchema
 
 from ckptsdk.errors import ConfigError
+from ckptsdk.format import limits
 from ckptsdk.format.document import FLOAT_FORM, decode_float, encode_float
 
 __all__ = ["Metric", "Scalar", "decode_extra", "encode_extra", "user_fields"]
@@ -28,13 +30,20 @@ _USER_RULE = (
 
 
 def user_fields(
-    *, metrics: Mapping[str, Any] | None = None, extra: Mapping[str, Any] | None = None
+    *,
+    metrics: Mapping[str, Any] | None = None,
+    extra: Mapping[str, Any] | None = None,
+    tags: Mapping[str, str] | None = None,
 ) -> tuple[dict[str, Scalar], dict[str, JsonValue]]:
     """Check a save's ``metrics`` and ``extra`` against the one rule both follow; plain copies.
 
     The rule (also the manifest's): None, bool, int, float (nan and inf included: stored tagged,
     restored exactly), str; numpy scalars and 0-d tensors become their Python value; ``extra``
-    may also nest lists and dicts with str keys (not starting with '$', which tags floats).
+    may also nest lists and dicts with str keys (not starting with '$', which tags floats). What
+    every reader can read back (``limits``): a metric int within a float's range (metrics are
+    ranked as numbers), an int in ``extra`` of at most 4,000 digits, ``extra`` nested at most
+    ``limits.JSON_DEPTH`` deep, and metrics, extra and ``tags`` (str -> str) together at most
+    ``limits.USER_BYTES`` of JSON.
 
     Raises:
         ConfigError: a value outside the rule; names the field, the key and the type.
@@ -52,7 +61,56 @@ def user_fields(
         if not isinstance(values, Mapping):
             raise ConfigError(f"{field} must be a dict, got a {type(values).__name__}")
         out.append({_user_key(k, field): _user_value(v, f"{field}[{k!r}]", nested) for k, v in values.items()})
+    for name, value in out[0].items():
+        if type(value) is int and not _FLOAT_MIN <= value <= _FLOAT_MAX:
+            raise ConfigError(
+                f"metrics[{name!r}] is an int of {len(str(value))} digits, beyond what a float holds: metrics "
+                "are ranked as numbers (keep_best, best()); store it in extra, or as float('inf') if it means that"
+            )
+    _check_room(out[0], out[1], _user_tags(tags))
     return out[0], out[1]
+
+
+# The largest finite float, as an int: a metric beyond it cannot be ranked with the others.
+_FLOAT_MAX = int(sys.float_info.max)
+_FLOAT_MIN = -_FLOAT_MAX
+# Python refuses to convert ints of more than 4,300 digits to or from text (JSON included); 13,000
+# bits are at most 3,914 digits.
+_INT_BITS = 13_000
+
+
+def _user_tags(tags: Mapping[str, str] | None) -> dict[str, str]:
+    if tags is None:
+        return {}
+    if not isinstance(tags, Mapping):
+        raise ConfigError(f"tags must be a dict of str -> str, got a {type(tags).__name__}")
+    for k, v in tags.items():
+        if type(k) is not str or type(v) is not str:
+            raise ConfigError(f"tags[{k!r}] = {v!r:.40}: tags are str -> str (e.g. {{'data_hash': '...'}})")
+    return dict(tags)
+
+
+def _check_room(metrics: dict[str, Any], extra: dict[str, Any], tags: dict[str, str]) -> None:
+    # The manifest must stay one a reader parses (limits.py): refused here, before anything is
+    # written, rather than committed and then skipped by every restore.
+    depth = limits.json_depth(extra)
+    if depth > limits.JSON_DEPTH:
+        raise ConfigError(
+            f"extra nests {depth} levels deep, more than the {limits.JSON_DEPTH} a manifest reader accepts; "
+            "flatten it, or keep it in the state (an object of your own in the TrainState)"
+        )
+    size = limits.json_size({"metrics": encode_extra(metrics), "extra": encode_extra(extra), "tags": tags})
+    if size > limits.USER_BYTES:
+        sizes = {
+            name: limits.json_size(encode_extra(value))
+            for name, value in (("metrics", metrics), ("extra", extra), ("tags", tags))
+        }
+        raise ConfigError(
+            f"metrics, extra and tags take {size} bytes of JSON ({', '.join(f'{k} {v}' for k, v in sizes.items())}), "
+            f"more than the {limits.USER_BYTES} a manifest holds for them (every reader refuses a manifest over "
+            f"{limits.MANIFEST_BYTES} bytes). They are for a job's numbers and names; keep large data in the state "
+            "(a uint8 tensor: torch.frombuffer(bytearray(data), dtype=torch.uint8)) or in a file of your own"
+        )
 
 
 def _user_key(key: Any, where: str) -> str:
@@ -62,6 +120,11 @@ def _user_key(key: Any, where: str) -> str:
 
 
 def _user_value(value: Any, where: str, nested: bool) -> Any:
+    if type(value) is int and value.bit_length() > _INT_BITS:
+        raise ConfigError(
+            f"{where} is an int of {value.bit_length()} bits: JSON readers refuse ints of more than 4,300 digits; "
+            "store it as a hex str (hex(x)) or in the state"
+        )
     if value is None or type(value) in (bool, int, float, str):
         return value
     shape = getattr(value, "shape", None)
