@@ -171,12 +171,15 @@ def default_mode(metric: str) -> Mode:
     return "min" if metric.lower().endswith("loss") else "max"
 
 
-def _score(value: object) -> float | None:
+def _score(value: object) -> int | float | None:
     """A metric value as a rankable number; None for anything that must never be best."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None  # a flag or a string is not a score
-    score = float(value)
-    return score if math.isfinite(score) else None  # NaN and inf are never best
+    if isinstance(value, int):
+        # Kept an int: one beyond a float (10**400, in a manifest an older ckptsdk wrote) is
+        # ranked exactly, where float() would raise OverflowError in every save's rotation.
+        return value
+    return value if math.isfinite(value) else None  # NaN and inf are never best
 
 
 def best_order(candidates: Iterable[Candidate], metric: str, mode: Mode) -> list[Candidate]:
@@ -186,8 +189,8 @@ def best_order(candidates: Iterable[Candidate], metric: str, mode: Mode) -> list
     displaces a kept one. A checkpoint without the metric, or with NaN/inf, is not a candidate.
     """
     scored = [(s, c) for c in candidates if (s := _score(c.metrics.get(metric))) is not None]
-    sign = 1.0 if mode == "min" else -1.0
-    return [c for _s, c in sorted(scored, key=lambda sc: (sign * sc[0], sc[1].step))]
+    # Negated, not multiplied by -1.0: an int score stays an int (Python compares it with floats exactly).
+    return [c for _s, c in sorted(scored, key=lambda sc: (sc[0] if mode == "min" else -sc[0], sc[1].step))]
 
 
 @dataclass(frozen=True)
