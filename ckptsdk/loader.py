@@ -128,7 +128,8 @@ class DataLoader:
         batch_size: samples per batch.
         shuffle: a new order every epoch, drawn from (``seed``, epoch).
         seed: the loader's seed (an int); default the ``generator``'s initial seed, else one
-            drawn from torch's global RNG. A restore replaces it with the saved one.
+            drawn from torch's global RNG. A restore takes the saved one when neither was given;
+            a seed or generator that gives another one is refused (the order would differ).
         drop_last: drop the last incomplete batch.
         generator: accepted for ``torch.utils.data.DataLoader`` compatibility; only its
             ``initial_seed()`` is used.
@@ -178,6 +179,9 @@ class DataLoader:
             )
         if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
             raise ConfigError(f"batch_size must be an int >= 1, got {batch_size!r}")
+        # A seed the user chose (or a generator's) is checked against a saved one; a drawn one
+        # is only a fresh run's and gives way to it.
+        self._seed_given = seed is not None or generator is not None
         if seed is None:
             seed = generator.initial_seed() if generator is not None else int(torch.randint(0, 1 << 62, ()).item())
         self.dataset = dataset
@@ -252,20 +256,19 @@ class DataLoader:
             "drop_last": self.drop_last,
         }
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Continue where ``state`` was saved: the next iteration yields the batches not yet done.
+    def mismatches(self, state: Any) -> list[str]:
+        """Every way a saved ``state`` does not fit this loader (empty when it fits): another
+        kind of state, or another dataset size, batch size, shuffle, drop_last or chosen seed.
 
-        Raises:
-            StateMismatchError: the state is not a ckptsdk loader's, or was saved over another
-                dataset size, batch size, shuffle or drop_last (the order would not be the same).
+        ``TrainState`` asks before it loads any object, so a loader that does not fit leaves
+        the model untouched too.
         """
         if not isinstance(state, Mapping) or state.get("format") != LOADER_FORMAT:
             found = state.get("format") if isinstance(state, Mapping) else type(state).__name__
-            raise StateMismatchError(
-                f"not a ckptsdk.DataLoader state (format {found!r}, expected {LOADER_FORMAT!r}): "
-                "was another kind of loader saved under this name?",
-                mismatches=["loader: format"],
-            )
+            return [
+                f"loader: not a ckptsdk.DataLoader state (format {found!r}, expected {LOADER_FORMAT!r}): "
+                "was another kind of loader saved under this name?"
+            ]
         problems = [
             f"loader: {name} was {state.get(name)!r} when saved, is {now!r} now"
             for name, now in (
@@ -276,6 +279,22 @@ class DataLoader:
             )
             if state.get(name) != now
         ]
+        if self._seed_given and state.get("seed") != self.seed:
+            problems.append(
+                f"loader: seed was {state.get('seed')!r} when saved, is {self.seed!r} now (pass "
+                f"seed={state.get('seed')!r}, or leave seed and generator out to take the saved one)"
+            )
+        return problems
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue where ``state`` was saved: the next iteration yields the batches not yet done.
+
+        Raises:
+            StateMismatchError: the state is not a ckptsdk loader's, or was saved over another
+                dataset size, batch size, shuffle, drop_last or a seed given now (the order would
+                not be the same); ``.mismatches`` lists each (see :meth:`mismatches`).
+        """
+        problems = self.mismatches(state)
         if problems:
             raise StateMismatchError(
                 "the saved loader position does not fit this loader (the order of the remaining "

@@ -18,7 +18,7 @@ import torch
 from ckptsdk.checkpoint.deferral import Deferral, step_only_keys
 from ckptsdk.errors import ConfigError, StateMismatchError
 from ckptsdk.format import codec
-from ckptsdk.loader import check_loader
+from ckptsdk.loader import DataLoader, check_loader
 from ckptsdk.rng import capture_rng, check_rng, problem_message, restore_rng
 
 logger = logging.getLogger(__name__)
@@ -380,6 +380,8 @@ def _object_mismatches(name: str, obj: Any, saved: Any, *, strict: bool) -> list
         return _module_mismatches(name, obj, saved, strict=strict)
     if isinstance(obj, torch.optim.Optimizer):
         return _optimizer_mismatches(name, obj, saved)
+    if isinstance(obj, DataLoader):  # checked with the rest, before any object is loaded
+        return [f"{name}: {p.removeprefix('loader: ')}" for p in obj.mismatches(saved)]
     return []
 
 

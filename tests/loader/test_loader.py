@@ -48,7 +48,7 @@ def test_a_restore_at_every_batch_continues_the_same_stream():
                 if seen == cut:
                     saved = live.state_dict()
                     break
-        again = DataLoader(Noisy(), batch_size=3, shuffle=True, seed=99)  # the saved seed wins
+        again = DataLoader(Noisy(), batch_size=3, shuffle=True)  # no seed given: the saved one
         again.load_state_dict(saved)
         rest = []
         while again.epoch < 3:
@@ -94,7 +94,10 @@ def test_a_position_saved_over_another_loader_is_refused_and_nothing_changes():
     other = DataLoader(Noisy(), batch_size=4, shuffle=True, seed=8)
     with pytest.raises(StateMismatchError) as info:
         other.load_state_dict(state)
-    assert info.value.mismatches == ["loader: batch_size was 3 when saved, is 4 now"]
+    assert info.value.mismatches == [
+        "loader: batch_size was 3 when saved, is 4 now",
+        "loader: seed was 1 when saved, is 8 now (pass seed=1, or leave seed and generator out to take the saved one)",
+    ]
     assert (other.seed, other.epoch, other.batch_idx) == (8, 0, 0)
     with pytest.raises(StateMismatchError):
         other.load_state_dict({"format": "something else"})
@@ -154,7 +157,7 @@ def test_a_checkpoint_round_trip_through_the_manager():
         mgr.log_step(2, loss=1.0)
         mgr.save(state, step=2)
         expected = [b[0].tolist() for b in it]
-    again = DataLoader(Noisy(), batch_size=3, shuffle=True, seed=0)
+    again = DataLoader(Noisy(), batch_size=3, shuffle=True)  # takes the saved seed
     with ckptsdk.CheckpointManager("memory://loader-rt", lease_ttl=5, force=True) as mgr:
         pos = mgr.restore(ckptsdk.TrainState(model=torch.nn.Linear(2, 2), loader=again))
         assert (pos.epoch, pos.batch_idx, again.batch_idx) == (0, 2, 2)
