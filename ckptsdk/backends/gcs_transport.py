@@ -278,6 +278,10 @@ class JsonApiTransport:
                 )
             except aiohttp.ClientConnectorError as exc:  # never reached the server: not applied
                 last = exc
+                if isinstance(exc, aiohttp.ClientConnectorDNSError) and tries.tried >= 2:
+                    # No network, or no such host: each lookup may take seconds to fail, and
+                    # more of them (28 s in all, seen offline) only delay the one clear error.
+                    break
             except (TimeoutError, ConnectionLost, aiohttp.ClientError, OSError) as exc:
                 ambiguous, last = True, exc  # sent, but the reply was lost: maybe applied
             else:
@@ -285,7 +289,10 @@ class JsonApiTransport:
                     return Reply(status, rheaders, body, ambiguous)
                 ambiguous = ambiguous or status >= 500
                 last = HTTPStatusError(method, url, status, body)
-            logger.warning(
+            # A request that never reached a server ends in one clear error below (its tries are
+            # on -v); one the server may have seen is worth a warning at each retry.
+            logger.log(
+                logging.DEBUG if isinstance(last, aiohttp.ClientConnectorError) else logging.WARNING,
                 "GCS %s %s: attempt %d/%d failed: %r",
                 method,
                 url.split("?")[0],

@@ -24,6 +24,7 @@ from ckptsdk.cli.common import (
     reader,
     require_root,
     short_time,
+    storage_options,
     table,
 )
 from ckptsdk.errors import CorruptCheckpointError, NoValidCheckpointError, ObjectNotFound
@@ -67,6 +68,23 @@ def resolve_selector(url: str, options: dict[str, Any]) -> tuple[str, int | None
             url=head,
         )
     return head, info.step
+
+
+def _select(args: argparse.Namespace) -> None:
+    """``show``/``verify`` take ``URL@STEP`` and ``URL@best:METRIC`` as ``export`` does: one
+    address syntax. ``args.url`` becomes the root, ``args.step`` the step it names.
+
+    Raises:
+        UsageError: a selector and ``--step``/``--all`` that say different things.
+    """
+    root, step = resolve_selector(args.url, storage_options(args.storage_option))
+    if step is None:
+        return
+    if getattr(args, "all", False):
+        raise UsageError(f"{args.url!r} names one checkpoint and --all every one: give one of them")
+    if args.step is not None and args.step != step:
+        raise UsageError(f"{args.url!r} names step {step} and --step {args.step}: give one of them")
+    args.url, args.step = root, step
 
 
 def _info_dict(info: CheckpointInfo) -> dict[str, Any]:
@@ -195,6 +213,7 @@ def _tensor_rows(mgr: Any, key: str) -> list[dict[str, Any]]:
 def cmd_show(args: argparse.Namespace) -> int:
     from ckptsdk.format.layout import TENSORS
 
+    _select(args)
     mgr = reader(args)
     require_root(mgr.backend, args.url)  # a mistyped URL says so, as `ls` does, not "no valid checkpoint"
     info = mgr.pick(args.step)
@@ -207,7 +226,7 @@ def cmd_show(args: argparse.Namespace) -> int:
             tensors = _tensor_rows(mgr, f"{info.key}/{TENSORS}")
         except (ObjectNotFound, CorruptCheckpointError) as exc:
             # Still show the manifest: it is what tells the user what should have been there.
-            tensor_error = f"{exc}; `ckptsdk verify {args.url} --step {manifest.step}` checks it"
+            tensor_error = f"{exc}; `ckptsdk verify {args.url}@{manifest.step}` checks it"
     m = json.loads(manifest.to_json())
     if args.json:
         emit_json(
@@ -258,6 +277,7 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
+    _select(args)
     mgr = reader(args)
     require_root(mgr.backend, args.url)
     infos = mgr.list()
@@ -306,12 +326,17 @@ def cmd_verify(args: argparse.Namespace) -> int:
         )
         print()
         if bad:
+            # gc judges by the keep rules and the listing (sizes), never by re-hashing every
+            # byte: a digest-corrupt checkpoint goes when the rules let it go, as any other.
             print(
                 f"{len(bad)} corrupt checkpoint(s) under {args.url}: restore() skips them and uses the "
-                "newest valid one; `ckptsdk gc URL` removes them"
+                "newest valid one. They stay until the keep rules let them go (rotation at the next saves, "
+                f"or `ckptsdk gc {args.url}`: it judges by the rules, not by digests); nothing restores them"
             )
         else:
-            print(f"all {len(results)} checked checkpoint(s) intact")
+            gone = sum(1 for r in results if r["status"] == "gone")
+            intact = f"all {len(results) - gone} checked checkpoint(s) intact"
+            print(intact + (f"; {gone} rotated away while verifying (not damage)" if gone else ""))
     if bad:
         raise Failed()
     return EXIT_OK
@@ -329,18 +354,27 @@ def cmd_du(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _takes_selector(sp: argparse.ArgumentParser) -> None:
+    for action in sp._actions:  # the URL positional ``add`` made: say that it takes a selector
+        if action.dest == "url":
+            action.metavar = "URL[@STEP]"
+            action.help = "checkpoint root, optionally @STEP or @best:METRIC[:min|max] (as export takes)"
+
+
 def register(add: Callable[[str, str], argparse.ArgumentParser]) -> None:
     """Add these commands to the parser (``add(name, help)`` makes a subcommand taking URL)."""
     sp = add("ls", "list checkpoints: step, epoch, size, writer (lease epoch/attempt), valid or why not, kept by")
     add_rule_flags(sp)
     sp.set_defaults(fn=cmd_ls)
     sp = add("show", "show a checkpoint's manifest and tensor table (newest valid one by default)")
-    sp.add_argument("--step", type=int, help="which step (default: the newest valid checkpoint)")
+    _takes_selector(sp)
+    sp.add_argument("--step", type=int, help="which step, as URL@STEP (default: the newest valid checkpoint)")
     sp.set_defaults(fn=cmd_show)
     sp = add("verify", "re-hash checkpoint files against their manifests; exit 1 on any corruption")
+    _takes_selector(sp)
     group = sp.add_mutually_exclusive_group()
     group.add_argument("--all", action="store_true", help="re-hash every committed checkpoint (default: the newest)")
-    group.add_argument("--step", type=int, help="re-hash the checkpoint(s) of this step")
+    group.add_argument("--step", type=int, help="re-hash the checkpoint(s) of this step, as URL@STEP")
     sp.set_defaults(fn=cmd_verify)
     add("du", "bytes held: committed, anchor, duplicate, uncommitted, orphaned; Drive trash estimate").set_defaults(
         fn=cmd_du

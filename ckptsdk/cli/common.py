@@ -104,6 +104,13 @@ def require_root(store: Backend, url: str) -> None:
 
     if store.exists(LEASE_KEY) or store.list(""):
         return
+    head, sep, tail = url.rpartition("@")
+    if sep and (tail.isdigit() or tail.startswith("best:")):
+        # URL@STEP names one checkpoint: show, verify and export take it; the rest take a root.
+        raise UsageError(
+            f"{url!r} names one checkpoint of the root {head!r}: `ckptsdk show`, `verify` and `export` take "
+            f"URL@STEP; this command takes the root: ckptsdk COMMAND {head}"
+        )
     raise NoCheckpointRootError(
         f"no checkpoint root at {url}: nothing is stored there (no {LEASE_KEY}, no checkpoint); check the URL", url=url
     )

@@ -35,9 +35,22 @@ def cmd_import(args: argparse.Namespace) -> int:
         storage_options=storage_options(args.storage_option),
         force=args.force,
     )
+    tags = info.manifest.tags if info.manifest is not None else {}
+    ignored = json.loads(tags.get("ignored_files", "[]"))
     if args.json:
-        emit_json({"command": "import", "url": args.url, "file": args.file, "step": info.step, "key": info.key})
+        emit_json(
+            {
+                "command": "import",
+                "url": args.url,
+                "file": args.file,
+                "step": info.step,
+                "key": info.key,
+                "ignored_files": ignored,
+            }
+        )
     else:
+        if ignored:
+            print(f"ignored {', '.join(ignored)}: not among the weight files the model was read from")
         print(
             f"imported {args.file} as step {info.step} ({info.key}) under {args.url}; resume with "
             "mgr.restore(TrainState(model=..., optimizer=..., scheduler=..., scaler=...))"

@@ -2,10 +2,10 @@
 
 Recognised: the story notebook's dict (``rng: {torch, numpy, python, cuda}``, ``args``, ...),
 the top-level-keys one (``numpy_rng``, ``torch_rng``...), a bare ``state_dict``, a Lightning
-``.ckpt`` and what an HF Trainer ``checkpoint-N/`` folder holds (read by torch_import.py into
+``.ckpt`` and what an HF Trainer ``checkpoint-N/`` folder holds (read by hf_folder.py into
 this module's input). Every leftover JSON-able entry goes into ``extra`` (``restore()`` gives it
 back); anything else needs the user's ``--map KEY=DEST`` or ``--drop KEY``, never a guess.
-Reading files is torch_import.py's job; committing the result too.
+Reading files is torch_import.py's and hf_folder.py's job; committing the result torch_import.py's.
 """
 
 from __future__ import annotations

@@ -2,8 +2,9 @@
 
 The only module of the library that calls ``torch.load``, always with ``weights_only=True`` (plus,
 on request, the few numpy globals an RNG state needs), and only after archive_bound.py has checked
-what the zip may expand to; nothing on the restore path imports it (tests/porting/ checks). Where
-the parts go is layout.py's; where we may write is guard.py's; exporting is export.py's job.
+what the zip may expand to and source.py that it is a regular file; nothing on the restore path
+imports it (tests/porting/ checks). Reading an HF folder is hf_folder.py's; where the parts go is
+layout.py's; where we may write is guard.py's; exporting is export.py's job.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import os
 import pickle
 import random
 import re
+import zipfile
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -24,7 +26,9 @@ import torch
 from ckptsdk.errors import ConfigError, UnsupportedStateError
 from ckptsdk.porting.archive_bound import check_torch_archive
 from ckptsdk.porting.guard import check_new_root_url
+from ckptsdk.porting.hf_folder import TRAINER_STATE, read_hf_folder
 from ckptsdk.porting.layout import Mapped, map_checkpoint
+from ckptsdk.porting.source import regular_file
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +36,7 @@ __all__ = ["import_torch_checkpoint", "load_torch_checkpoint"]
 
 
 _GLOBAL_IN_ERROR = re.compile(r"GLOBAL ([\w.]+)")
+_UNPICKLER_SAYS = "WeightsUnpickler error:"
 
 
 def _numpy_rng_globals() -> list[Any]:
@@ -68,11 +73,14 @@ def load_torch_checkpoint(path: str | os.PathLike[str], *, allow_numpy_rng: bool
     Raises:
         UnsupportedStateError: the file names a global outside the allowlist (``type_name``
             holds it); nothing of the file was executed.
-        ConfigError: the file cannot be read as a torch checkpoint, or its zip members declare
-            more than it can honestly hold (checked before anything is decompressed:
+        ConfigError: the file is not a regular file (a FIFO, a device: refused before it is
+            opened), cannot be read as a torch checkpoint (damaged or truncated: whatever torch's
+            unpickler raised is the cause), or its zip members declare more than it can honestly
+            hold (checked before anything is decompressed:
             :func:`~ckptsdk.porting.archive_bound.check_torch_archive`).
     """
     path = os.fspath(path)
+    regular_file(path)  # a FIFO would block torch's open() forever
     try:
         check_torch_archive(path)
     except OSError as exc:
@@ -87,7 +95,11 @@ def load_torch_checkpoint(path: str | os.PathLike[str], *, allow_numpy_rng: bool
             return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
         found = _GLOBAL_IN_ERROR.search(str(exc))
-        name = found.group(1) if found else "an unknown global"
+        # "Unsupported operand 56", or a global named only because the file ends inside its
+        # GLOBAL line ("collections.Ordered"): damaged bytes, not a refused global.
+        if found is None or not _asks_for_global(path, found.group(1)):
+            raise _unreadable(path, exc) from exc
+        name = found.group(1)
         hint = (
             "it holds numpy RNG state: add --allow-numpy-rng (allow_numpy_rng=True) to accept "
             "the four numpy globals that needs"
@@ -101,8 +113,48 @@ def load_torch_checkpoint(path: str | os.PathLike[str], *, allow_numpy_rng: bool
             path=path,
             type_name=name,
         ) from exc
-    except (OSError, RuntimeError, EOFError, ValueError, MemoryError) as exc:
-        raise ConfigError(f"cannot read {path} as a torch.save checkpoint: {exc}") from exc
+    except MemoryError as exc:
+        raise ConfigError(
+            f"cannot import {path}: reading it ran out of memory; free memory or import on a machine with more"
+        ) from exc
+    except Exception as exc:
+        # torch's weights-only unpickler trusts the opcodes it walks: damaged bytes surface as
+        # whatever they trip (IndexError from an empty stack, KeyError from a missing memo entry,
+        # UnicodeDecodeError, RecursionError...). Each means the same to the user.
+        raise _unreadable(path, exc) from exc
+
+
+def _asks_for_global(path: str, name: str) -> bool:
+    """Whether the file's pickle holds a whole GLOBAL opcode (``c`` module NL name NL) for ``name``."""
+    # torch's message writes builtins.x as x; the module may hold dots (collections.abc.Mapping).
+    splits = [(name[:i], name[i + 1 :]) for i, ch in enumerate(name) if ch == "."]
+    if "." not in name:
+        splits += [("builtins", name), ("__builtin__", name)]
+    needles = [b"c" + m.encode() + b"\n" + n.encode() + b"\n" for m, n in splits]
+    try:
+        if zipfile.is_zipfile(path):
+            with zipfile.ZipFile(path) as zf:  # sizes already bounded by check_torch_archive
+                return any(any(nd in zf.read(m) for nd in needles) for m in zf.namelist() if m.endswith(".pkl"))
+        with open(path, "rb") as f:  # the legacy format: pickles and raw storages in one stream
+            tail = b""
+            while chunk := f.read(1 << 20):
+                if any(nd in tail + chunk for nd in needles):
+                    return True
+                tail = chunk[-(max(map(len, needles)) - 1) :]
+    except (OSError, zipfile.BadZipFile, ValueError):
+        return False
+    return False
+
+
+def _unreadable(path: str, exc: Exception) -> ConfigError:
+    text = str(exc)
+    # torch wraps the unpickler's one-line reason in a page about weights_only; keep the reason.
+    text = text.partition(_UNPICKLER_SAYS)[2].partition("Check the documentation")[0] or text
+    detail = " ".join(text.split())[:200] or "no detail"
+    return ConfigError(
+        f"cannot read {path} as a torch.save checkpoint ({type(exc).__name__}: {detail}): it is damaged, "
+        "truncated or not a torch.save file; copy it again from the program that wrote it"
+    )
 
 
 def _complete_rng(rng: dict[str, Any], source: str) -> dict[str, Any]:
@@ -132,64 +184,18 @@ def _complete_rng(rng: dict[str, Any], source: str) -> dict[str, Any]:
     return rng
 
 
-_HF_TRAINER_STATE = "trainer_state.json"
-_HF_MODEL_FILES = ("model.safetensors", "pytorch_model.bin")
-_HF_PARTS = {"optimizer.pt": "optimizer", "scheduler.pt": "scheduler", "scaler.pt": "scaler"}
-
-
-def _read_hf_folder(folder: str, *, allow_numpy_rng: bool) -> dict[str, Any]:
-    """An HF Trainer ``checkpoint-N/`` folder as the story layout's dict (nothing is executed).
-
-    The model from ``model.safetensors`` (or its shards, or ``pytorch_model.bin``), the optimizer,
-    scheduler and scaler ``.pt`` files, ``rng_state.pth``, and ``trainer_state.json`` (kept whole
-    in ``extra``); ``training_args.bin`` pickles a class and is never read.
-    """
-    import safetensors.torch
-
-    with open(os.path.join(folder, _HF_TRAINER_STATE), encoding="utf-8") as f:
-        try:
-            trainer_state = json.load(f)
-        except ValueError as exc:
-            raise ConfigError(f"{folder}/{_HF_TRAINER_STATE} is not JSON ({exc})") from exc
-    names = sorted(os.listdir(folder))
-    shards = [n for n in names if n.startswith("model-") and n.endswith(".safetensors")]
-    model: dict[str, Any] = {}
-    if shards or _HF_MODEL_FILES[0] in names:
-        for name in shards or [_HF_MODEL_FILES[0]]:
-            model.update(safetensors.torch.load_file(os.path.join(folder, name)))
-    elif _HF_MODEL_FILES[1] in names:
-        model = load_torch_checkpoint(os.path.join(folder, _HF_MODEL_FILES[1]))
-    else:
-        raise ConfigError(f"{folder} holds no {' or '.join(_HF_MODEL_FILES)}: not an HF Trainer checkpoint folder")
-    saved: dict[str, Any] = {"model": model}
-    for name, part in _HF_PARTS.items():
-        if name in names:
-            saved[part] = load_torch_checkpoint(os.path.join(folder, name))
-    if "rng_state.pth" in names:
-        rng = load_torch_checkpoint(os.path.join(folder, "rng_state.pth"), allow_numpy_rng=allow_numpy_rng)
-        saved["rng"] = {k: v for k, v in rng.items() if k in ("python", "numpy", "cpu", "cuda")}
-    if "training_args.bin" in names:
-        logger.info("%s: training_args.bin is a pickled class and is not read (TrainingArguments rebuild it)", folder)
-    saved["step"] = trainer_state.get("global_step")
-    epoch = trainer_state.get("epoch")
-    if isinstance(epoch, (int, float)):  # HF counts fractional epochs (1.5: half-way through the second)
-        saved["epoch"] = int(epoch)
-    saved["trainer_state"] = trainer_state
-    return saved
-
-
-def _load_any(source: str, *, allow_numpy_rng: bool) -> tuple[Any, str]:
-    """What ``source`` holds, and its layout when the reading already tells (a folder)."""
+def _load_any(source: str, *, allow_numpy_rng: bool) -> tuple[Any, str, tuple[str, ...]]:
+    """What ``source`` holds, its layout when the reading already tells (a folder), and the
+    files of a folder that were not read."""
     if os.path.isdir(source):
-        if not os.path.exists(os.path.join(source, _HF_TRAINER_STATE)):
+        if not os.path.lexists(os.path.join(source, TRAINER_STATE)):
             raise ConfigError(
-                f"{source} is a folder without {_HF_TRAINER_STATE}: the folders import reads are HF Trainer "
+                f"{source} is a folder without {TRAINER_STATE}: the folders import reads are HF Trainer "
                 "checkpoint-N/ folders; for a .pt file, name the file"
             )
-        return _read_hf_folder(source, allow_numpy_rng=allow_numpy_rng), "hf-trainer"
-    if not os.path.isfile(source):
-        raise ConfigError(f"{source} does not exist or is not a file; check the path")
-    return load_torch_checkpoint(source, allow_numpy_rng=allow_numpy_rng), ""
+        folder = read_hf_folder(source, load_torch=load_torch_checkpoint, allow_numpy_rng=allow_numpy_rng)
+        return folder.saved, "hf-trainer", folder.ignored
+    return load_torch_checkpoint(source, allow_numpy_rng=allow_numpy_rng), "", ()
 
 
 def _train_state_tree(mapped: Mapped, source: str) -> dict[str, Any]:
@@ -210,12 +216,12 @@ def import_torch_checkpoint(
     """Commit a foreign checkpoint as the first checkpoint of a new ckptsdk root.
 
     The file is read with :func:`load_torch_checkpoint` (an HF Trainer ``checkpoint-N/`` folder
-    file by file); its parts are sorted by :func:`ckptsdk.porting.layout.map_checkpoint` (the
-    story notebook's layout, top-level RNG keys, a bare state_dict, a Lightning ``.ckpt``, an HF
-    folder) into ``TrainState`` objects (``model``, ``optimizer``, ``scheduler``, ``scaler``, or
-    any name ``mapping`` gives) plus the RNG states, so the job resumes with
-    ``mgr.restore(TrainState(...))`` as from any ckptsdk checkpoint; the file's other JSON-able
-    entries come back in ``restore()``'s ``extra``.
+    with :func:`~ckptsdk.porting.hf_folder.read_hf_folder`); its parts are sorted by
+    :func:`ckptsdk.porting.layout.map_checkpoint` (the story notebook's layout, top-level RNG
+    keys, a bare state_dict, a Lightning ``.ckpt``, an HF folder) into ``TrainState`` objects
+    (``model``, ``optimizer``, ``scheduler``, ``scaler``, or any name ``mapping`` gives) plus the
+    RNG states, so the job resumes with ``mgr.restore(TrainState(...))`` as from any ckptsdk
+    checkpoint; the file's other JSON-able entries come back in ``restore()``'s ``extra``.
 
     Args:
         path: the ``.pt``/``.ckpt`` file, or an HF Trainer ``checkpoint-N/`` folder.
@@ -229,13 +235,17 @@ def import_torch_checkpoint(
         force: break a live writer lease on the root.
 
     Returns:
-        The committed :class:`~ckptsdk.CheckpointInfo`.
+        The committed :class:`~ckptsdk.CheckpointInfo`. Its manifest's tags say where it came
+        from (``imported_from``, ``layout``) and, for a folder, which weight files were not read
+        (``ignored_files``, a JSON list: a stale shard beside the index, ``pytorch_model.bin``
+        beside ``model.safetensors``).
 
     Raises:
         UnsupportedStateError: the file needs a pickle global outside the allowlist.
-        ConfigError: unknown entries, no model, no step, a zip whose members declare more than
-            the file can hold, or a root that holds checkpoints or lies inside another root.
-            Nothing is written to ``url`` before the file has been read and mapped.
+        ConfigError: a damaged file or folder (see :func:`load_torch_checkpoint` and
+            :func:`~ckptsdk.porting.hf_folder.read_hf_folder`), unknown entries, no model, no
+            step, or a root that holds checkpoints or lies inside another root. Nothing is
+            written to ``url`` before the file has been read and mapped.
 
     Example (not a doctest: making the .pt file takes a pickle write, which the library's own
     source never holds; tests/porting/test_import_export.py runs this)::
@@ -247,7 +257,7 @@ def import_torch_checkpoint(
 
     source = os.fspath(path)
     check_new_root_url(url, dict(storage_options or {}))
-    saved, layout = _load_any(source, allow_numpy_rng=allow_numpy_rng)
+    saved, layout, ignored = _load_any(source, allow_numpy_rng=allow_numpy_rng)
     mapped = map_checkpoint(saved, source, drop=drop, mapping=mapping, layout=layout)
     tree = _train_state_tree(mapped, source)
     position = dict(mapped.position)
@@ -256,6 +266,9 @@ def import_torch_checkpoint(
     if "step" not in position:
         raise ConfigError(f"{source} records no step (looked for 'step', 'global_step'); pass --step N")
     logger.info("%s: %s layout, objects %s", source, mapped.layout, sorted(mapped.objects))
+    tags = {"imported_from": os.path.basename(source.rstrip("/")), "layout": mapped.layout}
+    if ignored:  # said in the checkpoint too, so `ckptsdk show` tells what the import left out
+        tags["ignored_files"] = json.dumps(list(ignored))  # a JSON list: a file name may hold any separator
     with CheckpointManager(url, storage_options=storage_options, force=force) as mgr:
         if mgr.latest() is not None:
             raise ConfigError(
@@ -269,7 +282,7 @@ def import_torch_checkpoint(
             epoch=position.get("epoch"),
             batch_idx=position.get("batch_idx"),
             extra=mapped.extra,
-            tags={"imported_from": os.path.basename(source.rstrip("/")), "layout": mapped.layout},
+            tags=tags,
         )
 
 
