@@ -418,33 +418,55 @@ def _push(heap: list[tuple[int, int, StepRow]], attempt: int, stream: Iterator[S
 
 
 def _why_unverified(attempts: list[AttemptSummary]) -> str:
-    """Why no step was compared, in the words a user can act on."""
+    """Why no step was compared, in the words a user can act on; the case named first, so that a
+    handoff (nothing ran twice, nothing lost) reads apart from a lost log."""
     logged = [a for a in attempts if a.steps]
     if not logged:
         return "no attempt logged a step (call mgr.log_step(step, loss=...) in the training loop)"
     if len(attempts) == 1:
         return f"one attempt only (attempt {attempts[0].attempt}): the run never resumed, so nothing ran twice"
-    reasons = []
-    for before, after in itertools.pairwise(attempts):
-        resumed = after.resumed_from_step
-        if resumed is None:
-            reasons.append(f"attempt {after.attempt} started fresh (no checkpoint restored): nothing to compare")
-        elif before.last_step is None:
-            reasons.append(f"attempt {before.attempt} has no step on storage: none of its steps was ever flushed")
-        elif not before.closed and before.last_step <= resumed:
-            reasons.append(
-                f"attempt {before.attempt} was not closed cleanly and its last step on storage is "
-                f"{before.last_step}, at or before step {resumed} that attempt {after.attempt} resumed from: "
-                "the steps it ran after its last flush never reached storage (killed within the flush interval)"
-            )
-        elif before.closed and before.last_step <= resumed:
-            reasons.append(
-                f"attempt {before.attempt} stopped cleanly at step {before.last_step} and attempt "
-                f"{after.attempt} resumed from step {resumed}: a clean stop leaves no step to run twice"
-            )
-        elif after.steps == 0:
-            reasons.append(f"attempt {after.attempt} logged no step after resuming from step {resumed}")
-    return "no step was run by two attempts: " + "; ".join(reasons or ["the attempts logged disjoint steps"])
+    reasons = [_why_pair(before, after) for before, after in itertools.pairwise(attempts)]
+    said = [(case, text) for case, text in reasons if text]
+    cases = {case for case, _ in said}
+    if said and cases <= {_CLEAN, _AT_SAVE}:
+        # Honest still (nothing was compared), but not a lost log: say so first.
+        case = _CLEAN if cases == {_CLEAN} else _AT_SAVE
+        return f"{case}: no step ran twice; " + "; ".join(text for _, text in said)
+    listed = [f"{case}: {text}" if case else text for case, text in said]
+    return "no step was run by two attempts: " + "; ".join(listed or ["the attempts logged disjoint steps"])
+
+
+_CLEAN, _AT_SAVE, _LOST = "clean handoff", "handoff at a save", "lost log"
+
+
+def _why_pair(before: AttemptSummary, after: AttemptSummary) -> tuple[str, str]:
+    """(the case, what happened) between two attempts that ran no step in common."""
+    resumed = after.resumed_from_step
+    if resumed is None:
+        return "", f"attempt {after.attempt} started fresh (no checkpoint restored): nothing to compare"
+    if before.last_step is None:
+        return _LOST, f"attempt {before.attempt} has no step on storage: none of its steps was ever flushed"
+    if before.last_step == resumed and before.closed:
+        return _CLEAN, (
+            f"attempt {before.attempt} stopped cleanly at step {resumed}, the step attempt {after.attempt} "
+            "resumed from: no step ran twice and nothing was lost"
+        )
+    if before.last_step == resumed:
+        return _AT_SAVE, (
+            f"attempt {before.attempt} was not closed cleanly and its last step on storage is {resumed}, the "
+            f"step attempt {after.attempt} resumed from: no step ran twice (a step it ran after that save in "
+            "its last second, if any, never reached storage)"
+        )
+    if before.last_step < resumed:
+        how = "stopped cleanly" if before.closed else "was not closed cleanly"
+        return _LOST, (
+            f"attempt {before.attempt} {how} and its last step on storage is {before.last_step}, before step "
+            f"{resumed} that attempt {after.attempt} resumed from: the steps it ran after its last flush never "
+            "reached storage" + ("" if before.closed else " (killed within the flush interval)")
+        )
+    if after.steps == 0:
+        return "", f"attempt {after.attempt} logged no step after resuming from step {resumed}"
+    return "", ""
 
 
 def _ranges(nums: list[int]) -> str:
