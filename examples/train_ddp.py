@@ -51,10 +51,13 @@ def main() -> None:
         dm.log_step(step, loss=loss.item())
         if dm.should_save(step):
             dm.save(state, step=step, metrics={"loss": loss.item()})
+    if start <= args.steps and not dm.should_save(args.steps):  # the steps since the last save
+        dm.save(state, step=args.steps, metrics={"loss": loss.item()})
     dm.close()
     if rank == 0:
         report = dm.audit()
-        print(f"done at step {args.steps}, loss {loss.item():.6f}; audit: {report.verdict}")
+        last = f", loss {loss.item():.6f}" if start <= args.steps else " (nothing left to run)"
+        print(f"done at step {args.steps}{last}; audit: {report.verdict}")
     dist.destroy_process_group()
 
 

@@ -207,6 +207,7 @@ class WriterShutdown:
                 self._saving.stop()
                 if wait:
                     self._saving.wait()
+                    self._say_unsaved()
         finally:
             try:
                 if self.runlog is not None:
@@ -214,6 +215,30 @@ class WriterShutdown:
             finally:
                 if self.lease is not None:
                     self.lease.release()
+
+    def _say_unsaved(self) -> None:
+        """Warn when this attempt logged steps past its newest checkpoint: a loop that saves every
+        N steps and stops between two saves ends with its last steps in no checkpoint (a run of
+        96 steps saved at 91: ``export`` gave step 91's weights, a resume repeats 92..96)."""
+        logged = self.runlog.last_logged if self.runlog is not None else None
+        if logged is None or self._saving is None:
+            return
+        newest = self._saving.last_committed or self._saving.resumed_from
+        saved = newest.step if newest is not None else None
+        if saved is not None and saved >= logged:
+            return
+        since = f"steps {saved + 1}..{logged}" if saved is not None and saved + 1 < logged else f"step {logged}"
+        logger.warning(
+            "closing %s: the newest checkpoint is %s; %s %s logged but not saved (a resume runs %s again, "
+            "`ckptsdk export` gives %s). Save the last step before close(): mgr.save(state, step=%d)",
+            self.url,
+            f"step {saved}" if saved is not None else "none (nothing was saved)",
+            since,
+            "were" if since.startswith("steps") else "was",
+            "them" if since.startswith("steps") else "it",
+            f"step {saved}'s weights" if saved is not None else "nothing",
+            logged,
+        )
 
 
 def _close_at_exit(ref: weakref.ReferenceType[WriterShutdown]) -> None:

@@ -138,6 +138,9 @@ class RunLog:
         self._publish_lock = threading.RLock()  # one publish at a time
         self._started_written = False
         self._closed = False
+        #: The highest step logged by this attempt (None before the first): what ``close()``
+        #: compares with the newest checkpoint, to say which steps no checkpoint holds.
+        self.last_logged: int | None = None
         # The flusher thread (background=True) sleeps on _wake for flush_interval, or less when
         # log_step finds the buffer full or flush_soon() asks; _stop ends it at close().
         self._background = background
@@ -208,6 +211,7 @@ class RunLog:
             if self._oldest is None:
                 self._oldest = self._clock()
             self._buffer.append((int(step), time.time(), values))
+            self.last_logged = max(int(step), self.last_logged if self.last_logged is not None else -1)
             due = len(self._buffer) >= self.flush_every or self._clock() - self._oldest >= self.flush_interval
         if self._background:
             self._ensure_flusher()
