@@ -17,6 +17,7 @@
      ├── CheckpointError
      │    ├── CorruptCheckpointError           size/digest mismatch, torn or missing files
      │    ├── ManifestError                    unreadable, unknown-format or invalid manifest
+     │    │    └── NewerFormatError            written by a newer ckptsdk (a newer major format)
      │    ├── NoValidCheckpointError           checkpoints exist but none could be restored
      │    ├── NoCheckpointRootError            nothing is stored at the URL (a typo?)
      │    ├── CheckpointTooLargeError (MemoryError)  verified data this process cannot hold
@@ -184,6 +185,14 @@ class CorruptCheckpointError(CheckpointError):
 
 class ManifestError(CheckpointError):
     """A manifest that cannot be read: not JSON, wrong fields, or an unknown format version."""
+
+
+class NewerFormatError(ManifestError):
+    """A document of a newer major format than this ckptsdk reads: never damage, never garbage.
+
+    Restore refuses to fall back past such a checkpoint, and ``gc`` and rotation leave it (and
+    the shared files it may use) alone: upgrade ckptsdk to read it.
+    """
 
 
 class NoValidCheckpointError(CheckpointError):

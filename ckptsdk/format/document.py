@@ -6,10 +6,17 @@ ledger, distributed metadata) is a ``Document`` subclass naming its ``FORMAT``
 belongs in its own module; only what they all share is here.
 
 The version rule, checked before anything else in the document:
+  * a minor version only adds what an older reader of its major version may ignore (it reads
+    the document right); anything an older reader would misread is a new major version;
   * the same major version is read; a newer minor version's unknown fields are ignored;
-  * a newer major version is refused with "upgrade ckptsdk"; an older one with what to do;
-  * a document whose ``CHECKSUM_SINCE`` minor is reached carries a ``checksum`` field (sha256 of
-    its canonical JSON), verified before any other field is looked at.
+  * a newer major version is refused with "upgrade ckptsdk" (``NewerFormatError`` where the
+    caller names no error of its own); every major version keeps the ``checksum`` rule, so a
+    newer one whose checksum fails is damage, not newer (one flipped bit turns "1" into "9");
+  * an older major version is refused with what to do, unless the kind still reads it
+    (``ALSO_READS``: a kind may write an older major version when the document needs nothing
+    newer, so that older readers keep reading it);
+  * a document whose ``CHECKSUM_SINCE`` minor is reached (or of a later major version) carries a
+    ``checksum`` field (sha256 of its canonical JSON), verified before any other field is looked at.
 Times are UTC ISO-8601 strings with microseconds and a ``Z`` (``utc_now``). A float that strict
 JSON cannot hold (nan, inf, -0.0) is written ``{"$float": "nan"}`` (``encode_float``).
 """
@@ -22,13 +29,13 @@ import logging
 import math
 import re
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from typing import Annotated, Any, ClassVar, TypeVar
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, model_validator
 
-from ckptsdk.errors import CkptError, ManifestError
+from ckptsdk.errors import CkptError, ManifestError, NewerFormatError
 
 logger = logging.getLogger(__name__)
 
@@ -165,35 +172,54 @@ def decode_float(value: object) -> float:
 # --- version ---------------------------------------------------------------------------------
 
 
-def check_format(value: object, expected: str) -> int:
+class _Newer(ValueError):
+    """``check_format``'s refusal of a newer major version (``parse_document`` raises ``NewerFormatError``)."""
+
+
+def _versions(formats: Sequence[str]) -> tuple[str, dict[int, int]]:
+    """(the kind, the newest minor known of each major version) of ``formats``."""
+    known: dict[int, int] = {}
+    kind = ""
+    for text in formats:
+        match = _FORMAT_RE.fullmatch(text)
+        assert match is not None, text
+        kind = match["kind"]
+        major = int(match["major"])
+        known[major] = max(known.get(major, 0), int(match["minor"] or 0))
+    return kind, known
+
+
+def check_format(value: object, expected: str, *, also: Sequence[str] = ()) -> int:
     """The minor version of ``value`` if the version rule lets this ckptsdk read it.
 
     Args:
         value: the document's ``format`` field.
         expected: what this ckptsdk writes, ``"ckptsdk.<kind>/<major>.<minor>"``.
+        also: the older versions of the kind it reads too (another major version, its newest minor).
 
     Raises:
-        ValueError: another kind, or a major version other than ``expected``'s; says what to do.
+        ValueError: another kind, or a major version neither ``expected``'s nor one of ``also``'s;
+            says what to do.
 
     Example:
         >>> check_format("ckptsdk.lease/1.4", "ckptsdk.lease/1.0")
         4
+        >>> check_format("ckptsdk.checkpoint/1.3", "ckptsdk.checkpoint/2.0", also=["ckptsdk.checkpoint/1.3"])
+        3
     """
-    match_expected = _FORMAT_RE.fullmatch(expected)
-    assert match_expected is not None, expected
-    kind, reads = match_expected["kind"], int(match_expected["major"])
+    kind, known = _versions([expected, *also])
     if not isinstance(value, str):
         raise ValueError(f"'format' must be a string like {expected!r}, got {value!r}")
     match = _FORMAT_RE.fullmatch(value)
     if match is None or match["kind"] != kind:
         raise ValueError(f"format {value!r} is not a {kind} document (expected {expected!r})")
     major = int(match["major"])
-    if major > reads:
-        raise ValueError(
+    if major > max(known):
+        raise _Newer(
             f"format {value!r} was written by a newer ckptsdk (this one reads "
-            f"{kind}/{reads}.x); upgrade ckptsdk to read it"
+            f"{kind}/{max(known)}.x); upgrade ckptsdk to read it"
         )
-    if major < reads:
+    if major not in known:
         raise ValueError(
             f"format {value!r} is an older major version this ckptsdk cannot read; "
             f"read it with the ckptsdk that wrote it, or start this part afresh"
@@ -232,6 +258,9 @@ class Document(Strict):
     """
 
     FORMAT: ClassVar[str] = ""
+    #: Older versions of the kind this ckptsdk reads too (another major version, at its newest
+    #: minor known); it may write one of them (``format_written``).
+    ALSO_READS: ClassVar[tuple[str, ...]] = ()
     CHECKSUM_SINCE: ClassVar[int | None] = None
     #: The most bytes ``parse_document`` reads as this document; larger ones are refused before
     #: parsing (a padded or garbage file must cost a length check, not seconds and gigabytes).
@@ -242,8 +271,13 @@ class Document(Strict):
     def _format_first(cls, data: object) -> object:
         # The version rule for documents built or validated directly, not only parsed from bytes.
         if isinstance(data, dict) and "format" in data:
-            check_format(data["format"], cls.FORMAT)
+            check_format(data["format"], cls.FORMAT, also=cls.ALSO_READS)
         return data
+
+    def format_written(self) -> str:
+        """The version ``to_json`` writes: ``FORMAT``, unless a kind writes an older one when its
+        content needs nothing newer (one of ``ALSO_READS``)."""
+        return self.FORMAT
 
     def to_json(self) -> bytes:
         """Strict JSON (no NaN tokens), UTF-8, one line ending in a newline, as the current format.
@@ -254,7 +288,7 @@ class Document(Strict):
         Raises:
             ManifestError: the document is larger than ``MAX_BYTES`` (no reader would parse it).
         """
-        body = {**self._json_body(), "format": self.FORMAT}
+        body = {**self._json_body(), "format": self.format_written()}
         data = seal(body) if self.CHECKSUM_SINCE is not None else dumps(body)
         if len(data) > self.MAX_BYTES:  # what parse_document refuses is never written
             raise ManifestError(
@@ -370,6 +404,7 @@ def parse_document(
             then read as that.
 
     Raises:
+        NewerFormatError: a newer major version (without ``error``; with it, what it builds).
         ManifestError (or what ``error`` builds): larger than ``model.MAX_BYTES`` (checked before
             parsing), not JSON, not an object, no or a foreign or unreadable ``format``, a
             checksum that does not hold, or invalid fields; says which.
@@ -383,10 +418,14 @@ def parse_document(
         'hi'
     """
     expected = model.FORMAT
+    newer_error: Callable[[str, int | None], CkptError] | None = None
     if error is None:
 
         def error(message: str, step: int | None) -> CkptError:
             return ManifestError(message, key=key or None, step=step)
+
+        def newer_error(message: str, step: int | None) -> CkptError:
+            return NewerFormatError(message, key=key or None, step=step)
 
     place = f"{url.rstrip('/')}/{key}" if url and key else key
     where = f"{place}: " if place else ""
@@ -415,18 +454,34 @@ def parse_document(
     if "format" not in obj:
         raise error(f"{where}no 'format' field; not a {expected} document", step)
     try:
-        minor = check_format(obj["format"], expected)  # first: newer majors may differ in all
+        minor = check_format(obj["format"], expected, also=model.ALSO_READS)  # first: newer majors may differ in all
+    except _Newer as exc:
+        # Every major version keeps the checksum rule, so that a newer document (which a reader
+        # must not skip as damage) can be told from a damaged one: "1" -> "9" is one bit.
+        forged = None if model.CHECKSUM_SINCE is None else _check_checksum(dict(obj), 1, 0, expected, where)
+        if forged is not None:
+            raise error(
+                f"{where}{exc}, but its checksum does not hold ({forged}): the file was damaged or edited; {damaged}",
+                step,
+            ) from exc
+        if newer_error is not None:
+            raise newer_error(f"{where}{exc}", step) from exc
+        raise error(f"{where}{exc}", step) from exc
     except ValueError as exc:
         raise error(f"{where}{exc}", step) from exc
+    _kind, known = _versions([expected, *model.ALSO_READS])
+    read = _FORMAT_RE.fullmatch(obj["format"])
+    assert read is not None  # check_format matched it
+    major = int(read["major"])
     if model.CHECKSUM_SINCE is not None:
-        # Second: nothing else in the document is looked at before its checksum holds.
-        problem = _check_checksum(obj, minor, model.CHECKSUM_SINCE, expected, where)
+        # Second: nothing else in the document is looked at before its checksum holds. Every
+        # major version after the oldest one read carries one from its first minor on.
+        since = model.CHECKSUM_SINCE if major == min(known) else 0
+        problem = _check_checksum(obj, minor, since, expected, where)
         if problem is not None:
             raise error(f"{where}integrity check failed: {problem}. The file was damaged or edited; {damaged}", step)
-    written = _FORMAT_RE.fullmatch(expected)
-    assert written is not None
     try:
-        context = {"lenient": minor > int(written["minor"] or 0), FINITE_JSON: legacy is None}
+        context = {"lenient": minor > known[major], FINITE_JSON: legacy is None}
         return model.model_validate(obj, strict=True, context=context)
     except ValidationError as exc:
         problems = [f"{'.'.join(map(str, e['loc'])) or '<root>'}: {e['msg']}" for e in exc.errors()]

@@ -50,6 +50,7 @@ from ckptsdk.format.userfield import Metric, decode_extra, encode_extra
 __all__ = [
     "FORMAT",
     "LINEAGE_FORMAT",
+    "PLAIN_FORMAT",
     "KEEP_RULE_KINDS",
     "CustomRuleRecord",
     "FileEntry",
@@ -70,12 +71,20 @@ __all__ = [
     "schema_text",
 ]
 
-#: What this code writes; it reads any ``/1.x`` (fields of a newer minor version are ignored).
+#: What this code writes for a checkpoint that refers to shared files; it reads any ``/2.x`` and
+#: ``/1.x`` (fields of a newer minor version are ignored). The version rule (document.py): a minor
+#: version only adds what an older reader may ignore; anything it would misread is a new major.
 #: 1.1 added the ``checksum`` field; a 1.0 document (written before it) is read with a warning.
 #: 1.2 added ``keep``, the writer's keep rules (a 1.1 reader ignores it, as a newer minor's field).
-#: 1.3 added ``shared``: tensors kept in files outside the folder (an older reader finds them
-#: missing from the tensor file and skips the checkpoint as damaged, loudly: never a wrong state).
-FORMAT = "ckptsdk.checkpoint/1.3"
+#: 1.3 added ``shared`` (tensors kept in files outside the folder): a 1.2 reader ignored it and
+#: skipped the checkpoint "as damaged", falling back to an older one, so it was a major change:
+#: 2.0. 1.3 manifests (written by earlier builds before this rule) are still read.
+FORMAT = "ckptsdk.checkpoint/2.0"
+#: What this code writes for a checkpoint without shared files: nothing in it is newer than 1.2,
+#: so every 1.x reader reads it right (``Manifest.format_written``).
+PLAIN_FORMAT = "ckptsdk.checkpoint/1.2"
+#: The newest version of major 1 (``shared`` in it: 1.3 manifests are read, never written).
+_LAST_MAJOR_1 = "ckptsdk.checkpoint/1.3"
 LINEAGE_FORMAT = "ckptsdk.lineage/1.1"
 #: The first minor version of both that always carries a checksum.
 _CHECKSUM_MINOR = 1
@@ -120,7 +129,7 @@ class FileEntry(Strict):
 
 class SharedFile(Strict):
     """A tensor file outside the checkpoint's folder holding tensors unchanged since an earlier
-    save (format 1.3 on): immutable, named relative to the root, several checkpoints refer to it."""
+    save (format 2.0 on, and 1.3): immutable, named relative to the root, several checkpoints refer to it."""
 
     name: str = Field(
         pattern=r"^shared/[0-9]{10,}\.e[0-9]+(\.[0-9a-f]{8})?\.[0-9a-f]{16}\.safetensors$",
@@ -240,13 +249,14 @@ class Manifest(Document):
     """A checkpoint's manifest.json: published last, it is what makes a checkpoint exist."""
 
     FORMAT: ClassVar[str] = FORMAT
+    ALSO_READS: ClassVar[tuple[str, ...]] = (_LAST_MAJOR_1,)
     CHECKSUM_SINCE: ClassVar[int | None] = _CHECKSUM_MINOR
     # The skeleton grows with the tensor count (a distributed one with ranks x chunks): a few
     # MiB for the largest trees seen; the cap leaves room for ten times that. A save refuses
     # what would outgrow it (limits.py), before it writes anything.
     MAX_BYTES: ClassVar[int] = limits.MANIFEST_BYTES
 
-    format: str = Field(default=FORMAT, pattern=r"^ckptsdk\.checkpoint/1(\.[0-9]+)?$")
+    format: str = Field(default=FORMAT, pattern=r"^ckptsdk\.checkpoint/[12](\.[0-9]+)?$")
     step: int = Field(ge=0)
     position: Position = Field(default_factory=Position)
     created_at: UtcTime = Field(default_factory=utc_now)
@@ -273,9 +283,13 @@ class Manifest(Document):
 
     shared: list[SharedFile] = Field(
         default_factory=list,
-        description="format 1.3 on: tensors kept outside the folder, in files several checkpoints share "
+        description="format 2.0 on (and 1.3): tensors kept outside the folder, in files several checkpoints share "
         "(absent: every tensor is in tensors.safetensors)",
     )
+
+    def format_written(self) -> str:
+        """``FORMAT`` when the checkpoint refers to shared files, else ``PLAIN_FORMAT`` (1.x readers read it)."""
+        return FORMAT if self.shared else PLAIN_FORMAT
 
     @field_validator("keep", mode="before")
     @classmethod

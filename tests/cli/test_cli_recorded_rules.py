@@ -96,7 +96,7 @@ def test_a_bare_gc_keeps_exactly_what_the_writer_keeps(tmp_path, capsys, best_k,
         writer_kept = mgr.kept()
     assert set(writer_kept) == expected  # best val_loss: 20 (0.2), 50 (0.25), 40 (0.3)
     manifest = json.loads((root / "step-0000000090.e1" / "manifest.json").read_text())
-    assert manifest["format"] == "ckptsdk.checkpoint/1.3"
+    assert manifest["format"] == "ckptsdk.checkpoint/1.2"  # no shared files: every 1.x reader reads it
     assert manifest["keep"] == [
         {"rule": "keep_last", "n": last_n},
         {"rule": "keep_best", "metric": "val_loss", "k": best_k, "mode": "min"},

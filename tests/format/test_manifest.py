@@ -28,7 +28,7 @@ from ckptsdk.format.codec import encode
 from ckptsdk.format.document import Document, parse_document, seal
 from ckptsdk.format.environment import Environment
 from ckptsdk.format.manifest import (
-    FORMAT,
+    PLAIN_FORMAT,
     CustomRuleRecord,
     FileEntry,
     KeepBestRecord,
@@ -87,7 +87,9 @@ def test_manifest_round_trips_through_strict_json():
     json.loads(data, parse_constant=lambda name: pytest.fail(f"non-standard token {name}"))
     back = parse_manifest(data, key="step-0000005700.e2/manifest.json")
     assert back.to_json() == data
-    assert back.format == FORMAT and back.step == 5700 and back.position.batch_idx == 17
+    # Without shared files it is written as 1.2 (nothing in it is newer), so 1.x readers read it.
+    assert json.loads(data)["format"] == PLAIN_FORMAT == "ckptsdk.checkpoint/1.2"
+    assert back.step == 5700 and back.position.batch_idx == 17
     assert math.isnan(back.metrics["nan"]) and back.metrics["inf"] == -math.inf
     assert math.copysign(1.0, back.metrics["zero"]) < 0
     assert type(back.metrics["n"]) is int and type(back.metrics["best"]) is bool
@@ -133,7 +135,7 @@ def test_a_manifest_written_before_is_read_and_written_the_same():
     assert manifest.position.extra["x"] == math.inf
     # Written again as this format (1.2: the same fields; ``keep`` absent, not null, as unrecorded).
     assert manifest.keep is None
-    assert manifest.to_json() == seal({**json.loads(_WRITTEN_BEFORE), "format": FORMAT})
+    assert manifest.to_json() == seal({**json.loads(_WRITTEN_BEFORE), "format": PLAIN_FORMAT})
     odd = struct.unpack(">d", bytes.fromhex("fff8000000000123"))[0]
     tree = {
         "w": torch.ones(2),
@@ -191,7 +193,7 @@ BAD = {
     "no format": (_tweak(format=KeyError), "no 'format' field"),
     "format not str": (_tweak(format=1), "'format' must be a string"),
     "lineage given": (LineageRecord(epoch=1, attempt=1, run_id="r").to_json(), "not a ckptsdk.checkpoint document"),
-    "future major": (_tweak(format="ckptsdk.checkpoint/2", step="whatever"), "newer ckptsdk"),
+    "future major": (_tweak(format="ckptsdk.checkpoint/3", step="whatever"), "newer ckptsdk"),
     "old major": (_tweak(format="ckptsdk.checkpoint/0"), "older major version"),
     "step as str": (_tweak(step="5700"), "step: Input should be a valid integer"),
     "negative step": (_tweak(step=-1), "step: Input should be greater than or equal to 0"),
@@ -282,7 +284,7 @@ def _released_reader() -> type[Document]:
 def test_a_released_reader_reads_a_manifest_with_keep_rules_because_the_minor_went_up():
     released = _released_reader()
     data = make_manifest().to_json()
-    assert json.loads(data)["format"] == "ckptsdk.checkpoint/1.3"
+    assert json.loads(data)["format"] == "ckptsdk.checkpoint/1.2"
     old = parse_document(data, released)  # a newer minor: its new field is ignored
     assert old.step == 5700 and not hasattr(old, "keep")
     # The same field under 1.1 would have made every new checkpoint unreadable to 0.1.0.
@@ -488,7 +490,7 @@ def test_format_md_reader_reads_a_checkpoint_without_torch(tmp_path):
     exec(compile(_reader_snippet(), "FORMAT.md", "exec"), namespace)  # noqa: S102 - our own doc
     assert namespace["ml_dtypes"] is None or namespace["ml_dtypes"].__name__ == "ml_dtypes"
     raw_manifest, back = namespace["read_checkpoint"](str(folder))
-    assert raw_manifest["step"] == 5700 and raw_manifest["format"] == "ckptsdk.checkpoint/1.3"
+    assert raw_manifest["step"] == 5700 and raw_manifest["format"] == "ckptsdk.checkpoint/1.2"
     assert raw_manifest["keep"] == [r.model_dump() for r in KEEP]  # checksummed, read with the rest
     expected = _as_numpy(tree)
     _assert_identical(expected, back)

@@ -40,6 +40,7 @@ EXPECTED = {
     "InvalidKey",
     "LeaseError",
     "MissingDependencyError",
+    "NewerFormatError",
     "NoCheckpointRootError",
     "StorageUnavailable",
     "PreconditionsNotHonoured",
