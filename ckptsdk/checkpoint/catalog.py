@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 
 from ckptsdk.backends.base import Backend
 from ckptsdk.checkpoint.lineage import superseded_by
-from ckptsdk.checkpoint.listing import Folder, Listing, list_root, prune_memo, read_folder
+from ckptsdk.checkpoint.listing import NEWER, Folder, Listing, list_root, prune_memo, read_folder
 from ckptsdk.errors import BackendError, LeaseError, ObjectNotFound
 from ckptsdk.format.layout import (
     MANIFEST,
@@ -71,6 +71,14 @@ class CheckpointInfo:
     def rank(self) -> Rank:
         """The writer's (lease epoch, tag): higher ranks supersede lower ones."""
         return (self.epoch, self.tag)
+
+    @property
+    def newer(self) -> bool:
+        """Committed by a newer ckptsdk (a newer major format): unreadable here, never garbage.
+
+        Restore refuses to fall back past it; gc and rotation leave it, and the shared files it
+        may refer to, alone."""
+        return self.committed and self.manifest is None and (self.reason or "").startswith(NEWER)
 
 
 @dataclass(frozen=True)
@@ -292,7 +300,9 @@ def scan(
     """
     memo: MutableMapping[tuple[str, str], object] = cache if cache is not None else {}
     listing = list_root(backend, memo)
-    parsed = [read_folder(backend, memo, folder, files) for folder, files in sorted(listing.folders.items())]
+    parsed = [
+        read_folder(backend, memo, folder, files, listing.shared) for folder, files in sorted(listing.folders.items())
+    ]
 
     if cache is not None:
         prune_memo(cache, listing)

@@ -12,22 +12,38 @@ from dataclasses import dataclass, field
 
 from ckptsdk.backends.base import Backend, ObjectInfo, browser
 from ckptsdk.backends.deadline import carried
-from ckptsdk.errors import ManifestError, ObjectNotFound
-from ckptsdk.format.layout import CKPT_PREFIX, LINEAGE_PREFIX, MANIFEST, Rank, lineage_rank, parse_folder
+from ckptsdk.errors import ManifestError, NewerFormatError, ObjectNotFound
+from ckptsdk.format.layout import (
+    CKPT_PREFIX,
+    LINEAGE_PREFIX,
+    MANIFEST,
+    SHARED_PREFIX,
+    Rank,
+    lineage_rank,
+    parse_folder,
+)
 from ckptsdk.format.manifest import LineageRecord, Manifest, parse_lineage, parse_manifest
 
 logger = logging.getLogger("ckptsdk.checkpoint.catalog")
 
 __all__ = [
+    "NEWER",
+    "VANISHED",
     "Folder",
     "Folders",
     "Listing",
+    "SharedObjects",
     "lineage_floor",
     "list_root",
     "prune_memo",
     "read_folder",
     "read_json_object",
 ]
+
+
+#: How the reason of a folder whose manifest is of a newer major format begins: such a checkpoint
+#: is not restorable here, and never garbage (see :attr:`CheckpointInfo.newer`).
+NEWER = "written by a newer ckptsdk"
 
 
 def read_json_object(backend: Backend, key: str) -> bytes | None:
@@ -89,6 +105,36 @@ class Folders(Mapping[str, dict[str, ObjectInfo]]):
         return self._ranks
 
 
+class SharedObjects:
+    """The objects under ``shared/``, listed once, when a manifest that refers to one is first
+    checked: a root without incremental saves never pays the listing. One with them pays one
+    listing per scan (on Drive, where a writer lists before each upload, one more per save).
+
+    A listing is a moment: a file it does not show (or shows with another size) is looked at
+    again by itself (:meth:`fresh`) before a checkpoint is called torn for it.
+    """
+
+    def __init__(self, backend: Backend) -> None:
+        self._backend = backend
+        self._objs: dict[str, ObjectInfo] | None = None
+
+    def get(self, key: str) -> ObjectInfo | None:
+        """``key``'s object as the listing shows it (None: not listed)."""
+        if self._objs is None:
+            self._objs = {o.key: o for o in self._backend.list(SHARED_PREFIX)}
+        return self._objs.get(key)
+
+    def fresh(self, key: str) -> ObjectInfo | None:
+        """``key``'s object now (one stat), None when it is not there."""
+        try:
+            obj = self._backend.stat(key)
+        except ObjectNotFound:
+            return None
+        assert self._objs is not None  # only after get()
+        self._objs[key] = obj
+        return obj
+
+
 @dataclass(frozen=True)
 class Listing:
     """One listing of a root: its checkpoint folders and its lineage records, no manifest read.
@@ -103,6 +149,8 @@ class Listing:
     lineage: dict[Rank, LineageRecord]
     lineage_objs: list[ObjectInfo] = field(repr=False)
     lineage_mtimes: list[float] = field(repr=False)
+    #: the shared files, listed when first asked for (see :class:`SharedObjects`)
+    shared: SharedObjects | None = field(default=None, repr=False, compare=False)
 
     def used(self) -> set[Rank]:
         """Every writer rank a folder that holds an object carries."""
@@ -152,7 +200,13 @@ def list_root(backend: Backend, memo: MutableMapping[tuple[str, str], object], *
             logger.warning("ignoring lineage record %s: it says epoch %s", obj.key, record.epoch)
             continue
         lineage[rank] = record
-    return Listing(folders=folders, lineage=lineage, lineage_objs=list(lineage_objs), lineage_mtimes=lineage_mtimes)
+    return Listing(
+        folders=folders,
+        lineage=lineage,
+        lineage_objs=list(lineage_objs),
+        lineage_mtimes=lineage_mtimes,
+        shared=SharedObjects(backend),
+    )
 
 
 def _direct_files(objs: list[ObjectInfo]) -> dict[str, dict[str, ObjectInfo]]:
@@ -200,9 +254,14 @@ def _list_both(backend: Backend, *, lazy: bool) -> tuple[list[ObjectInfo] | Fold
 
 
 def read_folder(
-    backend: Backend, memo: MutableMapping[tuple[str, str], object], folder: str, files: dict[str, ObjectInfo]
+    backend: Backend,
+    memo: MutableMapping[tuple[str, str], object],
+    folder: str,
+    files: dict[str, ObjectInfo],
+    shared: SharedObjects | None = None,
 ) -> Folder:
-    """One folder of a listing with its manifest read (memoised by version) and its files checked."""
+    """One folder of a listing with its manifest read (memoised by version) and its files checked,
+    the shared files it refers to too (``shared``: the listing's; None: a listing of its own)."""
     named = parse_folder(folder)
     assert named is not None
     step, rank = named
@@ -219,15 +278,19 @@ def read_folder(
         else:
             raw = read_json_object(backend, key)
             if raw is None:
-                reason = "manifest vanished while listing (being deleted)"
+                reason = VANISHED
             else:
                 try:
                     manifest = parse_manifest(raw, key=key)
                     memo[(key, mobj.version)] = manifest
+                except NewerFormatError as exc:
+                    reason = f"{NEWER} (kept; this one cannot read it): {exc}"
                 except ManifestError as exc:
                     reason = f"bad manifest: {exc}"
         if manifest is not None:
             reason = _check_files(manifest, files, step, rank[0])
+        if manifest is not None and reason is None and manifest.shared:
+            reason = _check_shared(backend, manifest, shared or SharedObjects(backend), f"{folder}/{MANIFEST}")
     return step, rank, folder, files, manifest, reason
 
 
@@ -251,20 +314,57 @@ def prune_memo(memo: MutableMapping[tuple[str, str], object], listing: Listing) 
         del memo[stale]
 
 
+#: Why a folder whose manifest was listed, and gone when looked at again, is no checkpoint: a
+#: rotation or gc deleted it meanwhile (manifest first). Never damage.
+VANISHED = "manifest vanished while listing (being deleted)"
+
+
+def _unknown_algorithm(name: str, algorithm: str) -> str | None:
+    from ckptsdk.format.digest import CHECKPOINT_ALGORITHMS as ALGORITHMS  # what a checkpoint's files may name
+
+    if algorithm in ALGORITHMS:
+        return None
+    return (
+        f"{name}: unknown digest algorithm {algorithm!r} (this ckptsdk knows "
+        f"{', '.join(ALGORITHMS)}); written by a newer ckptsdk? upgrade to read it"
+    )
+
+
+def _check_shared(backend: Backend, manifest: Manifest, shared: SharedObjects, key: str) -> str | None:
+    """Why the shared files ``manifest`` refers to make it no checkpoint (None: present, right sizes).
+
+    Checked wherever a folder's own files are (listing, ``ls``, ``latest``, restore's choice,
+    ``verify``): a lost or truncated shared file makes every checkpoint that uses it torn. A file
+    the listing misses is stat'ed again; still missing while the manifest is gone too, the
+    checkpoint was rotated away meanwhile (shared files go after the manifests), not torn.
+    """
+    for entry in manifest.shared:
+        unknown = _unknown_algorithm(entry.name, entry.algorithm)
+        if unknown is not None:
+            return unknown
+        obj = shared.get(entry.name)
+        if obj is None or obj.size != entry.size:
+            obj = shared.fresh(entry.name)  # the listing is a moment: look again before judging
+        if obj is not None and obj.size == entry.size:
+            continue
+        if not backend.exists(key):
+            return VANISHED
+        if obj is None:
+            return f"torn: shared file {entry.name} is missing"
+        return f"torn: shared file {entry.name} has {obj.size} bytes, the manifest says {entry.size}"
+    return None
+
+
 def _check_files(manifest: Manifest, files: dict[str, ObjectInfo], step: int, epoch: int) -> str | None:
     if manifest.step != step or manifest.writer.lease_epoch != epoch:
         return (
             f"manifest says step {manifest.step} epoch {manifest.writer.lease_epoch} but lives in "
             f"the folder of step {step} epoch {epoch}"
         )
-    from ckptsdk.format.digest import CHECKPOINT_ALGORITHMS as ALGORITHMS  # what a checkpoint's files may name
-
     for entry in manifest.files:
-        if entry.algorithm not in ALGORITHMS:
-            return (
-                f"{entry.name}: unknown digest algorithm {entry.algorithm!r} (this ckptsdk knows "
-                f"{', '.join(ALGORITHMS)}); written by a newer ckptsdk? upgrade to read it"
-            )
+        unknown = _unknown_algorithm(entry.name, entry.algorithm)
+        if unknown is not None:
+            return unknown
         obj = files.get(entry.name)
         if obj is None:
             return f"torn: {entry.name} is missing"

@@ -79,7 +79,8 @@ class Outline:
 
     def _folder(self, folder: str) -> Folder:
         if folder not in self._read:
-            self._read[folder] = read_folder(self.backend, self._memo, folder, self.listing.folders[folder])
+            files = self.listing.folders[folder]
+            self._read[folder] = read_folder(self.backend, self._memo, folder, files, self.listing.shared)
         return self._read[folder]
 
     @property

@@ -1,4 +1,4 @@
-"""Reading a checkpoint root: which checkpoint a step names, its tree (verified), verify, ResumePoint.
+"""Reading a checkpoint root: which checkpoint a step names, its tree (verified), verify (ResumePoint: resume.py).
 
 :class:`CheckpointReader` is the read half of :class:`~ckptsdk.CheckpointManager` (all a
 ``read_only`` manager does): the listing, the newest restorable checkpoint with fallback past
@@ -16,14 +16,21 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any, BinaryIO, Literal, Protocol
 
-from pydantic import JsonValue
-
 from ckptsdk.backends.base import Backend
 from ckptsdk.checkpoint import catalog as _catalog
 from ckptsdk.checkpoint.catalog import CheckpointInfo
+from ckptsdk.checkpoint.listing import VANISHED
 from ckptsdk.checkpoint.outline import Outline
+from ckptsdk.checkpoint.resume import MetricValue, ResumePoint, resume_point
 from ckptsdk.checkpoint.retention import Candidate, Mode, best_order, default_mode
-from ckptsdk.errors import CorruptCheckpointError, ManifestError, NoValidCheckpointError, StateMismatchError
+from ckptsdk.errors import (
+    ConfigError,
+    CorruptCheckpointError,
+    ManifestError,
+    NewerFormatError,
+    NoValidCheckpointError,
+    StateMismatchError,
+)
 from ckptsdk.format.hashedread import verify_file
 from ckptsdk.format.layout import MANIFEST, TENSORS
 from ckptsdk.format.manifest import FileEntry, Manifest, SharedFile
@@ -33,7 +40,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["CheckpointReader", "LiveTarget", "MetricValue", "ResumePoint", "Verdict", "resume_point"]
 
 #: What :meth:`CheckpointReader.check` found in one checkpoint folder.
-Status = Literal["ok", "orphan", "uncommitted", "CORRUPT"]
+Status = Literal["ok", "orphan", "uncommitted", "gone", "CORRUPT"]
 
 
 class LiveTarget(Protocol):
@@ -55,7 +62,9 @@ class Verdict:
     Attributes:
         status: ``"ok"``; ``"orphan"`` (intact, of a superseded writer: never restored, ``gc``
             removes it); ``"uncommitted"`` (a save in progress or killed: not a checkpoint, never
-            a failure); ``"CORRUPT"`` (torn, unreadable manifest, or a file failing its digest).
+            a failure); ``"gone"`` (its manifest vanished while it was checked: a writer's rotation
+            or ``gc`` deleted it, never a failure); ``"CORRUPT"`` (torn, unreadable manifest, or
+            a file failing its digest).
         reason: why it is not ``"ok"`` (None when it is).
         rehashed: whether its bytes were read and hashed (a torn folder is judged by its listing).
     """
@@ -63,52 +72,6 @@ class Verdict:
     status: Status
     reason: str | None
     rehashed: bool
-
-
-#: A metric as the manifest keeps it (a 0-d tensor or numpy scalar is stored as its value).
-MetricValue = bool | int | float | str | None
-
-
-@dataclass(frozen=True)
-class ResumePoint:
-    """Where a restored run continues: what ``restore()`` returns.
-
-    Attributes:
-        step: the saved step (the next step to run is ``step + 1``).
-        epoch: the training epoch saved with it, if any.
-        batch_idx: the batch index within that epoch, if any.
-        extra: free-form position fields the job saved.
-        metrics: metrics saved with the checkpoint.
-        tags: string tags saved with the checkpoint (e.g. a dataset hash).
-        key: the checkpoint folder restored from.
-        lease_epoch: the lease epoch that wrote it.
-    """
-
-    step: int
-    epoch: int | None
-    batch_idx: int | None
-    extra: dict[str, JsonValue]
-    metrics: dict[str, MetricValue]
-    tags: dict[str, str]
-    key: str
-    lease_epoch: int
-
-
-def resume_point(info: CheckpointInfo) -> ResumePoint:
-    """The :class:`ResumePoint` of a checkpoint whose manifest was read."""
-    manifest = info.manifest
-    assert manifest is not None
-    pos = manifest.position
-    return ResumePoint(
-        step=manifest.step,
-        epoch=pos.epoch,
-        batch_idx=pos.batch_idx,
-        extra=dict(pos.extra),
-        metrics=dict(manifest.metrics),
-        tags=dict(manifest.tags),
-        key=info.key,
-        lease_epoch=info.epoch,
-    )
 
 
 class CheckpointReader:
@@ -224,14 +187,22 @@ class CheckpointReader:
         if not info.committed:
             return Verdict("uncommitted", info.reason, rehashed=False)
         if info.manifest is None or (not info.valid and not info.orphan):
-            return Verdict("CORRUPT", info.reason or "invalid", rehashed=False)
+            return self._unless_gone(info, Verdict("CORRUPT", info.reason or "invalid", rehashed=False))
         try:
             self._rehash(info)
         except (CorruptCheckpointError, ManifestError) as exc:
-            return Verdict("CORRUPT", str(exc), rehashed=True)
+            return self._unless_gone(info, Verdict("CORRUPT", str(exc), rehashed=True))
         if info.orphan:
             return Verdict("orphan", info.reason, rehashed=True)
         return Verdict("ok", None, rehashed=True)
+
+    def _unless_gone(self, info: CheckpointInfo, verdict: Verdict) -> Verdict:
+        """``verdict``, unless the checkpoint's manifest is gone now: deletion removes the manifest
+        first, so a checkpoint a writer rotated away (or ``gc`` removed) while it was listed or
+        read looks torn, and is only gone. One stat, on a failure only."""
+        if info.reason == VANISHED or not self.backend.exists(f"{info.key}/{MANIFEST}"):
+            return Verdict("gone", f"rotated away while verifying (its manifest is gone): {verdict.reason}", False)
+        return verdict
 
     def _rehash(self, info: CheckpointInfo) -> None:
         """The one re-hash of a checkpoint: every file its manifest lists (the shared ones too), size and digest."""
@@ -239,7 +210,12 @@ class CheckpointReader:
         for key, entry in [(f"{info.key}/{f.name}", f) for f in info.manifest.files] + [
             (f.name, f) for f in info.manifest.shared
         ]:
-            verify_file(self.backend, key, size=entry.size, digest=entry.digest, algorithm=entry.algorithm)
+            try:
+                verify_file(self.backend, key, size=entry.size, digest=entry.digest, algorithm=entry.algorithm)
+            except ConfigError as exc:  # an algorithm this ckptsdk does not know: unverifiable, never usable
+                raise CorruptCheckpointError(
+                    f"checkpoint {self.url}/{info.key}: {exc}", url=self.url, step=info.step, key=key
+                ) from exc
 
     # ------------------------------------------------------------------ picking and reading
 
@@ -307,6 +283,8 @@ class CheckpointReader:
         Raises:
             NoValidCheckpointError: with ``tried`` empty when the root holds no committed
                 checkpoint of the live lineage (a fresh start), else listing each and why.
+            NewerFormatError: a checkpoint newer than every restorable one was written by a newer
+                ckptsdk (a newer major format): never skipped like damage.
             StateMismatchError: a candidate does not fit ``into``.
         """
         # One listing; a manifest is read only when its folder's turn comes (see Outline).
@@ -315,6 +293,17 @@ class CheckpointReader:
         dirty = False
         for info in (self.outline() if outline is None else outline).newest_first():
             seen.append(info)
+            if info.newer and not info.orphan:
+                # A newer ckptsdk wrote the run's newest state: restoring an older one past it
+                # would silently train on from the past (a mixed-version pair of runtimes).
+                raise NewerFormatError(
+                    f"checkpoint {self.url}/{info.key} (step {info.step}) was written by a newer ckptsdk "
+                    f"({info.reason}); this one will not restore an older checkpoint past it: upgrade "
+                    "ckptsdk (pip install -U ckptsdk) where you restore",
+                    url=self.url,
+                    step=info.step,
+                    key=info.key,
+                )
             if not info.valid:
                 tried[info.key] = info.reason or ""
                 if info.committed and not info.orphan:

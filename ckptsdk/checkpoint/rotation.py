@@ -72,6 +72,7 @@ class GcReport:
     dry_run: bool = False
     sizes: dict[str, int] = field(default_factory=dict)
     trash_bytes: int | None = None  # what these deletes send to the store's trash (Drive), else None
+    spared: dict[str, str] = field(default_factory=dict)  # a newer ckptsdk's checkpoints, left alone: why
 
 
 class Rotation:
@@ -390,7 +391,8 @@ class Rotation:
         dry_run: bool = False,
         grace: float = 3600.0,
     ) -> GcReport:
-        """Remove orphans of superseded writers, torn checkpoints and rotated-out checkpoints.
+        """Remove orphans of superseded writers, torn checkpoints and rotated-out checkpoints; never
+        a newer ckptsdk's (``CheckpointInfo.newer``: unreadable here), nor a shared file it may use.
 
         Works without the lease, so a running writer is not disturbed: orphans are never
         restorable; retention is decided from the committed manifests exactly as the writer
@@ -411,17 +413,13 @@ class Rotation:
         """
         in_force = self.retention_rules(keep_last, rules)
         reasons: dict[str, str] = {}
+        spared = {c.key: c.reason or "" for c in cat.checkpoints if c.newer}  # loose_files keeps their shared files
         settled = self.backend.capabilities.immediately_consistent
-        for c in cat.checkpoints:
-            if c.orphan:
-                reasons[c.key] = c.reason or "orphan"
+        for c in (c for c in cat.checkpoints if not c.newer):
+            if c.orphan or (c.committed and not c.valid and settled):
+                reasons[c.key] = c.reason or ("orphan" if c.orphan else "invalid")
             elif c.committed and not c.valid:
-                if settled:
-                    reasons[c.key] = c.reason or "invalid"
-                else:
-                    logger.info(
-                        "gc keeps %s/%s (%s): it may still be uploading from another VM", self.url, c.key, c.reason
-                    )
+                logger.info("gc keeps %s/%s (%s): it may still be uploading from another VM", self.url, c.key, c.reason)
         for c, why in cat.leftovers(rank=None, grace=grace, exclusive=False):
             reasons[c.key] = f"{why}, {c.size} bytes" + ("; and an orphan" if c.key in reasons else "")
         late = f" (+{self.late}: on this store rotation runs one save late)" if self.late else ""
@@ -441,7 +439,7 @@ class Rotation:
             release(self.backend, loose, check=lambda: None, trashed=lambda n, k: None)
             for key in self.backend.sweep(grace):
                 reasons[key] = f"temp file of a crashed write, older than {grace:.0f} s"
-        return GcReport(deleted=sorted(reasons), reasons=reasons, dry_run=dry_run, sizes=sizes, trash_bytes=trash)
+        return GcReport(sorted(reasons), reasons, dry_run, sizes, trash, spared)
 
 
 def candidates(checkpoints: Sequence[CheckpointInfo]) -> list[retention.Candidate]:

@@ -338,6 +338,7 @@ class SavePipeline(AfterCommit, Anchoring):
         the commit; ``hints``: what ``save()`` saw of the live tensors (None: write every tensor)."""
         self.lease.check()
         plan = self.sharing.plan(tensors, hints)
+        self.sharing.drop_lost(plan, tensors, self.backend, self.url)  # one stat per shared file it refers to
         with deferred_dir_sync():  # one fsync per folder, once the manifest is in place
             shared = self._write_shared(step, plan)
             info = self._write(

@@ -38,7 +38,8 @@ def loose_files(
 ) -> dict[str, tuple[str, int]]:
     """Shared files that may go once the folders ``gone`` are deleted: key -> (why, bytes).
 
-    A file goes when no manifest left in ``cat`` refers to it, and never when its writer
+    A file goes when no manifest left in ``cat`` refers to it, never when a checkpoint of a newer
+    major format (unreadable here) of a step at or above the file's may refer to it, and never when its writer
     outranks ``rank`` (``None``: gc, without the lease). Those only ``gone`` referred to go at
     once (the live writer refers only to what its newest commit does, which is never deleted).
     With ``listing`` (one listing of ``shared/``) so does any other unreferenced file (a killed
@@ -48,6 +49,9 @@ def loose_files(
     """
     gone = set(gone)
     left = referenced_files(c.manifest for c in cat.checkpoints if c.key not in gone)
+    # A newer ckptsdk's manifest cannot be read here: any shared file written at or before its
+    # step may be one it refers to, and stays (as far as this reader can tell).
+    unknown = max((c.step for c in cat.checkpoints if c.newer and c.key not in gone), default=-1)
     was = {f.name: f.size for c in cat.checkpoints if c.key in gone and c.manifest for f in c.manifest.shared}
     out = {k: ("shared: no checkpoint kept refers to it any more", n) for k, n in was.items() if k not in left}
     if listing:
@@ -67,8 +71,15 @@ def loose_files(
 
     def deletable(key: str) -> bool:  # never a higher writer's: the live writer refers only to its own
         named = shared_rank(key)
-        return named is not None and (rank is None or not outranks(named[1], rank))
+        return named is not None and named[0] > unknown and (rank is None or not outranks(named[1], rank))
 
+    spared = [k for k in out if (named := shared_rank(k)) is not None and named[0] <= unknown]
+    if spared:
+        logger.warning(
+            "keeping %d shared file(s) under %s that a checkpoint written by a newer ckptsdk (step %d) may "
+            "refer to: this one cannot read its manifest; upgrade ckptsdk to clean them up",
+            *(len(spared), backend.url, unknown),
+        )
     return {k: v for k, v in out.items() if deletable(k)}
 
 

@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 import torch
 import xxhash
 
+from ckptsdk.backends.base import Backend
+from ckptsdk.errors import ObjectNotFound
 from ckptsdk.format.manifest import Manifest, SharedFile
 
 logger = logging.getLogger(__name__)
@@ -100,6 +102,15 @@ class Plan:
     def reused(self) -> int:
         """How many tensors this save does not write again."""
         return sum(len(paths) for paths in self.refs.values())
+
+
+def _alias_new(plan: Plan) -> None:
+    """``plan.new_aliases`` from its digests: equal digests (dtype, shape, bytes), one copy in the file."""
+    first: dict[str, str] = {}
+    plan.new_aliases = {}
+    for name, digest in plan.new_digests.items():
+        if first.setdefault(digest, name) != name:
+            plan.new_aliases[name] = first[digest]
 
 
 class Sharing:
@@ -172,11 +183,39 @@ class Sharing:
             plan.own[name] = t
         plan.new_digests = {n: tensor_digest(t) for n, t in plan.new.items()}
         plan.hashed += sum(t.nbytes for t in plan.new.values())
-        first: dict[str, str] = {}  # equal digests (dtype, shape, bytes): one copy in the file
-        for name, digest in plan.new_digests.items():
-            if first.setdefault(digest, name) != name:
-                plan.new_aliases[name] = first[digest]
+        _alias_new(plan)
         return plan
+
+    def drop_lost(self, plan: Plan, tensors: Mapping[str, torch.Tensor], backend: Backend, url: str) -> None:
+        """A commit never names a shared file that is not there as this writer saw it last.
+
+        Each file ``plan`` refers to is stat'ed (one call per file, usually one: the frozen base;
+        none for a save that refers to none; before the upload, on the save's worker). One that is
+        missing or not its recorded size (deleted or truncated by hand, a sync tool) leaves the
+        plan, loudly: what it held goes to this save's new shared file (written again; later saves
+        refer to that one). Else every later save would commit a manifest naming it, and nothing
+        saved after the loss would restore. Its bytes are digest-checked at restore as ever.
+        """
+        for name in sorted(plan.refs):
+            try:
+                found: int | None = backend.stat(name).size
+            except ObjectNotFound:
+                found = None
+            want = self._files[name].size
+            if found == want:
+                continue
+            paths = plan.refs.pop(name)
+            plan.ref_aliases.pop(name, None)
+            for path, digest in paths.items():
+                plan.new[path], plan.new_digests[path] = tensors[path], digest
+            _alias_new(plan)
+            self._stored = {p: held for p, held in self._stored.items() if held[0] != name}
+            self._files.pop(name)
+            logger.warning(
+                "shared file %s/%s %s: the save writes its %d tensor(s) again, to a new shared file; "
+                "the checkpoints that refer to it cannot be restored (`ckptsdk verify %s --all` lists them)",
+                *(url, name, "is missing" if found is None else f"has {found} bytes, not {want}", len(paths), url),
+            )
 
     def entries(self, plan: Plan, new: SharedFile | None) -> list[SharedFile]:
         """The manifest's ``shared`` list for ``plan`` (``new``: the file written for ``plan.new``)."""

@@ -312,6 +312,11 @@ def cmd_gc(args: argparse.Namespace) -> int:
         if lost:
             verb = "would delete" if args.dry_run else "deleted"
             notes.append(f"gc {verb} {len(lost)} checkpoint(s) the writer's rules keep: {', '.join(lost)}")
+    if report.spared:
+        notes.append(
+            f"gc leaves {len(report.spared)} checkpoint(s) written by a newer ckptsdk alone, and every shared "
+            f"file they may use: {', '.join(sorted(report.spared))}; upgrade ckptsdk to judge them"
+        )
     _say(notes)
     if args.json:
         emit_json(
@@ -323,6 +328,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
                 "reasons": reasons,
                 "sizes": sizes,
                 "trash_bytes": report.trash_bytes,
+                "spared": report.spared,
                 "rules": in_force.said(),
                 "rules_from": in_force.source,
                 "notes": notes,

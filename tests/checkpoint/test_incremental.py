@@ -92,7 +92,7 @@ def test_the_frozen_base_is_written_once_and_restores_bit_exactly(tmp_path, bloc
     own = [p.stat().st_size for p in sorted(root.glob("step-*/tensors.safetensors"))]
     assert len(own) == 3 and all(n < BASE * BASE * 4 / 10 for n in own)  # the folders hold no base
     m = _manifest(root, 6)
-    assert m["format"] == "ckptsdk.checkpoint/1.3"
+    assert m["format"] == "ckptsdk.checkpoint/2.0"  # refers to shared files: a 1.x reader must refuse it
     assert [list(f["tensors"]) for f in m["shared"]] == [["objects/model/base.weight"]]
     assert m["shared"][0]["tensors"]["objects/model/base.weight"] == tensor_digest(model.base.weight)
     _assert_same(_restored(str(root)), expected)
@@ -297,7 +297,7 @@ def test_a_missing_shared_file_falls_back_to_an_earlier_checkpoint_loudly(tmp_pa
     with CheckpointManager(str(root), save_on_signal=False, lease_ttl=30) as mgr:
         point = mgr.restore(state2)
     assert point is not None and point.step == 2
-    assert "the file is missing" in caplog.text and "skipping checkpoint" in caplog.text
+    assert "shared file" in caplog.text and "is missing" in caplog.text and "skipping checkpoint" in caplog.text
 
 
 def test_gc_and_du_count_and_remove_unreferenced_shared_files(tmp_path, capsys):
