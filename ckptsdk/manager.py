@@ -44,7 +44,7 @@ from ckptsdk.format.manifest import FileEntry, Position
 from ckptsdk.format.userfield import user_fields
 from ckptsdk.lease.acquire import Lease
 from ckptsdk.loader import loaders_of, resolve_position
-from ckptsdk.options import LeaseOptions, Retention, SaveOptions, grouped
+from ckptsdk.options import DEFAULT_SAVE_DEADLINE, LeaseOptions, Retention, SaveOptions, grouped
 from ckptsdk.preemption import Preemption
 from ckptsdk.runlog.writer import RunLog
 from ckptsdk.state import Restorable, Stateful, TrainState, preflight
@@ -242,7 +242,11 @@ class CheckpointManager(CheckpointReader, KeepDecisions, WriterShutdown):
             max_staging_bytes=saves.max_staging_bytes,
             clock=sim.clock,
         )
-        self._saving.save_deadline = saves.save_deadline
+        # A ttl the user chose bounds a save as before; the default ttl is short now (renewals
+        # are cheap), and a save's budget is not about the lease: it keeps the old minute.
+        self._saving.save_deadline = saves.save_deadline or (
+            leasing.ttl if leasing.ttl is not None else DEFAULT_SAVE_DEADLINE
+        )
         self._saving.sharing.enabled = saves.incremental
         # An interpreter exit with a save in flight waits for it (or says it abandons it).
         atexit.register(_close_at_exit, weakref.ref(self))

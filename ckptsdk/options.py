@@ -98,6 +98,11 @@ class Retention:
             raise ConfigError(f"leftover_grace must be a number of seconds >= 0, got {self.leftover_grace!r}")
 
 
+#: A save's storage budget when neither ``save_deadline`` nor a lease ttl is given (seconds, plus
+#: the tensors at ``SAVE_RATE_BPS``): the lease's old default ttl, kept when that ttl became short.
+DEFAULT_SAVE_DEADLINE = 60.0
+
+
 @dataclass(frozen=True)
 class LeaseOptions:
     """How this writer takes and holds the root's lease (checked by :class:`ckptsdk.lease.acquire.Lease`).
@@ -105,12 +110,16 @@ class LeaseOptions:
     Shorthand: ``CheckpointManager(lease_ttl=, lease_wait=, lease_settle=, force=)``.
 
     Attributes:
-        ttl: seconds a silent lease must stay unchanged before a newcomer takes over. None: 60 s
-            on local disk and GCS, 300 s on Drive (see :mod:`ckptsdk.lease.acquire`).
-        wait: seconds to wait for a live holder before ``LeaseHeldError`` (None: five ttls).
-        settle: on backends without compare-and-swap (Drive): seconds between writing the lease
-            and reading it back to confirm it is ours. Must exceed the time another VM's write
-            takes to reach this one. None: ttl/5 on Drive, 0 elsewhere.
+        ttl: seconds a silent lease must stay unchanged before a newcomer on another machine
+            takes over. None: 15 s on local disk, GCS and S3, 45 s on Drive (see
+            :mod:`ckptsdk.lease.acquire`). A holder whose process is gone from this very host
+            (same boot, same pid namespace) is taken over at once, whatever the ttl.
+        wait: seconds to wait for a live holder before ``LeaseHeldError`` (None: five of the
+            holder's ttls).
+        settle: on backends without compare-and-swap (Drive): seconds after taking the lease
+            when it is read back, in the background, to see whether a rival on another VM took
+            it too (then the lower of the two is fenced). Nothing waits for it. Should exceed
+            the time another VM's write takes to reach this one. None: 60 s on Drive, 0 elsewhere.
         force: break a live lease at once (only when you know the other writer is gone).
     """
 
@@ -158,9 +167,9 @@ class SaveOptions:
             allows, ``ckptsdk.backends.deadline.SAVE_RATE_BPS``: 89 MB adds 11 s). Past it the save raises
             ``DeadlineExceeded`` naming the store and the request it waited for, and commits
             nothing (the previous checkpoint stands). Honoured by the object-store transports
-            (GCS, S3). None: the lease's ttl (60 s on GCS/S3/local disk, 300 s on Drive), so a
-            frozen store fails a blocking save within about one ttl, not after each request's own
-            bound in turn.
+            (GCS, S3). None: the lease ttl you gave, else ``DEFAULT_SAVE_DEADLINE`` (60 s), so a
+            frozen store fails a blocking save within about a minute, not after each request's
+            own bound in turn.
         max_staging_bytes: host memory the snapshots of non-blocking saves may hold. A save due
             while the previous one is still writing never waits: its snapshot goes to a second
             staging buffer (a newer one replaces it while it waits). When that second buffer

@@ -31,8 +31,9 @@ _lock = threading.Lock()
 def advisory(caps: Capabilities) -> Capabilities:
     """``caps`` as the user declared them with ``preconditions="advisory"``: nothing conditional.
 
-    The lease then works as on Drive (write, settle, read back; ttl 300 s, settle 60 s) and
-    lineage keeps the rotation safe; docs/GUARANTEES.md says what that promises and what not.
+    The lease then works as on Drive (write, use at once, read back in the background after the
+    settle; ttl 45 s, settle 60 s) and lineage keeps the rotation safe; docs/GUARANTEES.md says
+    what that promises and what not.
     """
     return dataclasses.replace(caps, exclusive_create=False, compare_and_swap=False, immediately_consistent=False)
 

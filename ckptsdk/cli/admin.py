@@ -230,11 +230,6 @@ def cmd_lease(args: argparse.Namespace) -> int:
         record, unreadable = None, str(exc)
     broken: dict[str, Any] | None = None
     if args.break_lease and (unreadable or (record is not None and not record.released)):
-        if not store.capabilities.immediately_consistent:
-            sys.stderr.write(
-                "ckptsdk: breaking the lease; on this store the takeover waits a settle "
-                "time (about a minute) before it is confirmed\n"
-            )
         lease = Lease(store, force=True, run_id=record.run_id if record is not None else None)
         lease.acquire()  # a new epoch: the old holder is fenced from its next renewal on
         lease.release()  # ...and the lease is left free for the next writer

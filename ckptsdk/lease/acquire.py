@@ -1,28 +1,34 @@
 """The writer lease on a checkpoint root (``ROOT/LEASE.json``): one writer at a time, with fencing.
 
-A newcomer judges a holder alive only by *seeing its record change* over a ttl window on its own
-monotonic clock (VM clocks drift; the record's timestamps are for humans). Lineage (epochs in
-manifests, orphans, what rotation may delete) belongs to the manager; storage to the backends.
+A newcomer judges a holder alive by *seeing its record change* over a ttl window on its own
+monotonic clock (VM clocks drift; the record's timestamps are for humans), with one exception
+that needs no clock at all: a holder on this very host, boot and pid namespace whose process is
+gone (``ckptsdk.lease.identity``) is dead, and its lease is taken at once (a crashed script
+started again, a restarted Colab kernel). Lineage (epochs in manifests, orphans, what rotation
+may delete) belongs to the manager; storage to the backends.
 
-Defaults, and why. Immediately consistent backends (local disk, GCS): ttl 60 s, settle 0; the
-holder renews every ttl/3 (20 s), so a live holder changes its record twice or more per window
-and a dead one is taken over ~60-65 s after its last renewal; conditional writes make every
-takeover and renewal exact. Drive (``immediately_consistent=False``, no cross-VM
-compare-and-swap): ttl 300 s, settle ttl/5 = 60 s. Other VMs see Drive changes "a few minutes"
-late, and with jitter: the ttl must exceed the renewal period plus that jitter or a live holder
-would look dead; the settle (write, wait, read back, confirm our nonce) must exceed the time for
-a rival's write to reach us. Neither makes Drive safe by itself (nothing can): safety there comes
-from lineage, and from the holder fencing itself when it could not renew for a whole ttl.
+Defaults, and why. Immediately consistent backends with compare-and-swap (local disk, GCS, S3):
+ttl 15 s, settle 0; the holder renews every ttl/3 (5 s: one conditional write, about 17,000 a
+day, a few cents at GCS/S3 class-A prices), so a live holder changes its record twice or more per
+window, and a SIGKILLed holder on another VM (a reclaimed spot VM) is taken over ~15 s after its
+successor opens. Conditional writes make every takeover and renewal exact, so a short ttl risks
+only a holder that stalled for 15 s being fenced (it stops at its next save), never two writers.
+Drive (``immediately_consistent=False``, no cross-VM compare-and-swap): ttl 45 s (renewals every
+15 s), so a newcomer on another VM resumes within a minute of a dead or frozen holder. A ttl
+shorter than Drive's propagation jitter can make a live holder on another VM look dead; that
+twin is then fenced by lineage at its next save and has wasted compute, never a checkpoint
+(docs/DRIVE.md). The settle (60 s: read our record back once a rival's write had time to reach
+us) does not hold anyone up: the lease is used at once and read back in the background; if the
+read-back finds a writer that outranks us, we are fenced (``ckptsdk.lease.renewal``).
 
-This module takes the lease (acquire, takeover, settle); keeping it (renewal, fencing, heartbeat,
-release) is ``ckptsdk.lease.renewal``'s, and the record itself ``ckptsdk.lease.record``'s.
+This module takes the lease (acquire, takeover); keeping it (renewal, fencing, heartbeat,
+the background read-back, release) is ``ckptsdk.lease.renewal``'s, and the record itself
+``ckptsdk.lease.record``'s.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import socket
 import threading
 import time
 import uuid
@@ -31,6 +37,7 @@ from collections.abc import Callable
 from ckptsdk.backends.base import Backend
 from ckptsdk.errors import BackendError, ConfigError, LeaseError, LeaseHeldError, ObjectNotFound, PreconditionFailed
 from ckptsdk.format.document import utc_now
+from ckptsdk.lease.identity import Liveness, this_process
 from ckptsdk.lease.record import (
     LEASE_FORMAT,
     LEASE_KEY,
@@ -57,10 +64,10 @@ __all__ = [
     "read_lease",
 ]
 
-DEFAULT_TTL = 60.0  # local disk, GCS: see the module docstring
-DRIVE_TTL = 300.0  # backends whose changes reach other hosts late (Drive)
+DEFAULT_TTL = 15.0  # local disk, GCS, S3: see the module docstring
+DRIVE_TTL = 45.0  # backends whose changes reach other hosts late (Drive)
+DRIVE_SETTLE = 60.0  # their background read-back, after a rival's write had time to arrive
 _PHANTOM_TRIES = 3  # rounds where LEASE.json can be neither read nor created before we give up
-_DRIVE_SETTLE_FRACTION = 0.2  # settle = ttl/5 on such backends
 _WAIT_TTLS = 5.0  # wait_timeout=None: give up after 5 ttl windows of a holder that keeps renewing
 _POLL_MIN, _POLL_MAX = 0.05, 5.0  # observation poll: ttl/10, clamped
 _FORCE_TRIES = 5  # force=True insists this many times against concurrent writers
@@ -72,12 +79,14 @@ class Lease(HeldLease):
     Args:
         backend: the checkpoint root's storage.
         ttl: seconds a record must stay unchanged before a newcomer takes over; the holder renews
-            every ttl/3. None: 60 s on immediately consistent backends, 300 s on Drive.
-        settle: seconds to wait before reading back our own write on backends without
-            compare-and-swap. None: 0 when immediately consistent, else ttl/5.
+            every ttl/3. None: 15 s on immediately consistent backends, 45 s on Drive. A holder
+            whose process is gone from this very host is taken over at once, whatever its ttl.
+        settle: seconds after taking the lease on a backend without compare-and-swap when it is
+            read back (in the background: ``acquire`` never waits for it) to see whether a rival
+            on another machine took it too. None: 0 when immediately consistent, else 60 s.
         force: take over at once, without observing the holder (the user's explicit word).
         wait_timeout: seconds ``acquire`` waits for a live holder before ``LeaseHeldError``.
-            None: five ttl windows (of the larger of ours and the holder's ttl).
+            None: five of the holder's ttl windows.
         run_id: the run id to record. None: keep the previous record's, or a new uuid.
         clock: monotonic seconds; injected so tests drive time.
         sleep: sleeps for ``acquire``'s waits; injected with ``clock``.
@@ -111,7 +120,7 @@ class Lease(HeldLease):
                 "a newcomer waits up to five ttl for a silent holder"
             )
         if settle is None:
-            settle = 0.0 if caps.immediately_consistent else ttl * _DRIVE_SETTLE_FRACTION
+            settle = 0.0 if caps.immediately_consistent else DRIVE_SETTLE
         if not 0 <= settle <= MAX_TTL:
             raise ConfigError(f"lease settle must be >= 0 and <= {MAX_TTL:g} seconds, got {settle!r}")
         if wait_timeout is not None and wait_timeout < 0:
@@ -138,14 +147,23 @@ class Lease(HeldLease):
         self._previous = None
         self._hb_stop = threading.Event()
         self._hb_thread = None
+        self._settle_due = None
 
     def _new_record(self, *, epoch: int, attempt: int, run_id: str, nonce: str) -> LeaseRecord:
         now = utc_now()
+        me = this_process()
         return LeaseRecord(
             run_id=run_id,
             attempt=attempt,
             epoch=epoch,
-            holder=LeaseHolder(host=socket.gethostname(), pid=os.getpid(), nonce=nonce),
+            holder=LeaseHolder(
+                host=me.host,
+                pid=me.pid,
+                nonce=nonce,
+                boot_id=me.boot_id,
+                pid_ns=me.pid_ns,
+                start_time=me.start_time,
+            ),
             renewals=0,
             ttl=self.ttl,
             settle=self.settle,
@@ -176,6 +194,7 @@ class Lease(HeldLease):
             self._record = None
             self._version = None
             self._fenced = self._released = False
+            self._settle_due = None
             self._hb_stop.clear()
             return self._acquire(min_epoch)
 
@@ -278,10 +297,7 @@ class Lease(HeldLease):
                         ) from None
                     self._sleep(_POLL_MIN)
                     continue
-                confirmed = self._confirm(record, info.version, previous=None)
-                if confirmed is not None:
-                    return confirmed
-                continue
+                return self._confirm(record, info.version, previous=None)
             data, version = snap
             phantom = 0
             try:
@@ -294,16 +310,19 @@ class Lease(HeldLease):
                 last = seen
             if seen is not None and seen.holder.nonce == nonce:
                 # Our own write whose reply was lost (GCS retries a create into a 412).
-                confirmed = self._confirm(seen, version, previous=None)
-                if confirmed is not None:
-                    return confirmed
-                continue
+                return self._confirm(seen, version, previous=None)
             now = self._clock()
-            window = max(self.ttl, seen.ttl if seen is not None else 0.0)
-            wait_timeout = self.wait_timeout if self.wait_timeout is not None else _WAIT_TTLS * window + self.settle
+            # The holder renews at its own ttl/3, so its recorded ttl is the window that shows it
+            # alive (ours would make a short-ttl holder's successor wait longer than it must).
+            window = seen.ttl if seen is not None else self.ttl
+            wait_timeout = self.wait_timeout if self.wait_timeout is not None else _WAIT_TTLS * window
             if data != watch_data:
                 watch_data, watch_since = data, now
-            if self.force or seen is None or seen.released or now - watch_since >= window:
+            # Asked at every round, not once per record: a holder that dies while we watch has
+            # stopped changing its record, and only this question notices at once.
+            liveness, why = (Liveness.UNKNOWN, "") if seen is None or seen.released else seen.holder.liveness()
+            dead = why if liveness is Liveness.DEAD else None
+            if self.force or seen is None or seen.released or dead or now - watch_since >= window:
                 if self.force:
                     force_tries += 1
                     if force_tries > _FORCE_TRIES:
@@ -313,7 +332,7 @@ class Lease(HeldLease):
                             url=self.url,
                             holder=seen.model_dump(mode="json") if seen else None,
                         )
-                taken = self._take_over(seen, data, version, nonce, min_epoch, watched=now - start)
+                taken = self._take_over(seen, data, version, nonce, min_epoch, watched=now - start, dead=dead)
                 if taken is not None:
                     return taken
                 watch_data = None  # the holder moved: observe afresh
@@ -321,15 +340,16 @@ class Lease(HeldLease):
             waited = now - start
             if waited >= wait_timeout:
                 raise LeaseHeldError(
-                    f"the checkpoint root {self.url} is held by a live writer: {seen.describe()}; "
-                    f"its lease kept changing while we watched for {waited:.1f} s. Stop that "
+                    f"the checkpoint root {self.url} is held by a live writer: {seen.describe()}"
+                    f"{f' ({why})' if why else ''}; its lease kept changing while we watched for "
+                    f"{waited:.1f} s. Stop that "
                     "runtime (or wait until it stops renewing), open read-only, or pass "
                     "force=True if you are sure it is dead",
                     url=self.url,
                     holder=seen.model_dump(mode="json"),
                 )
             until_takeover = window - (now - watch_since)
-            if logged_at is None or now - logged_at >= window:
+            if logged_at is None:  # once per wait: the notice below counts down in place
                 logged_at = now
                 logger.info(
                     "lease on %s is held by %s; waiting: takeover possible in %.1f s if it stops "
@@ -346,8 +366,9 @@ class Lease(HeldLease):
                     total=window,
                     goal="take over if it stays silent",
                     detail=(
-                        f"held by {seen.describe()}; it is taken over after {window:.0f} s "
-                        f"without a change (giving up after {wait_timeout:.0f} s of renewals). "
+                        f"held by {seen.describe()}{f'; {why}' if why else ''}; it is taken over "
+                        f"after {window:.0f} s without a change (giving up after "
+                        f"{wait_timeout:.0f} s of renewals). "
                         "If that writer is surely dead, skip the wait: force=True (the "
                         f"examples' --force) or `ckptsdk lease {self.url} --break "
                         "--yes-i-am-sure`"
@@ -366,8 +387,12 @@ class Lease(HeldLease):
         min_epoch: int,
         *,
         watched: float,
+        dead: str | None = None,
     ) -> LeaseRecord | None:
-        """Replace ``seen`` (at ``version``) with ours at epoch+1; None means observe again."""
+        """Replace ``seen`` (at ``version``) with ours at epoch+1; None means observe again.
+
+        ``dead`` says why the holder is known dead on this host (no observation needed).
+        """
         prev_epoch = seen.epoch if seen is not None else best_effort_epoch(data)
         record = self._new_record(
             epoch=max(prev_epoch + 1, min_epoch),
@@ -382,6 +407,14 @@ class Lease(HeldLease):
             )
         elif seen is not None and seen.released:
             logger.info("lease on %s was released by %s; taking epoch %d", self.url, what, record.epoch)
+        elif dead is not None:
+            logger.warning(
+                "lease on %s: the holder %s is dead (%s); taking over at once as epoch %d",
+                self.url,
+                what,
+                dead,
+                record.epoch,
+            )
         else:
             logger.info(
                 "lease on %s unchanged for %.1f s of watching; taking over from %s as epoch %d",
@@ -417,59 +450,28 @@ class Lease(HeldLease):
             ) from None
         return self._confirm(record, info.version, previous=seen)
 
-    def _confirm(self, record: LeaseRecord, version: str, *, previous: LeaseRecord | None) -> LeaseRecord | None:
-        """Make ``record`` ours; without compare-and-swap first wait ``settle`` and read back.
+    def _confirm(self, record: LeaseRecord, version: str, *, previous: LeaseRecord | None) -> LeaseRecord:
+        """Make ``record`` ours, at once.
 
-        Returns None when the read-back shows an older holder's write landed after ours (observe
-        again); raises ``LeaseHeldError`` when a rival newcomer's record won.
+        Without compare-and-swap (Drive) a rival newcomer on another VM may have written its own
+        record too, which reaches us late. Waiting here for that (the settle) held every open up
+        for a minute; instead the record is read back ``settle`` seconds from now, in the
+        background (``HeldLease.read_back``, run by the heartbeat and by every save's renewal),
+        and a rival that outranks us fences this writer then. Until that read-back, whatever we
+        commit is ordered against the rival by lineage (epoch, then writer tag), so exactly one
+        of us is the root's in the end and nothing of the other's is deleted.
         """
-        if not self._cas:
-            # Also after a clean release (which is otherwise taken at once, with no ttl): the
-            # settle is not about the old holder, it is the only chance to see a rival newcomer
-            # on another VM, whose write reaches us late.
-            if self.settle > 0:
-                WaitNotice(f"confirming the lease on {self.url}").sleep(
-                    self.settle,
-                    self._sleep,
-                    goal="read it back",
-                    detail=(
-                        f"this store shows other machines' writes late, so the lease is read "
-                        f"back after a {self.settle:.0f} s settle to be sure no other runtime "
-                        "took it meanwhile (CheckpointManager(lease_settle=...) sets it)"
-                    ),
-                )
-            snap = self._snapshot()
-            if snap is None:
-                logger.warning("lease on %s vanished during the %.1f s settle; retrying", self.url, self.settle)
-                return None
-            try:
-                back = self._parse(snap[0])
-            except LeaseError:
-                return None
-            if back.holder.nonce != record.holder.nonce:
-                if back.epoch >= record.epoch and not self.force:
-                    raise LeaseHeldError(
-                        f"the lease on {self.url} was taken by another newcomer during our "
-                        f"{self.settle:.1f} s settle: {back.describe()}; it is the writer now",
-                        url=self.url,
-                        holder=back.model_dump(mode="json"),
-                    )
-                logger.info(
-                    "lease on %s: an older holder's write (%s) landed after ours; watching again",
-                    self.url,
-                    back.describe(),
-                )
-                return None
-            record, version = back, snap[1]
         self._adopt(record, version)
         self._previous = previous
+        self._settle_due = self._clock() + self.settle if not self._cas and self.settle > 0 else None
         logger.info(
-            "acquired the lease on %s: epoch %d, attempt %d, run %s%s",
+            "acquired the lease on %s: epoch %d, attempt %d, run %s%s%s",
             self.url,
             record.epoch,
             record.attempt,
             record.run_id,
             f" (previous: {previous.describe()})" if previous is not None else "",
+            f"; read back in {self.settle:.0f} s, in the background" if self._settle_due is not None else "",
         )
         return record
 

@@ -19,6 +19,7 @@ from ckptsdk.format.document import Document, Strict, UtcTime, parse_document
 # The writer tag is a function of the lease nonce; its one home is the root's layout, which the
 # folder and lineage names it appears in are parsed by. Imported here for the lease's users.
 from ckptsdk.format.layout import TAG_DIGITS, writer_tag
+from ckptsdk.lease.identity import Liveness, judge_holder
 
 __all__ = [
     "LEASE_FORMAT",
@@ -35,10 +36,11 @@ __all__ = [
 
 #: Where the lease lives, relative to the checkpoint root (the one definition).
 LEASE_KEY: Final = "LEASE.json"
-#: What this ckptsdk writes. The minor version is left out, as every earlier ckptsdk wrote it and
-#: reads only this exact string: a zombie VM still on that version keeps reading our record (the
-#: version rule reads "1" as "1.0"). Bump to "1.1" only with a field an older writer must see.
-LEASE_FORMAT: Final = "ckptsdk.lease/1"
+#: What this ckptsdk writes. 1.1 adds the holder's process identity (boot id, pid namespace, start
+#: time), which a reader of 1.0 ignores by the version rule (ckptsdk since 2026-12-01); a ckptsdk
+#: older than that compared the exact string "ckptsdk.lease/1" and refuses the record loudly
+#: (its writer fences itself, its newcomer asks for force=True): never a silent takeover.
+LEASE_FORMAT: Final = "ckptsdk.lease/1.1"
 #: The longest ttl (and settle) a lease may have, ours or one read from LEASE.json: a newcomer
 #: waits up to five ttl windows, so this bounds every wait (an infinite ttl would be forever).
 MAX_TTL: Final = 3600.0
@@ -46,11 +48,24 @@ _BREAK_HINT = "if no writer is running, break it with force=True or `ckptsdk lea
 
 
 class LeaseHolder(Strict):
-    """Who holds the lease: host, process, and a nonce unique to one acquisition."""
+    """Who holds the lease: host, process, and a nonce unique to one acquisition.
+
+    ``boot_id`` (``/proc/sys/kernel/random/boot_id``), ``pid_ns`` (``/proc/self/ns/pid``) and
+    ``start_time`` (``/proc/PID/stat``, clock ticks after boot) let a newcomer on the same host,
+    boot and pid namespace tell at once whether this very process still runs
+    (``ckptsdk.lease.identity``); None where unknown, and in records of format 1.0.
+    """
 
     host: str
     pid: int
     nonce: str = Field(min_length=1)
+    boot_id: str | None = None
+    pid_ns: str | None = None
+    start_time: int | None = None
+
+    def liveness(self) -> tuple[Liveness, str]:
+        """Whether this holder's process is alive, dead, or not checkable from here (and why)."""
+        return judge_holder(self.host, self.pid, self.boot_id, self.pid_ns, self.start_time)
 
 
 class LeaseRecord(Document):

@@ -52,6 +52,7 @@ class HeldLease:
     _previous: LeaseRecord | None
     _hb_stop: threading.Event
     _hb_thread: threading.Thread | None
+    _settle_due: float | None  # our clock when the background read-back is due (no CAS); None: done
 
     # ------------------------------------------------------------------ state
     @property
@@ -95,6 +96,16 @@ class HeldLease:
         return self._fenced
 
     @property
+    def settled(self) -> bool:
+        """Whether our record was read back after the settle and found ours (always, with CAS).
+
+        Until then, on a store without compare-and-swap, a rival newcomer on another machine may
+        also believe it holds the lease; lineage orders the two, and the read-back fences the
+        lower one. Nothing waits for this; it says how far the confirmation has come.
+        """
+        return self._settle_due is None
+
+    @property
     def newer_epoch(self) -> int | None:
         """The epoch that fenced us, when known."""
         return self._newer_epoch
@@ -126,6 +137,11 @@ class HeldLease:
         self._record = record
         self._version = version
         self._last_renewed = self._clock()
+        if self._settle_due is not None and self._last_renewed >= self._settle_due:
+            # A renewal after the settle is the read-back: a rival's record written before ours
+            # had time to reach us, and it was judged (and did not outrank us) on the way here.
+            self._settle_due = None
+            logger.info("lease on %s read back after the settle: still ours (epoch %d)", self.url, record.epoch)
 
     # ------------------------------------------------------------------ renew / fence
     def renew(self) -> LeaseRecord:
@@ -334,8 +350,9 @@ class HeldLease:
             self._hb_thread.start()
 
     def _heartbeat(self, interval: float) -> None:
-        # Real time on purpose: Event.wait lets release() stop us at once.
-        while not self._hb_stop.wait(interval):
+        # Real time on purpose: Event.wait lets release() stop us at once. The first beat after
+        # the settle is the background read-back (``_confirm``), so it is not left to chance.
+        while not self._hb_stop.wait(self._next_beat(interval)):
             try:
                 self.renew()
                 logger.debug("renewed the lease on %s (epoch %d)", self.url, self.epoch)
@@ -354,6 +371,12 @@ class HeldLease:
                 with self._lock:
                     self._fence(f"the lease heartbeat crashed: {exc!r}", None, None)
                 return
+
+    def _next_beat(self, interval: float) -> float:
+        due = self._settle_due
+        if due is None:
+            return interval
+        return min(interval, max(0.0, due - self._clock()) + 0.01)
 
     def _stop_heartbeat(self) -> None:
         self._hb_stop.set()

@@ -77,6 +77,7 @@ def hold(args: argparse.Namespace, ev: Events) -> int:
 
     lease = Lease(_open(args), ttl=args.ttl, wait_timeout=args.wait)
     record = lease.acquire()
+    _trace_renewals(lease, ev)
     lease.start_heartbeat()
     ev.emit("acquired", epoch=record.epoch, attempt=record.attempt, nonce=record.holder.nonce)
     deadline = time.monotonic() + args.max_seconds
@@ -112,6 +113,30 @@ def _digests(backend: Any, folder: str) -> dict[str, str]:
     return {o.key: hashlib.sha256(backend.read(o.key)).hexdigest() for o in backend.list(folder + "/")}
 
 
+def state_digest(model: Any) -> str:
+    """sha256 over a module's state_dict tensors, by name: the same bytes give the same digest."""
+    h = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        h.update(name.encode())
+        h.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def _fix_nonce(prefix: str) -> None:
+    """Make this process's lease nonces start with ``prefix``: its writer tag, so a test decides
+    which of two writers of one epoch outranks the other (tags order them)."""
+    import uuid
+
+    import ckptsdk.lease.acquire as acquire
+
+    class _Nonces:
+        @staticmethod
+        def uuid4() -> uuid.UUID:
+            return uuid.UUID(hex=(prefix + uuid.uuid4().hex)[:32])
+
+    acquire.uuid = _Nonces  # type: ignore[assignment]
+
+
 def train(args: argparse.Namespace, ev: Events) -> int:
     import torch
 
@@ -119,6 +144,8 @@ def train(args: argparse.Namespace, ev: Events) -> int:
     from ckptsdk.manager import CheckpointManager
     from ckptsdk.state import TrainState
 
+    if args.nonce_prefix:
+        _fix_nonce(args.nonce_prefix)
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 4)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
@@ -134,12 +161,13 @@ def train(args: argparse.Namespace, ev: Events) -> int:
         lease_wait=args.wait,
         storage_options=json.loads(args.options),
         force=args.force,
+        lease_settle=args.settle,
     )
     assert mgr.lease is not None
     _trace_renewals(mgr.lease, ev)
     ev.emit("acquired", t_open=t_open, epoch=mgr.lease.epoch, attempt=mgr.lease.attempt, run_id=mgr.lease.run_id)
     pos = mgr.restore(state)
-    step = pos.step if pos is not None else 0
+    step = pos.step if pos is not None else args.step_offset
     ev.emit(
         "restored",
         step=pos.step if pos else None,
@@ -164,7 +192,7 @@ def train(args: argparse.Namespace, ev: Events) -> int:
             ev.emit("closed")
             return 0
         saves += 1
-        ev.emit("saved", step=step, key=info.key, epoch=info.epoch, t0=t0)
+        ev.emit("saved", step=step, key=info.key, epoch=info.epoch, t0=t0, state=state_digest(model))
         time.sleep(args.interval)
     if args.check:
         # "B's checkpoints": every valid checkpoint of this epoch now, with its files' digests.
@@ -196,6 +224,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--interval", type=float, default=0.2, help="train: seconds between saves")
     p.add_argument("--keep-last", type=int, default=3)
     p.add_argument("--force", action="store_true", help="train: break the lease at once")
+    p.add_argument("--settle", type=float, default=None, help="train: the lease's settle (Drive)")
+    p.add_argument("--step-offset", type=int, default=0, help="train: a fresh run's first step is this + 1")
+    p.add_argument("--nonce-prefix", default="", help="train: hex digits the lease nonce starts with")
     p.add_argument("--max-seconds", type=float, default=120.0, help="bound on every wait/loop")
     args = p.parse_args(argv)
     logging.basicConfig(

@@ -22,13 +22,69 @@ REPO = Path(__file__).resolve().parents[2]
 Event = dict[str, Any]
 
 
+def elsewhere(host: str, cmd: list[str]) -> list[str]:
+    """``cmd`` run as if on another machine named ``host``: its own hostname and pid namespace
+    (``unshare --uts --pid --fork --mount-proc``, as root). Killing the returned process (the
+    ``unshare``) kills everything inside; :func:`inner_pid` finds the command itself."""
+    return [
+        "unshare",
+        "--uts",
+        "--pid",
+        "--mount-proc",
+        "--kill-child=SIGKILL",
+        "sh",
+        "-c",
+        # Not exec: the command must not be the namespace's init (pid 1 ignores signals it has no
+        # handler for, SIGKILL from inside included), and its exit status passes through sh.
+        'hostname "$0" && "$@"',
+        host,
+        *cmd,
+    ]
+
+
+def can_unshare() -> bool:
+    """Whether this machine lets the tests make "another machine" (root and namespaces)."""
+    try:
+        probe = subprocess.run(elsewhere("probe", ["true"]), capture_output=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return probe.returncode == 0
+
+
+def inner_pid(proc: subprocess.Popen[bytes], timeout: float = 30.0) -> int:
+    """The host pid of the command an :func:`elsewhere` process runs (unshare, then sh, then it)."""
+
+    def children(pid: int) -> list[int]:
+        try:
+            return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+        except OSError:
+            return []
+
+    def child() -> int | None:
+        shells = children(proc.pid)
+        commands = children(shells[0]) if shells else []
+        return commands[0] if commands else None
+
+    pid = poll_until(child, timeout)
+    if pid is None:
+        raise AssertionError(f"the process {proc.pid} started nothing inside its namespace within {timeout} s")
+    return pid
+
+
 def spawn(
-    mode: str, url: str, events: Path, *args: str, options: Mapping[str, Any], env: Mapping[str, str]
+    mode: str,
+    url: str,
+    events: Path,
+    *args: str,
+    options: Mapping[str, Any],
+    env: Mapping[str, str],
+    host: str | None = None,
 ) -> subprocess.Popen[bytes]:
     """``python -m tests.support._story_writer MODE URL --events EVENTS --options JSON *args``.
 
     ``options`` are the storage options (sent as JSON), ``env`` the variables the root needs on
-    top of this process's (a Drive root, an emulator's address).
+    top of this process's (a Drive root, an emulator's address). ``host``: run it as another
+    machine of that name (:func:`elsewhere`).
     """
     cmd = [
         sys.executable,
@@ -42,6 +98,8 @@ def spawn(
         json.dumps(dict(options)),
         *args,
     ]
+    if host is not None:
+        cmd = elsewhere(host, cmd)
     child_env = {**os.environ, **env, "PYTHONPATH": str(REPO)}
     with open(events.with_suffix(".log"), "wb") as log:
         return subprocess.Popen(cmd, cwd=REPO, env=child_env, stdout=subprocess.DEVNULL, stderr=log)
