@@ -274,8 +274,10 @@ def test_a_renewal_during_the_settle_cannot_make_two_writers_collide(
         w5 = _sim_manager(sim, "vm2", force=True)  # on the holder's VM, which still shows epoch 1
         managers.append(w5)
         if higher == "second":
-            # W5's record, newer and of a higher nonce, reached vm3 during W5's settle: W4 sees
-            # it when restore() renews, and stops before recording any lineage.
+            # W5's record, newer and of a higher nonce, reaches vm3 (two 20 s hops; nobody waits
+            # for a settle now): W4 sees it when restore() renews, and stops before recording any
+            # lineage.
+            sim.advance_to(sim.now + 41)
             with pytest.raises(LeaseLostError):
                 w4.restore(Weights(0, 0))
             assert not sim.backend("vm3").exists(f"lineage/epoch-000002.{_rank(w4)[1]}.json")
