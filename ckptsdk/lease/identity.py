@@ -87,11 +87,18 @@ def _namespace_facts() -> tuple[str | None, str | None]:
 
 def this_process() -> ProcessIdentity:
     """This process's identity, to be recorded in the lease it takes."""
+    return _identity(os.getpid(), socket.gethostname())
+
+
+@functools.lru_cache(maxsize=4)
+def _identity(pid: int, host: str) -> ProcessIdentity:
+    # Keyed by pid and host: a forked child or a renamed host gets its own; a newcomer asks this
+    # at every round of its watch, and the answer never changes for one process.
     boot_id, pid_ns = _namespace_facts()
-    stat = _stat(os.getpid()) if pid_ns is not None else None
+    stat = _stat(pid) if pid_ns is not None else None
     return ProcessIdentity(
-        host=socket.gethostname(),
-        pid=os.getpid(),
+        host=host,
+        pid=pid,
         boot_id=boot_id,
         pid_ns=pid_ns,
         start_time=stat[1] if stat is not None else None,
