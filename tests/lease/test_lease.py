@@ -558,7 +558,7 @@ def test_heartbeat_renews_and_stops_when_fenced(make_backend_target: Any) -> Non
     taker.acquire()
     wait_for(lambda: lease.fenced, 30, "the heartbeat to see the takeover")
     assert lease.newer_epoch == 2
-    thread = lease._hb_thread
+    thread = lease.heartbeat.thread
     assert thread is not None
     thread.join(2)
     assert not thread.is_alive()
@@ -625,7 +625,7 @@ def test_lease_across_two_simulated_vms(tmp_path: Path) -> None:
         wait_for(lambda: getattr(read_lease(b_back), "holder", None) == a.record.holder, 10, "A's record on B's VM")  # type: ignore[union-attr]
         with pytest.raises(LeaseHeldError):  # alive, seen through the delay
             Lease(b_back, ttl=1.5, settle=1.2, wait_timeout=3).acquire()
-        a._hb_stop.set()  # A freezes (no release): its last renewal is still syncing
+        a.heartbeat.stop_soon()  # A freezes (no release): its last renewal is still syncing
         trace = Trace(b_back)
         trace.events.append(("frozen", None))
         b = trace.lease(ttl=1.5, settle=1.2, wait_timeout=20)
