@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import builtins
 from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import BinaryIO, Protocol, TypeAlias, runtime_checkable
 
@@ -241,6 +242,30 @@ class Browsable(Protocol):
         ``.ckptsdk-`` (temp and lock files) are never folders of objects.
         """
         ...
+
+
+@runtime_checkable
+class Batching(Protocol):
+    """A store whose durability work can be gathered over several writes (local disk, Drive: one
+    folder fsync per folder at the end of a block instead of one per rename)."""
+
+    def durability(self, *, sync: bool = True) -> AbstractContextManager[None]:
+        """A block whose writes on this thread share their durability work, done at its end.
+
+        ``sync=False``: the block's name changes need no durability of their own (the caller
+        says why); they become durable with the next such work on their folder.
+        Hint: local/Drive put off ``fsync`` of folders (``posix.deferred_dir_sync``); object
+        stores have nothing to gather and need not offer this.
+        """
+        ...
+
+
+def durable_batch(backend: object, *, sync: bool = True) -> AbstractContextManager[None]:
+    """``backend``'s :meth:`Batching.durability` block where it offers one, else a block that does
+    nothing: the upper layers gather durability work without knowing which store they write."""
+    if isinstance(backend, Batching):
+        return backend.durability(sync=sync)
+    return nullcontext()
 
 
 def browser(backend: Backend) -> Browsable | None:

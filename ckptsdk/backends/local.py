@@ -15,7 +15,7 @@ import os
 import stat as stat_mod
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import BinaryIO
 
 from ckptsdk.backends.base import (
@@ -36,6 +36,7 @@ from ckptsdk.backends.posix import (
     RESERVED_PREFIX,
     TMP_PREFIX,
     UNAVAILABLE_ERRNOS,
+    deferred_dir_sync,
     discard,
     flock,
     fsync_dir,
@@ -64,7 +65,7 @@ class LocalBackend:
 
     ``write`` publishes through a temp file in the target folder (``.ckptsdk-tmp.<name>.<pid>.<hex>``)
     that is fsynced and renamed over the key, then the folder is fsynced (at the end of the
-    caller's ``posix.deferred_dir_sync`` block, once per folder, where there is one; a folder a
+    caller's ``durability()`` block, once per folder, where there is one; a folder a
     write creates has its parent fsynced too). ``create`` links the
     finished temp file to the key (the link fails if the key exists, and is never half-visible).
     ``replace`` and versioned ``delete`` compare versions under an exclusive ``flock`` on
@@ -101,6 +102,11 @@ class LocalBackend:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.url!r})"
+
+    def durability(self, *, sync: bool = True) -> AbstractContextManager[None]:
+        """This thread's folder fsyncs put off to the block's end, one per folder (see
+        :class:`~ckptsdk.backends.base.Batching` and ``posix.deferred_dir_sync``)."""
+        return deferred_dir_sync(sync=sync)
 
     # -- reads -------------------------------------------------------------------------------
 

@@ -15,8 +15,7 @@ import socket
 from collections.abc import Callable
 from typing import Any
 
-from ckptsdk.backends.base import Backend, copier
-from ckptsdk.backends.posix import deferred_dir_sync
+from ckptsdk.backends.base import Backend, copier, durable_batch
 from ckptsdk.checkpoint.catalog import CheckpointInfo
 from ckptsdk.checkpoint.lineage import LineageWriter
 from ckptsdk.checkpoint.sharing import Hints, Sharing
@@ -59,7 +58,7 @@ class Anchoring:
         copying = copier(self.backend)
         if copying is not None:
             self.lease.check()
-            with deferred_dir_sync():
+            with durable_batch(self.backend):
                 for entry in manifest.files:  # the tensor file and any distributed ranks' files
                     copying.copy(f"{source.key}/{entry.name}", f"{folder}/{entry.name}")
                 shared = [self._rehomed(f) for f in manifest.shared]

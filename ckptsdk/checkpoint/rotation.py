@@ -13,8 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
-from ckptsdk.backends.base import Backend, rewriter
-from ckptsdk.backends.posix import deferred_dir_sync
+from ckptsdk.backends.base import Backend, durable_batch, rewriter
 from ckptsdk.checkpoint import retention
 from ckptsdk.checkpoint.catalog import Catalog, CheckpointInfo
 from ckptsdk.checkpoint.lineage import superseded_by
@@ -160,7 +159,7 @@ class Rotation:
         doomed = self.beyond_retention(mine, protected=protected)
         # Deletes need no fsync: a power cut only undoes removals (an old checkpoint back whole, or
         # garbage the next listing or gc removes); the newest was durable before rotation began.
-        with deferred_dir_sync(sync=False):
+        with durable_batch(self.backend, sync=False):
             for c in doomed:
                 lease.check()
                 self.delete(c, by_manifest=True)

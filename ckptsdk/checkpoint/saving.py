@@ -30,9 +30,8 @@ from typing import Any
 
 import torch
 
-from ckptsdk.backends.base import Backend, Writable
+from ckptsdk.backends.base import Backend, Writable, durable_batch
 from ckptsdk.backends.deadline import SAVE_RATE_BPS, bounded
-from ckptsdk.backends.posix import deferred_dir_sync
 from ckptsdk.checkpoint.aftercommit import RELIST_S, AfterCommit
 from ckptsdk.checkpoint.anchoring import Anchoring
 from ckptsdk.checkpoint.catalog import Catalog, CheckpointInfo
@@ -339,7 +338,7 @@ class SavePipeline(AfterCommit, Anchoring):
         self.lease.check()
         plan = self.sharing.plan(tensors, hints)
         self.sharing.drop_lost(plan, tensors, self.backend, self.url)  # one stat per shared file it refers to
-        with deferred_dir_sync():  # one fsync per folder, once the manifest is in place
+        with durable_batch(self.backend):  # one fsync per folder, once the manifest is in place
             shared = self._write_shared(step, plan)
             info = self._write(
                 folder, step, plan.own, skeleton, position, metrics, tags, device, extra_files, verify, shared
@@ -432,7 +431,7 @@ class SavePipeline(AfterCommit, Anchoring):
     ) -> CheckpointInfo:
         """Publish the manifest of ``folder`` (the commit; its files are in place).
 
-        Inside the caller's ``deferred_dir_sync`` block with the files' writes: the tensor file's
+        Inside the caller's ``durable_batch`` block with the files' writes: the tensor file's
         and the manifest's renames share one fsync of their folder (the tensor file's own, 6 ->
         5 fsyncs), the new folder's name rides on the root's fsync the lease renewal needs, at
         the block's end. A power cut before it loses at most this uncommitted save (rotation runs

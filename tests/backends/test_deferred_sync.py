@@ -103,3 +103,39 @@ def test_blocks_nest_into_the_outermost_and_other_threads_are_not_deferred(tmp_p
         other.join()
         assert dirs == ["."]  # the other thread's publish fsynced at once
     assert dirs == [".", "."]
+
+
+def test_the_backend_durability_block_is_the_deferred_one_on_local_disk(tmp_path, monkeypatch):
+    # The upper layers say ``durable_batch(backend)`` and never import a file backend's module.
+    from ckptsdk.backends.base import durable_batch
+
+    backend, root = _backend(tmp_path)
+    dirs = _count(monkeypatch, root)
+    with durable_batch(backend):
+        backend.write("a/x", b"1")
+        backend.write("a/y", b"2")
+        assert dirs == []
+    assert sorted(dirs) == [".", "a"]
+
+
+def test_a_store_without_durability_work_gets_a_block_that_does_nothing():
+    from ckptsdk.backends import open_backend
+    from ckptsdk.backends.base import Batching, durable_batch
+
+    memory = open_backend("memory://durable-batch")
+    assert not isinstance(memory, Batching)
+    with durable_batch(memory):
+        memory.write("k", b"v")
+    assert memory.read("k") == b"v"
+
+
+def test_no_layer_above_the_backends_imports_a_file_backend_module():
+    import pathlib
+
+    package = pathlib.Path(__file__).resolve().parents[2] / "ckptsdk"
+    offenders = [
+        str(p.relative_to(package))
+        for p in package.rglob("*.py")
+        if p.parent.name != "backends" and "backends.posix" in p.read_text()
+    ]
+    assert offenders == []
