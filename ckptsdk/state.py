@@ -23,7 +23,7 @@ from ckptsdk.rng import capture_rng, check_rng, problem_message, restore_rng
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Restorable", "Stateful", "TrainState", "preflight", "torch_class"]
+__all__ = ["Restorable", "Stateful", "TrainState", "preflight", "torch_class", "with_tied"]
 
 # What TrainState wraps: passed bare to save()/restore(), they are refused with a hint.
 _BARE = (
@@ -294,7 +294,7 @@ class TrainState:
                 continue
             try:
                 if isinstance(obj, torch.nn.Module):
-                    obj.load_state_dict(_copied_in(obj, tree["objects"][name]), strict=strict)
+                    obj.load_state_dict(_copied_in(obj, with_tied(obj, tree["objects"][name])), strict=strict)
                 else:
                     obj.load_state_dict(tree["objects"][name])
             except (RuntimeError, ValueError, KeyError, TypeError, IndexError) as exc:
@@ -389,9 +389,44 @@ def _shape(x: Any) -> list[int] | None:
     return list(x.shape) if isinstance(x, (torch.Tensor, np.ndarray)) else None
 
 
+def _view(t: torch.Tensor) -> tuple[Any, ...] | None:
+    """What makes two tensors one: the same memory seen the same way (None: holds no memory)."""
+    if t.numel() == 0 or t.layout != torch.strided or type(t) not in _PLAIN:
+        return None
+    return (t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
+
+
+def with_tied(module: torch.nn.Module, saved: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``saved`` plus each key it lacks that the live ``module`` ties to a key it holds.
+
+    A tied weight (GPT-2's ``lm_head.weight`` is ``transformer.wte.weight``) is one tensor under
+    two names: ``save_pretrained`` and safetensors' ``save_model`` write it once, so an imported
+    HF checkpoint lacks the second name. Loading the saved name fills the live tensor both names
+    show, so the missing name is given that same saved tensor: the live module, not a guess,
+    says the two are one (same memory, dtype, shape and strides). ``saved`` itself is unchanged.
+    """
+    live = module.state_dict(keep_vars=True)
+    missing = [k for k in live if k not in saved and isinstance(live[k], torch.Tensor)]
+    if not missing:
+        return saved
+    held: dict[tuple[Any, ...], str] = {}
+    for key, t in live.items():
+        if key in saved and isinstance(t, torch.Tensor) and (v := _view(t)) is not None:
+            held.setdefault(v, key)
+    tied = {k: held[v] for k in missing if (v := _view(live[k])) is not None and v in held}
+    if not tied:
+        return saved
+    out: OrderedDict[str, Any] = OrderedDict(saved)
+    out.update((k, saved[partner]) for k, partner in tied.items())
+    if hasattr(saved, "_metadata"):
+        out._metadata = saved._metadata  # type: ignore[attr-defined]
+    return out
+
+
 def _module_mismatches(name: str, module: torch.nn.Module, saved: Any, *, strict: bool) -> list[str]:
     if not isinstance(saved, Mapping):
         return [f"{name}: expected a module state dict, got {type(saved).__name__}"]
+    saved = with_tied(module, saved)
     live = module.state_dict()
     problems = []
     if strict:

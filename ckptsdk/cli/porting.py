@@ -17,7 +17,7 @@ __all__ = ["cmd_export", "cmd_import", "register"]
 
 def cmd_import(args: argparse.Namespace) -> int:
     """``ckptsdk import FILE.pt URL``: see :func:`ckptsdk.porting.torch_import.import_torch_checkpoint`."""
-    from ckptsdk.porting.torch_import import import_torch_checkpoint
+    from ckptsdk.porting.torch_import import import_torch_checkpoint, resume_advice
 
     mapping = {}
     for pair in args.map or ():
@@ -46,15 +46,14 @@ def cmd_import(args: argparse.Namespace) -> int:
                 "step": info.step,
                 "key": info.key,
                 "ignored_files": ignored,
+                "resume_with": resume_advice(args.url, info),
             }
         )
     else:
         if ignored:
             print(f"ignored {', '.join(ignored)}: not among the weight files the model was read from")
-        print(
-            f"imported {args.file} as step {info.step} ({info.key}) under {args.url}; resume with "
-            "mgr.restore(TrainState(model=..., optimizer=..., scheduler=..., scaler=...))"
-        )
+        print(f"imported {args.file} as step {info.step} ({info.key}) under {args.url}; resume with")
+        print(f"  {resume_advice(args.url, info)}")
     return EXIT_OK
 
 

@@ -17,7 +17,7 @@ from ckptsdk.errors import ConfigError
 from ckptsdk.format import limits
 from ckptsdk.format.document import FLOAT_FORM, decode_float, encode_float
 
-__all__ = ["Metric", "Scalar", "decode_extra", "encode_extra", "user_fields"]
+__all__ = ["Metric", "Scalar", "decode_extra", "encode_extra", "extra_value", "user_fields"]
 
 #: A scalar that metrics and extra hold, as the manifest stores it.
 Scalar = bool | int | float | str | None
@@ -69,6 +69,27 @@ def user_fields(
             )
     _check_room(out[0], out[1], _user_tags(tags))
     return out[0], out[1]
+
+
+def extra_value(value: Any, where: str = "extra") -> JsonValue:
+    """One entry of ``extra`` as ``save()`` keeps it, under the same rule as :func:`user_fields`
+    (nan and inf included): for a caller that sorts values before a save (``ckptsdk import``
+    puts a file's leftover entries in ``extra`` when this accepts them).
+
+    Raises:
+        ConfigError: a value outside the rule, or nested deeper than ``limits.JSON_DEPTH``.
+
+    Example:
+        >>> extra_value({"best": float("nan"), "seen": [1, 2]})
+        {'best': nan, 'seen': [1, 2]}
+    """
+    depth = limits.json_depth(value)  # iterative: measured before the recursive check below
+    if depth > limits.JSON_DEPTH:
+        raise ConfigError(
+            f"{where} nests {depth} levels deep, more than the {limits.JSON_DEPTH} a manifest reader accepts"
+        )
+    checked: JsonValue = _user_value(value, where, True)
+    return checked
 
 
 # The largest finite float, as an int: a metric beyond it cannot be ranked with the others.

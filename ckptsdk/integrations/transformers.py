@@ -28,7 +28,7 @@ from ckptsdk.checkpoint.retention import KeepBest, keep_best  # noqa: E402
 from ckptsdk.errors import ConfigError, StateMismatchError  # noqa: E402
 from ckptsdk.manager import CheckpointManager  # noqa: E402
 from ckptsdk.rng import restore_rng  # noqa: E402
-from ckptsdk.state import TrainState  # noqa: E402
+from ckptsdk.state import TrainState, with_tied  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -309,7 +309,9 @@ class _Capture:
             raise StateMismatchError(
                 "the checkpoint does not fit this Trainer: " + "; ".join(problems[:8]), mismatches=problems
             )
-        self.parts["model"].load_state_dict(tree["objects"]["model"])
+        # An imported HF folder lacks a tied weight's second name (save_pretrained writes it once).
+        model = self.parts["model"]
+        model.load_state_dict(with_tied(model, tree["objects"]["model"]))
         for name in ("optimizer", "scheduler", "scaler", "trainer"):
             self.parts[name].load_state_dict(tree["objects"][name])
         self.parts["rng"] = tree["rng"]

@@ -163,7 +163,8 @@ def read_hf_folder(folder: str, *, load_torch: TorchLoad, allow_numpy_rng: bool)
     """An HF Trainer ``checkpoint-N/`` folder as the story layout's dict.
 
     The model (see the module docstring), the optimizer, scheduler and scaler ``.pt`` files,
-    ``rng_state.pth``, and ``trainer_state.json`` (kept whole in ``extra``); ``training_args.bin``
+    ``rng_state.pth``, and ``trainer_state.json`` (kept whole: layout.py makes it the ``trainer``
+    object ``CkptsdkTrainer`` resumes from); ``training_args.bin``
     pickles a class and is never read. Only regular files are opened.
 
     Args:

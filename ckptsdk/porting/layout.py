@@ -3,15 +3,16 @@
 Recognised: the story notebook's dict (``rng: {torch, numpy, python, cuda}``, ``args``, ...),
 the top-level-keys one (``numpy_rng``, ``torch_rng``...), a bare ``state_dict``, a Lightning
 ``.ckpt`` and what an HF Trainer ``checkpoint-N/`` folder holds (read by hf_folder.py into
-this module's input). Every leftover JSON-able entry goes into ``extra`` (``restore()`` gives it
-back); anything else needs the user's ``--map KEY=DEST`` or ``--drop KEY``, never a guess.
+this module's input). Every leftover entry ``extra`` may hold (``save()``'s rule, nan and inf
+included: userfield.py's) goes there (``restore()`` gives it back); anything else needs the
+user's ``--map KEY=DEST`` or ``--drop KEY``, never a guess.
 Reading files is torch_import.py's and hf_folder.py's job; committing the result torch_import.py's.
 """
 
 from __future__ import annotations
 
+import json
 import logging
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,10 +20,15 @@ from typing import Any
 import torch
 
 from ckptsdk.errors import ConfigError
+from ckptsdk.format import limits
+from ckptsdk.format.userfield import extra_value
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DESTINATIONS", "Mapped", "map_checkpoint"]
+__all__ = ["DESTINATIONS", "HF_TRAINER", "Mapped", "map_checkpoint"]
+
+#: The layout of an HF Trainer ``checkpoint-N/`` folder (hf_folder.py reads it).
+HF_TRAINER = "hf-trainer"
 
 # First match wins; each list is short on purpose: an unknown key is reported, never guessed at.
 _OBJECT_KEYS: dict[str, tuple[str, ...]] = {
@@ -78,22 +84,25 @@ class Mapped:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def _jsonable(value: Any, depth: int = 0) -> bool:
-    if depth > 64:
-        return False
-    if value is None or type(value) in (bool, int, str):
-        return True
-    if type(value) is float:
-        return math.isfinite(value)
-    if isinstance(value, (list, tuple)):
-        return all(_jsonable(v, depth + 1) for v in value)
-    if isinstance(value, Mapping):
-        return all(type(k) is str and _jsonable(v, depth + 1) for k, v in value.items())
-    return False
+_NOT_EXTRA = object()
+
+
+def _extra(value: Any) -> Any:
+    """``value`` as ``extra`` keeps it (tuples as lists, mappings as dicts), or ``_NOT_EXTRA``.
+
+    The rule is ``save()``'s own (:func:`ckptsdk.format.userfield.extra_value`: nan and inf
+    included); only the containers a ``torch.save`` file holds are made JSON's first.
+    """
+    if limits.json_depth(value) > limits.JSON_DEPTH:  # before the recursive conversion below
+        return _NOT_EXTRA
+    try:
+        return extra_value(_as_json(value))
+    except ConfigError:
+        return _NOT_EXTRA
 
 
 def _as_json(value: Any) -> Any:
-    """A JSON-able value as JSON has it (tuples become lists, dicts plain dicts)."""
+    """Tuples as lists, mappings as plain dicts, all the way down; the rest as it is."""
     if isinstance(value, (list, tuple)):
         return [_as_json(v) for v in value]
     if isinstance(value, Mapping):
@@ -133,9 +142,10 @@ def _put(mapped: Mapped, dest: str, value: Any, source: str, src: str) -> None:
     elif dest in _POSITION_KEYS:
         mapped.position[dest] = _int(value, src, source)
     elif head == "extra" and name:
-        if not _jsonable(value):
+        kept = _extra(value)
+        if kept is _NOT_EXTRA:
             raise ConfigError(f"--map {src}={dest}: {source}'s {src} is not JSON-able; map it to objects/NAME instead")
-        mapped.extra[name] = _as_json(value)
+        mapped.extra[name] = kept
     elif dest != "drop":
         raise ConfigError(f"--map {src}={dest}: unknown destination; one of {', '.join(DESTINATIONS)}")
 
@@ -175,13 +185,25 @@ def _lightning(mapped: Mapped, rest: dict[str, Any], source: str) -> None:
         if key in rest:
             mapped.position[name] = _int(rest.pop(key), key, source)
     for key in _LIGHTNING_BOOKKEEPING:
-        if key in rest and not _jsonable(rest[key]):
+        if key in rest and _extra(rest[key]) is _NOT_EXTRA:
             logger.warning(
                 "%s: Lightning's %r is not JSON-able and is left out (Lightning rebuilds it; --map it to keep it)",
                 source,
                 key,
             )
             del rest[key]
+
+
+def _hf_trainer(mapped: Mapped, rest: dict[str, Any], source: str) -> None:
+    """An HF Trainer folder (hf_folder.py's dict), in the shape ``CkptsdkTrainer`` saves and
+    resumes from: its TrainerState as one JSON string (``trainer``: the JSON of
+    ``trainer_state.json``, from which the Trainer's resume reads its position) and the grad
+    scaler's state (``scaler``: ``{}`` without one, as the Trainer without AMP saves it)."""
+    trainer_state = rest.pop("trainer_state")
+    _story(mapped, rest, source)
+    mapped.objects["trainer"] = {"json": json.dumps(trainer_state, sort_keys=True)}
+    if mapped.objects.get("scaler") is None:
+        mapped.objects["scaler"] = {}
 
 
 def _story(mapped: Mapped, rest: dict[str, Any], source: str) -> None:
@@ -246,6 +268,8 @@ def map_checkpoint(
         rest = {}
     elif mapped.layout == "lightning":
         _lightning(mapped, rest, source)
+    elif mapped.layout == HF_TRAINER:
+        _hf_trainer(mapped, rest, source)
     else:
         _story(mapped, rest, source)
     mapped.objects = {k: v for k, v in mapped.objects.items() if v is not None}
@@ -255,8 +279,10 @@ def map_checkpoint(
             "pass --map KEY=model for the entry that holds it"
         )
     for key in list(rest):
-        if _jsonable(rest[key]):  # metadata (args, last_loss, saved_at...): restore() gives it back
-            mapped.extra[str(key)] = _as_json(rest.pop(key))
+        kept = _extra(rest[key])
+        if kept is not _NOT_EXTRA:  # metadata (args, last_loss, saved_at...): restore() gives it back
+            mapped.extra[str(key)] = kept
+            del rest[key]
     if rest:
         raise ConfigError(
             f"{source} ({mapped.layout} layout) has entries import does not know where to put: "

@@ -27,12 +27,12 @@ from ckptsdk.errors import ConfigError, UnsupportedStateError
 from ckptsdk.porting.archive_bound import check_torch_archive
 from ckptsdk.porting.guard import check_new_root_url
 from ckptsdk.porting.hf_folder import TRAINER_STATE, read_hf_folder
-from ckptsdk.porting.layout import Mapped, map_checkpoint
+from ckptsdk.porting.layout import HF_TRAINER, Mapped, map_checkpoint
 from ckptsdk.porting.source import regular_file
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["import_torch_checkpoint", "load_torch_checkpoint"]
+__all__ = ["import_torch_checkpoint", "load_torch_checkpoint", "resume_advice"]
 
 
 _GLOBAL_IN_ERROR = re.compile(r"GLOBAL ([\w.]+)")
@@ -194,7 +194,7 @@ def _load_any(source: str, *, allow_numpy_rng: bool) -> tuple[Any, str, tuple[st
                 "checkpoint-N/ folders; for a .pt file, name the file"
             )
         folder = read_hf_folder(source, load_torch=load_torch_checkpoint, allow_numpy_rng=allow_numpy_rng)
-        return folder.saved, "hf-trainer", folder.ignored
+        return folder.saved, HF_TRAINER, folder.ignored
     return load_torch_checkpoint(source, allow_numpy_rng=allow_numpy_rng), "", ()
 
 
@@ -254,6 +254,7 @@ def import_torch_checkpoint(
         info.key  # 'step-0000000007.e1'
     """
     from ckptsdk.manager import CheckpointManager
+    from ckptsdk.options import LeaseOptions
 
     source = os.fspath(path)
     check_new_root_url(url, dict(storage_options or {}))
@@ -269,7 +270,7 @@ def import_torch_checkpoint(
     tags = {"imported_from": os.path.basename(source.rstrip("/")), "layout": mapped.layout}
     if ignored:  # said in the checkpoint too, so `ckptsdk show` tells what the import left out
         tags["ignored_files"] = json.dumps(list(ignored))  # a JSON list: a file name may hold any separator
-    with CheckpointManager(url, storage_options=storage_options, force=force) as mgr:
+    with CheckpointManager(url, storage_options=storage_options, lease_options=LeaseOptions(force=force)) as mgr:
         if mgr.latest() is not None:
             raise ConfigError(
                 f"{url} already holds checkpoints; import into a new root so the imported "
@@ -284,6 +285,25 @@ def import_torch_checkpoint(
             extra=mapped.extra,
             tags=tags,
         )
+
+
+def resume_advice(url: str, info: Any) -> str:
+    """How to resume from what :func:`import_torch_checkpoint` committed (``info``, its return):
+    the call that restores exactly the objects it holds (``ckptsdk import`` prints it).
+
+    An HF Trainer folder resumes through ``CkptsdkTrainer``, which reads the objects it wrote
+    (``trainer``, ``scaler``: layout.py's ``_hf_trainer``); anything else through a
+    ``TrainState`` naming each imported object, since a restore refuses a name on one side only.
+    """
+    manifest = info.manifest
+    if manifest.tags.get("layout") == HF_TRAINER:
+        return (
+            f"CkptsdkTrainer(model=..., args=..., train_dataset=..., ckpt_url={url!r})"
+            ".train(resume_from_checkpoint=True)  # from ckptsdk.integrations.transformers"
+        )
+    tree = manifest.tree
+    names = list(tree["objects"]) if isinstance(tree, dict) and isinstance(tree.get("objects"), dict) else []
+    return f"CheckpointManager({url!r}).restore(TrainState({', '.join(f'{n}=...' for n in names)}))"
 
 
 class _Refuse:

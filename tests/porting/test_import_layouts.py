@@ -20,7 +20,7 @@ import pytest
 import safetensors.torch
 import torch
 
-from ckptsdk import CheckpointManager, TrainState
+from ckptsdk import CheckpointManager, LeaseOptions, TrainState
 from ckptsdk.cli import main
 from ckptsdk.errors import ConfigError
 from ckptsdk.porting.torch_import import import_torch_checkpoint
@@ -125,7 +125,7 @@ def test_story_layout_resumes_bit_exact_mid_epoch_against_continuing_by_hand(tmp
     torch.manual_seed(99)
     np.random.seed(99)
     random.seed(99)
-    with CheckpointManager(url, lease_ttl=5) as mgr:
+    with CheckpointManager(url, lease_options=LeaseOptions(ttl=5)) as mgr:
         pos = mgr.restore(TrainState(model=model, optimizer=opt, scheduler=sched, scaler=scaler))
     assert (pos.step, pos.epoch, pos.batch_idx) == (8, 1, 2)
     assert pos.extra == {
@@ -148,7 +148,7 @@ def test_bare_state_dict_and_a_story_file_without_scaler(tmp_path):
         import_torch_checkpoint(pt, str(tmp_path / "a"))
     info = import_torch_checkpoint(pt, str(tmp_path / "a"), step=0)
     fresh = _objects(4)[0]
-    with CheckpointManager(str(tmp_path / "a"), lease_ttl=5) as mgr:
+    with CheckpointManager(str(tmp_path / "a"), lease_options=LeaseOptions(ttl=5)) as mgr:
         assert mgr.restore(TrainState(model=fresh)).tags["layout"] == "state_dict"
     assert info.step == 0 and all(
         torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), model.state_dict().values(), strict=True)
@@ -160,7 +160,7 @@ def test_bare_state_dict_and_a_story_file_without_scaler(tmp_path):
         {**story, "scaler": None, "step": 4, "epoch": 0, "batch_idx": 4, "rng": {"torch": torch.get_rng_state()}}, pt
     )
     import_torch_checkpoint(pt, str(tmp_path / "b"))
-    with CheckpointManager(str(tmp_path / "b"), lease_ttl=5) as mgr:
+    with CheckpointManager(str(tmp_path / "b"), lease_options=LeaseOptions(ttl=5)) as mgr:
         model2, opt2, sched2, _ = _objects(5, scaler=False)
         assert mgr.restore(TrainState(model=model2, optimizer=opt2, scheduler=sched2)).batch_idx == 4
 
@@ -176,13 +176,26 @@ def test_what_no_layout_places_needs_a_map_and_then_restores(tmp_path):
     code = main(["import", str(pt), str(tmp_path / "a"), "--map", "ema_model=objects/ema", "--map", "iteration=step"])
     assert code == 0
     live, live_ema = _objects(5)[0], _objects(6)[0]
-    with CheckpointManager(str(tmp_path / "a"), lease_ttl=5) as mgr:
+    with CheckpointManager(str(tmp_path / "a"), lease_options=LeaseOptions(ttl=5)) as mgr:
         pos = mgr.restore(TrainState(model=live, ema=live_ema))
     assert (pos.step, pos.extra) == (12, {"note": "x"})
     assert all(
         torch.equal(a, b) for a, b in zip(live_ema.state_dict().values(), ema.state_dict().values(), strict=True)
     )
     assert main(["import", str(pt), str(tmp_path / "c"), "--map", "ema_model=somewhere"]) == 2
+
+
+class _Kept:
+    """An object of a TrainState that keeps what restore() gives it."""
+
+    def __init__(self) -> None:
+        self.state: dict = {}
+
+    def state_dict(self) -> dict:
+        return self.state
+
+    def load_state_dict(self, state: dict) -> None:
+        self.state = dict(state)
 
 
 def _child(code: str, cwd: Path) -> None:
@@ -227,7 +240,7 @@ def test_a_real_lightning_ckpt_restores_into_the_module_and_its_optimizer(tmp_pa
     model = Lit()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     sched = torch.optim.lr_scheduler.StepLR(opt, 2)
-    with CheckpointManager(url, lease_ttl=5) as mgr:
+    with CheckpointManager(url, lease_options=LeaseOptions(ttl=5)) as mgr:
         pos = mgr.restore(TrainState(model=model, optimizer=opt, scheduler=sched))
     assert (pos.step, pos.epoch, pos.tags["layout"]) == (3, saved["epoch"], "lightning")
     assert pos.extra["pytorch-lightning_version"] == saved["pytorch-lightning_version"]
@@ -273,10 +286,13 @@ def test_a_real_hf_trainer_folder_restores_model_optimizer_and_rng(tmp_path):
     # HF's two groups: weights with decay, biases without.
     opt = torch.optim.AdamW([{"params": [model.lin.weight]}, {"params": [model.lin.bias], "weight_decay": 0.0}])
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _s: 1.0)
-    with CheckpointManager(url, lease_ttl=5) as mgr:
-        pos = mgr.restore(TrainState(model=model, optimizer=opt, scheduler=sched))
+    # The shape CkptsdkTrainer resumes from: its TrainerState JSON, and no grad scaler's state.
+    trainer, scaler = _Kept(), _Kept()
+    with CheckpointManager(url, lease_options=LeaseOptions(ttl=5)) as mgr:
+        pos = mgr.restore(TrainState(model=model, optimizer=opt, scheduler=sched, scaler=scaler, trainer=trainer))
     assert (pos.step, pos.epoch, pos.tags["layout"]) == (3, 0, "hf-trainer")
-    assert pos.extra["trainer_state"] == json.loads((folder / "trainer_state.json").read_text())
+    assert json.loads(trainer.state["json"]) == json.loads((folder / "trainer_state.json").read_text())
+    assert scaler.state == {} and "trainer_state" not in pos.extra
     assert all(torch.equal(model.state_dict()[k], v) for k, v in weights.items())
     assert torch.equal(opt.state_dict()["state"][0]["exp_avg"], optim["state"][0]["exp_avg"])
     assert torch.equal(torch.get_rng_state(), rng["cpu"]) and np.random.get_state()[2] == rng["numpy"][2]
