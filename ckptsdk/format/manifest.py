@@ -43,14 +43,16 @@ from ckptsdk.format.document import (
     parse_document,
     utc_now,
 )
+from ckptsdk.format.dtype import BY_NAME, NAMES
 from ckptsdk.format.environment import Environment
-from ckptsdk.format.skeleton import skeleton_schema, tensor_paths
+from ckptsdk.format.skeleton import skeleton_schema, tensor_nodes, tensor_paths
 from ckptsdk.format.userfield import Metric, decode_extra, encode_extra
 
 __all__ = [
     "FORMAT",
     "LINEAGE_FORMAT",
     "PLAIN_FORMAT",
+    "SHARED_FORMAT",
     "KEEP_RULE_KINDS",
     "CustomRuleRecord",
     "FileEntry",
@@ -63,6 +65,8 @@ __all__ = [
     "Manifest",
     "Position",
     "ProtectRecord",
+    "ReferencedBase",
+    "ReferencedTensor",
     "SharedFile",
     "Writer",
     "json_schema",
@@ -71,17 +75,25 @@ __all__ = [
     "schema_text",
 ]
 
-#: What this code writes for a checkpoint that refers to shared files; it reads any ``/2.x`` and
-#: ``/1.x`` (fields of a newer minor version are ignored). The version rule (document.py): a minor
-#: version only adds what an older reader may ignore; anything it would misread is a new major.
+#: What this code writes for a checkpoint that records tensors by reference (``referenced``); it
+#: reads any ``/3.x``, ``/2.x`` and ``/1.x`` (fields of a newer minor version are ignored). The
+#: version rule (document.py): a minor version only adds what an older reader may ignore; anything
+#: it would misread is a new major.
 #: 1.1 added the ``checksum`` field; a 1.0 document (written before it) is read with a warning.
 #: 1.2 added ``keep``, the writer's keep rules (a 1.1 reader ignores it, as a newer minor's field).
 #: 1.3 added ``shared`` (tensors kept in files outside the folder): a 1.2 reader ignored it and
 #: skipped the checkpoint "as damaged", falling back to an older one, so it was a major change:
 #: 2.0. 1.3 manifests (written by earlier builds before this rule) are still read.
-FORMAT = "ckptsdk.checkpoint/2.0"
-#: What this code writes for a checkpoint without shared files: nothing in it is newer than 1.2,
-#: so every 1.x reader reads it right (``Manifest.format_written``).
+#: 3.0 added ``referenced`` (tensors recorded by digest, never written: the restorer supplies
+#: them). A 2.x reader that ignored it would find those tensors in no file and skip the
+#: checkpoint as damaged (or, reading only some objects, restore without them), so it is a major
+#: change: a 2.0 reader refuses it as "written by a newer ckptsdk", never falls back past it.
+FORMAT = "ckptsdk.checkpoint/3.0"
+#: What this code writes for a checkpoint that refers to shared files and references nothing:
+#: every 2.x reader reads it right (``Manifest.format_written``).
+SHARED_FORMAT = "ckptsdk.checkpoint/2.0"
+#: What this code writes for a checkpoint without shared files or references: nothing in it is
+#: newer than 1.2, so every 1.x reader reads it right.
 PLAIN_FORMAT = "ckptsdk.checkpoint/1.2"
 #: The newest version of major 1 (``shared`` in it: 1.3 manifests are read, never written).
 _LAST_MAJOR_1 = "ckptsdk.checkpoint/1.3"
@@ -156,6 +168,45 @@ class SharedFile(Strict):
         if stray:
             raise ValueError(f"aliases name tensors this checkpoint does not take from the file: {stray[:3]}")
         return self
+
+
+class ReferencedTensor(Strict):
+    """One tensor a checkpoint records by digest and does not hold (format 3.0 on): the live
+    tensor at its path must have exactly this dtype, shape and digest before anything is restored."""
+
+    dtype: str = Field(json_schema_extra={"enum": list(NAMES)}, description="torch's name, as the skeleton's")
+    shape: list[Annotated[int, Field(ge=0)]]
+    size: int = Field(ge=0, description="its raw bytes: the product of shape times the dtype's size")
+    digest: str = Field(
+        pattern=r"^[0-9a-f]+$",
+        description='lowercase hex of the group\'s algorithm over "<dtype> [<d0>, <d1>, ...]\\n" and the raw '
+        "bytes (what `shared` records per tensor)",
+    )
+
+    @model_validator(mode="after")
+    def _size_of_shape(self) -> ReferencedTensor:
+        entry = BY_NAME.get(self.dtype)
+        if entry is None:
+            raise ValueError(f"unknown dtype {self.dtype!r} (known: {', '.join(NAMES)})")
+        if self.size != math.prod(self.shape) * entry.itemsize:
+            raise ValueError(f"size {self.size} is not shape {self.shape} times {entry.itemsize} bytes of {self.dtype}")
+        return self
+
+
+class ReferencedBase(Strict):
+    """Tensors a checkpoint records by dtype, shape and digest and never writes (format 3.0 on):
+    a frozen base the restorer supplies (a hub model), proven by hashing before anything is loaded."""
+
+    source: str | None = Field(
+        default=None,
+        max_length=1000,
+        description="the user's label of where these bytes come from (e.g. 'hf:gpt2@607a30d'); null: not given. "
+        "Shown when a live tensor differs; never fetched",
+    )
+    algorithm: str = Field(min_length=1, description='of each tensor digest, e.g. "xxh3-128"')
+    tensors: dict[str, ReferencedTensor] = Field(
+        min_length=1, description="tensor path (as the skeleton names it) -> what the live tensor must be"
+    )
 
 
 class Position(Strict):
@@ -249,14 +300,14 @@ class Manifest(Document):
     """A checkpoint's manifest.json: published last, it is what makes a checkpoint exist."""
 
     FORMAT: ClassVar[str] = FORMAT
-    ALSO_READS: ClassVar[tuple[str, ...]] = (_LAST_MAJOR_1,)
+    ALSO_READS: ClassVar[tuple[str, ...]] = (SHARED_FORMAT, _LAST_MAJOR_1)
     CHECKSUM_SINCE: ClassVar[int | None] = _CHECKSUM_MINOR
     # The skeleton grows with the tensor count (a distributed one with ranks x chunks): a few
     # MiB for the largest trees seen; the cap leaves room for ten times that. A save refuses
     # what would outgrow it (limits.py), before it writes anything.
     MAX_BYTES: ClassVar[int] = limits.MANIFEST_BYTES
 
-    format: str = Field(default=FORMAT, pattern=r"^ckptsdk\.checkpoint/[12](\.[0-9]+)?$")
+    format: str = Field(default=FORMAT, pattern=r"^ckptsdk\.checkpoint/[123](\.[0-9]+)?$")
     step: int = Field(ge=0)
     position: Position = Field(default_factory=Position)
     created_at: UtcTime = Field(default_factory=utc_now)
@@ -287,9 +338,22 @@ class Manifest(Document):
         "(absent: every tensor is in tensors.safetensors)",
     )
 
+    referenced: list[ReferencedBase] = Field(
+        default_factory=list,
+        description="format 3.0 on: tensors recorded by dtype, shape and digest and not held in any file (a frozen "
+        "base the restorer supplies; absent: every tensor is in a file)",
+    )
+
     def format_written(self) -> str:
-        """``FORMAT`` when the checkpoint refers to shared files, else ``PLAIN_FORMAT`` (1.x readers read it)."""
-        return FORMAT if self.shared else PLAIN_FORMAT
+        """The oldest version that holds what the manifest says: ``FORMAT`` (3.0) with ``referenced``,
+        ``SHARED_FORMAT`` (2.0) with ``shared`` only, else ``PLAIN_FORMAT`` (1.2: 1.x readers read it)."""
+        if self.referenced:
+            return FORMAT
+        return SHARED_FORMAT if self.shared else PLAIN_FORMAT
+
+    def referenced_tensors(self) -> dict[str, tuple[ReferencedBase, ReferencedTensor]]:
+        """Every referenced tensor path -> (its group, its entry), in the order the manifest lists them."""
+        return {path: (group, entry) for group in self.referenced for path, entry in group.tensors.items()}
 
     @field_validator("keep", mode="before")
     @classmethod
@@ -313,6 +377,8 @@ class Manifest(Document):
             data.pop("keep", None)
         if not self.shared:
             data.pop("shared", None)
+        if not self.referenced:
+            data.pop("referenced", None)
         return data
 
     @classmethod
@@ -380,6 +446,21 @@ class Manifest(Document):
             raise ValueError("a tensor is taken from two shared files")
         return value
 
+    @field_validator("referenced")
+    @classmethod
+    def _referenced_once(cls, value: list[ReferencedBase]) -> list[ReferencedBase]:
+        paths = [p for group in value for p in group.tensors]
+        if len(set(paths)) != len(paths):
+            raise ValueError("a tensor is referenced twice")
+        return value
+
+    @model_validator(mode="after")
+    def _one_place_each(self) -> Manifest:
+        both = sorted({p for f in self.shared for p in f.tensors} & {p for g in self.referenced for p in g.tensors})
+        if both:
+            raise ValueError(f"tensors both taken from a shared file and referenced: {both[:3]}")
+        return self
+
 
 class LineageRecord(Document):
     """lineage/epoch-NNNNNN.json: written once per lease takeover, says where it resumed from."""
@@ -427,7 +508,27 @@ def parse_manifest(data: bytes, *, key: str = "") -> Manifest:
             key=key or None,
             step=manifest.step,
         )
+    if manifest.referenced:
+        _check_referenced(manifest, key)
     return manifest
+
+
+def _check_referenced(manifest: Manifest, key: str) -> None:
+    """Each referenced tensor is a ``$tensor`` node of the tree with the same dtype and shape."""
+    nodes = tensor_nodes(manifest.tree)
+    for path, (_group, entry) in manifest.referenced_tensors().items():
+        node = nodes.get(path)
+        if node is not None and (node["dtype"], node["shape"]) == (entry.dtype, entry.shape):
+            continue
+        why = "is no tensor of the tree"
+        if node is not None:
+            why = f"is {entry.dtype} {entry.shape} there but {node['dtype']} {node['shape']} in the tree"
+        raise ManifestError(
+            f"{key + ': ' if key else ''}referenced tensor {path!r} {why}; "
+            "it is not used (restore falls back to an earlier checkpoint)",
+            key=key or None,
+            step=manifest.step,
+        )
 
 
 def parse_lineage(data: bytes, *, key: str = "") -> LineageRecord:

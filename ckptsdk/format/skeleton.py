@@ -19,7 +19,7 @@ from ckptsdk.errors import ManifestError
 from ckptsdk.format.document import FLOAT_FORM
 from ckptsdk.format.dtype import NAMES
 
-__all__ = ["FACTORIES", "MAX_DEPTH", "TAGS", "skeleton_schema", "tag_of", "tensor_paths"]
+__all__ = ["FACTORIES", "MAX_DEPTH", "TAGS", "skeleton_schema", "tag_of", "tensor_nodes", "tensor_paths"]
 
 #: Deepest nesting accepted; deeper trees are almost surely a mistake and would hit Python's
 #: recursion limit in json as well.
@@ -182,6 +182,27 @@ def tensor_paths(skeleton: JsonValue) -> list[str]:
                 raise bad(tag, f"{value!r} is not of the form {_SCALAR_FORMS[tag]}")
 
     visit(skeleton, 0)
+    return found
+
+
+def tensor_nodes(skeleton: JsonValue) -> dict[str, dict[str, Any]]:
+    """Every ``$tensor`` node of a skeleton that ``tensor_paths`` accepted, by its path.
+
+    Example:
+        >>> tensor_nodes({"w": {"$tensor": "w", "dtype": "float32", "shape": [2]}, "t": {"$tuple": [1]}})
+        {'w': {'$tensor': 'w', 'dtype': 'float32', 'shape': [2]}}
+    """
+    found: dict[str, dict[str, Any]] = {}
+    stack: list[Any] = [skeleton]
+    while stack:  # depth-first; the order is not part of the answer
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+        elif isinstance(node, dict):
+            if isinstance(node.get("$tensor"), str):
+                found[node["$tensor"]] = node
+            else:
+                stack.extend(node.values())
     return found
 
 

@@ -34,7 +34,7 @@ def _job(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer, TrainSt
 def _as_newer(path: Path) -> None:
     """Make a manifest one a newer ckptsdk wrote (a newer major format; its checksum holds)."""
     doc = json.loads(path.read_text())
-    doc["format"] = "ckptsdk.checkpoint/3.0"
+    doc["format"] = "ckptsdk.checkpoint/9.0"
     path.write_bytes(seal({k: v for k, v in doc.items() if k != "checksum"}))
 
 

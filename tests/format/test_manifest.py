@@ -193,7 +193,7 @@ BAD = {
     "no format": (_tweak(format=KeyError), "no 'format' field"),
     "format not str": (_tweak(format=1), "'format' must be a string"),
     "lineage given": (LineageRecord(epoch=1, attempt=1, run_id="r").to_json(), "not a ckptsdk.checkpoint document"),
-    "future major": (_tweak(format="ckptsdk.checkpoint/3", step="whatever"), "newer ckptsdk"),
+    "future major": (_tweak(format="ckptsdk.checkpoint/9", step="whatever"), "newer ckptsdk"),
     "old major": (_tweak(format="ckptsdk.checkpoint/0"), "older major version"),
     "step as str": (_tweak(step="5700"), "step: Input should be a valid integer"),
     "negative step": (_tweak(step=-1), "step: Input should be greater than or equal to 0"),
@@ -564,3 +564,60 @@ def test_a_built_manifest_still_validates_every_other_field_and_refuses_a_bare_n
     bad = Manifest.built(tree={"x": float("nan")}, step=1, writer=WRITER, files=[], environment=env)
     with pytest.raises(ValueError, match="not JSON compliant"):
         bad.to_json()
+
+
+def test_format_md_reader_lists_references_and_proves_the_base_it_is_given(tmp_path):
+    """A 3.0 checkpoint (issue 48): the frozen base is in no file; the reader lists it, takes it
+    from the base it is given after checking its digest, and refuses a missing or different one."""
+    from ckptsdk.format.manifest import ReferencedBase, ReferencedTensor
+    from ckptsdk.format.reference import hash_tensor
+
+    torch.manual_seed(4)
+    frozen = {"base.weight": torch.randn(3, 4), "base.half": torch.randn(5).to(torch.bfloat16)}
+    tree = {"objects": {"model": {**frozen, "lora.A": torch.randn(2, 2)}}}
+    tensors, skeleton = encode(tree)
+    held = {k: v for k, v in tensors.items() if not k.endswith(("base.weight", "base.half"))}
+    folder = tmp_path / "step-0000000010.e1"
+    folder.mkdir()
+    safetensors.torch.save_file(held, folder / "tensors.safetensors")
+    data = (folder / "tensors.safetensors").read_bytes()
+    group = ReferencedBase(
+        source="hf:tiny@abc",
+        algorithm="xxh3-128",
+        tensors={
+            f"objects/model/{k}": ReferencedTensor(
+                dtype=str(t.dtype).removeprefix("torch."), shape=list(t.shape), size=t.nbytes, digest=hash_tensor(t)
+            )
+            for k, t in frozen.items()
+        },
+    )
+    manifest = make_manifest(
+        tree=skeleton,
+        files=[
+            FileEntry(
+                name="tensors.safetensors", size=len(data), digest=xxhash.xxh3_128_hexdigest(data), algorithm="xxh3-128"
+            )
+        ],
+        referenced=[group],
+    )
+    (folder / "manifest.json").write_bytes(manifest.to_json())
+    namespace: dict = {"__builtins__": {**vars(builtins), "__import__": _no_torch_import}}
+    exec(compile(_reader_snippet(), "FORMAT.md", "exec"), namespace)  # noqa: S102 - our own doc
+    raw_manifest = json.loads((folder / "manifest.json").read_bytes())
+    assert raw_manifest["format"] == "ckptsdk.checkpoint/3.0"
+    assert namespace["references"](raw_manifest) == [
+        ("objects/model/base.weight", "float32", [3, 4], 48, "hf:tiny@abc"),
+        ("objects/model/base.half", "bfloat16", [5], 10, "hf:tiny@abc"),
+    ]
+    with pytest.raises(AssertionError, match=r"base.weight \(from hf:tiny@abc\) is in no file .*pass it in base"):
+        namespace["read_checkpoint"](str(folder))
+    # The base as a torch-free reader has it: read from its own safetensors file (bfloat16 widened
+    # to float32 without ml_dtypes, narrowed back exactly to check it).
+    base_file = tmp_path / "base.safetensors"
+    safetensors.torch.save_file({f"objects/model/{k}": v for k, v in frozen.items()}, base_file)
+    base = namespace["read_safetensors"](base_file.read_bytes())
+    _, back = namespace["read_checkpoint"](str(folder), base=base)
+    _assert_identical(_as_numpy(tree), back)
+    other = {**base, "objects/model/base.weight": base["objects/model/base.weight"] + 1}
+    with pytest.raises(AssertionError, match=r"base.weight \(from hf:tiny@abc\) differs from the recorded bytes"):
+        namespace["read_checkpoint"](str(folder), base=other)

@@ -26,6 +26,16 @@ GOOD = {
     "nested files": _tweak(files=[FILE, {**FILE, "name": "shard/0.safetensors"}, {**FILE, "name": "..x"}]),
     "metric tags": _tweak(metrics={"a": {"$float": "nan"}, "b": {"$float": "7ff8000000000001"}}),
     "no keep rules": _tweak(keep=KeyError),
+    "referenced tensors": _tweak(
+        format="ckptsdk.checkpoint/3.0",
+        referenced=[
+            {
+                "source": "hf:gpt2@607a30d",
+                "algorithm": "xxh3-128",
+                "tensors": {"w": {"dtype": "float32", "shape": [2], "size": 8, "digest": "ef" * 16}},
+            }
+        ],
+    ),
     "every keep rule": _tweak(
         keep=[
             {"rule": "keep_last", "n": 1},
@@ -81,6 +91,15 @@ BAD_TOO = {  # beyond tests/format/test_manifest.py's BAD: what the old schema l
     "keep_best no metric": _tweak(keep=[{"rule": "keep_best", "metric": "", "k": 1, "mode": "min"}]),
     "keep rule field": _tweak(keep=[{"rule": "custom", "name": "x", "predicate": "lambda"}]),
     "protect negative": _tweak(keep=[{"rule": "protect", "steps": [-1], "why": ""}]),
+    "referenced dtype": _tweak(
+        format="ckptsdk.checkpoint/3.0",
+        referenced=[
+            {"algorithm": "xxh3-128", "tensors": {"w": {"dtype": "float31", "shape": [2], "size": 8, "digest": "ef"}}}
+        ],
+    ),
+    "referenced nothing": _tweak(
+        format="ckptsdk.checkpoint/3.0", referenced=[{"algorithm": "xxh3-128", "tensors": {}}]
+    ),
 }
 
 
