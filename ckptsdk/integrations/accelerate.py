@@ -14,10 +14,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+from torch.utils.data import RandomSampler
 
 from ckptsdk.integrations import require
 
 require("accelerate", "accelerate")
+from accelerate.data_loader import SeedableRandomSampler  # noqa: E402
 
 from ckptsdk.checkpoint.catalog import CheckpointInfo  # noqa: E402
 from ckptsdk.checkpoint.retention import Rule  # noqa: E402
@@ -34,20 +36,27 @@ __all__ = ["AcceleratorCheckpoints"]
 
 
 class _Counters:
-    """The accelerator's own counters: ``accelerator.step`` and each prepared loader's epoch.
+    """The accelerator's own counters: ``accelerator.step``, each prepared loader's epoch and the
+    seed of a seedable sampler.
 
     A prepared DataLoader calls ``set_epoch(self.iteration)`` on its sampler whenever an
     iterator starts, overriding the loop's own ``set_epoch``; a resumed process that did not put
-    ``iteration`` back would shuffle its first epoch as epoch 0.
+    ``iteration`` back would shuffle its first epoch as epoch 0. The epoch recorded is the one
+    being served, by the loader or by a ``skip_first_batches`` copy of it (:func:`_serving`).
+    A ``SeedableRandomSampler`` orders each epoch by ``initial_seed + epoch``, its seed taken
+    from torch's at ``prepare()``: a resumed process that did not seed the same would shuffle
+    otherwise, so the seed is kept too.
     """
 
     def __init__(self, accelerator: Any) -> None:
         self.accelerator = accelerator
 
     def state_dict(self) -> dict[str, Any]:
+        loaders = self.accelerator._dataloaders
         return {
             "step": int(self.accelerator.step),
-            "dataloader_iterations": [int(getattr(d, "iteration", 0)) for d in self.accelerator._dataloaders],
+            "dataloader_iterations": [int(getattr(_serving(self.accelerator, d), "iteration", 0)) for d in loaders],
+            "sampler_seeds": [_seed_of(d) for d in loaders],
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -62,6 +71,64 @@ class _Counters:
         for loader, iteration in zip(loaders, saved, strict=True):
             if hasattr(loader, "iteration"):
                 loader.iteration = iteration
+        seeds = state.get("sampler_seeds") or [None] * len(loaders)  # absent before issue 47
+        for loader, seed in zip(loaders, seeds, strict=False):
+            sampler = _sampler(loader)
+            if seed is not None and isinstance(sampler, SeedableRandomSampler):
+                sampler.initial_seed = int(seed)
+
+
+def _sampler(loader: Any) -> Any:
+    """The sampler that orders a prepared loader's samples (inside accelerate's batch sampler)."""
+    batches = getattr(loader, "batch_sampler", None)
+    for holder in (batches, getattr(batches, "batch_sampler", None)):
+        sampler = getattr(holder, "sampler", None)
+        if sampler is not None:
+            return sampler
+    return getattr(loader, "sampler", None)
+
+
+def _seed_of(loader: Any) -> int | None:
+    sampler = _sampler(loader)
+    return int(sampler.initial_seed) if isinstance(sampler, SeedableRandomSampler) else None
+
+
+def _serving(accelerator: Any, loader: Any) -> Any:
+    """What serves ``loader``'s epoch now: a ``skip_first_batches`` copy of it while that copy
+    iterates (the active loader: over the same dataset, not itself prepared), else ``loader``."""
+    refs = accelerator.gradient_state.dataloader_references
+    active = refs[-1] if refs else None
+    if (
+        active is not None
+        and active is not loader
+        and hasattr(active, "iteration")
+        and getattr(active, "dataset", None) is getattr(loader, "dataset", None)
+        and all(active is not d for d in accelerator._dataloaders)
+    ):
+        return active
+    return loader
+
+
+def _check_loaders(accelerator: Any) -> None:
+    """Refuse a prepared loader whose order a run resumed mid-epoch cannot give back."""
+    for i, loader in enumerate(accelerator._dataloaders):
+        sampler = _sampler(loader)
+        if isinstance(sampler, RandomSampler) and not isinstance(sampler, SeedableRandomSampler):
+            raise ConfigError(
+                f"prepared dataloader {i} shuffles with a RandomSampler: each epoch's order is drawn from its "
+                "generator as the epoch starts, and a run resumed mid-epoch cannot draw it again. Pass "
+                "Accelerator(dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True)) (the order then "
+                "follows the seed and the epoch), a sampler with set_epoch, or use ckptsdk.DataLoader registered "
+                "with accelerator.register_for_checkpointing"
+            )
+        shuffles = isinstance(sampler, RandomSampler) or callable(getattr(sampler, "set_epoch", None))
+        if shuffles and getattr(loader, "generator", None) is None:
+            raise ConfigError(
+                f"prepared dataloader {i} has no generator=: each epoch's iterator draws a seed from the global "
+                "torch RNG as it starts, and a run resumed mid-epoch draws it where the uninterrupted run did not "
+                "(dropout and every random draw after it differ). Pass "
+                "generator=torch.Generator().manual_seed(SEED) to the DataLoader"
+            )
 
 
 class AcceleratorCheckpoints:
@@ -77,9 +144,17 @@ class AcceleratorCheckpoints:
         keep_last, keep_every, keep, save_every, lease_ttl, force, async_save, storage_options:
             as for :class:`~ckptsdk.CheckpointManager`.
 
+    The wrapper owns each prepared loader's epoch: with accelerate's documented resume
+    (``skip_first_batches`` for the rest of the killed epoch, then the loader itself, no
+    ``set_epoch``) the epoch after the resumed one is shuffled as itself, provided the loop
+    calls ``should_save``, ``log_step`` or ``save`` during the resumed epoch.
+
     Raises:
         ConfigError: more than one process: each rank's RNG states would need a committer
-            that gathers them (ckptsdk's distributed layer), which this wrapper is not.
+            that gathers them (ckptsdk's distributed layer), which this wrapper is not. Or a
+            prepared loader a run resumed mid-epoch cannot shuffle as before: a plain
+            ``shuffle=True`` (use ``use_seedable_sampler=True``), or a shuffling loader without
+            ``generator=`` (its iterator draws from the global RNG as each epoch starts).
 
     Example (a training loop, not a doctest: tests/support/_integration_jobs.py runs one)::
 
@@ -109,6 +184,7 @@ class AcceleratorCheckpoints:
                 f"AcceleratorCheckpoints supports one process, this run has {accelerator.num_processes}: "
                 "per-rank RNG states need a gathering committer; use accelerator.save_state for now"
             )
+        _check_loaders(accelerator)  # before the root is touched
         self.accelerator = accelerator
         self.manager = CheckpointManager(
             url,
@@ -157,6 +233,7 @@ class AcceleratorCheckpoints:
         blocking: bool | None = None,
     ) -> CheckpointInfo:
         """Commit the state at ``step``; the rest as for :meth:`ckptsdk.CheckpointManager.save`."""
+        self._own_epochs()
         return self.manager.save(
             self.train_state(),
             step=step,
@@ -170,11 +247,24 @@ class AcceleratorCheckpoints:
 
     def should_save(self, step: int) -> bool:
         """True every ``save_every`` steps."""
+        self._own_epochs()
         return self.manager.should_save(step)
 
     def log_step(self, step: int, **scalars: float | torch.Tensor | np.generic) -> None:
         """Record scalars in the per-attempt step log (for ``ckptsdk audit``)."""
+        self._own_epochs()
         self.manager.log_step(step, **scalars)
+
+    def _own_epochs(self) -> None:
+        """While a ``skip_first_batches`` copy serves a prepared loader's resumed epoch, the
+        loader's own next epoch is the one after: set it, so that the loop's next pass over the
+        loader (accelerate's documented resume, with no ``set_epoch``) does not shuffle the
+        resumed epoch's order again. Run at every step hook (``should_save``, ``log_step``,
+        ``save``); a loop that calls ``set_epoch`` itself sets the same epoch."""
+        for loader in self.accelerator._dataloaders:
+            serving = _serving(self.accelerator, loader)
+            if serving is not loader and getattr(loader, "iteration", 0) <= serving.iteration:
+                loader.iteration = serving.iteration + 1
 
     def close(self) -> None:
         """Wait for saves, flush the log, release the lease."""
