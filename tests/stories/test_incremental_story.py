@@ -95,7 +95,11 @@ def _save5(root: str, kill_at: int | None) -> int:
     nothing is known of it yet), then step 5 (unchanged for a save interval, the base goes to a new
     shared file); with ``kill_at``, SIGKILL this process at that backend call of the last save."""
     faulty = FaultyBackend(LocalBackend(root))
-    mgr = CheckpointManager(faulty, keep_last=3, lease_ttl=1.0, save_on_signal=False, force=True)
+    # No heartbeat: its renewals would be counted among the calls, as many as the save's time
+    # allows, and a child killed at call N would then count differently from the probe.
+    mgr = CheckpointManager(
+        faulty, keep_last=3, lease_ttl=30, force=True, save_on_signal=False, _simulation=Simulation(heartbeat=False)
+    )
     model, _, state = _job(0)
     assert mgr.restore(state).step == 3
     for step in (4, 5):
