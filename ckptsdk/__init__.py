@@ -3,6 +3,8 @@
 The curated public surface (``__all__``, locked by tests/project/test_public_api.py); everything else
 lives in submodules users do not need (``ckptsdk.format.codec``, ``ckptsdk.format.tensorfile``...).
 
+Keep rules for ``CheckpointManager(keep=[...])`` are ``ckptsdk.keep``'s (``keep.best("val_loss", 2)``).
+
 Example (``memory://`` here; a job passes a path, ``drive://runs/r18`` or ``gs://bucket/run``):
     >>> import torch, ckptsdk
     >>> model = torch.nn.Linear(4, 2)
@@ -73,8 +75,11 @@ _LAZY = {
     "ResumePoint": "checkpoint.reader",
     "TrainState": "state",
 }
+#: Public submodules loaded on first use as ``ckptsdk.NAME`` (``from ckptsdk import keep`` works anyway).
+_LAZY_MODULES = ("keep",)
 
 if TYPE_CHECKING:
+    from ckptsdk import keep
     from ckptsdk.checkpoint.catalog import CheckpointInfo
     from ckptsdk.checkpoint.reader import ResumePoint
     from ckptsdk.data.cache import DataCache
@@ -87,13 +92,21 @@ if TYPE_CHECKING:
 
 def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
-    if module is None:
+    if module is None and name not in _LAZY_MODULES:
         raise AttributeError(f"module 'ckptsdk' has no attribute {name!r}")
     import importlib
 
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    if module is None:  # a submodule: importing it sets the attribute too
+        value = importlib.import_module(f".{name}", __name__)
+    else:
+        value = getattr(importlib.import_module(f".{module}", __name__), name)
     globals()[name] = value
     return value
+
+
+def __dir__() -> list[str]:
+    # The lazy names are not in globals() until first used; dir() and completion list them anyway.
+    return sorted({*globals(), *_LAZY, *_LAZY_MODULES})
 
 
 __all__ = [
@@ -137,5 +150,6 @@ __all__ = [
     "UnknownSchemeError",
     "UnsafeArchiveError",
     "UnsupportedStateError",
+    "keep",
     "open_backend",
 ]

@@ -37,6 +37,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("lease",),
     ("runlog",),
     ("checkpoint",),
+    ("keep",),  # ckptsdk.keep: the keep rules under the short names a job types
     ("state",),
     ("options",),  # CheckpointManager's option groups (Retention, LeaseOptions, SaveOptions)
     ("manager",),

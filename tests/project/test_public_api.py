@@ -28,6 +28,8 @@ EXPECTED = {
     "LeaseOptions",
     "Retention",
     "SaveOptions",
+    # the keep rules' module: keep=[keep.best("val_loss", 2), keep.every(1000)]
+    "keep",
     # the rest of the error tree: every error a public call raises is catchable as ckptsdk.X
     "AllSourcesFailedError",
     "CheckpointError",
@@ -53,6 +55,36 @@ def test_all_is_locked():
     assert set(ckptsdk.__all__) == EXPECTED
     for name in EXPECTED:
         assert getattr(ckptsdk, name) is not None
+
+
+def test_dir_lists_the_lazy_names_before_their_first_use():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, ckptsdk; names = dir(ckptsdk); "
+        "assert 'ckptsdk.manager' not in sys.modules and 'ckptsdk.keep' not in sys.modules; print(names)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    names = eval(out.stdout)
+    assert set(ckptsdk.__all__) <= set(names)
+    assert {"CheckpointManager", "TrainState", "keep", "__version__"} <= set(names)
+
+
+def test_keep_is_a_public_submodule_reached_as_an_attribute():
+    import ckptsdk.checkpoint.retention as retention
+
+    assert ckptsdk.keep.__name__ == "ckptsdk.keep"
+    from ckptsdk import keep
+
+    assert keep is ckptsdk.keep
+    assert keep.every(1000) == retention.keep_every(1000)
+    assert keep.last(3) == retention.keep_last(3)
+    assert keep.every_seconds(60) == retention.keep_every_seconds(60)
+    assert keep.best("val_loss", 2) == retention.keep_best("val_loss", 2, "min")
+    assert keep.best("acc").mode == "max"
+    predicate = lambda c: c.step == 7  # noqa: E731
+    assert keep.when(predicate, name="seven") == retention.keep_if(predicate, "seven")
 
 
 def test_audit_is_a_module_and_a_manager_method():
