@@ -71,7 +71,7 @@ def test_pre_commit_runs_the_same_checks(tmp_path: Path) -> None:
     yaml = pytest.importorskip("yaml")
     config = yaml.safe_load((Path(REPO) / ".pre-commit-config.yaml").read_text(encoding="utf-8"))
     hooks = {hook["id"]: hook for repo in config["repos"] for hook in repo["hooks"]}
-    assert set(hooks) == {"ruff", "ruff-format", "mypy"}
+    assert set(hooks) == {"ruff", "ruff-format", "mypy", "commit-msg"}  # the last: tests/project/test_commit_msg.py
     assert all(hook["language"] == "system" for hook in hooks.values())
     assert hooks["mypy"]["pass_filenames"] is False
     # The two ruff hooks, run as pre-commit would (entry + the staged file), on a clean file and a bad one.
