@@ -1,5 +1,9 @@
 """What is written: the documents, a root's layout, the manifest, the environment, the state codec, tensor files.
 
-Pure format: bytes in, models out. Nothing here touches storage (backends), leases or the save
-pipeline; every JSON document follows ``format.document``'s one rule.
+Mostly pure format, bytes in and models out; every JSON document follows ``format.document``'s
+one rule. The tensor files are read and written where they lie: ``tensorfile`` (verified reads),
+``tensorwriter`` (streamed writes) and ``hashedread`` (the hashing reader under both) do their I/O
+through a :class:`~ckptsdk.backends.base.Backend` they are given, and ``readahead`` warms local
+files in the page cache; which keys to read or write, when, and under which lease is not theirs.
+Nothing here opens a store, takes a lease or runs the save pipeline.
 """
