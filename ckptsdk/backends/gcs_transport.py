@@ -11,26 +11,29 @@ means (objects, uploads, preconditions) belongs in ``gcs.py``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import importlib
+import importlib.util
 import json
 import logging
 import os
 import random
+import sys
 import threading
 import weakref
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-# Must be set before gcsfs is imported: otherwise its default class probes every bucket over
-# gRPC/TLS first (up to 60 s per operation against an HTTP emulator).
-os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+import aiohttp  # (gcsfs dependency)
+import fsspec.asyn
 
-import aiohttp  # noqa: E402  (gcsfs dependency)
-import fsspec.asyn  # noqa: E402
-from gcsfs.core import GCSFileSystem  # noqa: E402
+from ckptsdk.backends.deadline import MIN_RATE_BPS, Retries
+from ckptsdk.errors import BackendError, MissingDependencyError
 
-from ckptsdk.backends.deadline import MIN_RATE_BPS, Retries  # noqa: E402
-from ckptsdk.errors import BackendError, MissingDependencyError  # noqa: E402
+if importlib.util.find_spec("gcsfs") is None:  # found without importing it (see _gcsfs_core)
+    # What open_backend turns into "pip install 'ckptsdk[gcs]'", as an import of gcsfs would.
+    raise ModuleNotFoundError("No module named 'gcsfs'", name="gcsfs")
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +50,42 @@ MIN_AIOHTTP = (3, 12)
 # the state at save(), and a retry during training would change the run). Found by
 # tests/stories/test_faults_gcs.py: restores after retried requests were not exact.
 _JITTER = random.Random()
+
+
+#: gcsfs reads this once, when the package is imported (default "true" since 2026.x): its
+#: package-level ``GCSFileSystem`` (fsspec's "gs") then becomes the experimental zonal/HNS class,
+#: whose import pulls gRPC clients and which probes every bucket over gRPC/TLS first (up to 60 s
+#: per operation against an HTTP emulator).
+ZB_HNS_SWITCH = "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"
+
+
+@contextlib.contextmanager
+def _environ(name: str, value: str) -> Iterator[None]:
+    """``os.environ[name]`` defaults to ``value`` inside, and is as it was after (set or not)."""
+    before = os.environ.get(name)
+    os.environ.setdefault(name, value)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
+
+
+def _gcsfs_core() -> Any:
+    """``gcsfs.core``, imported when a GCS backend is opened, not when this module is.
+
+    Only ``gcsfs.core.GCSFileSystem``'s credentials are used here, so the experimental class is
+    switched off for the import alone (:data:`ZB_HNS_SWITCH`, unless the user set it): the
+    user's environment, and what their own ``import gcsfs`` or child processes see, stay theirs
+    (this module used to ``os.environ.setdefault`` it at import, for the whole process). When
+    gcsfs is already imported, nothing is set: its choice was made.
+    """
+    if "gcsfs.core" in sys.modules:
+        return sys.modules["gcsfs.core"]
+    with _environ(ZB_HNS_SWITCH, "false"):
+        return importlib.import_module("gcsfs.core")
 
 
 def endpoint_of(endpoint_url: str | None) -> str:
@@ -175,7 +214,7 @@ class JsonApiTransport:
             notice.daemon = True
             notice.start()
         try:
-            self._credentials = GCSFileSystem(**options).credentials
+            self._credentials = _gcsfs_core().GCSFileSystem(**options).credentials
         finally:
             if notice is not None:
                 notice.cancel()

@@ -198,3 +198,42 @@ def test_s3_url_opens_the_s3_backend(s3_server):
     assert open_backend("s3://open-backend-s3/runs", **s3_server.storage_options).read("a/k") == b"v"
     with pytest.raises(ConfigError, match="names no bucket"):
         open_backend("s3://", **s3_server.storage_options)
+
+
+# A stand-in gcsfs that records the switch it saw when imported (gcsfs reads it only then).
+_FAKE_GCSFS = {
+    "gcsfs/__init__.py": "import os\nSEEN = os.environ.get('GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT')\n",
+    "gcsfs/core.py": "class GCSFileSystem:\n    def __init__(self, **options):\n        self.credentials = None\n",
+}
+
+_ENV_CHILD = """
+import json, os, sys
+before = dict(os.environ)
+import ckptsdk.backends.gcs_transport as transport
+imported = dict(os.environ)
+assert "gcsfs" not in sys.modules  # imported when a GCS backend is opened, not before
+core = transport._gcsfs_core()
+import gcsfs
+print(json.dumps({"import_untouched": imported == before, "seen": gcsfs.SEEN,
+                  "open_untouched": dict(os.environ) == before, "core": core.__name__}))
+"""
+
+
+@pytest.mark.parametrize("users", [None, "true"])
+def test_the_gcs_transport_leaves_the_environment_as_the_user_set_it(tmp_path, users):
+    for name, text in _FAKE_GCSFS.items():
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text(text)
+    env = {k: v for k, v in os.environ.items() if k != "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"}
+    if users is not None:
+        env["GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"] = users
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), str(REPO)])
+    proc = subprocess.run(
+        [sys.executable, "-c", _ENV_CHILD], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["import_untouched"] and result["open_untouched"], result
+    assert result["core"] == "gcsfs.core"
+    # gcsfs imported with its experimental class off, unless the user said otherwise.
+    assert result["seen"] == (users or "false")
