@@ -45,7 +45,7 @@ from typing import Any
 import torch
 
 from benchmarks.bench_checkpoint import Job, build_resnet, drop_cache, loadavg
-from ckptsdk import CheckpointManager, TrainState, open_backend
+from ckptsdk import CheckpointManager, LeaseOptions, SaveOptions, TrainState, open_backend
 from ckptsdk.format.layout import MANIFEST, TENSORS, checkpoint_dir
 from ckptsdk.format.manifest import parse_manifest
 from ckptsdk.testing.counting import CountingBackend
@@ -65,7 +65,9 @@ def build_tiny() -> Job:
 
 def make_root(root: Path, job: Job, n: int) -> None:
     """``n`` committed checkpoints of ``job`` by one writer (epoch 1): steps 1..n."""
-    with CheckpointManager(str(root), keep_last=n + 10, lease_ttl=600.0, save_on_signal=False) as mgr:
+    with CheckpointManager(
+        str(root), keep_last=n + 10, lease_options=LeaseOptions(ttl=600.0), save_options=SaveOptions(on_signal=False)
+    ) as mgr:
         mgr.save(TrainState(**job.objects), step=1)
     first = root / checkpoint_dir(1, 1)
     manifest = parse_manifest((first / MANIFEST).read_bytes())
@@ -83,7 +85,9 @@ def fresh_copy(src: Path, dst: Path) -> Path:
 
 
 def open_and_restore(url: Any, job: Job, n: int) -> None:
-    with CheckpointManager(url, keep_last=n + 10, lease_ttl=600.0, save_on_signal=False) as mgr:
+    with CheckpointManager(
+        url, keep_last=n + 10, lease_options=LeaseOptions(ttl=600.0), save_options=SaveOptions(on_signal=False)
+    ) as mgr:
         point = mgr.restore(TrainState(**job.objects))
         assert point is not None and point.step == n, point
 

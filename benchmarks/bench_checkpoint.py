@@ -43,7 +43,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from ckptsdk import open_backend  # noqa: E402
+from ckptsdk import LeaseOptions, SaveOptions, open_backend  # noqa: E402
 from ckptsdk.checkpoint.staging import Stager  # noqa: E402
 from ckptsdk.format.tensorfile import read_tensorfile, write_tensorfile  # noqa: E402
 
@@ -214,7 +214,10 @@ class Bench:
             # incremental=False: every rep saves the same state, which an incremental save would
             # not write again; these rows measure the full write, against torch.save and raw writes.
             self.mgr = CheckpointManager(
-                str(root / "mgr"), keep_last=1000, lease_ttl=600.0, save_on_signal=False, incremental=False
+                str(root / "mgr"),
+                keep_last=1000,
+                lease_options=LeaseOptions(ttl=600.0),
+                save_options=SaveOptions(on_signal=False, incremental=False),
             )
             # Restores go through a reader: a writer restores once, before its first save.
             # A new reader each time: a cold restore is a new process, with no manifest memo.
@@ -223,9 +226,8 @@ class Bench:
                 lat: CheckpointManager(
                     _slow_backend(root / f"mgr-{int(lat * 1000)}ms", lat),
                     keep_last=2,
-                    lease_ttl=600.0,
-                    save_on_signal=False,
-                    incremental=False,
+                    lease_options=LeaseOptions(ttl=600.0),
+                    save_options=SaveOptions(on_signal=False, incremental=False),
                 )
                 for lat in LATENCIES
             }
@@ -409,7 +411,12 @@ def memory_child(state: str, large_mb: int, root: Path, with_manager: bool) -> d
         mgr = ts = None
         if method.startswith("manager"):
             ts = TrainState(**job.objects)
-            mgr = CheckpointManager(str(d / "mgr"), keep_last=1000, lease_ttl=600.0, incremental=False)
+            mgr = CheckpointManager(
+                str(d / "mgr"),
+                keep_last=1000,
+                lease_options=LeaseOptions(ttl=600.0),
+                save_options=SaveOptions(incremental=False),
+            )
         backend = open_backend(str(d / "direct"))
         _trim()
         try:
@@ -486,8 +493,8 @@ def gcs_rows(job: Job, reps: int, warmup: int) -> dict[str, list[float]]:
                 emu.url("bench", "mgr"),
                 storage_options=emu.storage_options,
                 keep_last=2,
-                lease_ttl=600.0,
-                incremental=False,
+                lease_options=LeaseOptions(ttl=600.0),
+                save_options=SaveOptions(incremental=False),
             )
             reader = CheckpointManager(
                 emu.url("bench", "mgr"), storage_options=emu.storage_options, read_only=True

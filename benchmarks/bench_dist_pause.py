@@ -25,6 +25,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from ckptsdk import LeaseOptions, SaveOptions
+
 
 def worker(cfg: dict[str, Any]) -> None:
     import torch
@@ -41,7 +43,11 @@ def worker(cfg: dict[str, Any]) -> None:
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     state = {"app": AppState(model, opt)}
     kw = {} if cfg["snapshot"] == "none" else {"snapshot": cfg["snapshot"]}
-    dm = DistributedCheckpointManager(os.path.join(cfg["dir"], "root"), async_save=True, lease_ttl=30.0, **kw)
+    dm = DistributedCheckpointManager(
+        os.path.join(cfg["dir"], "root"),
+        lease_options=LeaseOptions(ttl=30.0),
+        save_options=SaveOptions(asynchronous=True, **kw),
+    )
     x = torch.randn(8, width)
 
     def step() -> float:

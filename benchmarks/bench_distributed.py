@@ -28,6 +28,8 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from ckptsdk import LeaseOptions
+
 N_TENSORS = 8
 
 
@@ -61,7 +63,9 @@ def worker(cfg: dict[str, Any]) -> None:
     dist.init_process_group("gloo", init_method=f"file://{cfg['init']}", rank=rank, world_size=world)
     state = _state(cfg["mb"], cfg["kind"], world)
     base = Path(cfg["dir"])
-    dm = DistributedCheckpointManager(str(base / "ckptsdk"), keep_last=1, lease_ttl=60.0, async_save=True)
+    dm = DistributedCheckpointManager(
+        str(base / "ckptsdk"), keep_last=1, lease_options=LeaseOptions(ttl=60.0), async_save=True
+    )
     rows: list[dict[str, Any]] = []
 
     def timed(fn: Any) -> float:

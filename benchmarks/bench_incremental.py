@@ -53,7 +53,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from benchmarks.bench_checkpoint import drop_cache, loadavg  # noqa: E402
-from ckptsdk import CheckpointManager, TrainState, open_backend  # noqa: E402
+from ckptsdk import CheckpointManager, LeaseOptions, SaveOptions, TrainState, open_backend  # noqa: E402
 from ckptsdk.checkpoint.usage import usage  # noqa: E402
 from ckptsdk.testing.counting import CountingBackend  # noqa: E402
 
@@ -217,12 +217,13 @@ class Writer:
 
 def open_writer(mode: str, url: str, folder: Path, store: str, keep_last: int) -> Writer:
     backend = CountingBackend(open_backend(url))
-    options: dict[str, Any] = dict(keep_last=keep_last, lease_ttl=600.0, save_on_signal=False)
-    if store == "drive":
-        options["lease_settle"] = 0.0  # one writer, no rival VM to wait for (the default waits ttl/5)
+    # settle 0 on Drive: one writer, no rival VM to wait for (the default waits ttl/5).
+    leasing = LeaseOptions(ttl=600.0, settle=0.0 if store == "drive" else None)
+    saves: dict[str, Any] = dict(on_signal=False)
     if HAS_INCREMENTAL:
-        options["incremental"] = mode == "incremental"
-    return Writer(mode, url, folder, backend, CheckpointManager(backend, **options))
+        saves["incremental"] = mode == "incremental"
+    mgr = CheckpointManager(backend, keep_last=keep_last, lease_options=leasing, save_options=SaveOptions(**saves))
+    return Writer(mode, url, folder, backend, mgr)
 
 
 def run_case_store(case: str, store: str, tmp: Path, args: argparse.Namespace) -> dict[str, Any]:

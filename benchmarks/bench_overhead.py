@@ -42,7 +42,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from adapters.cifar10.model import build_model  # noqa: E402
-from ckptsdk import CheckpointManager, TrainState, open_backend  # noqa: E402
+from ckptsdk import CheckpointManager, LeaseOptions, SaveOptions, TrainState, open_backend  # noqa: E402
 from ckptsdk.testing import FaultyBackend  # noqa: E402
 
 EVERY = (1, 10, 100)
@@ -131,7 +131,7 @@ def sigterm_child(args: argparse.Namespace) -> None:
     root = Path(args.root)
     backend: Any = slow_backend(root, args.latency) if args.latency else str(root)
     job = Job(args.width, args.batch_size, 10_000, device=args.device, amp=args.amp)
-    mgr = CheckpointManager(backend, save_every=10**9, lease_ttl=60.0, keep_last=2)
+    mgr = CheckpointManager(backend, save_every=10**9, lease_options=LeaseOptions(ttl=60.0), keep_last=2)
     mgr.restore(job.state)
     for i in range(1, 10_000):
         loss = job.step(i)
@@ -241,7 +241,12 @@ def main(argv: list[str] | None = None) -> int:
         saving: list[tuple[str, int | None]] = [(s, e) for s in storages for e in EVERY]
         mgrs = {
             s: {
-                e: CheckpointManager(storages[s](f"{s}-{e}"), keep_last=2, lease_ttl=600.0, save_on_signal=False)
+                e: CheckpointManager(
+                    storages[s](f"{s}-{e}"),
+                    keep_last=2,
+                    lease_options=LeaseOptions(ttl=600.0),
+                    save_options=SaveOptions(on_signal=False),
+                )
                 for e in EVERY
             }
             for s in storages

@@ -29,7 +29,7 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from ckptsdk import CheckpointManager, TrainState  # noqa: E402
+from ckptsdk import CheckpointManager, LeaseOptions, SaveOptions, TrainState  # noqa: E402
 from ckptsdk.backends.memory import MemoryBackend  # noqa: E402
 from ckptsdk.checkpoint import retention  # noqa: E402
 from ckptsdk.checkpoint.rotation import Rotation  # noqa: E402
@@ -65,10 +65,17 @@ def _saves(record: bool, saves: int) -> list[float]:
     state = TrainState(model=torch.nn.Linear(16, 16))
     times = []
     patch = contextlib.nullcontext() if record else mock.patch.object(Rotation, "keep_record", lambda self: None)
-    with patch, CheckpointManager(
-        f"memory://{name}", keep_last=3, keep=_rules(), lease_ttl=30, save_on_signal=False,
-        _simulation=Simulation(heartbeat=False),
-    ) as mgr:  # fmt: skip
+    with (
+        patch,
+        CheckpointManager(
+            f"memory://{name}",
+            keep=_rules(),
+            lease_options=LeaseOptions(ttl=30),
+            save_options=SaveOptions(on_signal=False),
+            keep_last=3,
+            _simulation=Simulation(heartbeat=False),
+        ) as mgr,
+    ):
         for step in range(1, saves + 1):
             t0 = time.perf_counter()
             mgr.save(state, step=step, metrics={"val_loss": 1.0 / step}, blocking=True)
@@ -81,7 +88,13 @@ def _gc_wall(reps: int) -> list[float]:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     with tempfile.TemporaryDirectory() as tmp:
         url = f"{tmp}/run"
-        with CheckpointManager(url, keep_last=20, keep=_rules(), lease_ttl=30, save_on_signal=False) as mgr:
+        with CheckpointManager(
+            url,
+            keep_last=20,
+            keep=_rules(),
+            lease_options=LeaseOptions(ttl=30),
+            save_options=SaveOptions(on_signal=False),
+        ) as mgr:
             for step in range(1, 21):
                 mgr.save(TrainState(model=torch.nn.Linear(16, 16)), step=step, metrics={"val_loss": 1.0 / step})
         out = []

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from benchmarks.bench_checkpoint import build_resnet, drop_cache, loadavg, raw_read
-from ckptsdk import CheckpointManager, TrainState
+from ckptsdk import CheckpointManager, LeaseOptions, SaveOptions, TrainState
 from ckptsdk.format.layout import MANIFEST, TENSORS, checkpoint_dir
 from ckptsdk.format.manifest import parse_manifest
 
@@ -58,7 +58,12 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="ckpt-restore-", dir=args.dir) as tmp:
         root = Path(tmp)
         torch.save(job.tree(), root / "torch.pt")
-        with CheckpointManager(str(root / "mgr"), keep_last=10, lease_ttl=600.0, save_on_signal=False) as mgr:
+        with CheckpointManager(
+            str(root / "mgr"),
+            keep_last=10,
+            lease_options=LeaseOptions(ttl=600.0),
+            save_options=SaveOptions(on_signal=False),
+        ) as mgr:
             for step in (1, 2, 3):
                 mgr.save(state, step=step)
         files = read_files(root / "mgr", checkpoint_dir(3, 1))

@@ -24,7 +24,7 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from ckptsdk import CheckpointManager, TrainState  # noqa: E402
+from ckptsdk import CheckpointManager, LeaseOptions, SaveOptions, TrainState  # noqa: E402
 from ckptsdk.backends.memory import MemoryBackend  # noqa: E402
 from ckptsdk.checkpoint import retention  # noqa: E402
 from ckptsdk.manager import Simulation  # noqa: E402
@@ -69,8 +69,8 @@ def bench_saves(saves: int, keep: list[retention.Rule]) -> list[float]:
         f"memory://{name}",
         keep_last=3,
         keep=keep,
-        lease_ttl=60,
-        save_on_signal=False,
+        lease_options=LeaseOptions(ttl=60),
+        save_options=SaveOptions(on_signal=False),
         _simulation=Simulation(heartbeat=False),
     ) as mgr:
         for step in range(1, saves + 1):

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from benchmarks.gpu_like import GPU_STEP_S, SleepJob
-from ckptsdk import CheckpointManager, TrainState
+from ckptsdk import CheckpointManager, LeaseOptions, SaveOptions, TrainState
 from ckptsdk.checkpoint.scheduling import SaveSlots
 from ckptsdk.format.template import EncodingCache
 
@@ -60,7 +60,9 @@ def run(saves: int) -> dict[str, list[float]]:
         job = SleepJob()
         job.step(-1)
         with tempfile.TemporaryDirectory(prefix="ckpt-savecpu-") as tmp:
-            mgr = CheckpointManager(tmp, keep_last=2, lease_ttl=600.0, save_on_signal=False)
+            mgr = CheckpointManager(
+                tmp, keep_last=2, lease_options=LeaseOptions(ttl=600.0), save_options=SaveOptions(on_signal=False)
+            )
             mgr.restore(job.state)
             mgr.save(job.state, step=0, blocking=False)  # compiles the template: a one-off
             mgr.wait()

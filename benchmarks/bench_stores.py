@@ -28,7 +28,7 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from ckptsdk import CheckpointManager  # noqa: E402
+from ckptsdk import CheckpointManager, SaveOptions  # noqa: E402
 from ckptsdk.backends import open_backend, probe  # noqa: E402
 
 
@@ -66,7 +66,7 @@ def one_run(kind: str, url: str, options: dict[str, Any], mb: int, saves: int) -
     b = open_backend(url, **options)
     counts = _counted(b)
     t = time.perf_counter()
-    mgr = CheckpointManager(b, keep_last=2, async_save=False, save_on_signal=False)
+    mgr = CheckpointManager(b, keep_last=2, save_options=SaveOptions(asynchronous=False, on_signal=False))
     row["open_s"], row["open_requests"] = time.perf_counter() - t, sum(counts.values())
     state = _state(mb)
     times, calls = [], []

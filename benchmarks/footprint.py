@@ -31,7 +31,7 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.footprint_child import read_line as _line  # noqa: E402
 from benchmarks.footprint_child import state  # noqa: E402
-from ckptsdk import CheckpointManager  # noqa: E402
+from ckptsdk import CheckpointManager, LeaseOptions, Retention  # noqa: E402
 from ckptsdk.backends import open_backend  # noqa: E402
 from ckptsdk.checkpoint.usage import usage  # noqa: E402
 from ckptsdk.format.layout import TENSORS  # noqa: E402
@@ -142,11 +142,9 @@ def story_trash(tmp: Path, mode: str, *, steps: int = 7800, every: int = 100, si
     s = state(size)
     with CheckpointManager(
         backend,
-        keep_last=KEEP_LAST,
-        lease_ttl=600,
-        lease_settle=0,
+        retention=Retention(keep_last=KEEP_LAST, mode=mode),
+        lease_options=LeaseOptions(ttl=600, settle=0),
         _simulation=Simulation(heartbeat=False),
-        retention_mode=mode,
     ) as mgr:
         mgr.restore(s)
         for step in range(every, steps + 1, every):

@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from ckptsdk import CheckpointManager, TrainState
+from ckptsdk import CheckpointManager, LeaseOptions, Retention, TrainState
 from ckptsdk.backends import open_backend
 from ckptsdk.testing.counting import CountingBackend
 
@@ -70,12 +70,8 @@ def writer(url: str, keep_last: int, grace: float, *, saves: int, mode: str | No
     counting = CountingBackend(open_backend(url))
     mgr = CheckpointManager(
         counting,
-        keep_last=keep_last,
-        lease_ttl=5,
-        lease_settle=0,
-        force=True,
-        leftover_grace=grace,
-        retention_mode=mode,
+        retention=Retention(keep_last=keep_last, leftover_grace=grace, mode=mode),
+        lease_options=LeaseOptions(ttl=5, settle=0, force=True),
     )
     s = state(size)
     pos = mgr.restore(s)

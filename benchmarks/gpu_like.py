@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from adapters.cifar10.model import build_model
-from ckptsdk import CheckpointManager, TrainState, open_backend
+from ckptsdk import CheckpointManager, LeaseOptions, SaveOptions, TrainState, open_backend
 from ckptsdk.format import codec
 from ckptsdk.testing import FaultyBackend
 
@@ -124,7 +124,10 @@ def main(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="ckpt-gpulike-", dir=args.dir) as tmp:
         backends = {lat: _backend(Path(tmp) / f"root-{lat:.0f}ms", lat / 1000) for lat in LATENCIES_MS}
         mgrs = {
-            lat: CheckpointManager(b, keep_last=2, lease_ttl=600.0, save_on_signal=False) for lat, b in backends.items()
+            lat: CheckpointManager(
+                b, keep_last=2, lease_options=LeaseOptions(ttl=600.0), save_options=SaveOptions(on_signal=False)
+            )
+            for lat, b in backends.items()
         }
         first: dict[float, tuple[float, float]] = {}
         for lat, m in mgrs.items():

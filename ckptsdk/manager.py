@@ -34,17 +34,24 @@ from ckptsdk.checkpoint.outline import Outline
 from ckptsdk.checkpoint.reader import CheckpointReader, ResumePoint, resume_point
 from ckptsdk.checkpoint.recorded import KeepDecisions
 from ckptsdk.checkpoint.retention import Rule, warn_if_changed
-from ckptsdk.checkpoint.rotation import GcReport, RetentionMode, Rotation
+from ckptsdk.checkpoint.rotation import GcReport, Rotation
 from ckptsdk.checkpoint.saving import SavePipeline
 from ckptsdk.checkpoint.shutdown import WriterShutdown, _close_at_exit
-from ckptsdk.checkpoint.staging import SnapshotMode
 from ckptsdk.errors import ConfigError, NoValidCheckpointError
 from ckptsdk.format.layout import writer_tag
 from ckptsdk.format.manifest import FileEntry, Position
 from ckptsdk.format.userfield import user_fields
 from ckptsdk.lease.acquire import Lease
 from ckptsdk.loader import loaders_of, resolve_position
-from ckptsdk.options import DEFAULT_SAVE_DEADLINE, LeaseOptions, Retention, SaveOptions, grouped
+from ckptsdk.options import (
+    DEFAULT_SAVE_DEADLINE,
+    DEPRECATED,
+    LeaseOptions,
+    Retention,
+    SaveOptions,
+    deprecated_shorthand,
+    grouped,
+)
 from ckptsdk.preemption import Preemption
 from ckptsdk.runlog.writer import RunLog
 from ckptsdk.state import Restorable, Stateful, TrainState, preflight
@@ -90,34 +97,38 @@ class CheckpointManager(CheckpointReader, KeepDecisions, WriterShutdown):
     The read API (``list``, ``latest``, ``load``, ``load_manifest``, ``verify``) is
     :class:`~ckptsdk.checkpoint.reader.CheckpointReader`'s.
 
-    Options come in three groups (:mod:`ckptsdk.options`), each also reachable by flat keywords,
-    the documented shorthand; giving a group and one of its flat keywords is a ``ConfigError``.
-    A flat keyword left at None takes the group's default.
+    Options come in three groups (:mod:`ckptsdk.options`); the four options of the README's first
+    loop also have a flat keyword (``keep_last``, ``keep``, ``save_every``, ``async_save``), and
+    giving a group and one of its flat keywords is a ``ConfigError``. A flat keyword left at None
+    takes the group's default. The other flat keywords of ckptsdk 0.1.0 (``lease_ttl=``,
+    ``snapshot=``, ...: :data:`ckptsdk.options.DEPRECATED`) still work, with a
+    ``DeprecationWarning`` naming their group field, until ckptsdk 0.3.0.
 
     Args:
         url: the root: a path, ``file://``, ``drive://REL``, ``gs://bucket/prefix``, ``memory://name``.
-        retention: what rotation keeps (:class:`~ckptsdk.options.Retention`). Shorthand:
-            ``keep_last`` (default 3), ``keep_every``, ``keep`` (more keep rules, e.g.
-            ``[retention.keep_best("val_loss", 2)]`` from :mod:`ckptsdk.checkpoint.retention`),
-            ``retention_mode``, ``leftover_grace``.
+        retention: what rotation keeps (:class:`~ckptsdk.options.Retention`).
         lease_options: how the writer lease is taken (:class:`~ckptsdk.options.LeaseOptions`).
-            Shorthand: ``lease_ttl``, ``lease_wait``, ``lease_settle``, ``force``.
         save_options: when saves are due and how they run (:class:`~ckptsdk.options.SaveOptions`).
-            Shorthand: ``save_every``, ``async_save``, ``snapshot``, ``save_on_signal``,
-            ``signal_deadline``, ``max_staging_bytes``, ``save_deadline``, ``incremental``.
         read_only: inspect without taking the lease; ``save`` is refused.
         storage_options: passed to fsspec for ``gs://`` (``endpoint_url``, ``token``, ...).
         run_id: name of the run (kept across takeovers); a new uuid on a fresh root by default.
+        keep_last: shorthand of ``Retention.keep_last`` (default 3).
+        keep: shorthand of ``Retention.keep``: more keep rules, e.g.
+            ``[keep.best("val_loss", 2), keep.every(1000)]`` from :mod:`ckptsdk.keep`.
+        save_every: shorthand of ``SaveOptions.every``.
+        async_save: shorthand of ``SaveOptions.asynchronous``.
         _simulation: tests and benchmarks only (see :class:`Simulation`).
+        **deprecated: the deprecated flat keywords (:data:`ckptsdk.options.DEPRECATED`).
 
     Raises:
         ConfigError: an option value out of range or not one of its choices, a group given
             together with its flat keywords, ``save_on_signal=True`` off the main thread.
+        TypeError: a keyword that is neither in the signature nor a deprecated flat keyword.
 
     Example:
         >>> import torch
         >>> from ckptsdk import CheckpointManager, TrainState
-        >>> mgr = CheckpointManager("memory://doc", keep_last=2, save_every=10, lease_ttl=5)
+        >>> mgr = CheckpointManager("memory://doc", keep_last=2, save_every=10)
         >>> state = TrainState(model=torch.nn.Linear(2, 2))
         >>> mgr.restore(state) is None
         True
@@ -137,40 +148,23 @@ class CheckpointManager(CheckpointReader, KeepDecisions, WriterShutdown):
         storage_options: Mapping[str, object] | None = None,
         run_id: str | None = None,
         keep_last: int | None = None,
-        keep_every: int | None = None,
         keep: Rule | Sequence[Rule] | None = None,
-        retention_mode: RetentionMode | None = None,
-        leftover_grace: float | None = None,
-        lease_ttl: float | None = None,
-        lease_wait: float | None = None,
-        lease_settle: float | None = None,
-        force: bool | None = None,
         save_every: int | None = None,
         async_save: bool | None = None,
-        snapshot: SnapshotMode | None = None,
-        save_on_signal: bool | None = None,
-        signal_deadline: float | None = None,
-        max_staging_bytes: int | None = None,
-        save_deadline: float | None = None,
-        incremental: bool | None = None,
         _simulation: Simulation | None = None,
+        **deprecated: Any,
     ) -> None:
         # Every option is checked here, by its group, before the store is opened.
-        flat: dict[str, Any] = dict(keep_last=keep_last, keep_every=keep_every, keep=keep)
-        flat.update(
-            retention_mode=retention_mode, leftover_grace=leftover_grace, lease_ttl=lease_ttl, lease_wait=lease_wait
-        )
-        flat.update(lease_settle=lease_settle, force=force, save_every=save_every, async_save=async_save)
-        flat.update(snapshot=snapshot, save_on_signal=save_on_signal, signal_deadline=signal_deadline)
-        flat.update(max_staging_bytes=max_staging_bytes, save_deadline=save_deadline, incremental=incremental)
+        flat: dict[str, Any] = dict(keep_last=keep_last, keep=keep, save_every=save_every, async_save=async_save)
+        flat.update(deprecated_shorthand(deprecated, DEPRECATED, owner="CheckpointManager.__init__"))
         kept = grouped("retention", retention, Retention, flat)
         leasing = grouped("lease_options", lease_options, LeaseOptions, flat)
         saves = grouped("save_options", save_options, SaveOptions, flat)
         main = threading.current_thread() is threading.main_thread()
         if saves.on_signal and not main:
             raise ConfigError(
-                "save_on_signal=True needs the manager to be created in the main "
-                "thread (Python delivers signals only there); pass save_on_signal=False"
+                "SaveOptions(on_signal=True) needs the manager to be created in the main thread (Python "
+                "delivers signals only there); pass save_options=SaveOptions(on_signal=False)"
             )
         if isinstance(url, (str, os.PathLike)):
             super().__init__(open_backend(os.fspath(url), **dict(storage_options or {})))
@@ -185,7 +179,9 @@ class CheckpointManager(CheckpointReader, KeepDecisions, WriterShutdown):
         self.save_every = saves.every
         self.read_only = read_only
         # A reader given no keep rules judges by the writer's, as the root records them (recorded.py).
-        self._by_record = read_only and retention is None and (keep_last, keep_every, keep) == (None, None, None)
+        self._by_record = (
+            read_only and retention is None and all(flat.get(kw) is None for kw in ("keep_last", "keep_every", "keep"))
+        )
         self.async_save = saves.asynchronous
         self.snapshot = saves.snapshot
         self._preemption: Preemption | None = None

@@ -2,15 +2,17 @@
 
 Each group is a frozen dataclass that checks its own values when it is made (a ``ConfigError``
 naming the option, the value and what is allowed), so an option is validated once, whichever way
-it came: a group the caller built, or the flat keywords (``keep_last=``, ``lease_ttl=``, ...) that
-are the documented shorthand. Using the options (the lease, rotation, the save pipeline) does not
-belong here.
+it came: a group the caller built, or the four flat keywords of the README's first loop
+(``keep_last=``, ``keep=``, ``save_every=``, ``async_save=``). The other flat keywords of ckptsdk
+0.1.0 still work until ``REMOVED_IN``, with a ``DeprecationWarning`` (:func:`deprecated_shorthand`).
+Using the options (the lease, rotation, the save pipeline) does not belong here.
 """
 
 from __future__ import annotations
 
 import operator
-from collections.abc import Mapping, Sequence
+import warnings
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, SupportsIndex, TypeVar
 
@@ -20,7 +22,16 @@ from ckptsdk.checkpoint.staging import SNAPSHOT_MODES, SnapshotMode
 from ckptsdk.errors import ConfigError
 from ckptsdk.preemption import DEFAULT_DEADLINE
 
-__all__ = ["LeaseOptions", "Retention", "SaveOptions", "grouped"]
+__all__ = [
+    "DEPRECATED",
+    "FLAT",
+    "REMOVED_IN",
+    "LeaseOptions",
+    "Retention",
+    "SaveOptions",
+    "deprecated_shorthand",
+    "grouped",
+]
 
 _Group = TypeVar("_Group", "Retention", "LeaseOptions", "SaveOptions")
 
@@ -45,17 +56,17 @@ def _check_count(name: str, value: object, *, optional: bool, why: str = "") -> 
 class Retention:
     """Which committed checkpoints rotation keeps, and how the others go.
 
-    Shorthand: ``CheckpointManager(keep_last=, keep_every=, keep=, retention_mode=, leftover_grace=)``.
+    Shorthand: ``CheckpointManager(keep_last=, keep=)``; ``keep_every=``, ``retention_mode=`` and
+    ``leftover_grace=`` are deprecated flat keywords (see :data:`DEPRECATED`).
 
     Attributes:
         keep_last: committed checkpoints to keep (the newest is always kept).
         keep_every: also keep, forever, every checkpoint whose step is a multiple of this.
         keep: more keep rules, kept by union with ``keep_last`` / ``keep_every``: e.g.
-            ``[retention.keep_best("val_loss", 2), retention.keep_every_seconds(3600)]`` from
-            :mod:`ckptsdk.checkpoint.retention`. They are judged from the committed manifests (a
-            metric a save passes in ``metrics``), so a restart, a takeover and ``gc`` decide
-            alike. Stored as a tuple; that each is a rule is checked by the rotation that applies
-            them.
+            ``[keep.best("val_loss", 2), keep.every_seconds(3600)]`` from :mod:`ckptsdk.keep`.
+            They are judged from the committed manifests (a metric a save passes in
+            ``metrics``), so a restart, a takeover and ``gc`` decide alike. Stored as a tuple;
+            that each is a rule is checked by the rotation that applies them.
         mode: ``"delete"`` rotated-out checkpoints, or ``"recycle"`` the oldest one's file for
             the next save (renamed and rewritten in place, so nothing full-size goes to Drive's
             trash; see docs/DRIVE.md). None: ``"recycle"`` where the store has a trash and can
@@ -70,7 +81,7 @@ class Retention:
         True
     """
 
-    #: The manager's flat keywords for these fields (flat keyword -> field).
+    #: The manager's flat keywords for these fields (flat keyword -> field), deprecated ones too.
     SHORTHAND: ClassVar[Mapping[str, str]] = {
         "keep_last": "keep_last",
         "keep_every": "keep_every",
@@ -107,7 +118,8 @@ DEFAULT_SAVE_DEADLINE = 60.0
 class LeaseOptions:
     """How this writer takes and holds the root's lease (checked by :class:`ckptsdk.lease.acquire.Lease`).
 
-    Shorthand: ``CheckpointManager(lease_ttl=, lease_wait=, lease_settle=, force=)``.
+    No flat shorthand: ``lease_ttl=``, ``lease_wait=``, ``lease_settle=`` and ``force=`` are
+    deprecated flat keywords (see :data:`DEPRECATED`).
 
     Attributes:
         ttl: seconds a silent lease must stay unchanged before a newcomer on another machine
@@ -123,7 +135,7 @@ class LeaseOptions:
         force: break a live lease at once (only when you know the other writer is gone).
     """
 
-    #: The manager's flat keywords for these fields (flat keyword -> field).
+    #: The manager's flat keywords for these fields (flat keyword -> field), deprecated ones too.
     SHORTHAND: ClassVar[Mapping[str, str]] = {
         "lease_ttl": "ttl",
         "lease_wait": "wait",
@@ -141,8 +153,9 @@ class LeaseOptions:
 class SaveOptions:
     """When saves are due and how they run.
 
-    Shorthand: ``CheckpointManager(save_every=, async_save=, snapshot=, save_on_signal=, signal_deadline=,
-    max_staging_bytes=, save_deadline=, incremental=)``.
+    Shorthand: ``CheckpointManager(save_every=, async_save=)``; ``snapshot=``, ``save_on_signal=``,
+    ``signal_deadline=``, ``max_staging_bytes=``, ``save_deadline=`` and ``incremental=`` are
+    deprecated flat keywords (see :data:`DEPRECATED`).
 
     Attributes:
         every: ``should_save(step)`` is true every this many steps (None: never by count).
@@ -183,7 +196,7 @@ class SaveOptions:
             save writes every tensor into its own folder, readable by a 1.2 reader.
     """
 
-    #: The manager's flat keywords for these fields (flat keyword -> field).
+    #: The manager's flat keywords for these fields (flat keyword -> field), deprecated ones too.
     SHORTHAND: ClassVar[Mapping[str, str]] = {
         "max_staging_bytes": "max_staging_bytes",
         "save_every": "every",
@@ -247,3 +260,66 @@ def grouped(keyword: str, group: _Group | None, cls: type[_Group], flat: Mapping
             f"(the flat keyword is its shorthand) or drop {keyword}="
         )
     return group
+
+
+#: The flat keywords the signatures keep: those of the README's first loop.
+FLAT: tuple[str, ...] = ("keep_last", "keep", "save_every", "async_save")
+
+#: The release that removes the deprecated flat keywords. They were deprecated in the release after
+#: 0.1.0 (0.2.0) and keep working through it, as CHANGELOG.md's deprecation rule asks.
+REMOVED_IN = "0.3.0"
+
+_GROUPS: dict[type[Any], str] = {Retention: "retention", LeaseOptions: "lease_options", SaveOptions: "save_options"}
+
+#: Every deprecated flat keyword -> the group that holds its value.
+DEPRECATED: Mapping[str, type[Any]] = {kw: cls for cls in _GROUPS for kw in cls.SHORTHAND if kw not in FLAT}
+
+
+def _replacement(keyword: str) -> str:
+    cls = DEPRECATED[keyword]
+    field = cls.SHORTHAND[keyword]
+    instead = f"{_GROUPS[cls]}={cls.__name__}({field}=...)"
+    kept = [f"{kw}= as {f}=" if kw != f else f"{kw}=" for kw, f in cls.SHORTHAND.items() if kw in FLAT]
+    if kept:  # a group and its own flat keywords together are a ConfigError: say to move them in
+        instead += f" (and {' and '.join(kept)} inside it too, if you give them)"
+    if keyword == "keep_every":
+        instead = "keep=[ckptsdk.keep.every(...)] (or " + instead + ")"
+    return instead
+
+
+def deprecated_shorthand(given: Mapping[str, Any], accepted: Collection[str], *, owner: str) -> dict[str, Any]:
+    """The values of the deprecated flat keywords a caller gave, each warned about once.
+
+    For a signature's ``**deprecated``: each keyword in ``accepted`` (a subset of
+    :data:`DEPRECATED`) gives a ``DeprecationWarning`` naming its group field and
+    :data:`REMOVED_IN`, attributed to the line that called ``owner``; its value then goes to
+    :func:`grouped` as before. A keyword given as None is taken as not given (its old default).
+
+    Args:
+        given: the keywords the signature did not name.
+        accepted: the deprecated keywords this signature still takes.
+        owner: the signature's name for messages (``"CheckpointManager.__init__"``).
+
+    Returns:
+        flat keyword -> value, for :func:`grouped`.
+
+    Raises:
+        TypeError: a keyword that is neither in the signature nor deprecated (as Python would).
+
+    Example:
+        >>> import warnings
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("always")
+        ...     deprecated_shorthand({"lease_ttl": 5}, DEPRECATED, owner="f")
+        {'lease_ttl': 5}
+        >>> print(caught[0].message)
+        lease_ttl= is deprecated and will be removed in ckptsdk 0.3.0: pass lease_options=LeaseOptions(ttl=...)
+    """
+    for keyword in given:
+        if keyword not in accepted:
+            raise TypeError(f"{owner}() got an unexpected keyword argument {keyword!r}")
+    for keyword in given:
+        # stacklevel 3: past this function and the __init__ that called it, to the user's line.
+        message = f"{keyword}= is deprecated and will be removed in ckptsdk {REMOVED_IN}: pass {_replacement(keyword)}"
+        warnings.warn(message, DeprecationWarning, stacklevel=3)
+    return dict(given)

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 import ckptsdk
+from ckptsdk import LeaseOptions, SaveOptions
 from ckptsdk.errors import ConfigError, DatasetMismatchError
 
 from .determinism import _augment, _cross_entropy, _derived_seed, _ScalerSlot, resolve_amp, set_deterministic
@@ -304,11 +305,9 @@ def run_job(
     with ckptsdk.CheckpointManager(
         ckpt_url,
         keep_last=cfg.keep_last,
-        save_every=cfg.save_every,
-        lease_ttl=lease_ttl,
-        force=force,
+        lease_options=LeaseOptions(ttl=lease_ttl, force=force),
+        save_options=SaveOptions(every=cfg.save_every, on_signal=save_on_signal),
         storage_options=storage_options,
-        save_on_signal=save_on_signal,
     ) as mgr:
         # Opening takes the writer lease: after a crash that means waiting out the dead
         # writer's ttl, which is why it is timed apart from the restore itself.

@@ -38,7 +38,7 @@ class Outline:
     Example:
         >>> import torch
         >>> from ckptsdk import CheckpointManager, open_backend
-        >>> with CheckpointManager("memory://outline-doc", lease_ttl=5) as mgr:
+        >>> with CheckpointManager("memory://outline-doc") as mgr:
         ...     for step in (1, 2, 3):
         ...         _ = mgr.save({"w": torch.ones(1)}, step=step)
         >>> newest = next(Outline(open_backend("memory://outline-doc")).newest_first())

@@ -121,8 +121,8 @@ class PendingSnapshot:
             f"{versions[i]} to {now[i]}), so the checkpoint could hold edited values; it was not "
             "committed and the previous checkpoint is intact. After a save, change parameters and "
             "optimizer state only through optimizer.step() (make edits, load_state_dict, set_ or "
-            'another optimizer\'s step before save()), or pass CheckpointManager(..., snapshot="copy"), '
-            "which copies everything at save()",
+            "another optimizer's step before save()), or pass "
+            'CheckpointManager(..., save_options=SaveOptions(snapshot="copy")), which copies everything at save()',
             key=names[i],
         )
 

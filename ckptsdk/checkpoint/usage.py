@@ -256,7 +256,7 @@ def trash_note(gc_bytes: int, backend: Backend) -> str:
         data = sum(f.size for f in newest.manifest.files)
         meta = max(0, newest.size - data)
         note += (
-            f" Per 100 saves of this checkpoint in steady state: retention_mode='delete' sends "
+            f" Per 100 saves of this checkpoint in steady state: Retention(mode='delete') sends "
             f"{_mib(100 * newest.size)}, 'recycle' (the default on Drive) {_mib(100 * meta)} "
             "(manifests only; its rewrites in place keep old revisions, whose quota cost Google "
             "does not document: see docs/DRIVE.md)"

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import builtins
 import copy
+import dataclasses
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -30,7 +31,6 @@ from ckptsdk.backends.base import Backend
 from ckptsdk.checkpoint import catalog as _catalog
 from ckptsdk.checkpoint.catalog import CheckpointInfo
 from ckptsdk.checkpoint.retention import Rule
-from ckptsdk.checkpoint.staging import SNAPSHOT_MODES, SnapshotMode
 from ckptsdk.distributed import restoring
 from ckptsdk.distributed.collective import broadcast_json, describe_error, gather_json, rebuild_error
 from ckptsdk.distributed.payload import PAYLOAD_FORMAT, local_file
@@ -43,6 +43,7 @@ from ckptsdk.format.layout import checkpoint_dir, writer_tag
 from ckptsdk.format.manifest import FileEntry
 from ckptsdk.format.tensorfile import write_tensorfile
 from ckptsdk.manager import CheckpointManager, ResumePoint, Simulation, save_due
+from ckptsdk.options import DEPRECATED, LeaseOptions, Retention, SaveOptions, deprecated_shorthand, grouped
 from ckptsdk.rng import capture_rng
 
 if TYPE_CHECKING:
@@ -51,6 +52,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 __all__ = ["DistributedCheckpointManager"]
+
+#: The deprecated flat keywords this signature took in ckptsdk 0.1.0 (the others never were).
+_DEPRECATED = {kw: DEPRECATED[kw] for kw in ("keep_every", "lease_ttl", "lease_wait", "force", "snapshot")}
 
 
 def _snapshot(obj: Any) -> Any:
@@ -73,23 +77,29 @@ class DistributedCheckpointManager:
     Args:
         url: the root (any ckptsdk URL), or an opened backend.
         group: the process group (default: the world). Its rank 0 is the committer.
-        keep_last, keep_every, keep, save_every, lease_ttl, lease_wait, force, run_id, _simulation:
-            as for :class:`ckptsdk.CheckpointManager` (used on rank 0).
-        storage_options: fsspec options for ``gs://``.
-        async_save: make ``save`` non-blocking by default; sets up the gloo process group
-            background saves use (``dist.new_group``: every rank of the world takes part, even
-            with a ``group`` that holds only some of them).
-        snapshot: how a non-blocking save copies the state, as for ``CheckpointManager``:
+        retention, lease_options, keep_last, keep, save_every, run_id, _simulation: as for
+            :class:`ckptsdk.CheckpointManager` (used on rank 0).
+        save_options: as for ``CheckpointManager``; ``on_signal`` is always off here (rank 0
+            alone would catch the signal, and the other ranks would never join its last save).
+            Its ``asynchronous`` (shorthand ``async_save``) makes ``save`` non-blocking by
+            default and sets up the gloo process group background saves use (``dist.new_group``:
+            every rank of the world takes part, even with a ``group`` that holds only some of
+            them). Its ``snapshot`` says how a non-blocking save copies the state:
             ``"pipelined"`` (default) copies buffers, RNG and JSON at ``save()`` and leaves the
             optimizers' parameters and state to the background, before their next ``step()``
             (which waits for it; see :meth:`save`); ``"copy"`` copies everything at ``save()``.
             Both copy into host buffers kept for the next save (no device memory doubled).
+        storage_options: fsspec options for ``gs://``.
         optimizers: the optimizers whose tensors a pipelined save may copy in the background,
             where the state dict's Stateful values hold none as an attribute (found there by
             default, one level down: ``AppState(model, optimizer).optimizer``).
+        **deprecated: ``keep_every``, ``lease_ttl``, ``lease_wait``, ``force``, ``snapshot``: the
+            flat keywords of ckptsdk 0.1.0, deprecated (:data:`ckptsdk.options.DEPRECATED`).
 
     Raises:
-        ConfigError: torch.distributed is not initialised.
+        ConfigError: torch.distributed is not initialised, an option value is invalid, or a
+            group was given with one of its flat keywords.
+        TypeError: a keyword that is neither in the signature nor a deprecated flat keyword.
         LeaseHeldError: on every rank, when rank 0 could not get the lease.
 
     Example (on every rank of a process group, not a doctest: tests/test_distributed_*.py)::
@@ -106,22 +116,25 @@ class DistributedCheckpointManager:
         url: str | Backend,
         *,
         group: dist.ProcessGroup | None = None,
-        keep_last: int = 3,
-        keep_every: int | None = None,
-        keep: Rule | Sequence[Rule] = (),
+        retention: Retention | None = None,
+        lease_options: LeaseOptions | None = None,
+        save_options: SaveOptions | None = None,
+        keep_last: int | None = None,
+        keep: Rule | Sequence[Rule] | None = None,
         save_every: int | None = None,
-        lease_ttl: float | None = None,
-        lease_wait: float | None = None,
-        force: bool = False,
+        async_save: bool | None = None,
         storage_options: Mapping[str, object] | None = None,
         run_id: str | None = None,
-        async_save: bool = False,
-        snapshot: SnapshotMode = "pipelined",
         optimizers: Sequence[torch.optim.Optimizer] = (),
         _simulation: Simulation | None = None,
+        **deprecated: Any,
     ) -> None:
-        if snapshot not in SNAPSHOT_MODES:
-            raise ConfigError(f"snapshot={snapshot!r}: expected one of {', '.join(map(repr, SNAPSHOT_MODES))}")
+        flat: dict[str, Any] = dict(keep_last=keep_last, keep=keep, save_every=save_every, async_save=async_save)
+        flat.update(deprecated_shorthand(deprecated, _DEPRECATED, owner="DistributedCheckpointManager.__init__"))
+        kept = grouped("retention", retention, Retention, flat)
+        leasing = grouped("lease_options", lease_options, LeaseOptions, flat)
+        saves = grouped("save_options", save_options, SaveOptions, flat)
+        save_every, async_save, snapshot = saves.every, saves.asynchronous, saves.snapshot
         if not dist.is_initialized():
             raise ConfigError(
                 "DistributedCheckpointManager needs torch.distributed initialised "
@@ -159,18 +172,17 @@ class DistributedCheckpointManager:
             try:
                 self._core = CheckpointManager(
                     self.backend,
-                    keep_last=keep_last,
-                    keep_every=keep_every,
-                    keep=keep,
-                    save_every=save_every,
-                    lease_ttl=lease_ttl,
-                    lease_wait=lease_wait,
-                    force=force,
-                    run_id=run_id,
-                    _simulation=_simulation,
+                    retention=kept,
+                    lease_options=leasing,
                     # Rank 0 alone would catch the signal and the other ranks would never join
                     # its last save: signals keep their default behaviour in distributed jobs.
-                    save_on_signal=False,
+                    # Non-blocking saves and their snapshots are this manager's; the core commits
+                    # blocking, with the default snapshot, as it always did.
+                    save_options=dataclasses.replace(
+                        saves, asynchronous=False, snapshot=SaveOptions().snapshot, on_signal=False
+                    ),
+                    run_id=run_id,
+                    _simulation=_simulation,
                 )
             except CkptError as exc:
                 outcome, error = describe_error(exc), exc

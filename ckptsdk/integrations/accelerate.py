@@ -25,6 +25,7 @@ from ckptsdk.checkpoint.catalog import CheckpointInfo  # noqa: E402
 from ckptsdk.checkpoint.retention import Rule  # noqa: E402
 from ckptsdk.errors import ConfigError  # noqa: E402
 from ckptsdk.manager import CheckpointManager, ResumePoint  # noqa: E402
+from ckptsdk.options import LeaseOptions, Retention  # noqa: E402
 from ckptsdk.state import TrainState  # noqa: E402
 
 if TYPE_CHECKING:
@@ -188,12 +189,9 @@ class AcceleratorCheckpoints:
         self.accelerator = accelerator
         self.manager = CheckpointManager(
             url,
-            keep_last=keep_last,
-            keep_every=keep_every,
-            keep=keep,
+            retention=Retention(keep_last=keep_last, keep_every=keep_every, keep=keep),
+            lease_options=LeaseOptions(ttl=lease_ttl, force=force),
             save_every=save_every,
-            lease_ttl=lease_ttl,
-            force=force,
             async_save=async_save,
             storage_options=storage_options,
         )

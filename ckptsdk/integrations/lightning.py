@@ -31,6 +31,7 @@ from lightning.pytorch.callbacks import Callback  # noqa: E402
 from ckptsdk.checkpoint.retention import Rule, keep_best, keep_if  # noqa: E402
 from ckptsdk.errors import ConfigError, UnsupportedStateError  # noqa: E402
 from ckptsdk.format.document import Document, parse_document  # noqa: E402
+from ckptsdk.options import LeaseOptions, Retention  # noqa: E402
 from ckptsdk.rng import capture_rng, restore_rng  # noqa: E402
 
 if TYPE_CHECKING:
@@ -86,7 +87,7 @@ class CkptsdkCheckpointIO(CheckpointIO):
         keep_last: committed checkpoints kept in the root (ckptsdk's retention, not
             ``ModelCheckpoint``'s: a ``best`` pointer to a step rotated away fails loudly).
         keep_every: also keep every checkpoint whose step is a multiple of this.
-        keep: more keep rules (:mod:`ckptsdk.checkpoint.retention`), kept by union.
+        keep: more keep rules (:mod:`ckptsdk.keep`), kept by union.
         model_checkpoint: the trainer's ``ModelCheckpoint``: its ``monitor``, ``save_top_k``
             and ``mode`` become ``keep_best(monitor, save_top_k, mode)`` (``save_top_k=-1``:
             keep every save), added to ``keep_last`` rather than replacing it, so the newest
@@ -144,11 +145,8 @@ class CkptsdkCheckpointIO(CheckpointIO):
             # Lightning saves on global rank 0 only; other ranks read, and must not take the lease.
             self._mgr = CheckpointManager(
                 self.url,
-                keep_last=self.keep_last,
-                keep_every=self.keep_every,
-                keep=self.keep,
-                lease_ttl=self.lease_ttl,
-                force=self.force,
+                retention=Retention(keep_last=self.keep_last, keep_every=self.keep_every, keep=self.keep),
+                lease_options=LeaseOptions(ttl=self.lease_ttl, force=self.force),
                 storage_options=self.storage_options,
                 read_only=rank_zero_only.rank != 0,
             )

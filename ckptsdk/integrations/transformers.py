@@ -27,6 +27,7 @@ from transformers.trainer_utils import TrainOutput  # noqa: E402
 from ckptsdk.checkpoint.retention import KeepBest, keep_best  # noqa: E402
 from ckptsdk.errors import ConfigError, StateMismatchError  # noqa: E402
 from ckptsdk.manager import CheckpointManager  # noqa: E402
+from ckptsdk.options import LeaseOptions, Retention  # noqa: E402
 from ckptsdk.rng import restore_rng  # noqa: E402
 from ckptsdk.state import TrainState, with_tied  # noqa: E402
 
@@ -117,11 +118,12 @@ class CkptsdkTrainer(Trainer):
         self.ckpt_url = ckpt_url
         self._best = _best_rule(self.args)
         self._ckpt_options: dict[str, Any] = dict(
-            keep_last=keep_last if keep_last is not None else self.args.save_total_limit or 3,
-            keep_every=keep_every,
-            keep=[self._best] if self._best is not None else [],
-            lease_ttl=lease_ttl,
-            force=force,
+            retention=Retention(
+                keep_last=keep_last if keep_last is not None else self.args.save_total_limit or 3,
+                keep_every=keep_every,
+                keep=[self._best] if self._best is not None else [],
+            ),
+            lease_options=LeaseOptions(ttl=lease_ttl, force=force),
             storage_options=dict(storage_options or {}),
         )
         self._ckpt_mgr: CheckpointManager | None = None

@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from ckptsdk import CheckpointManager
+from ckptsdk import CheckpointManager, SaveOptions
 from ckptsdk.backends import open_backend
 from ckptsdk.backends.deadline import Retries, bounded, carried, current, socket_timeout
 from ckptsdk.backends.gcs import GCSBackend
@@ -85,7 +85,9 @@ def test_running_out_of_time_after_the_commit_only_leaves_rotation(caplog) -> No
         return None
 
     inner = open_backend("memory://deadline-after-commit")
-    mgr = CheckpointManager(inner, keep_last=1, save_on_signal=False, _simulation=Simulation(heartbeat=False))
+    mgr = CheckpointManager(
+        inner, keep_last=1, save_options=SaveOptions(on_signal=False), _simulation=Simulation(heartbeat=False)
+    )
     mgr.backend = FaultyBackend(inner, fail_on=late)
     mgr.save({"w": torch.ones(2)}, step=1)
     out_of_time[0] = True
@@ -112,7 +114,9 @@ def test_a_stuck_lock_holder_fails_a_local_save_within_its_deadline(tmp_path) ->
 
     root = tmp_path / "run"
     mgr = CheckpointManager(
-        str(root), save_deadline=60.0, save_on_signal=False, _simulation=Simulation(heartbeat=False)
+        str(root),
+        save_options=SaveOptions(save_deadline=60.0, on_signal=False),
+        _simulation=Simulation(heartbeat=False),
     )
     mgr.save({"w": torch.ones(2)}, step=1)
     mgr._saving.save_deadline = 1.0  # only the save behind the held lock is short (a loaded disk may be slow)

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import xxhash
 
+from ckptsdk import LeaseOptions
 from ckptsdk.backends import open_backend
 from ckptsdk.backends.probe import prove_preconditions
 from ckptsdk.backends.s3 import S3Backend
@@ -236,7 +237,9 @@ def test_the_probe_refuses_a_store_that_ignores_if_match_and_advisory_opts_in():
         assert b.list() == []  # a refused writer wrote nothing, not even a lease
         # The user's explicit word: the advisory (Drive-style) lease, no probe.
         opts = {**server.storage_options, "preconditions": "advisory"}
-        mgr = ckptsdk.CheckpointManager("s3://no-cas/run", storage_options=opts, lease_ttl=5.0, lease_settle=0.05)
+        mgr = ckptsdk.CheckpointManager(
+            "s3://no-cas/run", storage_options=opts, lease_options=LeaseOptions(ttl=5.0, settle=0.05)
+        )
         try:
             assert not mgr.backend.capabilities.compare_and_swap
             mgr.save({"w": __import__("torch").ones(3)}, step=1)

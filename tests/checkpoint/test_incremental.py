@@ -14,7 +14,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from ckptsdk import CheckpointManager, TrainState, open_backend
+from ckptsdk import CheckpointManager, LeaseOptions, SaveOptions, TrainState, open_backend
 from ckptsdk.checkpoint.catalog import scan
 from ckptsdk.checkpoint.sharing import SHARE_MIN_BYTES, tensor_digest
 from ckptsdk.errors import BackendError
@@ -61,7 +61,7 @@ def _live(model: Tuned, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
 def _restored(url: str) -> dict[str, torch.Tensor]:
     model, opt, state = _job(seed=99)  # different values everywhere: only a restore makes them equal
     assert CheckpointManager(url, read_only=True).load() is not None
-    with CheckpointManager(url, save_on_signal=False, lease_ttl=30) as mgr:
+    with CheckpointManager(url, lease_options=LeaseOptions(ttl=30), save_options=SaveOptions(on_signal=False)) as mgr:
         assert mgr.restore(state) is not None
     return _live(model, opt)
 
@@ -81,7 +81,9 @@ def _manifest(root, step: int) -> dict:
 def test_the_frozen_base_is_written_once_and_restores_bit_exactly(tmp_path, blocking):
     root = tmp_path / "r"
     model, opt, state = _job()
-    with CheckpointManager(str(root), keep_last=3, save_on_signal=False, lease_ttl=30) as mgr:
+    with CheckpointManager(
+        str(root), keep_last=3, lease_options=LeaseOptions(ttl=30), save_options=SaveOptions(on_signal=False)
+    ) as mgr:
         for step in range(1, 7):
             _step(model, opt)
             mgr.save(state, step=step, blocking=blocking)
@@ -147,7 +149,9 @@ ROUTES: dict[str, Callable[[Tuned], None]] = {
 def test_a_frozen_tensor_changed_by_any_route_is_written_again(tmp_path, route, blocking):
     url = str(tmp_path / "r")
     model, opt, state = _job()
-    with CheckpointManager(url, keep_last=3, save_on_signal=False, lease_ttl=30) as mgr:
+    with CheckpointManager(
+        url, keep_last=3, lease_options=LeaseOptions(ttl=30), save_options=SaveOptions(on_signal=False)
+    ) as mgr:
         for step in (1, 2):
             _step(model, opt)
             mgr.save(state, step=step, blocking=blocking)
@@ -171,7 +175,9 @@ def test_a_frozen_tensor_changed_by_any_route_is_written_again(tmp_path, route, 
 def test_requires_grad_flipped_then_trained_is_written_again(tmp_path):
     url = str(tmp_path / "r")
     model, opt, state = _job()
-    with CheckpointManager(url, keep_last=3, save_on_signal=False, lease_ttl=30) as mgr:
+    with CheckpointManager(
+        url, keep_last=3, lease_options=LeaseOptions(ttl=30), save_options=SaveOptions(on_signal=False)
+    ) as mgr:
         _step(model, opt)
         mgr.save(state, step=1)
         model.base.weight.requires_grad_(True)  # unfreeze: the optimizer now steps the base too
@@ -184,7 +190,7 @@ def test_requires_grad_flipped_then_trained_is_written_again(tmp_path):
     fresh, fresh_opt, _ = _job(seed=99)
     fresh.base.weight.requires_grad_(True)
     fresh_opt.add_param_group({"params": [fresh.base.weight]})
-    with CheckpointManager(url, save_on_signal=False, lease_ttl=30) as mgr:
+    with CheckpointManager(url, lease_options=LeaseOptions(ttl=30), save_options=SaveOptions(on_signal=False)) as mgr:
         assert mgr.restore(TrainState(model=fresh, optimizer=fresh_opt)).step == 3
     _assert_same(_live(fresh, fresh_opt), expected)
 
@@ -201,7 +207,9 @@ def test_full_training_hashes_and_shares_nothing(tmp_path, monkeypatch):
     model = torch.nn.Sequential(torch.nn.Linear(BASE, BASE), torch.nn.Linear(BASE, 4))
     opt = torch.optim.AdamW(model.parameters())
     state = TrainState(model=model, optimizer=opt)
-    with CheckpointManager(url, keep_last=2, save_on_signal=False, lease_ttl=30) as mgr:
+    with CheckpointManager(
+        url, keep_last=2, lease_options=LeaseOptions(ttl=30), save_options=SaveOptions(on_signal=False)
+    ) as mgr:
         for step in (1, 2, 3):
             model(torch.randn(2, BASE)).sum().backward()
             opt.step()
@@ -214,7 +222,7 @@ def test_full_training_hashes_and_shares_nothing(tmp_path, monkeypatch):
     assert not (tmp_path / "r" / "shared").exists()
     torch.manual_seed(1)
     fresh = torch.nn.Sequential(torch.nn.Linear(BASE, BASE), torch.nn.Linear(BASE, 4))
-    with CheckpointManager(url, save_on_signal=False, lease_ttl=30) as mgr:
+    with CheckpointManager(url, lease_options=LeaseOptions(ttl=30), save_options=SaveOptions(on_signal=False)) as mgr:
         mgr.restore(TrainState(model=fresh, optimizer=torch.optim.AdamW(fresh.parameters())))
     assert all(torch.equal(v, fresh.state_dict()[k]) for k, v in expected.items())
 
@@ -222,7 +230,9 @@ def test_full_training_hashes_and_shares_nothing(tmp_path, monkeypatch):
 def test_small_tensors_and_incremental_false_write_everything(tmp_path):
     url = str(tmp_path / "r")
     model, opt, state = _job()
-    with CheckpointManager(url, save_on_signal=False, lease_ttl=30, incremental=False) as mgr:
+    with CheckpointManager(
+        url, lease_options=LeaseOptions(ttl=30), save_options=SaveOptions(on_signal=False, incremental=False)
+    ) as mgr:
         for step in (1, 2):
             _step(model, opt)
             mgr.save(state, step=step)
@@ -234,7 +244,9 @@ def test_small_tensors_and_incremental_false_write_everything(tmp_path):
 def test_rotation_deletes_a_shared_file_once_nothing_kept_refers_to_it(tmp_path):
     root = tmp_path / "r"
     model, opt, state = _job()
-    with CheckpointManager(str(root), keep_last=2, save_on_signal=False, lease_ttl=30) as mgr:
+    with CheckpointManager(
+        str(root), keep_last=2, lease_options=LeaseOptions(ttl=30), save_options=SaveOptions(on_signal=False)
+    ) as mgr:
         for step in (1, 2):
             _step(model, opt)
             mgr.save(state, step=step)
@@ -254,7 +266,9 @@ def test_rotation_deletes_a_shared_file_once_nothing_kept_refers_to_it(tmp_path)
 def test_a_failed_save_leaves_no_shared_file_behind_after_the_next_save(tmp_path):
     url = str(tmp_path / "r")
     model, opt, state = _job()
-    mgr = CheckpointManager(url, keep_last=2, save_on_signal=False, lease_ttl=30)
+    mgr = CheckpointManager(
+        url, keep_last=2, lease_options=LeaseOptions(ttl=30), save_options=SaveOptions(on_signal=False)
+    )
     inner = mgr.backend
     mgr.backend = FaultyBackend(
         inner,
@@ -282,10 +296,17 @@ def test_a_failed_save_leaves_no_shared_file_behind_after_the_next_save(tmp_path
 def test_a_missing_shared_file_falls_back_to_an_earlier_checkpoint_loudly(tmp_path, caplog):
     root = tmp_path / "r"
     model, opt, state = _job()
-    with CheckpointManager(str(root), keep_last=5, save_on_signal=False, lease_ttl=30, incremental=False) as mgr:
+    with CheckpointManager(
+        str(root),
+        keep_last=5,
+        lease_options=LeaseOptions(ttl=30),
+        save_options=SaveOptions(on_signal=False, incremental=False),
+    ) as mgr:
         _step(model, opt)
         mgr.save(state, step=1)  # a full checkpoint
-    with CheckpointManager(str(root), keep_last=5, save_on_signal=False, lease_ttl=30) as mgr:
+    with CheckpointManager(
+        str(root), keep_last=5, lease_options=LeaseOptions(ttl=30), save_options=SaveOptions(on_signal=False)
+    ) as mgr:
         assert mgr.restore(state) is not None
         for step in (2, 3):  # resumed from a full checkpoint: the base is shared once it stayed put a save
             _step(model, opt)
@@ -294,7 +315,9 @@ def test_a_missing_shared_file_falls_back_to_an_earlier_checkpoint_loudly(tmp_pa
     for p in (root / "shared").iterdir():
         p.unlink()  # lost (a hand-made cleanup): step 3 cannot be restored whole
     model2, opt2, state2 = _job(seed=5)
-    with CheckpointManager(str(root), save_on_signal=False, lease_ttl=30) as mgr:
+    with CheckpointManager(
+        str(root), lease_options=LeaseOptions(ttl=30), save_options=SaveOptions(on_signal=False)
+    ) as mgr:
         point = mgr.restore(state2)
     assert point is not None and point.step == 2
     assert "shared file" in caplog.text and "is missing" in caplog.text and "skipping checkpoint" in caplog.text
@@ -305,7 +328,9 @@ def test_gc_and_du_count_and_remove_unreferenced_shared_files(tmp_path, capsys):
 
     root = tmp_path / "r"
     model, opt, state = _job()
-    with CheckpointManager(str(root), keep_last=2, save_on_signal=False, lease_ttl=30) as mgr:
+    with CheckpointManager(
+        str(root), keep_last=2, lease_options=LeaseOptions(ttl=30), save_options=SaveOptions(on_signal=False)
+    ) as mgr:
         for step in (1, 2, 3):
             _step(model, opt)
             mgr.save(state, step=step)
@@ -329,7 +354,9 @@ def test_gc_and_du_count_and_remove_unreferenced_shared_files(tmp_path, capsys):
 def _two_saves(root) -> Tuned:  # noqa: ANN001
     """Steps 1 and 2 of the fine-tune under ``root`` (step 2 refers to the shared base); the model."""
     model, opt, state = _job()
-    with CheckpointManager(str(root), save_on_signal=False, lease_ttl=30) as mgr:
+    with CheckpointManager(
+        str(root), lease_options=LeaseOptions(ttl=30), save_options=SaveOptions(on_signal=False)
+    ) as mgr:
         for step in (1, 2):
             _step(model, opt)
             mgr.save(state, step=step)
@@ -374,7 +401,9 @@ def test_tied_frozen_weights_are_stored_once(tmp_path, blocking):
     for p in model.parameters():
         p.requires_grad_(False)
     state = TrainState(model=model)
-    with CheckpointManager(str(root), save_on_signal=False, lease_ttl=30) as mgr:
+    with CheckpointManager(
+        str(root), lease_options=LeaseOptions(ttl=30), save_options=SaveOptions(on_signal=False)
+    ) as mgr:
         for step in (1, 2, 3):
             mgr.save(state, step=step, blocking=blocking)
             assert mgr.wait(timeout=60)
@@ -385,7 +414,9 @@ def test_tied_frozen_weights_are_stored_once(tmp_path, blocking):
     assert m["shared"][0]["aliases"] == {"objects/model/dec.weight": "objects/model/enc.weight"}
     torch.manual_seed(7)
     fresh = torch.nn.ModuleDict({"enc": torch.nn.Linear(BASE, BASE), "dec": torch.nn.Linear(BASE, BASE)})
-    with CheckpointManager(str(root), save_on_signal=False, lease_ttl=30) as mgr:
+    with CheckpointManager(
+        str(root), lease_options=LeaseOptions(ttl=30), save_options=SaveOptions(on_signal=False)
+    ) as mgr:
         assert mgr.restore(TrainState(model=fresh)).step == 3
     for k, v in model.state_dict().items():
         assert torch.equal(fresh.state_dict()[k], v), k
@@ -411,14 +442,18 @@ def test_equal_bytes_shared_once_restore_as_separate_tensors(tmp_path):
     model, opt, state = _two_idle_layers(0)
     _grads(model, 0.0)
     opt.step()  # every momentum buffer exists, all zero: the two weights' are equal bytes
-    with CheckpointManager(str(root), save_on_signal=False, lease_ttl=30) as mgr:
+    with CheckpointManager(
+        str(root), lease_options=LeaseOptions(ttl=30), save_options=SaveOptions(on_signal=False)
+    ) as mgr:
         for step in (1, 2):  # unchanged between saves: the second takes them from the shared file
             mgr.save(state, step=step)
     aliases = _manifest(root, 2)["shared"][0]["aliases"]
     assert "objects/optimizer/state/2/momentum_buffer" in aliases  # the premise: stored once
 
     fresh, fresh_opt, fresh_state = _two_idle_layers(1)
-    with CheckpointManager(str(root), save_on_signal=False, lease_ttl=30) as mgr:
+    with CheckpointManager(
+        str(root), lease_options=LeaseOptions(ttl=30), save_options=SaveOptions(on_signal=False)
+    ) as mgr:
         assert mgr.restore(fresh_state).step == 2
     buffers = [fresh_opt.state[p]["momentum_buffer"] for p in fresh.parameters()]
     assert len({b.data_ptr() for b in buffers}) == len(buffers)
@@ -452,7 +487,9 @@ def _two_bases_root(url: str) -> tuple[TwoBases, torch.optim.Optimizer, dict[str
     model = TwoBases()
     opt = torch.optim.AdamW(model.head.parameters(), lr=1e-3)
     state = TrainState(model=model, optimizer=opt)
-    with CheckpointManager(url, keep_last=3, save_on_signal=False, lease_ttl=30) as mgr:
+    with CheckpointManager(
+        url, keep_last=3, lease_options=LeaseOptions(ttl=30), save_options=SaveOptions(on_signal=False)
+    ) as mgr:
         for step in (1, 2, 3):
             if step == 3:
                 with torch.no_grad():
@@ -485,7 +522,7 @@ def test_a_shared_files_tensors_the_checkpoint_no_longer_uses_are_hashed_not_kep
     torch.manual_seed(5)
     fresh = TwoBases()
     state = TrainState(model=fresh, optimizer=torch.optim.AdamW(fresh.head.parameters(), lr=1e-3))
-    with CheckpointManager(url, save_on_signal=False, lease_ttl=30) as mgr:
+    with CheckpointManager(url, lease_options=LeaseOptions(ttl=30), save_options=SaveOptions(on_signal=False)) as mgr:
         assert mgr.restore(state).step == 3
     assert kept[1] == {"objects/model/b.weight"}  # the shared file: a.weight was not given memory
     for k, v in fresh.state_dict().items():
@@ -508,7 +545,7 @@ def test_a_stale_tensor_in_a_shared_file_is_still_verified(tmp_path):
     state = TrainState(model=(fresh := TwoBases()), optimizer=torch.optim.AdamW(fresh.head.parameters(), lr=1e-3))
     from ckptsdk.errors import NoValidCheckpointError
 
-    with CheckpointManager(url, save_on_signal=False, lease_ttl=30) as mgr:
+    with CheckpointManager(url, lease_options=LeaseOptions(ttl=30), save_options=SaveOptions(on_signal=False)) as mgr:
         with pytest.raises(NoValidCheckpointError) as err:
             mgr.restore(state)  # saves 1 and 2 refer to the same file (for both bases): refused too
     assert "step-0000000003" in str(err.value) and "digest" in str(err.value)

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from ckptsdk import CheckpointManager, TrainState
+from ckptsdk import CheckpointManager, LeaseOptions, Retention, SaveOptions, TrainState
 from ckptsdk.backends.posix import TMP_PREFIX
 from ckptsdk.checkpoint.catalog import scan
 from ckptsdk.checkpoint.saving import RELIST_S
@@ -78,7 +78,10 @@ def test_calls_per_steady_state_save(kind: str, make_backend_target: Callable[..
     backend = CountingBackend(FaultyBackend(target.open(), fail_on=meet))
     mode = "delete" if kind == "drive-delete" else None
     mgr = CheckpointManager(
-        backend, keep_last=2, lease_ttl=60, lease_settle=0.05, retention_mode=mode, _simulation=NO_HEARTBEAT
+        backend,
+        retention=Retention(keep_last=2, mode=mode),
+        lease_options=LeaseOptions(ttl=60, settle=0.05),
+        _simulation=NO_HEARTBEAT,
     )
     state = _state()
     assert mgr.restore(state) is None
@@ -165,7 +168,7 @@ def test_saves_never_wait_for_a_slow_store_and_the_newest_commits(make_backend_t
     hang); a newer save replaces the one waiting; the newest state commits; training goes on."""
     gate = _Gate()
     backend = FaultyBackend(make_backend_target("local").open(), fail_on=gate)
-    mgr = CheckpointManager(backend, keep_last=3, lease_ttl=60)
+    mgr = CheckpointManager(backend, keep_last=3, lease_options=LeaseOptions(ttl=60))
     state = _state()
     mgr.restore(state)
     gate.open.clear()
@@ -197,7 +200,9 @@ def test_a_save_past_the_staging_budget_is_skipped_and_counted(
     once); the save in flight still commits, and a later save after it does too."""
     gate = _Gate()
     backend = FaultyBackend(make_backend_target("memory").open(), fail_on=gate)
-    mgr = CheckpointManager(backend, keep_last=3, lease_ttl=60, max_staging_bytes=1)
+    mgr = CheckpointManager(
+        backend, keep_last=3, lease_options=LeaseOptions(ttl=60), save_options=SaveOptions(max_staging_bytes=1)
+    )
     state = _state()
     mgr.restore(state)
     mgr.save(state, step=1, blocking=False)  # one save done: the warning can say how long saves take
@@ -228,7 +233,7 @@ def test_the_single_renewal_fences_a_zombie(make_backend_target: Callable[..., A
     new writer removes the zombie's uncommitted folder at its next listing (its first save's)."""
     target = make_backend_target("local")
     zombie_store = CountingBackend(target.open())
-    zombie = CheckpointManager(zombie_store, keep_last=1, lease_ttl=60, _simulation=NO_HEARTBEAT)
+    zombie = CheckpointManager(zombie_store, keep_last=1, lease_options=LeaseOptions(ttl=60), _simulation=NO_HEARTBEAT)
     state = _state()
     zombie.restore(state)
     zombie.save(state, step=1, blocking=True)
@@ -239,8 +244,7 @@ def test_the_single_renewal_fences_a_zombie(make_backend_target: Callable[..., A
     heir = CheckpointManager(
         target.url,
         keep_last=1,
-        lease_ttl=60,
-        force=True,
+        lease_options=LeaseOptions(ttl=60, force=True),
         _simulation=Simulation(heartbeat=False, clock=lambda: now[0], sleep=lambda s: None),
     )
     heir_state = _state(seed=2)
@@ -279,7 +283,9 @@ def test_a_drive_zombie_retires_only_its_own_doomed_checkpoint_and_touches_no_fi
     written, and the heir's checkpoints restore exactly."""
     target = make_backend_target("drive")
     store = CountingBackend(target.open())
-    zombie = CheckpointManager(store, keep_last=1, lease_ttl=60, lease_settle=0.05, _simulation=NO_HEARTBEAT)
+    zombie = CheckpointManager(
+        store, keep_last=1, lease_options=LeaseOptions(ttl=60, settle=0.05), _simulation=NO_HEARTBEAT
+    )
     state = _state()
     zombie.restore(state)
     for step in (1, 2, 3):  # the save of step 3 recycled step 1's file: the steady state
@@ -288,7 +294,10 @@ def test_a_drive_zombie_retires_only_its_own_doomed_checkpoint_and_touches_no_fi
         assert zombie.wait(timeout=60)
     epoch, tag = zombie.lease.epoch, zombie._saving.tag
     heir = CheckpointManager(
-        target.url, keep_last=1, lease_ttl=60, lease_settle=0.05, force=True, _simulation=Simulation(heartbeat=False)
+        target.url,
+        keep_last=1,
+        lease_options=LeaseOptions(ttl=60, settle=0.05, force=True),
+        _simulation=Simulation(heartbeat=False),
     )
     heir_state = _state(seed=2)
     assert heir.restore(heir_state).step == 3
@@ -336,7 +345,7 @@ def test_a_steady_state_sync_save_makes_five_fsyncs(tmp_path: Any, monkeypatch: 
     rename), then once each the step folder (both renames) and the root (the lease's rename and
     the new folder's name), all before save() returns; rotation's deletes after it add none."""
     root = str(tmp_path / "run")
-    mgr = CheckpointManager(root, keep_last=1, lease_ttl=60, _simulation=NO_HEARTBEAT)
+    mgr = CheckpointManager(root, keep_last=1, lease_options=LeaseOptions(ttl=60), _simulation=NO_HEARTBEAT)
     state = _state()
     mgr.restore(state)
     for step in (1, 2):  # the first save lists, writes lineage and tidies: not the steady state
@@ -390,7 +399,9 @@ def test_a_sync_save_returns_before_rotation_deletes_and_close_waits_for_them(
     gate opens, and close() waits for rotation to finish."""
     target = make_backend_target("local")
     inner = target.open()
-    mgr = CheckpointManager(FaultyBackend(inner), keep_last=1, lease_ttl=60, _simulation=NO_HEARTBEAT)
+    mgr = CheckpointManager(
+        FaultyBackend(inner), keep_last=1, lease_options=LeaseOptions(ttl=60), _simulation=NO_HEARTBEAT
+    )
     state = _state()
     mgr.restore(state)
     mgr.save(state, step=1, blocking=True)
@@ -419,7 +430,7 @@ def test_the_deferred_copies_start_last_and_even_when_the_submit_fails(
 ) -> None:
     """The copier thread is woken as the last act of save() (woken earlier, its Python loop took
     the GIL from the rest of save()), and always: the next optimizer step waits for its copies."""
-    mgr = CheckpointManager(make_backend_target("memory").open(), keep_last=2, lease_ttl=60)
+    mgr = CheckpointManager(make_backend_target("memory").open(), keep_last=2, lease_options=LeaseOptions(ttl=60))
     state = _state()
     mgr.restore(state)
     slots = mgr._saving._slots

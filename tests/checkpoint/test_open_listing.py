@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from ckptsdk import CheckpointManager, TrainState
+from ckptsdk import CheckpointManager, LeaseOptions, TrainState
 from ckptsdk.checkpoint.catalog import scan
 from ckptsdk.errors import LeaseError, LeaseLostError
 from ckptsdk.format.layout import LINEAGE_PREFIX, checkpoint_dir
@@ -38,7 +38,9 @@ def _weights(state: TrainState) -> dict[str, torch.Tensor]:
 
 
 def _open(backend: Any) -> CheckpointManager:
-    return CheckpointManager(backend, keep_last=10, lease_ttl=60, lease_settle=0.05, _simulation=NO_HEARTBEAT)
+    return CheckpointManager(
+        backend, keep_last=10, lease_options=LeaseOptions(ttl=60, settle=0.05), _simulation=NO_HEARTBEAT
+    )
 
 
 @pytest.mark.parametrize("kind", ["memory", "local", "drive", pytest.param("gcs", marks=pytest.mark.gcs)])

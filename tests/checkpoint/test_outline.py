@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckptsdk import CheckpointManager, TrainState
+from ckptsdk import CheckpointManager, LeaseOptions, TrainState
 from ckptsdk.backends import open_backend
 from ckptsdk.backends.base import Backend
 from ckptsdk.backends.local import TMP_PREFIX, LocalBackend
@@ -52,7 +52,9 @@ def _step_in(state: TrainState) -> float:
 
 
 def _writer(url: str | Backend, *, keep_last: int = 1000, **kw: object) -> CheckpointManager:
-    return CheckpointManager(url, keep_last=keep_last, lease_ttl=60, _simulation=NO_HEARTBEAT, **kw)  # type: ignore[arg-type]
+    return CheckpointManager(
+        url, keep_last=keep_last, lease_options=LeaseOptions(ttl=60), _simulation=NO_HEARTBEAT, **kw
+    )  # type: ignore[arg-type]
 
 
 def _saved(url: str, steps: list[int]) -> None:

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from ckptsdk import CheckpointManager, TrainState, open_backend
+from ckptsdk import CheckpointManager, LeaseOptions, TrainState, open_backend
 from ckptsdk.checkpoint import pacing, saving
 from ckptsdk.checkpoint.pacing import Paced
 from ckptsdk.format import tensorwriter
@@ -183,7 +183,7 @@ def test_a_step_waiting_for_the_save_itself_still_sees_it_commit(
         began.set()
         waited.append(mgr.wait(timeout=120))
 
-    with CheckpointManager(backend, lease_ttl=60) as mgr:
+    with CheckpointManager(backend, lease_options=LeaseOptions(ttl=60)) as mgr:
         assert mgr.restore(state) is None
         waited: list[bool] = []
         state.objects["optimizer"].register_step_pre_hook(step_waits_for_the_save)

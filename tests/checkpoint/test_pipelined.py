@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from adapters.cifar10.model import build_model
-from ckptsdk import CheckpointManager, TrainState
+from ckptsdk import CheckpointManager, LeaseOptions, SaveOptions, TrainState
 from ckptsdk.backends.memory import MemoryBackend
 from ckptsdk.checkpoint import staging
 from ckptsdk.errors import CheckpointError
@@ -71,9 +71,17 @@ def _run(tmp_path, build, steps: int) -> int:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny kernels: one thread beats two contending ones on a busy VM
     gen = torch.Generator().manual_seed(1)
-    a = CheckpointManager(f"memory://{name}-sync", keep_last=2, lease_ttl=30, save_on_signal=False)
+    a = CheckpointManager(
+        f"memory://{name}-sync",
+        keep_last=2,
+        lease_options=LeaseOptions(ttl=30),
+        save_options=SaveOptions(on_signal=False),
+    )
     b = CheckpointManager(
-        f"memory://{name}-pipelined", keep_last=2, lease_ttl=30, save_on_signal=False, snapshot="pipelined"
+        f"memory://{name}-pipelined",
+        keep_last=2,
+        lease_options=LeaseOptions(ttl=30),
+        save_options=SaveOptions(on_signal=False, snapshot="pipelined"),
     )
     compared = 0
     try:
@@ -200,7 +208,9 @@ def test_pipelined_defers_only_parameters_and_optimizer_state():
 
 def test_a_state_without_optimizer_is_copied_at_save(tmp_path):
     model = torch.nn.Linear(4, 4)
-    with CheckpointManager(str(tmp_path / "r"), lease_ttl=30, save_on_signal=False) as mgr:
+    with CheckpointManager(
+        str(tmp_path / "r"), lease_options=LeaseOptions(ttl=30), save_options=SaveOptions(on_signal=False)
+    ) as mgr:
         state = TrainState(model=model)
         want = model.weight.detach().clone()
         mgr.save(state, step=1, blocking=False)

@@ -19,7 +19,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from ckptsdk import CheckpointManager, TrainState
+from ckptsdk import CheckpointManager, LeaseOptions, SaveOptions, TrainState
 from ckptsdk.backends.memory import MemoryBackend
 from ckptsdk.checkpoint import staging
 from ckptsdk.errors import CheckpointError
@@ -58,7 +58,12 @@ def root() -> Iterator[Callable[..., CheckpointManager]]:
         name = f"memory://rule-{uuid.uuid4().hex}"
         made.append(name)
         target = backend if backend is not None else name
-        return CheckpointManager(target, keep_last=3, lease_ttl=30, save_on_signal=False, snapshot=snapshot)  # type: ignore[arg-type]
+        return CheckpointManager(
+            target,
+            keep_last=3,
+            lease_options=LeaseOptions(ttl=30),
+            save_options=SaveOptions(on_signal=False, snapshot=snapshot),
+        )  # type: ignore[arg-type]
 
     yield open_root
     for name in made:

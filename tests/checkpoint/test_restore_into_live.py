@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from ckptsdk import CheckpointManager, TrainState
+from ckptsdk import CheckpointManager, LeaseOptions, SaveOptions, TrainState
 from ckptsdk.checkpoint.reader import CheckpointReader
 from ckptsdk.errors import NoValidCheckpointError, StateMismatchError
 from ckptsdk.format.codec import encode
@@ -50,7 +50,12 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
 def _save(root: Path, steps: dict[int, int]) -> dict[int, dict[str, torch.Tensor]]:
     """Step -> seed: each step saves another job's state; returns what each step holds."""
     held = {}
-    with CheckpointManager(str(root), keep_last=10, save_on_signal=False, lease_ttl=30, incremental=False) as mgr:
+    with CheckpointManager(
+        str(root),
+        keep_last=10,
+        lease_options=LeaseOptions(ttl=30),
+        save_options=SaveOptions(on_signal=False, incremental=False),
+    ) as mgr:
         for step, seed in steps.items():
             model, opt, state = _job(seed)
             mgr.save(state, step=step)
@@ -186,7 +191,9 @@ class _Transposed(torch.nn.Linear):
 def test_a_module_that_transforms_what_it_loads_is_copied_in_as_before(tmp_path: Path) -> None:
     torch.manual_seed(0)
     saved = _Transposed(6, 6)
-    with CheckpointManager(str(tmp_path), save_on_signal=False, lease_ttl=30) as mgr:
+    with CheckpointManager(
+        str(tmp_path), lease_options=LeaseOptions(ttl=30), save_options=SaveOptions(on_signal=False)
+    ) as mgr:
         mgr.save(TrainState(model=saved), step=1)
     torch.manual_seed(1)
     fresh = _Transposed(6, 6)
@@ -235,7 +242,9 @@ def test_restore_reads_its_tensor_files_ahead_in_the_order_it_fills_them(
     from ckptsdk.format import readahead
 
     model, opt, state = _job(0, width=1 << 16)  # the first weight and its momentum: 1 MiB each
-    with CheckpointManager(str(tmp_path), keep_last=10, save_on_signal=False, lease_ttl=30) as mgr:
+    with CheckpointManager(
+        str(tmp_path), keep_last=10, lease_options=LeaseOptions(ttl=30), save_options=SaveOptions(on_signal=False)
+    ) as mgr:
         mgr.save(state, step=1)
         model[2].bias.data.add_(1.0)  # only this tensor changes: the 1 MiB ones stay in a shared file
         mgr.save(state, step=2)

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ckptsdk import CheckpointManager, TrainState
+from ckptsdk import CheckpointManager, LeaseOptions, SaveOptions, TrainState
 from ckptsdk.backends.memory import MemoryBackend
 from ckptsdk.checkpoint import retention
 from ckptsdk.errors import ConfigError, LeaseLostError
@@ -129,8 +129,14 @@ def test_describe_says_the_rules_as_written():
 # ---------------------------------------------------------------- a real writer
 
 
-def _manager(url: str, **kw: Any) -> CheckpointManager:
-    return CheckpointManager(url, lease_ttl=30, save_on_signal=False, _simulation=Simulation(heartbeat=False), **kw)
+def _manager(url: str, *, force: bool = False, **kw: Any) -> CheckpointManager:
+    return CheckpointManager(
+        url,
+        lease_options=LeaseOptions(ttl=30, force=force),
+        save_options=SaveOptions(on_signal=False),
+        _simulation=Simulation(heartbeat=False),
+        **kw,
+    )
 
 
 def test_orbax_526_best_k_on_and_the_run_resumes_at_its_last_step(tmp_path):

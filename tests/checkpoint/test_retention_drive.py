@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ckptsdk import CheckpointManager, TrainState
+from ckptsdk import CheckpointManager, LeaseOptions, Retention, TrainState
 from ckptsdk.backends import open_backend
 from ckptsdk.checkpoint import retention
 from ckptsdk.checkpoint.usage import usage
@@ -25,7 +25,9 @@ def test_recycle_skips_the_best_and_the_ledger_counts_manifests_only(tmp_path, m
     weights = {}
     rules = [retention.keep_best("val_loss", 1)]
     with CheckpointManager(
-        "drive://run", keep_last=1, keep=rules, lease_ttl=5, lease_settle=0, retention_mode="recycle"
+        "drive://run",
+        retention=Retention(keep_last=1, keep=rules, mode="recycle"),
+        lease_options=LeaseOptions(ttl=5, settle=0),
     ) as mgr:
         for step, loss in LOSSES.items():
             with torch.no_grad():

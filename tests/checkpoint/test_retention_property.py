@@ -18,7 +18,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ckptsdk import CheckpointManager, TrainState
+from ckptsdk import CheckpointManager, LeaseOptions, Retention, SaveOptions, TrainState
 from ckptsdk.backends.memory import MemoryBackend
 from ckptsdk.checkpoint import retention
 from ckptsdk.checkpoint.catalog import scan
@@ -172,17 +172,14 @@ def test_kept_is_the_rules_union_after_every_commit(spec: Spec, schedule: list[t
     name = f"retention-prop-{uuid.uuid4().hex}"
     url = f"memory://{name}"
     kw = dict(
-        keep_last=spec.keep_last,
-        keep_every=spec.keep_every,
-        keep=spec.rules(),
-        lease_ttl=30,
-        save_on_signal=False,
+        retention=Retention(keep_last=spec.keep_last, keep_every=spec.keep_every, keep=spec.rules()),
+        save_options=SaveOptions(on_signal=False),
         _simulation=Simulation(heartbeat=False),
     )
     state = TrainState(model=torch.nn.Linear(1, 1))
     ever: dict[int, Candidate] = {}  # every step ever committed (the best over these must survive)
     forever: set[int] = set()  # steps a keep-forever rule (every K, every T) kept: never deleted
-    mgr = CheckpointManager(url, **kw)  # type: ignore[arg-type]
+    mgr = CheckpointManager(url, lease_options=LeaseOptions(ttl=30), **kw)  # type: ignore[arg-type]
     step = 0
     try:
         for kind, inc, value in schedule:
@@ -215,11 +212,11 @@ def test_kept_is_the_rules_union_after_every_commit(spec: Spec, schedule: list[t
                 assert _bare_gc_keeps(mgr) == (set(after), "writer")
             elif kind == "restart":
                 mgr.close()
-                mgr = CheckpointManager(url, **kw)  # type: ignore[arg-type]
+                mgr = CheckpointManager(url, lease_options=LeaseOptions(ttl=30), **kw)  # type: ignore[arg-type]
                 _check_resume(mgr, mgr.restore(state))
             else:  # takeover: a newcomer breaks the live lease; the old writer is fenced
                 old = mgr
-                mgr = CheckpointManager(url, force=True, **kw)  # type: ignore[arg-type]
+                mgr = CheckpointManager(url, lease_options=LeaseOptions(ttl=30, force=True), **kw)  # type: ignore[arg-type]
                 _check_resume(mgr, mgr.restore(state))
                 keys = {o.key for o in mgr.backend.list("")}
                 with pytest.raises(LeaseLostError):

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckptsdk import CheckpointManager, TrainState
+from ckptsdk import CheckpointManager, LeaseOptions, TrainState
 from ckptsdk.backends import open_backend
 from ckptsdk.backends.base import Backend
 from ckptsdk.backends.memory import MemoryBackend
@@ -151,8 +151,8 @@ def test_gc_on_drive_keeps_torn_checkpoints_and_counts_the_trash(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("CKPTSDK_DRIVE_ROOT", str(tmp_path))
-    # lease_settle=0: one writer, nothing to wait for (the settle guards against another VM).
-    backend = _damaged_root("drive://run", lease_settle=0.0)
+    # settle=0: one writer, nothing to wait for (the settle guards against another VM).
+    backend = _damaged_root("drive://run", lease_options=LeaseOptions(settle=0.0))
     assert not backend.capabilities.immediately_consistent and backend.capabilities.trash_on_delete
     cat = scan(backend)
     folder = {step: cat.find(step)[0].key for step in (10, 20, 30, 40, 50)}
@@ -192,7 +192,7 @@ def test_a_fenced_writer_rotates_nothing(url: str) -> None:
     state = _state()
     for step in (10, 20, 30):
         zombie.save(state, step=step)
-    taker = _writer(url, force=True)  # breaks the live lease: the zombie is now superseded
+    taker = _writer(url, lease_options=LeaseOptions(force=True))  # breaks the live lease: the zombie is now superseded
     assert zombie.lease is not None
     with pytest.raises(LeaseLostError):
         zombie.lease.renew()
@@ -209,7 +209,7 @@ def test_a_writer_that_sees_a_newer_one_fences_itself_and_rotates_nothing(url: s
     for step in (10, 20, 30):
         zombie.save(state, step=step)
     assert zombie.wait(timeout=60)  # its last rotation (on its worker) is over before the takeover
-    taker = _writer(url, force=True)
+    taker = _writer(url, lease_options=LeaseOptions(force=True))
     assert taker.restore(_state()) is not None
     taker.save(_state(), step=40)  # a folder of epoch 2 in the listing
     assert taker.wait(timeout=60)  # its own rotation, on its worker after the commit

@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 
-from ckptsdk import CheckpointManager, TrainState, open_backend
+from ckptsdk import CheckpointManager, LeaseOptions, SaveOptions, TrainState, open_backend
 from ckptsdk.errors import BackendError, CheckpointError, LeaseLostError
 from ckptsdk.format.layout import MANIFEST, TENSORS, checkpoint_dir
 from ckptsdk.manager import Simulation
@@ -39,7 +39,12 @@ class _Threads:
 def test_async_save_makes_no_storage_call_on_the_calling_thread(tmp_path, snapshot):
     rec = _Threads()
     backend = FaultyBackend(open_backend(str(tmp_path / "r")), fail_on=rec)
-    mgr = CheckpointManager(backend, lease_ttl=30, save_on_signal=False, snapshot=snapshot, keep_last=2)
+    mgr = CheckpointManager(
+        backend,
+        lease_options=LeaseOptions(ttl=30),
+        save_options=SaveOptions(on_signal=False, snapshot=snapshot),
+        keep_last=2,
+    )
     state = _state()
     mgr.restore(state)
     me = threading.current_thread().name
@@ -62,10 +67,16 @@ def test_fenced_writer_commits_and_deletes_nothing_and_says_so_on_the_next_call(
     url = str(tmp_path / "r")
     state = _state()
     zombie = CheckpointManager(
-        url, keep_last=1, lease_ttl=30, save_on_signal=False, _simulation=Simulation(heartbeat=False)
+        url,
+        keep_last=1,
+        lease_options=LeaseOptions(ttl=30),
+        save_options=SaveOptions(on_signal=False),
+        _simulation=Simulation(heartbeat=False),
     )
     zombie.save(state, step=1)
-    newcomer = CheckpointManager(url, keep_last=1, lease_ttl=30, save_on_signal=False, force=True)
+    newcomer = CheckpointManager(
+        url, keep_last=1, lease_options=LeaseOptions(ttl=30, force=True), save_options=SaveOptions(on_signal=False)
+    )
     # The zombie has not seen the takeover: its foreground reads only its (stale) flag and
     # returns; the worker writes the tensor file (the lean commit renews once, right before the
     # commit) and its renewal finds the newer writer: no manifest.
@@ -88,11 +99,18 @@ def test_takeover_during_the_write_is_caught_by_the_renewal_before_the_commit(tm
     def take_over(op: str, key: str, n: int) -> None:
         if op == "write" and key.endswith(TENSORS) and "new" not in holder:
             # Another runtime takes the lease while our tensors are being written.
-            holder["new"] = CheckpointManager(url, lease_ttl=30, save_on_signal=False, force=True)
+            holder["new"] = CheckpointManager(
+                url, lease_options=LeaseOptions(ttl=30, force=True), save_options=SaveOptions(on_signal=False)
+            )
         return None
 
     backend = FaultyBackend(open_backend(url), fail_on=take_over)
-    zombie = CheckpointManager(backend, lease_ttl=30, save_on_signal=False, _simulation=Simulation(heartbeat=False))
+    zombie = CheckpointManager(
+        backend,
+        lease_options=LeaseOptions(ttl=30),
+        save_options=SaveOptions(on_signal=False),
+        _simulation=Simulation(heartbeat=False),
+    )
     zombie.save(state, step=5, blocking=False)
     with pytest.raises(LeaseLostError):
         zombie.wait()
@@ -111,7 +129,9 @@ def test_background_failure_surfaces_on_the_next_save_and_loses_nothing(tmp_path
         return None
 
     backend = FaultyBackend(open_backend(str(tmp_path / "r")), fail_on=disk_full)
-    mgr = CheckpointManager(backend, keep_last=1, lease_ttl=30, save_on_signal=False)
+    mgr = CheckpointManager(
+        backend, keep_last=1, lease_options=LeaseOptions(ttl=30), save_options=SaveOptions(on_signal=False)
+    )
     mgr.save(state, step=1, blocking=False)
     mgr.wait()
     broken["on"] = True
@@ -138,7 +158,7 @@ def test_an_abandoned_save_publishes_no_manifest(tmp_path):
         return None
 
     backend = FaultyBackend(open_backend(str(tmp_path / "r")), fail_on=slow)
-    mgr = CheckpointManager(backend, lease_ttl=30, save_on_signal=False)
+    mgr = CheckpointManager(backend, lease_options=LeaseOptions(ttl=30), save_options=SaveOptions(on_signal=False))
     mgr.save(state, step=1, blocking=False)
     assert mgr.wait(0.05) is False  # still writing
     mgr._saving.abandon()
@@ -152,7 +172,7 @@ def test_an_abandoned_save_publishes_no_manifest(tmp_path):
 def test_due_step_log_flushes_run_off_the_training_thread(tmp_path):
     rec = _Threads()
     backend = FaultyBackend(open_backend(str(tmp_path / "r")), fail_on=rec)
-    mgr = CheckpointManager(backend, lease_ttl=30, save_on_signal=False)
+    mgr = CheckpointManager(backend, lease_options=LeaseOptions(ttl=30), save_options=SaveOptions(on_signal=False))
     mgr.restore(_state())
     mgr.runlog.flush_every = 5
     rec.calls.clear()
@@ -174,7 +194,9 @@ def test_a_save_reports_the_writers_full_rank_as_the_listing_does(tmp_path, monk
     writer's own failed save's folder."""
     monkeypatch.setenv("CKPTSDK_DRIVE_ROOT", str(tmp_path))
     url = "drive://r" if store == "drive" else str(tmp_path / "r")
-    mgr = CheckpointManager(url, lease_ttl=30, save_on_signal=False, lease_settle=0)
+    mgr = CheckpointManager(
+        url, lease_options=LeaseOptions(ttl=30, settle=0), save_options=SaveOptions(on_signal=False)
+    )
     info = mgr.save(_state(), step=1, blocking=blocking)
     assert mgr.wait(timeout=60)
     listed = CheckpointManager(url, read_only=True).list()
@@ -191,7 +213,9 @@ def test_the_step_log_flusher_is_woken_after_a_background_snapshot_and_before_a_
     to a switch interval inside save()), so it is woken last. Blocking: first, so that the steps
     up to the save are on storage when a kill lands inside it (the audit compares them). Either
     way, failed save or not, the steps up to a save reach storage."""
-    mgr = CheckpointManager(str(tmp_path / "r"), lease_ttl=30, save_on_signal=False)
+    mgr = CheckpointManager(
+        str(tmp_path / "r"), lease_options=LeaseOptions(ttl=30), save_options=SaveOptions(on_signal=False)
+    )
     mgr.restore(_state())
     order: list[str] = []
     pipeline_save, flush_soon = mgr._saving.save, mgr.runlog.flush_soon

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckptsdk import CheckpointManager, TrainState, open_backend
+from ckptsdk import CheckpointManager, LeaseOptions, SaveOptions, TrainState, open_backend
 from ckptsdk.cli import main
 from ckptsdk.format.document import seal
 
@@ -54,7 +54,9 @@ def _lose(path: Path, how: str) -> None:
 
 
 def _writer(root: Path) -> CheckpointManager:
-    return CheckpointManager(str(root), keep_last=5, save_on_signal=False, lease_ttl=30)
+    return CheckpointManager(
+        str(root), keep_last=5, lease_options=LeaseOptions(ttl=30), save_options=SaveOptions(on_signal=False)
+    )
 
 
 @pytest.mark.parametrize("how", ["deleted", "truncated"])
@@ -155,12 +157,19 @@ def test_an_orphan_with_an_unknown_digest_algorithm_is_corrupt_not_a_usage_error
 ) -> None:
     root = tmp_path / "r"
     state = TrainState(model=torch.nn.Linear(4, 3))
-    with CheckpointManager(str(root), keep_last=10, save_on_signal=False, lease_ttl=30) as mgr:
+    with CheckpointManager(
+        str(root), keep_last=10, lease_options=LeaseOptions(ttl=30), save_options=SaveOptions(on_signal=False)
+    ) as mgr:
         for step in (10, 20):
             mgr.save(state, step=step)
     b = open_backend(str(root))
     zombie = b.read("step-0000000020.e1/tensors.safetensors"), json.loads(b.read("step-0000000020.e1/manifest.json"))
-    with CheckpointManager(str(root), keep_last=10, save_on_signal=False, lease_ttl=30, force=True) as taker:
+    with CheckpointManager(
+        str(root),
+        keep_last=10,
+        lease_options=LeaseOptions(ttl=30, force=True),
+        save_options=SaveOptions(on_signal=False),
+    ) as taker:
         assert taker.restore(state) is not None  # takes over from step 20
         taker.save(state, step=30)
     # The first writer never saw the takeover: its late commit of step 40 is an orphan, and its

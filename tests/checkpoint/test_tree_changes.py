@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from ckptsdk import CheckpointManager, TrainState
+from ckptsdk import CheckpointManager, LeaseOptions, SaveOptions, TrainState
 from ckptsdk.backends.memory import MemoryBackend
 
 pytestmark = pytest.mark.timeout(180)
@@ -149,7 +149,9 @@ CHANGES: list[tuple[str, Callable[[Job], None]]] = [
 def test_each_change_between_saves_is_restored_exactly(blocking):
     name = f"memory://tree-changes-{uuid.uuid4().hex}"
     job = Job()
-    mgr = CheckpointManager(name, keep_last=len(CHANGES) + 1, lease_ttl=30, save_on_signal=False)
+    mgr = CheckpointManager(
+        name, keep_last=len(CHANGES) + 1, lease_options=LeaseOptions(ttl=30), save_options=SaveOptions(on_signal=False)
+    )
     saved: dict[int, Any] = {}
     try:
         for i, (what, change) in enumerate(CHANGES, start=1):
@@ -180,7 +182,9 @@ def test_each_change_between_saves_is_restored_exactly(blocking):
 def test_a_tensor_moved_to_another_device_is_restored_exactly():
     name = f"memory://tree-device-{uuid.uuid4().hex}"
     job = Job()
-    mgr = CheckpointManager(name, keep_last=4, lease_ttl=30, save_on_signal=False)
+    mgr = CheckpointManager(
+        name, keep_last=4, lease_options=LeaseOptions(ttl=30), save_options=SaveOptions(on_signal=False)
+    )
     try:
         job.step()
         want1 = _clone(job.state.state_dict())

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import ckptsdk
-from ckptsdk import cli
+from ckptsdk import LeaseOptions, cli
 
 REPO = Path(ckptsdk.__file__).resolve().parents[1]
 
@@ -53,7 +53,7 @@ def _root(tmp_path: Path) -> str:
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 2)
     state = ckptsdk.TrainState(model=model)
-    with ckptsdk.CheckpointManager(url, lease_ttl=5) as mgr:
+    with ckptsdk.CheckpointManager(url, lease_options=LeaseOptions(ttl=5)) as mgr:
         for step in (1, 2):
             mgr.log_step(step, loss=float(step))
             mgr.save(state, step=step)

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 
+from ckptsdk import SaveOptions
 from ckptsdk.cli.admin import MANAGER_KEEP_LAST
 from ckptsdk.format import skeleton
 from ckptsdk.manager import CheckpointManager
@@ -46,7 +47,7 @@ def root(tmp_path_factory) -> str:
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    with CheckpointManager(str(path), keep_last=3, save_on_signal=False) as mgr:
+    with CheckpointManager(str(path), keep_last=3, save_options=SaveOptions(on_signal=False)) as mgr:
         for step in (1, 2, 3):
             model(torch.randn(2, 4)).sum().backward()
             opt.step()

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckptsdk import cli
+from ckptsdk import LeaseOptions, SaveOptions, cli
 from ckptsdk.checkpoint import retention
 from ckptsdk.checkpoint.catalog import scan
 from ckptsdk.checkpoint.rotation import kept
@@ -37,8 +37,14 @@ LOSSES = {10: 0.9, 20: 0.2, 30: math.nan, 40: 0.3, 50: 0.25, 60: 0.7, 70: 0.8, 8
 LEFTOVER = "step-0000000095.e1"
 
 
-def _writer(url: str, **kw) -> CheckpointManager:
-    return CheckpointManager(url, lease_ttl=30, save_on_signal=False, _simulation=Simulation(heartbeat=False), **kw)
+def _writer(url: str, *, force: bool = False, **kw) -> CheckpointManager:
+    return CheckpointManager(
+        url,
+        lease_options=LeaseOptions(ttl=30, force=force),
+        save_options=SaveOptions(on_signal=False),
+        _simulation=Simulation(heartbeat=False),
+        **kw,
+    )
 
 
 def _save_all(mgr: CheckpointManager, losses: dict[int, float | None], state: TrainState) -> None:

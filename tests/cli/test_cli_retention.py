@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from ckptsdk import cli
+from ckptsdk import LeaseOptions, SaveOptions, cli
 from ckptsdk.checkpoint import retention
 from ckptsdk.manager import CheckpointManager, Simulation
 from ckptsdk.state import TrainState
@@ -32,8 +32,8 @@ def root(tmp_path) -> tuple[str, dict[int, torch.Tensor]]:
     with CheckpointManager(
         url,
         keep_last=3,  # the writer keeps more than the rules below: gc then has work
-        lease_ttl=30,
-        save_on_signal=False,
+        lease_options=LeaseOptions(ttl=30),
+        save_options=SaveOptions(on_signal=False),
         _simulation=Simulation(heartbeat=False),
     ) as mgr:
         for step, loss in LOSSES.items():
@@ -70,7 +70,9 @@ def test_gc_with_the_writers_rules_keeps_the_best(tmp_path, capsys):
     url = str(tmp_path / "run")
     rules = [retention.keep_best("val_loss", 2)]
     state = TrainState(model=torch.nn.Linear(2, 2))
-    with CheckpointManager(url, keep_last=1, keep=rules, lease_ttl=30, save_on_signal=False) as mgr:
+    with CheckpointManager(
+        url, keep_last=1, keep=rules, lease_options=LeaseOptions(ttl=30), save_options=SaveOptions(on_signal=False)
+    ) as mgr:
         for step, loss in LOSSES.items():
             mgr.save(state, step=step, metrics={} if loss is None else {"val_loss": loss})
         writer_kept = mgr.kept()

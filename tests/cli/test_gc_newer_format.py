@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckptsdk import CheckpointManager, TrainState
+from ckptsdk import CheckpointManager, LeaseOptions, SaveOptions, TrainState
 from ckptsdk.cli import main
 from ckptsdk.errors import ManifestError, NewerFormatError
 from ckptsdk.format.document import seal
@@ -44,7 +44,9 @@ def _root(tmp_path: Path) -> Path:
     ckptsdk's)."""
     root = tmp_path / "r"
     model, opt, state = _job()
-    with CheckpointManager(str(root), keep_last=10, save_on_signal=False, lease_ttl=30) as mgr:
+    with CheckpointManager(
+        str(root), keep_last=10, lease_options=LeaseOptions(ttl=30), save_options=SaveOptions(on_signal=False)
+    ) as mgr:
         for step in (1, 2, 3, 4):
             if step == 3:
                 with torch.no_grad():
@@ -110,7 +112,9 @@ def test_restore_refuses_to_fall_back_past_a_newer_ckptsdks_checkpoint(tmp_path:
     assert [r.step for r in rows if not r.valid] == [3, 4]
     assert all(r.reason and "written by a newer ckptsdk" in r.reason for r in rows if not r.valid)
     # A writer too: it must not train on from step 2 while the run is at step 4.
-    with CheckpointManager(str(root), save_on_signal=False, lease_ttl=30) as writer:
+    with CheckpointManager(
+        str(root), lease_options=LeaseOptions(ttl=30), save_options=SaveOptions(on_signal=False)
+    ) as writer:
         with pytest.raises(NewerFormatError):
             writer.restore(_job(seed=1)[2])
 
@@ -122,7 +126,9 @@ def test_rotation_keeps_the_shared_files_a_newer_ckptsdks_checkpoint_may_use(tmp
     # An older writer that saves without restoring (a fresh state, keep_last=1): its rotation
     # and tidying (a listing of shared/) must leave the newer checkpoints' files alone.
     _model, _opt, state = _job(seed=2)
-    with CheckpointManager(str(root), keep_last=1, save_on_signal=False, lease_ttl=30) as writer:
+    with CheckpointManager(
+        str(root), keep_last=1, lease_options=LeaseOptions(ttl=30), save_options=SaveOptions(on_signal=False)
+    ) as writer:
         for step in (10, 11, 12):
             writer.save(state, step=step)
     for name in theirs:

@@ -15,14 +15,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckptsdk import CheckpointManager, TrainState, open_backend
+from ckptsdk import CheckpointManager, LeaseOptions, SaveOptions, TrainState, open_backend
 from ckptsdk.checkpoint.reader import CheckpointReader
 from ckptsdk.cli import main
 
 
 def _saved(root: Path, steps: range) -> None:
     state = TrainState(model=torch.nn.Linear(4, 3))
-    with CheckpointManager(str(root), keep_last=10, save_on_signal=False, lease_ttl=30) as mgr:
+    with CheckpointManager(
+        str(root), keep_last=10, lease_options=LeaseOptions(ttl=30), save_options=SaveOptions(on_signal=False)
+    ) as mgr:
         for step in steps:
             mgr.save(state, step=step)
 
@@ -79,7 +81,9 @@ def test_verify_all_under_a_writer_rotating_every_step_never_fails(tmp_path: Pat
 
     def write() -> None:
         try:
-            with CheckpointManager(str(root), keep_last=2, save_on_signal=False, lease_ttl=30) as mgr:
+            with CheckpointManager(
+                str(root), keep_last=2, lease_options=LeaseOptions(ttl=30), save_options=SaveOptions(on_signal=False)
+            ) as mgr:
                 step = 0
                 while not stop.is_set():
                     step += 1

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import ckptsdk
-from ckptsdk import CheckpointManager, TrainState
+from ckptsdk import CheckpointManager, LeaseOptions, Retention, TrainState
 from ckptsdk.errors import (
     BackendError,
     ConfigError,
@@ -65,7 +65,7 @@ def assert_same(a: TrainState, b: TrainState) -> None:
 
 
 def open_mgr(url, options, **kw) -> CheckpointManager:
-    kw.setdefault("lease_ttl", 5.0)
+    kw.setdefault("lease_options", LeaseOptions(ttl=5.0))
     return CheckpointManager(url, storage_options=options, **kw)
 
 
@@ -93,7 +93,7 @@ def test_save_never_draws_from_global_rngs(tmp_path):
     torch.manual_seed(7), np.random.seed(7), random.seed(7)
     expected = (torch.rand(3), np.random.rand(3), random.random())
     torch.manual_seed(7), np.random.seed(7), random.seed(7)
-    with CheckpointManager(str(tmp_path / "r"), lease_ttl=5) as mgr:
+    with CheckpointManager(str(tmp_path / "r"), lease_options=LeaseOptions(ttl=5)) as mgr:
         mgr.save(state, step=1)
         mgr.save(state, step=2, blocking=False)
         mgr.wait()
@@ -108,7 +108,7 @@ def test_save_never_draws_from_global_rngs(tmp_path):
 def test_corrupt_newest_is_skipped_and_previous_restored(tmp_path, caplog, damage):
     root = tmp_path / "run"
     state = make_state()
-    with CheckpointManager(str(root), keep_last=5, lease_ttl=5) as mgr:
+    with CheckpointManager(str(root), keep_last=5, lease_options=LeaseOptions(ttl=5)) as mgr:
         train(state, 1)
         mgr.save(state, step=1)
         good = {k: v.clone() for k, v in flat(state).items()}
@@ -134,7 +134,7 @@ def test_corrupt_newest_is_skipped_and_previous_restored(tmp_path, caplog, damag
 
     restored = make_state(seed=5)
     caplog.set_level(logging.WARNING, logger="ckptsdk")
-    with CheckpointManager(str(root), lease_ttl=5) as mgr:
+    with CheckpointManager(str(root), lease_options=LeaseOptions(ttl=5)) as mgr:
         pos = mgr.restore(restored)
         assert pos.step == 1
     assert any(checkpoint_dir(2, 1) in r.getMessage() for r in caplog.records), caplog.text
@@ -148,7 +148,7 @@ def test_corrupt_newest_is_skipped_and_previous_restored(tmp_path, caplog, damag
 def test_verify_and_the_cli_share_one_check(tmp_path):
     """``verify()`` raises what ``check()`` (the verdict ``ckptsdk verify`` prints) reports."""
     url = str(tmp_path / "r")
-    with CheckpointManager(url, lease_ttl=5) as mgr:
+    with CheckpointManager(url, lease_options=LeaseOptions(ttl=5)) as mgr:
         for step in (1, 2):
             mgr.save(make_state(), step=step)
     reader = CheckpointManager(url, read_only=True)
@@ -167,10 +167,10 @@ def test_verify_and_the_cli_share_one_check(tmp_path):
 def test_no_valid_checkpoint_left_raises_with_each_reason(tmp_path):
     root = tmp_path / "run"
     state = make_state()
-    with CheckpointManager(str(root), lease_ttl=5) as mgr:
+    with CheckpointManager(str(root), lease_options=LeaseOptions(ttl=5)) as mgr:
         mgr.save(state, step=1)
     (root / checkpoint_dir(1, 1) / TENSORS).write_bytes(b"junk")
-    with CheckpointManager(str(root), lease_ttl=5) as mgr:
+    with CheckpointManager(str(root), lease_options=LeaseOptions(ttl=5)) as mgr:
         with pytest.raises(NoValidCheckpointError) as err:
             mgr.restore(make_state())
     assert checkpoint_dir(1, 1) in err.value.tried
@@ -180,7 +180,9 @@ def test_no_valid_checkpoint_left_raises_with_each_reason(tmp_path):
 
 def test_rotation_keep_last_three_over_twenty_saves(tmp_path):
     state = make_state()
-    with CheckpointManager(str(tmp_path / "r"), keep_last=3, keep_every=10, lease_ttl=5) as mgr:
+    with CheckpointManager(
+        str(tmp_path / "r"), retention=Retention(keep_last=3, keep_every=10), lease_options=LeaseOptions(ttl=5)
+    ) as mgr:
         for step in range(1, 21):
             mgr.save(state, step=step)
         steps = [c.step for c in mgr.list()]
@@ -190,11 +192,11 @@ def test_rotation_keep_last_three_over_twenty_saves(tmp_path):
 def test_resumed_from_survives_until_a_newer_one_is_committed(tmp_path):
     url = str(tmp_path / "r")
     state = make_state()
-    with CheckpointManager(url, keep_last=1, lease_ttl=5) as mgr:
+    with CheckpointManager(url, keep_last=1, lease_options=LeaseOptions(ttl=5)) as mgr:
         for step in (1, 2, 3):
             mgr.save(state, step=step)
         assert [c.step for c in mgr.list()] == [3]
-    with CheckpointManager(url, keep_last=1, lease_ttl=5) as mgr:
+    with CheckpointManager(url, keep_last=1, lease_options=LeaseOptions(ttl=5)) as mgr:
         assert mgr.restore(state).step == 3
         mgr.wait()
         # the takeover re-committed step 3 under epoch 2 (the anchor, a hard link); one row per step
@@ -206,12 +208,12 @@ def test_resumed_from_survives_until_a_newer_one_is_committed(tmp_path):
 def test_failed_save_deletes_nothing(tmp_path):
     url = str(tmp_path / "r")
     state = make_state()
-    with CheckpointManager(url, keep_last=2, lease_ttl=5) as mgr:
+    with CheckpointManager(url, keep_last=2, lease_options=LeaseOptions(ttl=5)) as mgr:
         for step in (1, 2):
             mgr.save(state, step=step)
     before = sorted(str(p.relative_to(tmp_path)) for p in (tmp_path / "r").rglob("*") if "step-" in str(p))
 
-    mgr = CheckpointManager(url, keep_last=2, lease_ttl=5)
+    mgr = CheckpointManager(url, keep_last=2, lease_options=LeaseOptions(ttl=5))
     mgr.restore(state)
     mgr.wait()  # the takeover anchor is written in the background
     before_after_anchor = {c.key for c in mgr.list()}
@@ -234,14 +236,14 @@ def test_restore_in_a_fresh_process_is_bit_identical(tmp_path):
     url = str(tmp_path / "r")
     state = make_state()
     train(state, 2)
-    with CheckpointManager(url, lease_ttl=5) as mgr:
+    with CheckpointManager(url, lease_options=LeaseOptions(ttl=5)) as mgr:
         mgr.save(state, step=2)
     out = tmp_path / "child.safetensors"
     code = textwrap.dedent(f"""
         import torch, safetensors.torch, ckptsdk
         from tests.core.test_manager import make_state
         s = make_state(seed=99)
-        with ckptsdk.CheckpointManager({url!r}, lease_ttl=5) as m:
+        with ckptsdk.CheckpointManager({url!r}, lease_options=ckptsdk.LeaseOptions(ttl=5)) as m:
             assert m.restore(s).step == 2
         t, _ = ckptsdk.format.codec.encode(s.state_dict()["objects"])
         safetensors.torch.save_file({{k: v.contiguous() for k, v in t.items()}}, {str(out)!r})
@@ -257,10 +259,10 @@ def test_restore_in_a_fresh_process_is_bit_identical(tmp_path):
 
 def test_mismatched_model_gives_clear_error(tmp_path):
     url = str(tmp_path / "r")
-    with CheckpointManager(url, lease_ttl=5) as mgr:
+    with CheckpointManager(url, lease_options=LeaseOptions(ttl=5)) as mgr:
         mgr.save(make_state(), step=1)
     wrong = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
-    with CheckpointManager(url, lease_ttl=5) as mgr:
+    with CheckpointManager(url, lease_options=LeaseOptions(ttl=5)) as mgr:
         with pytest.raises(StateMismatchError) as err:
             mgr.restore(
                 TrainState(
@@ -275,10 +277,10 @@ def test_mismatched_model_gives_clear_error(tmp_path):
 def test_zombie_orphans_are_ignored_and_zombie_is_fenced(tmp_path):
     url = str(tmp_path / "r")
     state = make_state()
-    zombie = CheckpointManager(url, keep_last=2, lease_ttl=5)
+    zombie = CheckpointManager(url, keep_last=2, lease_options=LeaseOptions(ttl=5))
     for step in (1, 2):
         zombie.save(state, step=step)
-    newcomer = CheckpointManager(url, keep_last=2, lease_ttl=5, force=True)
+    newcomer = CheckpointManager(url, keep_last=2, lease_options=LeaseOptions(ttl=5, force=True))
     assert newcomer.restore(make_state()).step == 2
     # The zombie has not noticed yet; its next save writes its tensor file, then its one
     # renewal (the fence, right before the commit) fails: it must not commit.
@@ -296,16 +298,16 @@ def test_orphan_written_after_takeover_is_never_restored(tmp_path):
     """A zombie that commits before it notices the takeover leaves an orphan; restore skips it."""
     url = str(tmp_path / "r")
     state = make_state()
-    with CheckpointManager(url, lease_ttl=5) as first:
+    with CheckpointManager(url, lease_options=LeaseOptions(ttl=5)) as first:
         first.save(state, step=1)
-    with CheckpointManager(url, lease_ttl=5) as second:
+    with CheckpointManager(url, lease_options=LeaseOptions(ttl=5)) as second:
         second.restore(state)
     # Simulate the zombie's late commit: an epoch-1 checkpoint past epoch 2's resume point.
     src, dst = tmp_path / "r" / checkpoint_dir(1, 1), tmp_path / "r" / checkpoint_dir(5, 1)
     dst.mkdir()
     (dst / TENSORS).write_bytes((src / TENSORS).read_bytes())
     (dst / MANIFEST).write_bytes(seal({**json.loads((src / MANIFEST).read_text()), "step": 5}))
-    with CheckpointManager(url, lease_ttl=5) as third:
+    with CheckpointManager(url, lease_options=LeaseOptions(ttl=5)) as third:
         orphan = next(c for c in third.list() if c.key == checkpoint_dir(5, 1))
         assert orphan.orphan and not orphan.valid and "orphan" in orphan.reason
         assert third.restore(make_state()).step == 1
@@ -318,9 +320,9 @@ def test_orphan_written_after_takeover_is_never_restored(tmp_path):
 def test_async_and_sync_saves_restore_identically(tmp_path):
     state = make_state()
     train(state, 2)
-    with CheckpointManager(str(tmp_path / "a"), lease_ttl=5) as mgr:
+    with CheckpointManager(str(tmp_path / "a"), lease_options=LeaseOptions(ttl=5)) as mgr:
         mgr.save(state, step=2, blocking=False)
-    with CheckpointManager(str(tmp_path / "s"), lease_ttl=5) as mgr:
+    with CheckpointManager(str(tmp_path / "s"), lease_options=LeaseOptions(ttl=5)) as mgr:
         mgr.save(state, step=2)
     a, s = make_state(1), make_state(2)
     with CheckpointManager(str(tmp_path / "a"), read_only=True) as mgr:
@@ -335,7 +337,9 @@ def test_async_and_sync_saves_restore_identically(tmp_path):
 
 def test_async_snapshot_is_taken_at_save_time(tmp_path):
     state = make_state()
-    with CheckpointManager(str(tmp_path / "r"), keep_last=10, lease_ttl=5, async_save=True) as mgr:
+    with CheckpointManager(
+        str(tmp_path / "r"), keep_last=10, lease_options=LeaseOptions(ttl=5), async_save=True
+    ) as mgr:
         expected = {}
         for i in range(5):  # rapid saves never wait: one writes, the newest waits (replacing another)
             expected[i + 1] = {k: v.clone() for k, v in flat(state).items()}
@@ -351,7 +355,7 @@ def test_async_snapshot_is_taken_at_save_time(tmp_path):
 
 
 def test_background_failure_surfaces_on_next_call(tmp_path):
-    mgr = CheckpointManager(str(tmp_path / "r"), lease_ttl=5)
+    mgr = CheckpointManager(str(tmp_path / "r"), lease_options=LeaseOptions(ttl=5))
     state = make_state()
     mgr.save(state, step=1)
     mgr.backend = FaultyBackend(
@@ -369,7 +373,7 @@ def test_background_failure_surfaces_on_next_call(tmp_path):
 
 def test_read_only_never_takes_the_lease_and_refuses_save(tmp_path):
     url = str(tmp_path / "r")
-    with CheckpointManager(url, lease_ttl=5) as mgr:
+    with CheckpointManager(url, lease_options=LeaseOptions(ttl=5)) as mgr:
         mgr.save(make_state(), step=1)
         ro = CheckpointManager(url, read_only=True)  # while the writer holds the lease
         assert [c.step for c in ro.list()] == [1]
@@ -383,10 +387,13 @@ def test_a_restore_after_a_save_loads_and_leaves_the_lineage_alone(tmp_path, cap
     benchmarks time restores on a writer) loads the newest checkpoint and rewrites nothing, so
     its manifests keep agreeing with its lineage record (no "believing the checkpoints")."""
     url = str(tmp_path / "r")
-    with CheckpointManager(url, lease_ttl=5) as mgr:
+    with CheckpointManager(url, lease_options=LeaseOptions(ttl=5)) as mgr:
         mgr.save(make_state(), step=1)
     state = make_state()
-    with CheckpointManager(url, lease_ttl=5) as mgr, caplog.at_level(logging.INFO, logger="ckptsdk"):
+    with (
+        CheckpointManager(url, lease_options=LeaseOptions(ttl=5)) as mgr,
+        caplog.at_level(logging.INFO, logger="ckptsdk"),
+    ):
         assert mgr.restore(state).step == 1  # the lineage of epoch 2 starts at step 1
         first = mgr.resumed_from
         for step in (2, 3, 4):
@@ -413,7 +420,7 @@ def test_interrupted_first_save_is_a_fresh_start(tmp_path):
     folder = root / checkpoint_dir(100, 1)
     folder.mkdir(parents=True)
     (folder / TENSORS).write_bytes(b"half a tensor file")  # killed before the manifest
-    with CheckpointManager(str(root), lease_ttl=5) as mgr:
+    with CheckpointManager(str(root), lease_options=LeaseOptions(ttl=5)) as mgr:
         assert mgr.restore(make_state()) is None
         [info] = mgr.list()
         assert not info.committed and "uncommitted" in info.reason
@@ -424,7 +431,9 @@ def test_drive_rotation_reports_the_trash_cost(tmp_path, monkeypatch, caplog, mo
     monkeypatch.setenv("CKPTSDK_DRIVE_ROOT", str(tmp_path / "drive"))
     (tmp_path / "drive").mkdir()
     caplog.set_level(logging.INFO, logger="ckptsdk")
-    with CheckpointManager("drive://run", keep_last=1, lease_ttl=5, lease_settle=0, retention_mode=mode) as mgr:
+    with CheckpointManager(
+        "drive://run", retention=Retention(keep_last=1, mode=mode), lease_options=LeaseOptions(ttl=5, settle=0)
+    ) as mgr:
         for step in (1, 2, 3, 4):
             mgr.save(make_state(), step=step)
         # Drive rotates one save late: the newest may still be uploading when it is committed.

@@ -1,9 +1,13 @@
-"""CheckpointManager's option groups (Retention, LeaseOptions, SaveOptions) and their flat shorthand."""
+"""CheckpointManager's option groups (Retention, LeaseOptions, SaveOptions), their flat shorthand,
+and the deprecated flat keywords of ckptsdk 0.1.0."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
+import threading
+import warnings
 from typing import Any
 
 import pytest
@@ -11,9 +15,11 @@ import torch
 
 import ckptsdk
 from ckptsdk import CheckpointManager, LeaseOptions, Retention, SaveOptions, TrainState
+from ckptsdk._version import __version__
 from ckptsdk.backends import open_backend
 from ckptsdk.checkpoint.rotation import LEFTOVER_GRACE_S
 from ckptsdk.errors import ConfigError
+from ckptsdk.options import DEPRECATED, FLAT, REMOVED_IN
 from ckptsdk.preemption import DEFAULT_DEADLINE
 
 GROUPS: dict[str, type[Any]] = {"retention": Retention, "lease_options": LeaseOptions, "save_options": SaveOptions}
@@ -29,17 +35,25 @@ def _params() -> dict[str, inspect.Parameter]:
     return dict(inspect.signature(CheckpointManager).parameters)
 
 
+def _deprecated(kw: str) -> contextlib.AbstractContextManager[object]:
+    """Expect the DeprecationWarning of each deprecated keyword in ``kw`` (none: expect nothing)."""
+    return pytest.warns(DeprecationWarning) if any(k in DEPRECATED for k in kw) else contextlib.nullcontext()
+
+
 def test_every_flat_keyword_is_the_shorthand_of_exactly_one_group_field() -> None:
     # A flat keyword missing from every SHORTHAND table would be accepted and silently ignored.
     shorthand = [kw for cls in GROUPS.values() for kw in cls.SHORTHAND]
     assert len(shorthand) == len(set(shorthand))
     flat = {name for name, p in _params().items() if p.kind is inspect.Parameter.KEYWORD_ONLY}
     flat -= {"retention", "lease_options", "save_options", "read_only", "storage_options", "run_id", "_simulation"}
-    assert set(shorthand) == flat
+    # One spelling per option: the signature keeps the README's first loop, the rest is deprecated.
+    assert flat == set(FLAT) == {"keep_last", "keep", "save_every", "async_save"}
+    assert set(shorthand) == flat | set(DEPRECATED) and not flat & set(DEPRECATED)
+    assert _params()["deprecated"].kind is inspect.Parameter.VAR_KEYWORD
     for cls in GROUPS.values():
         fields = {f.name for f in dataclasses.fields(cls)}
         assert set(cls.SHORTHAND.values()) == fields, cls
-    for kw in shorthand:
+    for kw in flat:
         assert _params()[kw].default is None, f"{kw}: a flat default other than None hides whether it was given"
 
 
@@ -59,7 +73,7 @@ def test_flat_defaults_are_the_groups_defaults() -> None:
         )
 
 
-def test_flat_keywords_and_groups_configure_the_same_manager() -> None:
+def test_deprecated_flat_keywords_and_groups_configure_the_same_manager() -> None:
     flat_kw: dict[str, Any] = dict(
         keep_last=2,
         keep_every=4,
@@ -82,7 +96,7 @@ def test_flat_keywords_and_groups_configure_the_same_manager() -> None:
     )
     seen = []
     for name, kwargs in (("flat", flat_kw), ("grouped", groups)):
-        with CheckpointManager(f"memory://opts-same-{name}", **kwargs) as mgr:
+        with _deprecated(kwargs), CheckpointManager(f"memory://opts-same-{name}", **kwargs) as mgr:
             state = _state()
             for step in range(1, 10):
                 mgr.save(state, step=step, blocking=True)
@@ -102,7 +116,9 @@ def test_flat_keywords_and_groups_configure_the_same_manager() -> None:
 
 
 def test_groups_mix_with_other_groups_flat_keywords() -> None:
-    with CheckpointManager("memory://opts-mix", retention=Retention(keep_last=1), save_every=2, lease_ttl=9.0) as mgr:
+    with CheckpointManager(
+        "memory://opts-mix", retention=Retention(keep_last=1), save_every=2, lease_options=LeaseOptions(ttl=9.0)
+    ) as mgr:
         assert (mgr.keep_last, mgr.save_every, mgr.lease_options.ttl) == (1, 2, 9.0)
 
 
@@ -110,11 +126,13 @@ def test_groups_mix_with_other_groups_flat_keywords() -> None:
     ("group", "flat_kw"),
     [
         ("retention", {"keep_last": 3}),
+        ("retention", {"keep": []}),
         ("retention", {"retention_mode": "delete"}),
         ("lease_options", {"force": False}),
         ("lease_options", {"lease_ttl": 5.0, "lease_wait": 1.0}),
         ("save_options", {"snapshot": "pipelined"}),
         ("save_options", {"async_save": True}),
+        ("save_options", {"save_every": 10}),
     ],
 )
 def test_a_group_and_its_flat_keyword_together_are_refused_before_the_root_is_touched(
@@ -124,7 +142,7 @@ def test_a_group_and_its_flat_keyword_together_are_refused_before_the_root_is_to
     with CheckpointManager(url, keep_last=5) as mgr:
         committed = mgr.save(_state(), step=1, blocking=True)
     before = {o.key: open_backend(url).read(o.key) for o in open_backend(url).list("")}
-    with pytest.raises(ConfigError) as exc_info:
+    with pytest.raises(ConfigError) as exc_info, _deprecated(flat_kw):
         CheckpointManager(url, **{group: GROUPS[group](), **flat_kw})
     message = str(exc_info.value)
     assert all(f"{kw}=" in message for kw in flat_kw) and f"{group}=" in message
@@ -157,7 +175,7 @@ def test_bad_option_values_are_one_config_error_whichever_way_they_come(
 ) -> None:
     ((kw, value),) = kwargs.items()
     cls = next(c for c in GROUPS.values() if kw in c.SHORTHAND)
-    with pytest.raises(ConfigError) as flat_error:
+    with pytest.raises(ConfigError) as flat_error, _deprecated(kwargs):
         CheckpointManager(f"memory://opts-bad-{kw}", **kwargs)
     with pytest.raises(ConfigError) as group_error:
         cls(**{cls.SHORTHAND[kw]: value})
@@ -221,3 +239,102 @@ def test_keep_rules_belong_to_retention_either_way() -> None:
         CheckpointManager("memory://opts-keep-both", retention=Retention(), keep=[best])
     with pytest.raises(ConfigError, match="keep= takes keep rules"):
         CheckpointManager("memory://opts-keep-bad", keep=["val_loss"])  # type: ignore[list-item]
+
+
+#: A value other than the default for each deprecated keyword.
+OLD_VALUES: dict[str, Any] = {
+    "keep_every": 4,
+    "retention_mode": "delete",
+    "leftover_grace": 10.0,
+    "lease_ttl": 7.0,
+    "lease_wait": 1.0,
+    "lease_settle": 0.5,
+    "force": True,
+    "snapshot": "copy",
+    "save_on_signal": False,
+    "signal_deadline": 3.0,
+    "max_staging_bytes": 1 << 20,
+    "save_deadline": 30.0,
+    "incremental": False,
+}
+
+
+@pytest.mark.parametrize("kw", sorted(DEPRECATED))
+def test_each_deprecated_keyword_still_works_and_warns_once_with_its_replacement(kw: str) -> None:
+    assert set(OLD_VALUES) == set(DEPRECATED)
+    cls = DEPRECATED[kw]
+    group = next(name for name, c in GROUPS.items() if c is cls)
+    field = cls.SHORTHAND[kw]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        mgr = CheckpointManager(f"memory://opts-old-{kw}", read_only=True, **{kw: OLD_VALUES[kw]})
+    with CheckpointManager(f"memory://opts-new-{kw}", read_only=True, **{group: cls(**{field: OLD_VALUES[kw]})}) as new:
+        assert getattr(mgr, group) == getattr(new, group)  # the same group value either way
+    mgr.close()
+    assert [w.category for w in caught] == [DeprecationWarning]
+    message = str(caught[0].message)
+    assert f"{kw}= is deprecated" in message and f"{group}={cls.__name__}({field}=...)" in message
+    assert f"removed in ckptsdk {REMOVED_IN}" in message
+    assert caught[0].filename == __file__, "stacklevel must point at the caller's line"
+
+
+def test_several_deprecated_keywords_warn_once_each() -> None:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with CheckpointManager("memory://opts-old-many", lease_ttl=7.0, force=True, snapshot="copy") as mgr:
+            assert mgr.lease_options == LeaseOptions(ttl=7.0, force=True) and mgr.snapshot == "copy"
+    assert sorted(str(w.message).split("=")[0] for w in caught) == ["force", "lease_ttl", "snapshot"]
+
+
+def test_keep_every_points_at_the_keep_rule_too() -> None:
+    with pytest.warns(DeprecationWarning, match=r"keep=\[ckptsdk\.keep\.every\(\.\.\.\)\]"):
+        CheckpointManager("memory://opts-old-every", keep_every=5, read_only=True).close()
+
+
+def test_an_unknown_keyword_is_a_type_error_as_python_says_it() -> None:
+    with pytest.raises(
+        TypeError, match=r"CheckpointManager.__init__\(\) got an unexpected keyword argument 'lease_tll'"
+    ):
+        CheckpointManager("memory://opts-typo", lease_tll=5)
+    with pytest.raises(TypeError, match="'ttl'"):  # a group's field is not a manager keyword
+        CheckpointManager("memory://opts-typo", ttl=5)
+
+
+def test_the_removal_release_leaves_one_minor_release_of_warning() -> None:
+    # CHANGELOG.md: deprecated for at least one minor release. 0.1.0 is out; the words are
+    # deprecated in the next minor release and go in the one after it.
+    major, minor, _ = (int(p) for p in __version__.split("."))
+    removed = tuple(int(p) for p in REMOVED_IN.split("."))
+    assert removed >= (major, minor + 2, 0)
+
+
+def test_save_on_signal_off_the_main_thread_is_refused_with_the_group_spelling() -> None:
+    errors: list[BaseException] = []
+
+    def open_() -> None:
+        try:
+            CheckpointManager("memory://opts-thread", save_options=SaveOptions(on_signal=True))
+        except ConfigError as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=open_)
+    thread.start()
+    thread.join()
+    assert len(errors) == 1 and "save_options=SaveOptions(on_signal=False)" in str(errors[0])
+
+
+def test_the_distributed_manager_takes_the_groups_and_deprecates_the_same_words() -> None:
+    from ckptsdk.distributed import DistributedCheckpointManager
+
+    params = inspect.signature(DistributedCheckpointManager).parameters
+    assert {"retention", "lease_options", "save_options", *FLAT} <= set(params)
+    assert not set(DEPRECATED) & set(params)
+    # Its old words warn first, then the usual check (no process group here) refuses it.
+    with pytest.warns(DeprecationWarning, match="lease_ttl= is deprecated") as record:
+        with pytest.raises(ConfigError, match="torch.distributed initialised"):
+            DistributedCheckpointManager("memory://opts-dist", lease_ttl=5.0)
+    assert record[0].filename == __file__
+    with pytest.raises(TypeError, match="unexpected keyword argument 'lease_settle'"):  # never one of its words
+        DistributedCheckpointManager("memory://opts-dist", lease_settle=0.0)
+    with pytest.raises(ConfigError, match="save_options="), pytest.warns(DeprecationWarning):
+        DistributedCheckpointManager("memory://opts-dist", save_options=SaveOptions(), snapshot="copy")

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from ckptsdk import CheckpointManager
+from ckptsdk import CheckpointManager, LeaseOptions, SaveOptions
 from ckptsdk.lease.acquire import LEASE_KEY
 from ckptsdk.preemption import Preemption
 
@@ -152,7 +152,9 @@ def test_handlers_chain_and_are_put_back(tmp_path):
 
 def test_should_save_turns_true_after_a_signal(tmp_path):
     previous = signal.getsignal(signal.SIGUSR1)
-    mgr = CheckpointManager(str(tmp_path / "r"), save_every=100, lease_ttl=5, save_on_signal=False)
+    mgr = CheckpointManager(
+        str(tmp_path / "r"), lease_options=LeaseOptions(ttl=5), save_options=SaveOptions(every=100, on_signal=False)
+    )
     try:
         assert not mgr.should_save(7)
         mgr._preemption = Preemption([signal.SIGUSR1])
@@ -172,7 +174,7 @@ def test_manager_in_a_thread_does_not_install_handlers(tmp_path):
     result: list[object] = []
 
     def open_one() -> None:
-        with CheckpointManager(str(tmp_path / "t"), lease_ttl=5) as mgr:
+        with CheckpointManager(str(tmp_path / "t"), lease_options=LeaseOptions(ttl=5)) as mgr:
             result.append(mgr._preemption)
 
     t = threading.Thread(target=open_one)

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
+from ckptsdk import LeaseOptions, SaveOptions
 from ckptsdk.backends import open_backend
 from ckptsdk.checkpoint import staging
 from ckptsdk.distributed import AppState, DistributedCheckpointManager
@@ -170,8 +171,9 @@ def _edit(job: Job, how: str) -> None:
         job.opt_plain.load_state_dict(job.opt_plain.state_dict())
 
 
-def _manager(url: Any, **kw: Any) -> DistributedCheckpointManager:
-    return DistributedCheckpointManager(url, lease_ttl=30.0, async_save=True, **kw)
+def _manager(url: Any, snapshot: Any = "pipelined", **kw: Any) -> DistributedCheckpointManager:
+    saves = SaveOptions(asynchronous=True, snapshot=snapshot)
+    return DistributedCheckpointManager(url, lease_options=LeaseOptions(ttl=30.0), save_options=saves, **kw)
 
 
 def _restored(mesh: Any, rank: int, url: str) -> tuple[int | None, dict[str, str]]:

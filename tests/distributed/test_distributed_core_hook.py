@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ckptsdk import CheckpointManager
+from ckptsdk import CheckpointManager, LeaseOptions
 from ckptsdk.errors import CorruptCheckpointError
 from ckptsdk.format.digest import DEFAULT as DIGEST_ALGORITHM
 from ckptsdk.format.layout import checkpoint_dir
@@ -36,7 +36,7 @@ def _save_with_extra(mgr: CheckpointManager, step: int) -> str:
 
 def test_extra_files_are_checked_like_the_tensor_file(tmp_path: pytest.TempPathFactory) -> None:
     url = str(tmp_path / "root")
-    with CheckpointManager(url, lease_ttl=5) as mgr:
+    with CheckpointManager(url, lease_options=LeaseOptions(ttl=5)) as mgr:
         _save_with_extra(mgr, 1)
         second = _save_with_extra(mgr, 2)
         data = bytearray(mgr.backend.read(f"{second}/rank-00001.safetensors"))
@@ -51,10 +51,10 @@ def test_extra_files_are_checked_like_the_tensor_file(tmp_path: pytest.TempPathF
 
 def test_a_takeover_anchor_copies_the_extra_files(tmp_path: pytest.TempPathFactory) -> None:
     url = str(tmp_path / "root")
-    dead = CheckpointManager(url, lease_ttl=5, _simulation=Simulation(heartbeat=False))
+    dead = CheckpointManager(url, lease_options=LeaseOptions(ttl=5), _simulation=Simulation(heartbeat=False))
     first = _save_with_extra(dead, 3)
     dead._closed = True  # dies without releasing its lease: the next writer anchors (a clean close needs no anchor)
-    with CheckpointManager(url, lease_ttl=5, force=True) as mgr:
+    with CheckpointManager(url, lease_options=LeaseOptions(ttl=5, force=True)) as mgr:
         assert mgr.restore(type("S", (), {"load_state_dict": lambda self, tree: None})()).step == 3  # type: ignore[union-attr]
         anchored = mgr.latest()
         assert anchored is not None and anchored.key != first and anchored.key.startswith("step-0000000003.e2")

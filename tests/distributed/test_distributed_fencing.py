@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ckptsdk import CheckpointManager
+from ckptsdk import CheckpointManager, LeaseOptions
 from ckptsdk.backends import open_backend
 from ckptsdk.distributed import DistributedCheckpointManager
 from ckptsdk.errors import LeaseLostError
@@ -44,7 +44,7 @@ class _TakeoverOnWrite:
         info = self._inner.write(key, data)
         if key.startswith("step-0000000002") and "/rank-" in key and self.newcomer is None:
             self.newcomer = CheckpointManager(
-                self._inner.url, force=True, lease_ttl=5, _simulation=Simulation(heartbeat=False)
+                self._inner.url, lease_options=LeaseOptions(force=True, ttl=5), _simulation=Simulation(heartbeat=False)
             )
         return info
 
@@ -53,7 +53,9 @@ class _TakeoverOnWrite:
 def test_a_takeover_during_the_write_commits_nothing(tmp_path: Path, world_of_one: Any) -> None:
     url = str(tmp_path / "root")
     backend = _TakeoverOnWrite(open_backend(url))
-    dm = DistributedCheckpointManager(backend, lease_ttl=5, _simulation=Simulation(heartbeat=False))
+    dm = DistributedCheckpointManager(
+        backend, lease_options=LeaseOptions(ttl=5), _simulation=Simulation(heartbeat=False)
+    )
     state = {"w": torch.arange(6.0)}
     assert dm.restore(state) is None
     dm.save(state, step=1)
@@ -75,13 +77,17 @@ def test_a_torn_rank_file_is_skipped_and_a_corrupt_one_falls_back(
     tmp_path: Path, world_of_one: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
     url = str(tmp_path / "root")
-    with DistributedCheckpointManager(url, lease_ttl=5, _simulation=Simulation(heartbeat=False)) as dm:
+    with DistributedCheckpointManager(
+        url, lease_options=LeaseOptions(ttl=5), _simulation=Simulation(heartbeat=False)
+    ) as dm:
         for step in (1, 2, 3):
             dm.save({"w": torch.full((4,), float(step))}, step=step)
     backend = open_backend(url)
     backend.delete("step-0000000003.e1/rank-00000.safetensors")  # torn: restore falls back to step 2
     state = {"w": torch.zeros(4)}
-    with DistributedCheckpointManager(url, lease_ttl=5, _simulation=Simulation(heartbeat=False)) as dm:
+    with DistributedCheckpointManager(
+        url, lease_options=LeaseOptions(ttl=5), _simulation=Simulation(heartbeat=False)
+    ) as dm:
         assert dm.restore(state).step == 2  # type: ignore[union-attr]
     assert torch.equal(state["w"], torch.full((4,), 2.0))
 
@@ -95,7 +101,9 @@ def test_a_torn_rank_file_is_skipped_and_a_corrupt_one_falls_back(
     # it together, says which file, and resumes from the previous one; the lineage starts there.
     state = {"w": torch.zeros(4)}
     with caplog.at_level(logging.WARNING, logger="ckptsdk"):
-        with DistributedCheckpointManager(url, lease_ttl=5, _simulation=Simulation(heartbeat=False)) as dm:
+        with DistributedCheckpointManager(
+            url, lease_options=LeaseOptions(ttl=5), _simulation=Simulation(heartbeat=False)
+        ) as dm:
             point = dm.restore(state)
             # The next one down: here step 2 of e1 (the intact original of e2's anchor copy).
             assert point is not None and point.key != newest.key and point.step <= newest.step
@@ -116,7 +124,9 @@ def test_the_export_command_consolidates_a_distributed_checkpoint(tmp_path: Path
     from ckptsdk.cli import main
 
     url = str(tmp_path / "root")
-    with DistributedCheckpointManager(url, lease_ttl=5, _simulation=Simulation(heartbeat=False)) as dm:
+    with DistributedCheckpointManager(
+        url, lease_options=LeaseOptions(ttl=5), _simulation=Simulation(heartbeat=False)
+    ) as dm:
         dm.save({"w": torch.arange(6.0)}, step=1)
         dm.save({"w": torch.arange(6.0) * 2}, step=2)
     out = tmp_path / "out.safetensors"

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ckptsdk import CheckpointManager, cli
+from ckptsdk import CheckpointManager, LeaseOptions, cli
 from ckptsdk.checkpoint import retention
 from ckptsdk.distributed import DistributedCheckpointManager
 from ckptsdk.manager import Simulation
@@ -34,7 +34,7 @@ def test_keep_rules_pass_through_and_are_recorded(tmp_path: Path, world_of_one: 
     rules = [retention.keep_best("val_loss", 1)]
     losses = {1: 0.5, 2: 0.1, 3: 0.4, 4: 0.9}
     with DistributedCheckpointManager(
-        url, keep_last=1, keep=rules, lease_ttl=5, _simulation=Simulation(heartbeat=False)
+        url, keep_last=1, keep=rules, lease_options=LeaseOptions(ttl=5), _simulation=Simulation(heartbeat=False)
     ) as dm:
         for step, loss in losses.items():
             dm.save({"w": torch.full((3,), float(step))}, step=step, metrics={"val_loss": loss})
@@ -49,6 +49,8 @@ def test_keep_rules_pass_through_and_are_recorded(tmp_path: Path, world_of_one: 
     doc = json.loads(capsys.readouterr().out)
     assert doc["deleted"] == [] and doc["rules_from"] == "writer"
     state = {"w": torch.zeros(3)}
-    with DistributedCheckpointManager(url, lease_ttl=5, _simulation=Simulation(heartbeat=False)) as dm:
+    with DistributedCheckpointManager(
+        url, lease_options=LeaseOptions(ttl=5), _simulation=Simulation(heartbeat=False)
+    ) as dm:
         assert dm.restore(state).step == 4  # type: ignore[union-attr]
     assert torch.equal(state["w"], torch.full((3,), 4.0))

@@ -120,7 +120,7 @@ def _assert_failed_everywhere_and_intact(job: Path, name: str, tensor: str) -> N
         assert error["type"] == "CheckpointError", error
         message = error["message"]
         assert f"the pipelined snapshot's rule was broken: {tensor!r} was changed in place" in message
-        assert 'DistributedCheckpointManager(..., snapshot="copy")' in message
+        assert 'DistributedCheckpointManager(..., save_options=SaveOptions(snapshot="copy"))' in message
         assert "the previous checkpoint is intact" in message and "the save of step 2 under" in message
         assert res["restored_step"] == 1  # nothing committed: the previous checkpoint is the newest
         assert res["restored"] == res["first"], [k for k in res["first"] if res["restored"].get(k) != res["first"][k]]

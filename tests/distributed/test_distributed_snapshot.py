@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from ckptsdk import LeaseOptions, SaveOptions
 from ckptsdk.distributed import AppState, DistributedCheckpointManager
 from ckptsdk.errors import ConfigError
 from ckptsdk.manager import Simulation
@@ -31,7 +32,7 @@ def world_of_one(tmp_path: Path) -> Any:
 
 def _manager(url: str, **kw: Any) -> DistributedCheckpointManager:
     return DistributedCheckpointManager(
-        url, lease_ttl=5, async_save=True, _simulation=Simulation(heartbeat=False), **kw
+        url, lease_options=LeaseOptions(ttl=5), async_save=True, _simulation=Simulation(heartbeat=False), **kw
     )
 
 
@@ -54,8 +55,8 @@ def _nbytes(ts: Any) -> int:
 
 
 def test_an_unknown_snapshot_mode_is_refused() -> None:
-    with pytest.raises(ConfigError, match="snapshot='lazy': expected one of 'pipelined', 'copy'"):
-        DistributedCheckpointManager("memory://never", snapshot="lazy")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="snapshot must be one of 'pipelined', 'copy', got 'lazy'"):
+        DistributedCheckpointManager("memory://never", save_options=SaveOptions(snapshot="lazy"))  # type: ignore[arg-type]
 
 
 def test_optimizers_are_found_in_stateful_values(tmp_path: Path, world_of_one: Any) -> None:

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from ckptsdk import CheckpointManager
+from ckptsdk import CheckpointManager, LeaseOptions
 from ckptsdk.errors import MissingDependencyError
 from tests.support._integration_jobs import assert_same, run_job, weights
 
@@ -99,7 +99,7 @@ def test_trainer_refuses_to_train_over_checkpoints_without_resume(tmp_path):
     from ckptsdk.integrations.transformers import CkptsdkTrainer
 
     url = str(tmp_path / "root")
-    with CheckpointManager(url, lease_ttl=5) as mgr:
+    with CheckpointManager(url, lease_options=LeaseOptions(ttl=5)) as mgr:
         mgr.save(TrainState(model=torch.nn.Linear(2, 2)), step=7)
     config = transformers.GPT2Config(vocab_size=16, n_positions=4, n_embd=8, n_layer=1, n_head=2)
     args = transformers.TrainingArguments(

@@ -10,6 +10,7 @@ import torch
 import torch.utils.data as tud
 
 import ckptsdk
+from ckptsdk import LeaseOptions
 from ckptsdk.errors import ConfigError, StateMismatchError
 from ckptsdk.loader import DataLoader, resolve_position
 
@@ -137,7 +138,7 @@ def test_save_position_is_checked_against_the_loader():
         resolve_position(state, 0, 0)  # enumerate's i, not i + 1
     next(it)
     assert resolve_position(state, 1, 0) == (1, 0)  # (0, 2) and (1, 0) are one position
-    with ckptsdk.CheckpointManager("memory://loader-pos", lease_ttl=5) as mgr:
+    with ckptsdk.CheckpointManager("memory://loader-pos", lease_options=LeaseOptions(ttl=5)) as mgr:
         with pytest.raises(ConfigError):
             mgr.save(state, step=2, epoch=0, batch_idx=1)
         assert mgr.list() == []
@@ -150,7 +151,7 @@ def test_a_checkpoint_round_trip_through_the_manager():
     loader = DataLoader(Noisy(), batch_size=3, shuffle=True, seed=4, num_workers=0)
     model = torch.nn.Linear(2, 2)
     state = ckptsdk.TrainState(model=model, loader=loader)
-    with ckptsdk.CheckpointManager("memory://loader-rt", lease_ttl=5) as mgr:
+    with ckptsdk.CheckpointManager("memory://loader-rt", lease_options=LeaseOptions(ttl=5)) as mgr:
         assert mgr.restore(state) is None
         it = iter(loader)
         next(it), next(it)
@@ -158,7 +159,7 @@ def test_a_checkpoint_round_trip_through_the_manager():
         mgr.save(state, step=2)
         expected = [b[0].tolist() for b in it]
     again = DataLoader(Noisy(), batch_size=3, shuffle=True)  # takes the saved seed
-    with ckptsdk.CheckpointManager("memory://loader-rt", lease_ttl=5, force=True) as mgr:
+    with ckptsdk.CheckpointManager("memory://loader-rt", lease_options=LeaseOptions(ttl=5, force=True)) as mgr:
         pos = mgr.restore(ckptsdk.TrainState(model=torch.nn.Linear(2, 2), loader=again))
         assert (pos.epoch, pos.batch_idx, again.batch_idx) == (0, 2, 2)
         assert [b[0].tolist() for b in again] == expected

@@ -19,7 +19,7 @@ import safetensors
 import safetensors.torch
 import torch
 
-from ckptsdk import CheckpointManager, TrainState, UnsupportedStateError
+from ckptsdk import CheckpointManager, LeaseOptions, TrainState, UnsupportedStateError
 from ckptsdk.cli import main
 from ckptsdk.errors import ConfigError
 from ckptsdk.porting.export import export_safetensors
@@ -100,7 +100,7 @@ def test_import_resumes_bit_exact_against_continuing_by_hand(tmp_path):
     model, opt, sched, scaler = _objects(8)
     np.random.seed(99)
     random.seed(99)
-    with CheckpointManager(url, lease_ttl=5) as mgr:
+    with CheckpointManager(url, lease_options=LeaseOptions(ttl=5)) as mgr:
         pos = mgr.restore(TrainState(model=model, optimizer=opt, scheduler=sched, scaler=scaler))
     assert (pos.step, pos.epoch, pos.extra) == (5, 0, {"best_loss": 0.5})
     assert pos.tags == {"imported_from": "ckpt_5.pt", "layout": "story"}
@@ -162,12 +162,12 @@ def test_restore_path_never_imports_the_torch_load_module(tmp_path):
     url = str(tmp_path / "root")
     code = (
         "import sys, torch, ckptsdk, ckptsdk.cli\n"
-        "from ckptsdk import CheckpointManager, TrainState\n"
+        "from ckptsdk import CheckpointManager, LeaseOptions, TrainState\n"
         f"url = {url!r}\n"
         "m = torch.nn.Linear(2, 2)\n"
-        "with CheckpointManager(url, lease_ttl=5) as mgr:\n"
+        "with CheckpointManager(url, lease_options=LeaseOptions(ttl=5)) as mgr:\n"
         "    mgr.save(TrainState(model=m), step=1)\n"
-        "with CheckpointManager(url, lease_ttl=5) as mgr:\n"
+        "with CheckpointManager(url, lease_options=LeaseOptions(ttl=5)) as mgr:\n"
         "    assert mgr.restore(TrainState(model=torch.nn.Linear(2, 2))).step == 1\n"
         "assert ckptsdk.cli.main(['ls', url]) == 0\n"
         "print(sorted(n for n in sys.modules if n.startswith('ckptsdk')))\n"
@@ -189,7 +189,7 @@ def test_export_tied_weights_like_save_model_and_plain_load(tmp_path):
     torch.manual_seed(0)
     model = _Tied()
     url = str(tmp_path / "root")
-    with CheckpointManager(url, lease_ttl=5) as mgr:
+    with CheckpointManager(url, lease_options=LeaseOptions(ttl=5)) as mgr:
         mgr.save(TrainState(model=model), step=4)
         at_step4 = model.emb.weight.detach().clone()
         with torch.no_grad():
@@ -224,7 +224,7 @@ def test_export_tied_weights_like_save_model_and_plain_load(tmp_path):
 def test_export_untied_loads_strictly_into_a_fresh_model(tmp_path):
     model, opt, sched, scaler = _objects(0)
     url = str(tmp_path / "root")
-    with CheckpointManager(url, lease_ttl=5) as mgr:
+    with CheckpointManager(url, lease_options=LeaseOptions(ttl=5)) as mgr:
         mgr.save(TrainState(model=model, optimizer=opt, scheduler=sched), step=2)
     out = tmp_path / "m.safetensors"
     assert main(["export", url, str(out), "--json"]) == 0

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckptsdk import CheckpointManager, TrainState
+from ckptsdk import CheckpointManager, LeaseOptions, TrainState
 
 REPO = Path(__file__).resolve().parents[2]
 EXIT_USAGE = 2
@@ -44,7 +44,7 @@ def committed(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("porting") / "root"
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 3)
-    with CheckpointManager(str(root), lease_ttl=5) as mgr:
+    with CheckpointManager(str(root), lease_options=LeaseOptions(ttl=5)) as mgr:
         mgr.save(TrainState(model=model), step=1)
         with torch.no_grad():
             model.weight.add_(1)
@@ -73,7 +73,7 @@ def test_export_never_writes_inside_a_root_nor_over_a_file(committed, tmp_path):
     before = _fingerprint(committed)
     (step2,) = committed.glob("step-0000000002.e*")
     other = tmp_path / "other-root"
-    with CheckpointManager(str(other), lease_ttl=5) as mgr:
+    with CheckpointManager(str(other), lease_options=LeaseOptions(ttl=5)) as mgr:
         mgr.save(TrainState(model=torch.nn.Linear(4, 3)), step=7)
     other_before = _fingerprint(other)
     # The two: the committed tensor file and manifest. Then the root itself, a new name in

@@ -10,7 +10,7 @@ import re
 import torch
 
 import ckptsdk
-from ckptsdk import CheckpointManager, TrainState
+from ckptsdk import CheckpointManager, LeaseOptions, TrainState
 
 
 def _trap(*args, **kwargs):
@@ -29,7 +29,7 @@ def test_restore_with_pickle_and_torch_load_patched_to_raise(tmp_path, monkeypat
     model(torch.randn(2, 4)).sum().backward()
     opt.step()
     url = str(tmp_path / "r")
-    with CheckpointManager(url, lease_ttl=5) as mgr:
+    with CheckpointManager(url, lease_options=LeaseOptions(ttl=5)) as mgr:
         mgr.save(TrainState(model=model, optimizer=opt), step=1)
 
     for name in ("loads", "load"):
@@ -39,7 +39,7 @@ def test_restore_with_pickle_and_torch_load_patched_to_raise(tmp_path, monkeypat
 
     fresh = torch.nn.Linear(4, 3)
     fresh_opt = torch.optim.SGD(fresh.parameters(), lr=0.1, momentum=0.9)
-    with CheckpointManager(url, lease_ttl=5) as mgr:
+    with CheckpointManager(url, lease_options=LeaseOptions(ttl=5)) as mgr:
         assert mgr.restore(TrainState(model=fresh, optimizer=fresh_opt)).step == 1
     assert torch.equal(fresh.weight, model.weight)
     assert torch.equal(

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from ckptsdk import CheckpointManager
+from ckptsdk import CheckpointManager, LeaseOptions
 from ckptsdk.backends.local import LocalBackend
 from ckptsdk.errors import BackendError, CkptError
 from ckptsdk.manager import Simulation
@@ -37,7 +37,9 @@ MODES = ("fail", "crash", "fail_after")
 def _open(root: str) -> tuple[CheckpointManager, FaultyBackend]:
     faulty = FaultyBackend(LocalBackend(root))
     # A short ttl: the verifier reads without the lease, and no test waits on a dead holder.
-    return CheckpointManager(faulty, keep_last=KEEP, _simulation=Simulation(heartbeat=False), lease_ttl=1.0), faulty
+    return CheckpointManager(
+        faulty, keep_last=KEEP, _simulation=Simulation(heartbeat=False), lease_options=LeaseOptions(ttl=1.0)
+    ), faulty
 
 
 @pytest.fixture(scope="module")

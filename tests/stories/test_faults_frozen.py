@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import torch
 
-from ckptsdk import CheckpointManager, TrainState
+from ckptsdk import CheckpointManager, SaveOptions, TrainState
 from ckptsdk.errors import DeadlineExceeded
 
 SAVE_DEADLINE = 3.0
@@ -74,7 +74,9 @@ def _server(kind: str) -> Iterator[tuple[Any, str, dict[str, Any]]]:
 @pytest.mark.parametrize("kind", [pytest.param("gcs", marks=pytest.mark.gcs), pytest.param("s3", marks=pytest.mark.s3)])
 def test_a_frozen_store_fails_a_blocking_save_within_one_deadline_and_nothing_is_lost(kind):
     with _server(kind) as (server, url, options):
-        mgr = CheckpointManager(url, storage_options=options, save_deadline=HEALTHY_DEADLINE, save_on_signal=False)
+        mgr = CheckpointManager(
+            url, storage_options=options, save_options=SaveOptions(save_deadline=HEALTHY_DEADLINE, on_signal=False)
+        )
         first = _state(1)
         mgr.save(first, step=1)
         assert mgr.wait(timeout=60)  # its rotation runs on the worker after it: not what is frozen here

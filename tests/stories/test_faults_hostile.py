@@ -30,7 +30,7 @@ import safetensors.torch
 import torch
 import xxhash
 
-from ckptsdk import CheckpointManager
+from ckptsdk import CheckpointManager, LeaseOptions
 from ckptsdk.errors import ConfigError, CorruptCheckpointError, DataError, LeaseError
 from ckptsdk.format.document import seal
 from ckptsdk.format.layout import MANIFEST, TENSORS
@@ -525,7 +525,7 @@ def test_junk_lease_is_refused_fast_and_breakable(root, kind):
         lease.write_bytes(LEASES[kind])
     started = time.monotonic()
     with pytest.raises(LeaseError):
-        CheckpointManager(str(root), _simulation=Simulation(heartbeat=False), lease_wait=30)
+        CheckpointManager(str(root), _simulation=Simulation(heartbeat=False), lease_options=LeaseOptions(wait=30))
     assert time.monotonic() - started < 10
     if kind in ("folder", "fifo"):
         return  # the message says: remove it by hand (ckptsdk never deletes a folder it did not make)
@@ -545,7 +545,7 @@ def test_junk_lease_is_refused_fast_and_breakable(root, kind):
 def test_absurd_ttl_is_a_config_error(root):
     for ttl in (float("inf"), float("nan"), 1e9, 0.0, -1.0):
         with pytest.raises(ConfigError):
-            CheckpointManager(str(root), _simulation=Simulation(heartbeat=False), lease_ttl=ttl)
+            CheckpointManager(str(root), _simulation=Simulation(heartbeat=False), lease_options=LeaseOptions(ttl=ttl))
 
 
 @pytest.mark.timeout(120)

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 import ckptsdk
+from ckptsdk import LeaseOptions
 from ckptsdk.backends import open_backend
 from ckptsdk.format import codec
 from ckptsdk.lease import waiting
@@ -98,10 +99,10 @@ def test_multisteplr_and_the_standard_containers_round_trip_exactly(tmp_path):
     model, opt, sched = _job()
     _train(model, opt, sched, 3)
     state = ckptsdk.TrainState(model=model, optimizer=opt, scheduler=sched)
-    with ckptsdk.CheckpointManager(str(tmp_path / "run"), lease_ttl=5) as mgr:
+    with ckptsdk.CheckpointManager(str(tmp_path / "run"), lease_options=LeaseOptions(ttl=5)) as mgr:
         mgr.save(state, step=3)
     model2, opt2, sched2 = _job()
-    with ckptsdk.CheckpointManager(str(tmp_path / "run"), lease_ttl=5) as mgr:
+    with ckptsdk.CheckpointManager(str(tmp_path / "run"), lease_options=LeaseOptions(ttl=5)) as mgr:
         assert mgr.restore(ckptsdk.TrainState(model=model2, optimizer=opt2, scheduler=sched2)).step == 3
     assert type(sched2.milestones) is Counter and sched2.milestones == Counter({2: 2, 4: 1})
     assert sched2.state_dict() == sched.state_dict()
@@ -128,7 +129,7 @@ def test_an_unsupported_object_fails_at_restore_before_training(tmp_path):
         def load_state_dict(self, sd):
             pass
 
-    mgr = ckptsdk.CheckpointManager(str(tmp_path / "run"), lease_ttl=5)
+    mgr = ckptsdk.CheckpointManager(str(tmp_path / "run"), lease_options=LeaseOptions(ttl=5))
     model = torch.nn.Linear(2, 2)
     with pytest.raises(ckptsdk.UnsupportedStateError) as info:
         mgr.restore(ckptsdk.TrainState(model=model, odd=Odd()))  # a fresh root: nothing to load
@@ -151,11 +152,11 @@ def test_a_lazy_module_still_restores():
 def test_adamw_state_into_sgd_is_refused_at_restore_naming_both(tmp_path):
     model, opt, sched = _job()
     _train(model, opt, sched, 2)
-    with ckptsdk.CheckpointManager(str(tmp_path / "run"), lease_ttl=5) as mgr:
+    with ckptsdk.CheckpointManager(str(tmp_path / "run"), lease_options=LeaseOptions(ttl=5)) as mgr:
         mgr.save(ckptsdk.TrainState(model=model, optimizer=opt), step=2)
     model2, sgd, _ = _job(torch.optim.SGD, momentum=0.9)
     before = {k: v.clone() for k, v in model2.state_dict().items()}
-    with ckptsdk.CheckpointManager(str(tmp_path / "run"), lease_ttl=5) as mgr:
+    with ckptsdk.CheckpointManager(str(tmp_path / "run"), lease_options=LeaseOptions(ttl=5)) as mgr:
         with pytest.raises(ckptsdk.StateMismatchError) as info:
             mgr.restore(ckptsdk.TrainState(model=model2, optimizer=sgd))
     assert (
@@ -172,10 +173,10 @@ def test_a_subclass_of_the_saved_optimizer_still_restores(tmp_path):
 
     model, opt, sched = _job()
     _train(model, opt, sched, 2)
-    with ckptsdk.CheckpointManager(str(tmp_path / "run"), lease_ttl=5) as mgr:
+    with ckptsdk.CheckpointManager(str(tmp_path / "run"), lease_options=LeaseOptions(ttl=5)) as mgr:
         mgr.save(ckptsdk.TrainState(model=model, optimizer=opt), step=2)
     model2, opt2, _ = _job(MyAdamW)
-    with ckptsdk.CheckpointManager(str(tmp_path / "run"), lease_ttl=5) as mgr:
+    with ckptsdk.CheckpointManager(str(tmp_path / "run"), lease_options=LeaseOptions(ttl=5)) as mgr:
         assert mgr.restore(ckptsdk.TrainState(model=model2, optimizer=opt2)).step == 2
 
 
@@ -183,7 +184,7 @@ def test_a_subclass_of_the_saved_optimizer_still_restores(tmp_path):
 def test_a_bare_module_or_optimizer_is_refused_with_the_fix(bare, tmp_path):
     model, opt, sched = _job()
     obj = {"model": model, "optimizer": opt, "scheduler": sched}[bare]
-    with ckptsdk.CheckpointManager(str(tmp_path / "run"), lease_ttl=5) as mgr:
+    with ckptsdk.CheckpointManager(str(tmp_path / "run"), lease_options=LeaseOptions(ttl=5)) as mgr:
         mgr.save(ckptsdk.TrainState(model=model), step=1)
         for call in (mgr.restore, lambda s: mgr.save(s, step=2)):
             with pytest.raises(ckptsdk.ConfigError) as info:
@@ -194,7 +195,7 @@ def test_a_bare_module_or_optimizer_is_refused_with_the_fix(bare, tmp_path):
 
 
 def test_restore_after_close_is_a_config_error_like_save(tmp_path):
-    mgr = ckptsdk.CheckpointManager(str(tmp_path / "run"), lease_ttl=5)
+    mgr = ckptsdk.CheckpointManager(str(tmp_path / "run"), lease_options=LeaseOptions(ttl=5))
     state = ckptsdk.TrainState(model=torch.nn.Linear(2, 2))
     mgr.save(state, step=1)
     mgr.close()
@@ -217,7 +218,7 @@ def test_restore_after_close_is_a_config_error_like_save(tmp_path):
 )
 def test_metrics_and_extra_follow_one_rule_with_a_clear_error(field, value, words, tmp_path):
     state = ckptsdk.TrainState(model=torch.nn.Linear(2, 2))
-    with ckptsdk.CheckpointManager(str(tmp_path / "run"), lease_ttl=5) as mgr:
+    with ckptsdk.CheckpointManager(str(tmp_path / "run"), lease_options=LeaseOptions(ttl=5)) as mgr:
         with pytest.raises(ckptsdk.ConfigError) as info:
             mgr.save(state, step=1, **{field: {"v": value}})
         assert words in str(info.value) and "metrics and extra hold None, bool, int" in str(info.value)
@@ -227,9 +228,9 @@ def test_metrics_and_extra_follow_one_rule_with_a_clear_error(field, value, word
 def test_numpy_scalars_and_nan_are_kept_in_both(tmp_path):
     state = ckptsdk.TrainState(model=torch.nn.Linear(2, 2))
     values = {"n": np.int64(3), "f": np.float32(0.5), "nan": float("nan"), "t": torch.tensor(2.5)}
-    with ckptsdk.CheckpointManager(str(tmp_path / "run"), lease_ttl=5) as mgr:
+    with ckptsdk.CheckpointManager(str(tmp_path / "run"), lease_options=LeaseOptions(ttl=5)) as mgr:
         mgr.save(state, step=1, metrics=values, extra={**values, "deep": [{"inf": math.inf}]})
-    with ckptsdk.CheckpointManager(str(tmp_path / "run"), lease_ttl=5) as mgr:
+    with ckptsdk.CheckpointManager(str(tmp_path / "run"), lease_options=LeaseOptions(ttl=5)) as mgr:
         pos = mgr.restore(state)
     for got in (pos.metrics, pos.extra):
         assert got["n"] == 3 and type(got["n"]) is int and got["f"] == 0.5 and got["t"] == 2.5
@@ -240,12 +241,12 @@ def test_numpy_scalars_and_nan_are_kept_in_both(tmp_path):
 def test_the_audit_report_prints_one_short_line(tmp_path):
     url = str(tmp_path / "run")
     state = ckptsdk.TrainState(model=torch.nn.Linear(2, 2))
-    with ckptsdk.CheckpointManager(url, lease_ttl=5) as mgr:
+    with ckptsdk.CheckpointManager(url, lease_options=LeaseOptions(ttl=5)) as mgr:
         for step in (1, 2, 3):
             mgr.log_step(step, loss=1.0 / step)
             if step == 2:
                 mgr.save(state, step=2)
-    with ckptsdk.CheckpointManager(url, lease_ttl=5) as mgr:
+    with ckptsdk.CheckpointManager(url, lease_options=LeaseOptions(ttl=5)) as mgr:
         mgr.restore(state)
         mgr.log_step(3, loss=1.0 / 3)
         report = mgr.audit()
@@ -265,7 +266,8 @@ def _killed_holder(url: str, ttl: float, host: str | None = None) -> None:
     """A writer that takes the lease and dies by SIGKILL, as a crashed job does (on another
     machine named ``host``, if given)."""
     code = (
-        f"import os, signal, ckptsdk; ckptsdk.CheckpointManager({url!r}, lease_ttl={ttl}); "
+        "import os, signal, ckptsdk; "
+        f"ckptsdk.CheckpointManager({url!r}, lease_options=ckptsdk.LeaseOptions(ttl={ttl})); "
         "os.kill(os.getpid(), signal.SIGKILL)"
     )
     cmd = [sys.executable, "-c", code]
@@ -284,7 +286,7 @@ def test_a_rerun_after_a_crash_on_this_machine_takes_the_lease_at_once(tmp_path,
     _killed_holder(url, ttl=60.0)
     capsys.readouterr()
     started = time.monotonic()
-    with ckptsdk.CheckpointManager(url, lease_ttl=60.0) as mgr:
+    with ckptsdk.CheckpointManager(url, lease_options=LeaseOptions(ttl=60.0)) as mgr:
         assert (mgr.lease.epoch, mgr.lease.attempt) == (2, 2)
     waited = time.monotonic() - started
     assert waited < 60  # not by the ttl rule: the dead process was recognised
@@ -298,7 +300,7 @@ def test_a_rerun_after_a_crash_elsewhere_says_it_waits_who_holds_and_how_to_skip
     _killed_holder(url, ttl=2.0, host="other-vm")
     capsys.readouterr()
     started = time.monotonic()
-    with ckptsdk.CheckpointManager(url, lease_ttl=2.0):
+    with ckptsdk.CheckpointManager(url, lease_options=LeaseOptions(ttl=2.0)):
         pass
     waited = time.monotonic() - started
     err = capsys.readouterr().err.splitlines()
@@ -346,7 +348,7 @@ def test_a_fresh_drive_root_does_not_wait_for_the_settle(tmp_path, monkeypatch, 
     (tmp_path / "drive").mkdir()
     monkeypatch.setenv("CKPTSDK_DRIVE_ROOT", str(tmp_path / "drive"))
     started = time.monotonic()
-    with ckptsdk.CheckpointManager("drive://runs/a", lease_settle=600) as mgr:
+    with ckptsdk.CheckpointManager("drive://runs/a", lease_options=LeaseOptions(settle=600)) as mgr:
         opened = time.monotonic() - started
         assert mgr.lease.settle == 600 and not mgr.lease.settled  # read back later, in the background
     assert opened < 600
@@ -359,9 +361,9 @@ def test_a_clean_release_then_a_restart_does_not_wait(tmp_path, capsys):
     # visible (local disk, GCS): no ttl, no settle. Drive still settles (see lease.py): the
     # settle is not about the old holder, it is the only chance to see a rival newcomer's write.
     url = str(tmp_path / "run")
-    ckptsdk.CheckpointManager(url, lease_ttl=60).close()
+    ckptsdk.CheckpointManager(url, lease_options=LeaseOptions(ttl=60)).close()
     started = time.monotonic()
-    with ckptsdk.CheckpointManager(url, lease_ttl=60) as mgr:
+    with ckptsdk.CheckpointManager(url, lease_options=LeaseOptions(ttl=60)) as mgr:
         assert mgr.lease.epoch == 2
     assert time.monotonic() - started < 5
     assert capsys.readouterr().err == ""

@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 
-from ckptsdk import CheckpointManager, TrainState
+from ckptsdk import CheckpointManager, LeaseOptions, Retention, TrainState
 from ckptsdk.backends import open_backend
 from ckptsdk.checkpoint.catalog import scan
 from ckptsdk.checkpoint.usage import record_trash, usage
@@ -41,11 +41,13 @@ def _unclean_takeover(url: str) -> None:
     state = _state()
     # A long ttl: without a heartbeat only saves renew, and two saves on a loaded machine can take
     # longer than 5 s (the fresh-clone run saw "no renewal for 6.3 s"); the takeover forces anyway.
-    first = CheckpointManager(url, keep_last=3, lease_ttl=120, _simulation=Simulation(heartbeat=False))
+    first = CheckpointManager(
+        url, keep_last=3, lease_options=LeaseOptions(ttl=120), _simulation=Simulation(heartbeat=False)
+    )
     first.save(state, step=1)
     first.save(state, step=2)
     first._closed = True  # dies: never closes, never releases its lease
-    second = CheckpointManager(url, keep_last=3, lease_ttl=5, force=True)
+    second = CheckpointManager(url, keep_last=3, lease_options=LeaseOptions(ttl=5, force=True))
     assert second.restore(state).step == 2
     second.close()
 
@@ -68,7 +70,7 @@ def test_rows_show_each_step_once_with_the_anchor_marked(tmp_path, monkeypatch):
         (2, 1, False),
         (2, 2, True),
     ]
-    with CheckpointManager(local, keep_last=3, lease_ttl=5) as mgr:
+    with CheckpointManager(local, keep_last=3, lease_options=LeaseOptions(ttl=5)) as mgr:
         mgr.restore(_state())
         mgr.save(_state(), step=3)
     # e3 anchored 2 too
@@ -205,7 +207,9 @@ def test_gc_dry_run_lists_leftovers_with_age_bytes_and_the_drive_trash(tmp_path,
 
     monkeypatch.setenv("CKPTSDK_DRIVE_ROOT", str(tmp_path))
     url = "drive://r"
-    with CheckpointManager(url, keep_last=1, lease_ttl=5, lease_settle=0, retention_mode="delete") as mgr:
+    with CheckpointManager(
+        url, retention=Retention(keep_last=1, mode="delete"), lease_options=LeaseOptions(ttl=5, settle=0)
+    ) as mgr:
         for step in (1, 2, 3, 4):
             mgr.save(_state(), step=step)
         assert [c.step for c in mgr.list()] == [3, 4]  # one save late on Drive
@@ -255,7 +259,7 @@ def test_recycle_failing_mid_rewrite_keeps_the_newest_and_cleans_up(tmp_path, mo
 
     monkeypatch.setenv("CKPTSDK_DRIVE_ROOT", str(tmp_path))
     state = _state()
-    mgr = CheckpointManager("drive://r", keep_last=1, lease_ttl=60, lease_settle=0)
+    mgr = CheckpointManager("drive://r", keep_last=1, lease_options=LeaseOptions(ttl=60, settle=0))
     for step in (1, 2, 3):
         mgr.save(state, step=step)
     assert [c.step for c in mgr.list()] == [2, 3]

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckptsdk import CheckpointManager, TrainState, open_backend
+from ckptsdk import CheckpointManager, LeaseOptions, SaveOptions, TrainState, open_backend
 from ckptsdk.backends.local import LocalBackend
 from ckptsdk.checkpoint.catalog import scan
 from ckptsdk.errors import LeaseLostError
@@ -50,7 +50,9 @@ def _values(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def _restores_exactly(url: str, step: int) -> None:
     model, _, state = _job(0)
-    with CheckpointManager(url, save_on_signal=False, lease_ttl=30, force=True) as mgr:
+    with CheckpointManager(
+        url, lease_options=LeaseOptions(ttl=30, force=True), save_options=SaveOptions(on_signal=False)
+    ) as mgr:
         point = mgr.restore(state)
     assert point is not None and point.step == step
     want, _, _ = _job(step)
@@ -68,7 +70,9 @@ def _referenced(url: str) -> tuple[list[str], set[str]]:
 def base(tmp_path_factory) -> str:
     """Steps 1-3 committed: 1 and 2 refer to the shared base of step 1; 3 holds the changed base."""
     root = str(tmp_path_factory.mktemp("incr") / "base")
-    with CheckpointManager(root, keep_last=3, save_on_signal=False, _simulation=Simulation(heartbeat=False)) as mgr:
+    with CheckpointManager(
+        root, keep_last=3, save_options=SaveOptions(on_signal=False), _simulation=Simulation(heartbeat=False)
+    ) as mgr:
         model, _, state = _job(1)
         mgr.save(state, step=1)
         for step in (2, 3):
@@ -98,7 +102,11 @@ def _save5(root: str, kill_at: int | None) -> int:
     # No heartbeat: its renewals would be counted among the calls, as many as the save's time
     # allows, and a child killed at call N would then count differently from the probe.
     mgr = CheckpointManager(
-        faulty, keep_last=3, lease_ttl=30, force=True, save_on_signal=False, _simulation=Simulation(heartbeat=False)
+        faulty,
+        keep_last=3,
+        lease_options=LeaseOptions(ttl=30, force=True),
+        save_options=SaveOptions(on_signal=False),
+        _simulation=Simulation(heartbeat=False),
     )
     model, _, state = _job(0)
     assert mgr.restore(state).step == 3
@@ -140,7 +148,9 @@ def test_sigkill_at_every_call_of_a_save_that_writes_a_shared_file(base, tmp_pat
         _restores_exactly(root, 5 if committed else 4)
         # The next writer's first save tidies: nothing a killed save wrote outlives it.
         model, _, state = _job(0)
-        with CheckpointManager(root, keep_last=3, save_on_signal=False, lease_ttl=30, force=True) as mgr:
+        with CheckpointManager(
+            root, keep_last=3, lease_options=LeaseOptions(ttl=30, force=True), save_options=SaveOptions(on_signal=False)
+        ) as mgr:
             point = mgr.restore(state)
             mgr.save(state, step=point.step + 1)
         held, refs = _referenced(root)
@@ -151,13 +161,20 @@ def test_sigkill_at_every_call_of_a_save_that_writes_a_shared_file(base, tmp_pat
 def test_a_takeover_rehomes_the_shared_files_and_a_zombie_deleting_its_own_hurts_nothing(tmp_path, monkeypatch):
     monkeypatch.setenv("CKPTSDK_DRIVE_ROOT", str(tmp_path))
     url = "drive://r"
-    zombie = CheckpointManager(url, keep_last=2, lease_ttl=60, lease_settle=0, save_on_signal=False)
+    zombie = CheckpointManager(
+        url, keep_last=2, lease_options=LeaseOptions(ttl=60, settle=0), save_options=SaveOptions(on_signal=False)
+    )
     model, _, state = _job(1)
     zombie.save(state, step=1)
     zombie.save(state, step=2)
     zombie_rank = zombie._saving.rank
     # The runtime "vanished": a new one takes over and resumes from step 2.
-    new = CheckpointManager(url, keep_last=2, lease_ttl=60, lease_settle=0, save_on_signal=False, force=True)
+    new = CheckpointManager(
+        url,
+        keep_last=2,
+        lease_options=LeaseOptions(ttl=60, settle=0, force=True),
+        save_options=SaveOptions(on_signal=False),
+    )
     _, _, s2 = _job(0)
     assert new.restore(s2).step == 2
     new.save(s2, step=3)
@@ -183,7 +200,9 @@ def test_a_takeover_rehomes_the_shared_files_and_a_zombie_deleting_its_own_hurts
     new.close()
     want, _, _ = _job(1)
     fresh, _, fs = _job(0)
-    with CheckpointManager(url, save_on_signal=False, lease_ttl=60, lease_settle=0) as mgr:
+    with CheckpointManager(
+        url, lease_options=LeaseOptions(ttl=60, settle=0), save_options=SaveOptions(on_signal=False)
+    ) as mgr:
         assert mgr.restore(fs).step == 3
     for k, v in _values(want).items():
         assert torch.equal(fresh.state_dict()[k], v), k

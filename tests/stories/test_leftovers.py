@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from benchmarks.footprint_child import read_line as _line
-from ckptsdk import CheckpointManager, TrainState
+from ckptsdk import CheckpointManager, LeaseOptions, TrainState
 from ckptsdk.backends.local import TMP_PREFIX
 from ckptsdk.checkpoint.catalog import scan
 from ckptsdk.format.layout import TENSORS
@@ -138,12 +138,14 @@ def test_clean_restart_writes_no_extra_copy(kind, make_backend_target):
     way ``list()`` shows each step once."""
     target = make_backend_target(kind)
     state = _state()
-    with CheckpointManager(target.url, keep_last=3, lease_ttl=5, lease_settle=0, storage_options=target.options) as mgr:
+    with CheckpointManager(
+        target.url, keep_last=3, lease_options=LeaseOptions(ttl=5, settle=0), storage_options=target.options
+    ) as mgr:
         for step in (10, 20):
             mgr.save(state, step=step)
         size = mgr.list()[-1].manifest.files[0].size
     counting = CountingBackend(target.open())
-    with CheckpointManager(counting, keep_last=3, lease_ttl=5, lease_settle=0) as mgr:
+    with CheckpointManager(counting, keep_last=3, lease_options=LeaseOptions(ttl=5, settle=0)) as mgr:
         assert mgr.restore(_state()).step == 20
         restore_bytes = tensor_bytes(counting)
         mgr.save(state, step=30)
@@ -169,12 +171,16 @@ def test_unclean_takeover_anchors_by_cheap_copy(kind, make_backend_target):
     target = make_backend_target(kind)
     state = _state()
     dead = CheckpointManager(
-        target.url, keep_last=3, lease_ttl=5, _simulation=Simulation(heartbeat=False), storage_options=target.options
+        target.url,
+        keep_last=3,
+        lease_options=LeaseOptions(ttl=5),
+        _simulation=Simulation(heartbeat=False),
+        storage_options=target.options,
     )
     dead.save(state, step=10)
     dead._closed = True  # dies: never releases
     counting = CountingBackend(target.open())
-    with CheckpointManager(counting, keep_last=3, lease_ttl=5, force=True) as mgr:
+    with CheckpointManager(counting, keep_last=3, lease_options=LeaseOptions(ttl=5, force=True)) as mgr:
         assert mgr.restore(_state()).step == 10
         rows = mgr.list()
         assert counting.calls["copy"] == 1 and tensor_bytes(counting) == 0
@@ -199,13 +205,19 @@ def test_zombie_late_rotation_cannot_take_the_resume_point_on_drive(tmp_path):
         a_backend, b_backend = sim.backend("vm1", "run"), sim.backend("vm2", "run")
         state = _state()
         a = CheckpointManager(
-            a_backend, keep_last=1, lease_ttl=120, lease_settle=0, _simulation=Simulation(heartbeat=False)
+            a_backend,
+            keep_last=1,
+            lease_options=LeaseOptions(ttl=120, settle=0),
+            _simulation=Simulation(heartbeat=False),
         )
         for step in (1, 2, 3):
             a.save(state, step=step)
         sim.wait_synced(timeout=30)
         b = CheckpointManager(
-            b_backend, keep_last=1, lease_ttl=120, lease_settle=0, force=True, _simulation=Simulation(heartbeat=False)
+            b_backend,
+            keep_last=1,
+            lease_options=LeaseOptions(ttl=120, settle=0, force=True),
+            _simulation=Simulation(heartbeat=False),
         )
         resumed = b.restore(_state())
         assert resumed.step == 3

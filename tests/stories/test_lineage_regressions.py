@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from ckptsdk import LeaseOptions, SaveOptions
 from ckptsdk.backends.memory import MemoryBackend
 from ckptsdk.errors import LeaseLostError
 from ckptsdk.manager import CheckpointManager, Simulation
@@ -20,7 +21,7 @@ from tests.support.lineage_machine import Rank, Weights, folder_name
 
 
 def _sim_manager(
-    sim: SimDrive, vm: str, *, beating: tuple[CheckpointManager, ...] = (), **kw: Any
+    sim: SimDrive, vm: str, *, beating: tuple[CheckpointManager, ...] = (), force: bool = False, **kw: Any
 ) -> CheckpointManager:
     """A writer on ``vm`` whose lease sleeps by letting simulated time pass (single-threaded);
     while it sleeps, the writers in ``beating`` renew their leases every 50 s (their heartbeats)."""
@@ -29,7 +30,7 @@ def _sim_manager(
     return CheckpointManager(
         sim.backend(vm),
         keep_last=1,
-        lease_ttl=300.0,
+        lease_options=LeaseOptions(ttl=300.0, force=force),
         _simulation=Simulation(heartbeat=False, clock=sim.clock, sleep=lambda dt: _beat(sim, beating, dt)),
         run_id="run",
         **kw,
@@ -157,16 +158,15 @@ def test_restore_after_being_taken_over_commits_nothing() -> None:
     managers: list[CheckpointManager] = []
     try:
 
-        def open_writer(**kw: Any) -> CheckpointManager:
+        def open_writer(force: bool = False) -> CheckpointManager:
             m = CheckpointManager(
                 backend,
                 keep_last=2,
-                lease_ttl=60.0,
+                lease_options=LeaseOptions(ttl=60.0, force=force),
                 _simulation=Simulation(
                     heartbeat=False, clock=clock, sleep=lambda dt: setattr(clock, "now", clock.now + dt)
                 ),
                 run_id="run",
-                **kw,
             )
             managers.append(m)
             return m
@@ -264,9 +264,8 @@ def test_a_renewal_during_the_settle_cannot_make_two_writers_collide(
         w4 = CheckpointManager(
             sim.backend("vm3"),
             keep_last=1,
-            lease_ttl=300.0,
+            lease_options=LeaseOptions(ttl=300.0, force=True),
             run_id="run",
-            force=True,
             _simulation=Simulation(heartbeat=False, clock=sim.clock, sleep=settle_with_a_renewal),
         )
         managers.append(w4)
@@ -311,7 +310,9 @@ def test_a_fresh_start_after_a_longer_run_keeps_its_own_first_checkpoint(kind, t
         torch.manual_seed(seed)
         return TrainState(model=torch.nn.Linear(4, 4))
 
-    kw: dict[str, Any] = dict(keep_last=2, lease_ttl=5, lease_settle=0, save_on_signal=False)
+    kw: dict[str, Any] = dict(
+        keep_last=2, lease_options=LeaseOptions(ttl=5, settle=0), save_options=SaveOptions(on_signal=False)
+    )
     with CheckpointManager(url, **kw) as first:
         s = state(0)
         assert first.restore(s) is None

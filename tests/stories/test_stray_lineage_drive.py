@@ -17,14 +17,16 @@ from typing import Any
 import pytest
 import torch
 
-from ckptsdk import CheckpointManager, TrainState, open_backend
+from ckptsdk import CheckpointManager, LeaseOptions, SaveOptions, TrainState, open_backend
 from ckptsdk.errors import LeaseLostError
 from ckptsdk.format.manifest import parse_lineage
 from ckptsdk.manager import Simulation
 from tests.stories.test_faults_hostile import INTACT
 from tests.support._fault_state import expected, make_state, observe
 
-KW: dict[str, Any] = dict(keep_last=3, lease_ttl=5, lease_settle=0, save_on_signal=False)
+KW: dict[str, Any] = dict(
+    keep_last=3, lease_options=LeaseOptions(ttl=5, settle=0), save_options=SaveOptions(on_signal=False)
+)
 
 
 def _state(seed: int) -> TrainState:
@@ -64,7 +66,7 @@ def drive(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
 def test_the_hostile_stray_records_change_nothing_on_drive_either(drive: str, tmp_path: Path, attack: Any) -> None:
     """The hostile attacks that must change nothing (tests/stories/test_faults_hostile.py), on a
     Drive root: there the lease cannot vouch by name alone, so the rules differ."""
-    with CheckpointManager(drive, _simulation=Simulation(heartbeat=False), lease_settle=0) as mgr:
+    with CheckpointManager(drive, _simulation=Simulation(heartbeat=False), lease_options=LeaseOptions(settle=0)) as mgr:
         mgr.restore(make_state(0))
         mgr.log_step(1, loss=0.5)
         mgr.save(make_state(1), step=1)
@@ -73,7 +75,7 @@ def test_the_hostile_stray_records_change_nothing_on_drive_either(drive: str, tm
     attack(tmp_path / "run")
     report = observe(drive)
     assert report["step"] == 2 and report["digest"] == expected(2), report
-    with CheckpointManager(drive, _simulation=Simulation(heartbeat=False), lease_settle=0) as mgr:
+    with CheckpointManager(drive, _simulation=Simulation(heartbeat=False), lease_options=LeaseOptions(settle=0)) as mgr:
         assert mgr.restore(make_state(0)).step == 2  # neither fenced nor sent back
         mgr.save(make_state(3), step=3)
         assert mgr.audit() is not None

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ckptsdk import LeaseOptions
 from ckptsdk.backends import open_backend
 from ckptsdk.distributed import AppState, DistributedCheckpointManager
 from ckptsdk.errors import CkptError, LeaseLostError
@@ -94,7 +95,10 @@ def ddp(cfg: dict[str, Any]) -> None:
     if cfg.get("kill_rank") == rank:
         backend = _StallingBackend(backend, f"step-{cfg['kill_step']:010d}", os.path.join(cfg["out"], "stalled"))
     dm = DistributedCheckpointManager(
-        backend, save_every=cfg["save_every"], lease_ttl=cfg.get("ttl", 30.0), async_save=bool(cfg.get("async"))
+        backend,
+        save_every=cfg["save_every"],
+        lease_options=LeaseOptions(ttl=cfg.get("ttl", 30.0)),
+        async_save=bool(cfg.get("async")),
     )
     torch.manual_seed(100 + rank)  # per-rank data stream; a restore brings back each rank's own
     unpickler = _no_pickle() if cfg.get("no_pickle") else None
@@ -157,7 +161,9 @@ def dtensor(cfg: dict[str, Any]) -> None:
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     state = {"app": AppState(model, opt)}
     dm = DistributedCheckpointManager(
-        cfg["url"], lease_ttl=30.0, **({"storage_options": cfg["options"]} if cfg.get("options") else {})
+        cfg["url"],
+        lease_options=LeaseOptions(ttl=30.0),
+        **({"storage_options": cfg["options"]} if cfg.get("options") else {}),
     )
     if cfg["phase"] == "save":
         torch.manual_seed(1 + rank)
@@ -198,7 +204,7 @@ def zombie(cfg: dict[str, Any]) -> None:
     state = {"app": AppState(model, None)}
     dm = DistributedCheckpointManager(
         cfg["url"],
-        lease_ttl=cfg["ttl"],
+        lease_options=LeaseOptions(ttl=cfg["ttl"]),
         save_every=2,
         **({"storage_options": cfg["options"]} if cfg.get("options") else {}),
     )

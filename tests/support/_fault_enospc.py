@@ -15,7 +15,7 @@ import os
 import subprocess
 import sys
 
-from ckptsdk import CheckpointManager
+from ckptsdk import CheckpointManager, LeaseOptions
 from ckptsdk.errors import CkptError
 from ckptsdk.manager import Simulation
 from tests.support._fault_state import make_state
@@ -50,7 +50,9 @@ def main(top: str) -> None:
         _ballast(ballast, free)
         raised = None
         try:
-            with CheckpointManager(root, keep_last=3, _simulation=Simulation(heartbeat=False), lease_ttl=1.0) as mgr:
+            with CheckpointManager(
+                root, keep_last=3, _simulation=Simulation(heartbeat=False), lease_options=LeaseOptions(ttl=1.0)
+            ) as mgr:
                 mgr.restore(make_state(0))
                 mgr.save(make_state(3), step=3, blocking=blocking)
                 mgr.wait()

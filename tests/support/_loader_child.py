@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 import ckptsdk
+from ckptsdk import LeaseOptions
 from ckptsdk.runlog.audit import read_runlog
 
 SAMPLES, BATCH, EPOCHS = 40, 8, 3  # 5 batches an epoch, 15 steps
@@ -69,7 +70,9 @@ def main() -> int:
 
         loader = StatefulDataLoader(Augmented(), batch_size=BATCH, shuffle=True, num_workers=args.workers)
     state = ckptsdk.TrainState(model=model, optimizer=opt, scheduler=sched, loader=loader)
-    mgr = ckptsdk.CheckpointManager(args.root, save_every=args.save_every, keep_last=2, lease_ttl=2.0)
+    mgr = ckptsdk.CheckpointManager(
+        args.root, save_every=args.save_every, keep_last=2, lease_options=LeaseOptions(ttl=2.0)
+    )
     pos = mgr.restore(state)
     if pos is not None and args.perturb:
         torch.rand(1)  # one draw too many: the next dropout mask differs

@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from ckptsdk import CheckpointManager, TrainState, open_backend
+from ckptsdk import CheckpointManager, LeaseOptions, SaveOptions, TrainState, open_backend
 from ckptsdk.testing import FaultyBackend
 
 _ARMED = [False]  # slow writes only after restore (a takeover's anchor writes at full speed)
@@ -52,11 +52,9 @@ def main(root: str, max_step: int) -> None:
     if os.environ.get("CKPT_SLOW_WRITE") or os.environ.get("CKPT_SLOW_ALL"):
         backend = FaultyBackend(open_backend(root), fail_on=_slow)
     mgr = CheckpointManager(
-        backend,
-        save_every=10**9,
-        lease_ttl=5,
-        lease_wait=30,  # type: ignore[arg-type]
-        signal_deadline=float(os.environ.get("CKPT_DEADLINE", "10")),
+        backend,  # type: ignore[arg-type]
+        lease_options=LeaseOptions(ttl=5, wait=30),
+        save_options=SaveOptions(every=10**9, signal_deadline=float(os.environ.get("CKPT_DEADLINE", "10"))),
     )
     pos = mgr.restore(state)
     print(f"resumed={None if pos is None else pos.step}", flush=True)

@@ -24,6 +24,8 @@ import threading
 import time
 from typing import Any
 
+from ckptsdk import LeaseOptions
+
 
 class Events:
     """Append-only JSON-lines event log, flushed at every line (the process may be SIGKILLed)."""
@@ -157,11 +159,8 @@ def train(args: argparse.Namespace, ev: Events) -> int:
     mgr = CheckpointManager(
         args.url,
         keep_last=args.keep_last,
-        lease_ttl=args.ttl,
-        lease_wait=args.wait,
+        lease_options=LeaseOptions(ttl=args.ttl, wait=args.wait, force=args.force, settle=args.settle),
         storage_options=json.loads(args.options),
-        force=args.force,
-        lease_settle=args.settle,
     )
     assert mgr.lease is not None
     _trace_renewals(mgr.lease, ev)

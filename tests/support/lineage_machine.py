@@ -40,6 +40,7 @@ from hypothesis.stateful import (
     rule,
 )
 
+from ckptsdk import LeaseOptions
 from ckptsdk.backends.local import LocalBackend
 from ckptsdk.backends.memory import MemoryBackend
 from ckptsdk.errors import (
@@ -736,8 +737,7 @@ class LineageMachine(RuleBasedStateMachine):
             mgr = CheckpointManager(
                 w.backend,
                 keep_last=self.keep_last,
-                lease_ttl=self.ttl,
-                force=force,
+                lease_options=LeaseOptions(ttl=self.ttl, force=force),
                 _simulation=Simulation(heartbeat=False, clock=self.clock, sleep=self.coop.sleep),
                 run_id="run",
             )
