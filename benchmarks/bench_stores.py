@@ -56,13 +56,13 @@ def _state(mb: int) -> dict[str, Any]:
 
 def one_run(kind: str, url: str, options: dict[str, Any], mb: int, saves: int) -> dict[str, Any]:
     row: dict[str, Any] = {"kind": kind}
-    probe._proven.clear()  # a fresh process, as far as the probe knows
+    probe.forget_proofs()  # a fresh process, as far as the probe knows
     b = open_backend(url, **options)
     counts = _counted(b)
     t = time.perf_counter()
     probe.prove_preconditions(b)
     row["probe_s"], row["probe_requests"] = time.perf_counter() - t, sum(counts.values())
-    probe._proven.clear()
+    probe.forget_proofs()
     b = open_backend(url, **options)
     counts = _counted(b)
     t = time.perf_counter()

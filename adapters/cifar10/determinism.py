@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from ckptsdk.errors import ConfigError
 
-__all__ = ["set_deterministic", "resolve_amp"]
+__all__ = ["ScalerSlot", "augment", "cross_entropy", "derived_seed", "resolve_amp", "set_deterministic"]
 
 
 def set_deterministic(device: torch.device) -> None:
@@ -53,7 +53,7 @@ def resolve_amp(amp: str, device: torch.device) -> torch.dtype | None:
     return modes[amp]
 
 
-class _ScalerSlot:
+class ScalerSlot:
     """A GradScaler with the same checkpoint layout whether it is enabled (CUDA) or not (CPU).
 
     A disabled GradScaler saves ``{}`` and an enabled one refuses to load ``{}``, so a run could
@@ -81,21 +81,21 @@ class _ScalerSlot:
             self.scaler.load_state_dict(dict(state))
 
 
-def _derived_seed(seed: int, purpose: str, index: int) -> int:
+def derived_seed(seed: int, purpose: str, index: int) -> int:
     # Independent streams per (purpose, index): seeding a generator with seed+index would make
     # epoch 1 of seed 0 replay epoch 0 of seed 1.
     digest = hashlib.blake2b(f"{seed}/{purpose}/{index}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
-def _augment(images: torch.Tensor, seed: int, step: int) -> torch.Tensor:
+def augment(images: torch.Tensor, seed: int, step: int) -> torch.Tensor:
     """Random crop (zero padding 4) and horizontal flip of a uint8 NCHW batch, on its device.
 
     The offsets and flips are drawn on the CPU from a generator seeded by (seed, step), so they
     do not depend on the device, on the batch's history, or on any global RNG.
     """
     n, _, h, w = images.shape
-    gen = torch.Generator().manual_seed(_derived_seed(seed, "augment", step))
+    gen = torch.Generator().manual_seed(derived_seed(seed, "augment", step))
     offsets = torch.randint(0, 9, (n, 2), generator=gen)
     flips = torch.randint(0, 2, (n,), generator=gen).bool()
     dev = images.device
@@ -108,7 +108,7 @@ def _augment(images: torch.Tensor, seed: int, step: int) -> torch.Tensor:
     return padded[batch, chan, rows[:, None, :, None], cols[:, None, None, :]]
 
 
-def _cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     # F.cross_entropy goes through nll_loss, which has no deterministic CUDA kernel (and one_hot
     # through scatter); a comparison mask times log-probabilities is the same function built from
     # deterministic elementwise ops and reductions.

@@ -28,7 +28,7 @@ import ckptsdk
 from ckptsdk import LeaseOptions, SaveOptions
 from ckptsdk.errors import ConfigError, DatasetMismatchError
 
-from .determinism import _augment, _cross_entropy, _derived_seed, _ScalerSlot, resolve_amp, set_deterministic
+from .determinism import ScalerSlot, augment, cross_entropy, derived_seed, resolve_amp, set_deterministic
 from .model import build_model
 
 logger = logging.getLogger(__name__)
@@ -294,7 +294,7 @@ def run_job(
         model=model,
         optimizer=optimizer,
         scheduler=scheduler,
-        scaler=_ScalerSlot(scaler),
+        scaler=ScalerSlot(scaler),
     )
     dd = _DeviceData(data, dev)
     result = JobResult()
@@ -347,14 +347,14 @@ def run_job(
                     torch.cuda.reset_peak_memory_stats(dev)
                 t_epoch, epoch_steps = time.perf_counter(), 0
                 loss_sum = torch.zeros((), device=dev)
-                shuffle = torch.Generator().manual_seed(_derived_seed(cfg.seed, "shuffle", epoch))
+                shuffle = torch.Generator().manual_seed(derived_seed(cfg.seed, "shuffle", epoch))
                 order = torch.randperm(n_train, generator=shuffle).to(dev)
                 while batch_idx < steps_per_epoch and step < end_step:
                     idx = order[batch_idx * cfg.batch_size : (batch_idx + 1) * cfg.batch_size]
-                    x = dd.normalise(_augment(dd.train_x[idx], cfg.seed, step + 1))
+                    x = dd.normalise(augment(dd.train_x[idx], cfg.seed, step + 1))
                     lr = scheduler.get_last_lr()[0]
                     with torch.autocast(dev.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
-                        loss = _cross_entropy(model(x), dd.train_y[idx])
+                        loss = cross_entropy(model(x), dd.train_y[idx])
                     optimizer.zero_grad(set_to_none=True)
                     scaler.scale(loss).backward()
                     scaler.step(optimizer)

@@ -20,7 +20,7 @@ from ckptsdk.errors import BackendError, ObjectNotFound, PreconditionFailed, Pre
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["prove_preconditions", "advisory", "PROBE_PREFIX", "ADVISORY"]
+__all__ = ["prove_preconditions", "advisory", "forget_proofs", "PROBE_PREFIX", "ADVISORY"]
 
 PROBE_PREFIX = "PRECONDITION-PROBE."
 ADVISORY = "advisory"  # the value of the storage option / CKPTSDK_PRECONDITIONS that opts in
@@ -36,6 +36,15 @@ def advisory(caps: Capabilities) -> Capabilities:
     what that promises and what not.
     """
     return dataclasses.replace(caps, exclusive_create=False, compare_and_swap=False, immediately_consistent=False)
+
+
+def forget_proofs() -> None:
+    """Forget which stores this process has proven, so the next open probes again.
+
+    For benchmarks that time a first open, as a fresh process sees it (``benchmarks/bench_stores.py``).
+    """
+    with _lock:
+        _proven.clear()
 
 
 def prove_preconditions(backend: Backend) -> None:

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import ckptsdk
-from adapters.cifar10.determinism import _augment
+from adapters.cifar10.determinism import augment
 from adapters.cifar10.kill_resume import (
     REPO,
     audit,
@@ -303,11 +303,11 @@ def test_bf16_autocast_on_cpu_resumes_bit_exact_in_process(tmp_path: Any, in_pro
 
 def test_augmentation_is_a_function_of_seed_and_step() -> None:
     images = torch.randint(0, 256, (16, 3, 32, 32), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
-    one = _augment(images, 7, 11)
+    one = augment(images, 7, 11)
     assert one.dtype == torch.uint8 and one.shape == images.shape
-    assert torch.equal(one, _augment(images, 7, 11))  # no hidden state, no global RNG
-    assert not torch.equal(one, _augment(images, 7, 12))
-    assert not torch.equal(one, _augment(images, 8, 11))
+    assert torch.equal(one, augment(images, 7, 11))  # no hidden state, no global RNG
+    assert not torch.equal(one, augment(images, 7, 12))
+    assert not torch.equal(one, augment(images, 8, 11))
     # Each output is a 32x32 window of the zero-padded input, possibly mirrored.
     padded = torch.nn.functional.pad(images, (4, 4, 4, 4))
     for i in range(images.shape[0]):
