@@ -37,7 +37,7 @@ def say(line: str) -> None:
 class Job:
     """The CIFAR job's state and step (SGD momentum + OneCycleLR + GradScaler), synthetic images.
 
-    The step is ``benchmarks.bench_overhead.Job.step`` on the CPU; that module imports ckptsdk at
+    The step is ``benchmarks.overhead_job.Job.step`` on the CPU; that module imports ckptsdk at
     its top, which the torch row must not, hence this copy of a dozen lines.
     """
 

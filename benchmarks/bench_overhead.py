@@ -31,7 +31,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +40,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from adapters.cifar10.model import build_model  # noqa: E402
+from benchmarks.overhead_job import Job  # noqa: E402
 from ckptsdk import CheckpointManager, LeaseOptions, SaveOptions, TrainState, open_backend  # noqa: E402
 from ckptsdk.testing import FaultyBackend  # noqa: E402
 
@@ -57,43 +56,6 @@ def slow_backend(root: Path, latency: float) -> Any:
         return None
 
     return FaultyBackend(open_backend(str(root)), fail_on=sleep)
-
-
-class Job:
-    """The CIFAR job's model, optimizer, schedule and step, on synthetic images."""
-
-    def __init__(
-        self, width: int, batch_size: int, total_steps: int, seed: int = 0, *, device: str = "cpu", amp: bool = False
-    ) -> None:
-        torch.manual_seed(seed)
-        self.device = torch.device(device)
-        self.amp = amp and self.device.type == "cuda"  # fp16 autocast + GradScaler, as the job on CUDA
-        self.model = build_model(width=width).to(self.device)
-        self.opt = torch.optim.SGD(self.model.parameters(), lr=0.1, momentum=0.9, nesterov=True, weight_decay=5e-4)
-        self.sched = torch.optim.lr_scheduler.OneCycleLR(self.opt, max_lr=0.1, total_steps=total_steps + 10)
-        self.scaler = torch.amp.GradScaler(self.device.type)
-        self.state = TrainState(model=self.model, optimizer=self.opt, scheduler=self.sched, scaler=self.scaler)
-        gen = torch.Generator().manual_seed(seed)
-        self.x = torch.randn(batch_size * 4, 3, 32, 32, generator=gen).to(self.device)
-        self.y = torch.randint(0, 10, (batch_size * 4,), generator=gen).to(self.device)
-        self.batch_size = batch_size
-
-    def step(self, i: int) -> torch.Tensor:
-        b = self.batch_size
-        lo = (i % 4) * b
-        x = self.x[lo : lo + b]
-        if i % 2:
-            x = x.flip(3)  # the job's random flip, made deterministic
-        with torch.autocast(self.device.type, dtype=torch.float16, enabled=self.amp):
-            loss = torch.nn.functional.cross_entropy(self.model(x), self.y[lo : lo + b])
-        self.opt.zero_grad(set_to_none=True)
-        self.scaler.scale(loss).backward()
-        self.scaler.step(self.opt)
-        self.scaler.update()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            self.sched.step()
-        return loss.detach()
 
 
 def run_block(

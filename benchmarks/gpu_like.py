@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from adapters.cifar10.model import build_model
+from benchmarks.overhead_job import Job
 from ckptsdk import CheckpointManager, LeaseOptions, SaveOptions, TrainState, open_backend
 from ckptsdk.format import codec
 from ckptsdk.testing import FaultyBackend
@@ -112,8 +113,6 @@ def main(args: argparse.Namespace) -> int:
     """Run the gpu-like benchmark with ``bench_overhead``'s parsed arguments; print the table."""
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
     if args.device == "cuda":
-        from benchmarks.bench_overhead import Job
-
         job: Any = Job(64, args.batch_size, args.reps * 4 * args.steps + 20, device="cuda", amp=args.amp)
     else:
         job = SleepJob()
