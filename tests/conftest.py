@@ -6,17 +6,17 @@ Fixtures (all storage is fresh per test and lives under ``tmp_path`` or in the e
   first use and stopped at the end of the session (one per pytest-xdist worker, each on its own
   free port).
 - ``s3_server`` (session): the running ``ckptsdk.testing.s3_server.S3Server`` (moto, patched to be
-  atomic); ``make_backend_target("s3")`` gives ``s3://<fresh bucket>/run`` on it (``backend_url``
-  does not include s3: tests that want it name the kind).
-- ``backend_url`` (parametrized, ids ``memory``/``local``/``drive``/``gcs``; the gcs one is marked
-  ``gcs``): a :class:`BackendTarget`, which *is* the URL (a ``str``) and also carries
+  atomic); ``make_backend_target("s3")`` gives ``s3://<fresh bucket>/run`` on it.
+- ``backend_url`` (parametrized, ids ``memory``/``local``/``drive``/``gcs``/``s3``; the gcs one is
+  marked ``gcs``, the s3 one ``s3``): a :class:`BackendTarget`, which *is* the URL (a ``str``) and also carries
   ``.url`` (the same str), ``.kind`` (the id), ``.options`` (storage options for
   ``open_backend(url, **options)`` / ``CheckpointManager(url, storage_options=options)``: ``{}``
-  except for gcs) and ``.env`` (environment variables a child process needs to open the URL:
-  ``CKPTSDK_DRIVE_ROOT`` for drive, ``STORAGE_EMULATOR_HOST``... for gcs). URLs:
+  except for gcs and s3) and ``.env`` (environment variables a child process needs to open the
+  URL: ``CKPTSDK_DRIVE_ROOT`` for drive, ``STORAGE_EMULATOR_HOST``... for gcs, the S3 server's
+  endpoint and keys for s3). URLs:
   memory ``memory://test-<hex>-run`` (store dropped at teardown), local ``<tmp_path>/local-run``,
   drive ``drive://run`` with ``CKPTSDK_DRIVE_ROOT`` monkeypatched to ``<tmp_path>/drive``
-  (so children inherit it), gcs ``gs://<fresh bucket>/run``.
+  (so children inherit it), gcs ``gs://<fresh bucket>/run``, s3 ``s3://<fresh bucket>/run``.
 - ``storage_options``: ``backend_url.options`` (a dict).
 - ``backend``: ``open_backend(backend_url.url, **backend_url.options)``.
 - ``make_backend_target``: a factory ``(kind, name="run") -> BackendTarget`` for tests that want
@@ -171,6 +171,7 @@ def make_backend_target(
         "local",
         "drive",
         pytest.param("gcs", marks=pytest.mark.gcs),
+        pytest.param("s3", marks=pytest.mark.s3),
     ]
 )
 def backend_url(request: pytest.FixtureRequest, make_backend_target: Callable[..., BackendTarget]) -> BackendTarget:
