@@ -12,6 +12,7 @@ stop signal, close, interpreter exit) is :mod:`ckptsdk.checkpoint.shutdown`'s. T
 from __future__ import annotations
 
 import atexit
+import builtins
 import dataclasses
 import logging
 import os
@@ -28,18 +29,21 @@ import torch
 from ckptsdk.backends import open_backend
 from ckptsdk.backends.base import Backend
 from ckptsdk.backends.probe import prove_preconditions
-from ckptsdk.checkpoint.catalog import Catalog, CheckpointInfo, Judge
+from ckptsdk.checkpoint.anchoring import Anchor
+from ckptsdk.checkpoint.catalog import CheckpointInfo, Judge
 from ckptsdk.checkpoint.opening import take_lease
 from ckptsdk.checkpoint.outline import Outline
-from ckptsdk.checkpoint.reader import CheckpointReader, ResumePoint, resume_point
+from ckptsdk.checkpoint.reader import CheckpointReader, LiveTarget, ResumePoint, Verdict, resume_point
 from ckptsdk.checkpoint.recorded import KeepDecisions
-from ckptsdk.checkpoint.retention import Rule, warn_if_changed
+from ckptsdk.checkpoint.retention import Mode, Rule, warn_if_changed
 from ckptsdk.checkpoint.rotation import GcReport, Rotation
 from ckptsdk.checkpoint.saving import SavePipeline
-from ckptsdk.checkpoint.shutdown import WriterShutdown, _close_at_exit
+from ckptsdk.checkpoint.scheduling import SaveStats
+from ckptsdk.checkpoint.shutdown import Shutdown, close_at_exit
+from ckptsdk.checkpoint.writer import WriterSession
 from ckptsdk.errors import ConfigError, NoValidCheckpointError
 from ckptsdk.format.layout import writer_tag
-from ckptsdk.format.manifest import FileEntry, Position
+from ckptsdk.format.manifest import FileEntry, Manifest, Position
 from ckptsdk.format.userfield import user_fields
 from ckptsdk.lease.acquire import Lease
 from ckptsdk.loader import loaders_of, resolve_position
@@ -89,7 +93,7 @@ def save_due(step: int, save_every: int | None) -> bool:
     return save_every is not None and step > 0 and step % save_every == 0
 
 
-class CheckpointManager(CheckpointReader, KeepDecisions, WriterShutdown):
+class CheckpointManager:
     """Checkpoints of one training run under one root URL.
 
     Opening a manager for writing acquires the root's writer lease (waiting for, or taking over
@@ -167,10 +171,11 @@ class CheckpointManager(CheckpointReader, KeepDecisions, WriterShutdown):
                 "delivers signals only there); pass save_options=SaveOptions(on_signal=False)"
             )
         if isinstance(url, (str, os.PathLike)):
-            super().__init__(open_backend(os.fspath(url), **dict(storage_options or {})))
-            self.url = os.fspath(url)
+            backend = open_backend(os.fspath(url), **dict(storage_options or {}))
         else:  # an already opened backend (custom storage, simulations)
-            super().__init__(url)
+            backend = url
+        self.reader = CheckpointReader(backend, judge=self._judge, before_listing=self._before_listing)
+        self.url = os.fspath(url) if isinstance(url, (str, os.PathLike)) else backend.url
         sim = _simulation or Simulation()
         self.lease_options = leasing
         self.save_options = saves
@@ -178,34 +183,42 @@ class CheckpointManager(CheckpointReader, KeepDecisions, WriterShutdown):
         self.keep_every = kept.keep_every
         self.save_every = saves.every
         self.read_only = read_only
-        # A reader given no keep rules judges by the writer's, as the root records them (recorded.py).
-        self._by_record = (
-            read_only and retention is None and all(flat.get(kw) is None for kw in ("keep_last", "keep_every", "keep"))
-        )
         self.async_save = saves.asynchronous
         self.snapshot = saves.snapshot
         self._preemption: Preemption | None = None
         self._lock = threading.RLock()
-        self._closed = False
-        caps = self._backend.capabilities
+        caps = backend.capabilities
         mode = kept.mode or ("recycle" if caps.trash_on_delete and caps.rewrite_in_place else "delete")
         self.retention = dataclasses.replace(kept, mode=mode)  # as applied: the store's choice filled in
         self.keep: tuple[Rule, ...] = (kept.keep,) if isinstance(kept.keep, Rule) else tuple(kept.keep)
         self._rotation = Rotation(
-            self.backend,
+            backend,
             keep_last=kept.keep_last,
             keep_every=kept.keep_every,
             rules=self.keep,
             mode=mode,
             leftover_grace=kept.leftover_grace,
         )
+        # A reader given no keep rules judges by the writer's, as the root records them (recorded.py).
+        by_record = (
+            read_only and retention is None and all(flat.get(kw) is None for kw in ("keep_last", "keep_every", "keep"))
+        )
+        self._keeping = KeepDecisions(self.url, self._rotation, self.reader.scan, by_record=by_record)
+        self._writer: WriterSession | None = None
         self._saving: SavePipeline | None = None
-        self.resumed_from: CheckpointInfo | None = None
+        self._read_from: CheckpointInfo | None = None  # a reader's last restore (a writer's: its session's)
         self._opened: Outline | None = None  # the listing taken at open, for the first restore
         self.lease: Lease | None = None
         self.runlog: RunLog | None = None
+        self._shutdown = Shutdown(self.url, lease=None, runlog=None, saving=None, preemption=None, lock=self._lock)
         if read_only:
             return
+        self._open_writer(leasing, saves, run_id, sim, main)
+
+    def _open_writer(
+        self, leasing: LeaseOptions, saves: SaveOptions, run_id: str | None, sim: Simulation, main: bool
+    ) -> None:
+        """Take the lease and build the writer's session, its save pipeline and its ending."""
         prove_preconditions(self.backend)  # a writer trusts no server's word for its conditions
         self.lease = Lease(
             self.backend,
@@ -217,7 +230,7 @@ class CheckpointManager(CheckpointReader, KeepDecisions, WriterShutdown):
             clock=sim.clock,
             sleep=sim.sleep,
         )
-        self._opened = take_lease(self.lease, self.backend, self.outline)
+        self._opened = take_lease(self.lease, self.backend, self.reader.outline)
         if sim.heartbeat:
             self.lease.start_heartbeat()
         self.runlog = RunLog(
@@ -228,28 +241,34 @@ class CheckpointManager(CheckpointReader, KeepDecisions, WriterShutdown):
             resumed_from_step=None,
             background=True,
         )
+        self._writer = WriterSession(
+            self.backend, self.lease, scan=self.reader.scan, memo=self.reader.memo, clock=sim.clock
+        )
         self._saving = SavePipeline(
-            self.backend,
-            self.lease,
-            runlog=self.runlog,
+            self._writer,
             rotation=self._rotation,
-            scan=self._scan,
-            memo=self._memo,
+            runlog=self.runlog,
             max_staging_bytes=saves.max_staging_bytes,
-            clock=sim.clock,
+            # A ttl the user chose bounds a save as before; the default ttl is short now (renewals
+            # are cheap), and a save's budget is not about the lease: it keeps the old minute.
+            save_deadline=saves.save_deadline or (leasing.ttl if leasing.ttl is not None else DEFAULT_SAVE_DEADLINE),
+            incremental=saves.incremental,
         )
-        # A ttl the user chose bounds a save as before; the default ttl is short now (renewals
-        # are cheap), and a save's budget is not about the lease: it keeps the old minute.
-        self._saving.save_deadline = saves.save_deadline or (
-            leasing.ttl if leasing.ttl is not None else DEFAULT_SAVE_DEADLINE
-        )
-        self._saving.sharing.enabled = saves.incremental
-        # An interpreter exit with a save in flight waits for it (or says it abandons it).
-        atexit.register(_close_at_exit, weakref.ref(self))
+        self._anchor = Anchor(self._writer, self._saving)
         if saves.on_signal or (saves.on_signal is None and main):
             preemption = Preemption(deadline=saves.signal_deadline)
             if preemption.install():
                 self._preemption = preemption
+        self._shutdown = Shutdown(
+            self.url,
+            lease=self.lease,
+            runlog=self.runlog,
+            saving=self._saving,
+            preemption=self._preemption,
+            lock=self._lock,
+        )
+        # An interpreter exit with a save in flight waits for it (or says it abandons it).
+        atexit.register(close_at_exit, weakref.ref(self._shutdown))
         logger.info(
             "writer of %s: run %s, attempt %d, lease epoch %d",
             self.url,
@@ -261,17 +280,105 @@ class CheckpointManager(CheckpointReader, KeepDecisions, WriterShutdown):
     @property
     def backend(self) -> Backend:
         """The storage of the root (the lease keeps the one it was opened with)."""
-        return self._backend
+        return self.reader.backend
 
     @backend.setter
     def backend(self, backend: Backend) -> None:
-        # Tests wrap the storage in a fault injector after opening; saving and rotation follow.
-        self._backend = backend
+        # Tests wrap the storage in a fault injector after opening; reads, saving and rotation follow.
+        self.reader.backend = backend
         self._rotation.backend = backend
-        if self._saving is not None:
-            self._saving.backend = backend
+        if self._writer is not None:
+            self._writer.backend = backend
         if self.runlog is not None:
             self.runlog.backend = backend
+
+    @property
+    def resumed_from(self) -> CheckpointInfo | None:
+        """The checkpoint the first restore loaded (None: a fresh start, or no restore yet)."""
+        return self._writer.resumed_from if self._writer is not None else self._read_from
+
+    @property
+    def closed(self) -> bool:
+        """``close()`` was called: ``save`` and ``restore`` are refused from now on."""
+        return self._shutdown.closed
+
+    @property
+    def stats(self) -> SaveStats:
+        """Saves committed, replaced (by a newer one while waiting), skipped, failed; save times.
+
+        Example:
+            >>> import torch
+            >>> from ckptsdk import CheckpointManager
+            >>> mgr = CheckpointManager("memory://stats")
+            >>> _ = mgr.save({"w": torch.ones(2)}, step=1)
+            >>> mgr.stats.committed, mgr.stats.replaced, mgr.stats.skipped
+            (1, 0, 0)
+            >>> mgr.close()
+        """
+        return self._shutdown.stats
+
+    # ------------------------------------------------------------------ reading (CheckpointReader's)
+
+    def outline(self) -> Outline:
+        """One listing of the root (see :meth:`CheckpointReader.outline`)."""
+        return self.reader.outline()
+
+    def list(self) -> builtins.list[CheckpointInfo]:  # `list`: this method, in the class
+        """One row per step, oldest first (see :meth:`CheckpointReader.list`)."""
+        return self.reader.list()
+
+    def latest(self) -> CheckpointInfo | None:
+        """The newest restorable checkpoint (see :meth:`CheckpointReader.latest`)."""
+        return self.reader.latest()
+
+    def best(self, metric: str, mode: Mode | None = None) -> CheckpointInfo | None:
+        """The best checkpoint by ``metric`` (see :meth:`CheckpointReader.best`)."""
+        return self.reader.best(metric, mode)
+
+    def load_manifest(self, step: int | None = None) -> Manifest:
+        """The manifest of ``step`` (None: the newest; see :meth:`CheckpointReader.load_manifest`)."""
+        return self.reader.load_manifest(step)
+
+    def load(self, step: int | None = None) -> Any:
+        """The state tree of ``step`` (see :meth:`CheckpointReader.load`)."""
+        return self.reader.load(step)
+
+    def verify(self, step: int | None = None, *, key: str | None = None) -> CheckpointInfo:
+        """Re-hash one checkpoint's files (see :meth:`CheckpointReader.verify`)."""
+        return self.reader.verify(step, key=key)
+
+    def check(self, info: CheckpointInfo) -> Verdict:
+        """Re-hash ``info``'s files and judge it (see :meth:`CheckpointReader.check`)."""
+        return self.reader.check(info)
+
+    def pick(self, step: int | None, *, key: str | None = None) -> CheckpointInfo:
+        """The checkpoint a step (or folder key) names (see :meth:`CheckpointReader.pick`)."""
+        return self.reader.pick(step, key=key)
+
+    def read_tree(self, info: CheckpointInfo, into: LiveTarget | None = None) -> Any:
+        """The verified state tree of ``info`` (see :meth:`CheckpointReader.read_tree`)."""
+        return self.reader.read_tree(info, into)
+
+    # ------------------------------------------------------------------ keep decisions (KeepDecisions')
+
+    def gc(
+        self,
+        *,
+        keep_last: int | None = None,
+        keep: Sequence[Rule] | None = None,
+        dry_run: bool = False,
+        grace: float = 3600.0,
+    ) -> GcReport:
+        """Remove orphans, torn and rotated-out checkpoints (see :meth:`KeepDecisions.gc`)."""
+        return self._keeping.gc(keep_last=keep_last, keep=keep, dry_run=dry_run, grace=grace)
+
+    def kept(self, *, keep_last: int | None = None, keep: Sequence[Rule] | None = None) -> dict[int, tuple[str, ...]]:
+        """Each step the keep rules keep, with why (see :meth:`KeepDecisions.kept`)."""
+        return self._keeping.kept(keep_last=keep_last, keep=keep)
+
+    def rules(self, *, keep_last: int | None = None, keep: Sequence[Rule] | None = None) -> str:
+        """The keep rules in force, as written (see :meth:`KeepDecisions.rules`)."""
+        return self._keeping.rules(keep_last=keep_last, keep=keep)
 
     @property
     def preempted(self) -> bool:
@@ -298,12 +405,11 @@ class CheckpointManager(CheckpointReader, KeepDecisions, WriterShutdown):
         cas = self.backend.capabilities.compare_and_swap
         return Judge(self.lease.previous, (record.epoch, writer_tag(record.holder.nonce, compare_and_swap=cas)))
 
-    def _scan(self) -> Catalog:
+    def _before_listing(self) -> None:
         """The reads see this writer's rotations: a sync save's, still on the worker, ends first."""
         self._opened = None  # gc and friends may change the root; a restore then lists it again
         if self._saving is not None:
             self._saving.settle()
-        return super()._scan()
 
     # ------------------------------------------------------------------ restoring
 
@@ -336,14 +442,15 @@ class CheckpointManager(CheckpointReader, KeepDecisions, WriterShutdown):
             UnsupportedStateError: an object's state cannot be saved (found now, not at a save;
                 a ``read_only`` manager, which never saves, does not check this).
         """
-        if self._closed:
+        if self.closed:
             raise ConfigError(f"restore() after close() on {self.url}; open a new CheckpointManager")
         # Before any training: what cannot be saved fails here. A reader never saves, so it
         # skips the encode of the live state (a few ms of a cold restore).
         preflight(state, "restore", encode=not self.read_only)
         if self._saving is not None:
             self._saving.wait()  # a pipelined copy may still read the live tensors
-        fixed = self._saving is not None and self._saving.lineage_written
+        writer = self._writer
+        fixed = writer is not None and writer.lineage_written
         if self.runlog is not None:  # each step logs which samples it ran on (the audit compares them)
             for name, loader in loaders_of(state).items():
                 self.runlog.watch_data(f"data/{name}", loader.batch_digest)
@@ -353,12 +460,12 @@ class CheckpointManager(CheckpointReader, KeepDecisions, WriterShutdown):
             # The listing taken at open, unless something was saved or scanned since (then a
             # listing of its own): one listing for opening and restoring a writer.
             opened, self._opened = self._opened, None
-            tree, info = self._read_newest(_accept, into, opened)  # type: ignore[arg-type]
+            tree, info = self.reader.read_newest(_accept, into, opened)  # type: ignore[arg-type]
         except NoValidCheckpointError as exc:
             if not exc.tried:
-                if self._saving is not None:
-                    self._confirm_writer(self._saving)
-                    self._saving.write_lineage(None, None)  # nothing once the lineage is fixed
+                if writer is not None:
+                    writer.confirm(self.reader.outline)
+                    writer.write_lineage(None, None)  # nothing once the lineage is fixed
                 if self.runlog is not None:
                     self.runlog.start()
                 return None
@@ -366,26 +473,21 @@ class CheckpointManager(CheckpointReader, KeepDecisions, WriterShutdown):
         # read_tree checked a TrainState's fit (check_fit, check_rng): its load need not check again
         fitted = into is not None and type(state).load_state_dict is TrainState.load_state_dict
         (state._load_fitted if fitted else state.load_state_dict)(tree)  # type: ignore[union-attr]
-        if self._saving is None:
-            self.resumed_from = info
+        if writer is None:
+            self._read_from = info
         else:
-            self._confirm_writer(self._saving)
+            writer.confirm(self.reader.outline)
             if not fixed:  # this restore is where the writer's lineage starts
-                self._start_lineage(tree, info)
+                self._start_lineage(writer, tree, info)
         logger.info("restored %s (step %d) from %s", info.key, info.step, self.url)
         return resume_point(info)
 
-    def _confirm_writer(self, saving: SavePipeline) -> None:  # CAS: the renewal is the fence; Drive: a listing too
-        saving.lease.renew()
-        cas = self.backend.capabilities.compare_and_swap
-        saving.fence_if_newer(saving.rank if cas else self.outline().fencing_rank)
-
-    def _start_lineage(self, tree: Any, info: CheckpointInfo) -> None:
+    def _start_lineage(self, writer: WriterSession, tree: Any, info: CheckpointInfo) -> None:
         """Record that this writer resumes from ``info`` (lineage, step log) and anchor it."""
-        assert self._saving is not None and self.runlog is not None
-        self.resumed_from = self._saving.resumed_from = info
+        assert self.runlog is not None
+        writer.resume_from(info)
         warn_if_changed(info.manifest, self._rotation.retention_rules(), self.url)
-        self._saving.write_lineage(info.step, info.epoch)
+        writer.write_lineage(info.step, info.epoch)
         self.runlog.resumed_from_step = info.step
         self.runlog.start()
         # Anchor after every takeover. After an unclean end the previous writer may still be
@@ -395,8 +497,8 @@ class CheckpointManager(CheckpointReader, KeepDecisions, WriterShutdown):
         # writer left a checkpoint folder (or holds the lease), which the anchor is. It is cheap
         # where the store allows (a hard link, a server-side copy) and replaces the copies it
         # re-committed at this writer's next save (see ``Rotation.drop_copies``).
-        if info.rank < self._saving.rank:
-            self._saving.anchor(tree, info)
+        if info.rank < writer.rank:
+            self._anchor.anchor(tree, info)
 
     # ------------------------------------------------------------------ saving
 
@@ -447,7 +549,7 @@ class CheckpointManager(CheckpointReader, KeepDecisions, WriterShutdown):
         if self.read_only or self._saving is None:
             raise ConfigError(f"{self.url} was opened read_only: save() is refused; open it without read_only")
         self._opened = None  # a restore after this save lists the root again
-        if self._closed:
+        if self.closed:
             raise ConfigError(f"save() after close() on {self.url}")
         if step < 0:
             raise ConfigError(f"step must be >= 0, got {step}")
@@ -461,7 +563,7 @@ class CheckpointManager(CheckpointReader, KeepDecisions, WriterShutdown):
             # thread: a kill inside the save leaves them on record for the audit to compare.
             self.runlog.flush_soon()
         if self.preempted:
-            return self._save_and_stop(
+            return self._shutdown.save_and_stop(
                 state, step=step, position=position, metrics=metrics, tags=tags, extra_files=extra_files
             )
         try:
@@ -492,6 +594,19 @@ class CheckpointManager(CheckpointReader, KeepDecisions, WriterShutdown):
         if self.runlog is None:
             raise ConfigError(f"{self.url} was opened read_only: log_step() needs a writer")
         self.runlog.log_step(step, **scalars)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait for a background save; re-raise its failure. False if it is still running."""
+        return self._shutdown.wait(timeout)
+
+    def close(self) -> None:
+        """Wait for a background save, flush the step log, release the lease. Idempotent.
+
+        A stop signal that arrived since (``save_on_signal``) and was not yet acted on by a
+        save takes effect here, once the lease is released; then all of this is bounded by
+        ``signal_deadline``, as after the last save.
+        """
+        self._shutdown.close()
 
     def __enter__(self) -> CheckpointManager:
         return self

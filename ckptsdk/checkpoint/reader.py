@@ -79,37 +79,49 @@ class CheckpointReader:
 
     Args:
         backend: the opened root.
+        judge: who judges the root's lineage records, asked at each listing (None: a reader,
+            which judges by ``LEASE.json`` as it is now; a writer judges by the lease it took
+            over from).
+        before_listing: called before each full listing (a writer lets its own save on the
+            worker finish first, so the listing sees its rotation).
+
+    Example:
+        >>> from ckptsdk.backends import open_backend
+        >>> CheckpointReader(open_backend("memory://reader-doc")).latest() is None
+        True
     """
 
-    def __init__(self, backend: Backend) -> None:
-        self._backend = backend
+    def __init__(
+        self,
+        backend: Backend,
+        *,
+        judge: Callable[[], _catalog.Judge | None] | None = None,
+        before_listing: Callable[[], None] | None = None,
+    ) -> None:
+        self.backend = backend
         self.url = backend.url
+        self._judge = judge or (lambda: None)
+        self._before_listing = before_listing
         # Parsed manifests by (key, version): a rescan re-reads only what changed.
-        self._memo: dict[tuple[str, str], object] = {}
+        self.memo: dict[tuple[str, str], object] = {}
 
-    @property
-    def backend(self) -> Backend:
-        """The storage of the root."""
-        return self._backend
-
-    def _judge(self) -> _catalog.Judge | None:
-        """Who judges the root's lineage records: None, a reader (by LEASE.json now)."""
-        return None
-
-    def _scan(self) -> _catalog.Catalog:
-        return _catalog.scan(self.backend, cache=self._memo, judge=self._judge())
+    def scan(self) -> _catalog.Catalog:
+        """Every checkpoint of the root, its manifest read (memoised by version)."""
+        if self._before_listing is not None:
+            self._before_listing()
+        return _catalog.scan(self.backend, cache=self.memo, judge=self._judge())
 
     def outline(self) -> Outline:
         """One listing of the root, its manifests read only as the caller walks them (restore,
         ``latest``, opening a writer); :meth:`list` and the rest read every manifest."""
-        return Outline(self.backend, cache=self._memo, judge=self._judge())
+        return Outline(self.backend, cache=self.memo, judge=self._judge())
 
     # ------------------------------------------------------------------ the read API
 
     def list(self) -> builtins.list[CheckpointInfo]:  # `list`: this method, in the class
         """One row per step, oldest first (valid or not, with why): the highest writer's folder
         of the step, its other folders in ``copies``, a takeover's re-commit marked ``anchor``."""
-        return self._scan().rows()
+        return self.scan().rows()
 
     def latest(self) -> CheckpointInfo | None:
         """The newest restorable checkpoint (sizes checked, digests not yet), or None.
@@ -139,7 +151,7 @@ class CheckpointReader:
             ...     mgr.best("val_loss").step
             20
         """
-        rows = {c.step: c for c in self._scan().rows() if c.valid and c.manifest is not None}
+        rows = {c.step: c for c in self.scan().rows() if c.valid and c.manifest is not None}
         order = best_order(
             (Candidate.of(c.manifest) for c in rows.values() if c.manifest), metric, mode or default_mode(metric)
         )
@@ -161,7 +173,7 @@ class CheckpointReader:
         """
         if step is not None:
             return self.read_tree(self.pick(step))
-        return self._read_newest()[0]
+        return self.read_newest()[0]
 
     def verify(self, step: int | None = None, *, key: str | None = None) -> CheckpointInfo:
         """Re-hash a checkpoint's files against its manifest; raise ``CorruptCheckpointError``.
@@ -240,7 +252,7 @@ class CheckpointReader:
                 url=self.url,
                 tried={c.key: c.reason or "" for c in seen},
             )
-        cat = self._scan()
+        cat = self.scan()
         if key is not None:
             match = next((c for c in cat.checkpoints if c.key == key.rstrip("/")), None)
             if match is None or match.manifest is None:
@@ -261,7 +273,7 @@ class CheckpointReader:
             )
         return usable[0]
 
-    def _read_newest(
+    def read_newest(
         self,
         accept: Callable[[Any, CheckpointInfo], None] | None = None,
         into: LiveTarget | None = None,
@@ -312,8 +324,9 @@ class CheckpointReader:
                     logger.info("not restoring %s/%s: %s", self.url, info.key, info.reason)
                 continue
             tree = None
+            filled = _Filled()
             try:
-                tree = self.read_tree(info, into)
+                tree = self._read_tree(info, into, filled)
                 if accept is not None:
                     accept(tree, info)
                 return tree, info
@@ -321,8 +334,8 @@ class CheckpointReader:
                 logger.warning("skipping checkpoint %s/%s: %s", self.url, info.key, exc)
                 tried[info.key] = str(exc)
                 if tree is not None and into is not None:  # accept refused a tree read into them
-                    exc.poisoned = _poison(into.live_tensors())  # type: ignore[union-attr]
-                dirty = dirty or getattr(exc, "poisoned", False)
+                    filled.spoiled = _poison(into.live_tensors())
+                dirty = dirty or filled.spoiled
             except StateMismatchError as exc:
                 if dirty:
                     raise StateMismatchError(f"{exc} {_POISONED}", mismatches=exc.mismatches) from exc
@@ -348,7 +361,7 @@ class CheckpointReader:
         Every file's header is read and the tree decoded before a data byte is: ``into`` (a
         :class:`LiveTarget`: restore's ``TrainState``) is checked against it first, then the
         bytes go straight into its live tensors where dtype and shape match (one read, no copy).
-        A failure once the bytes began to arrive sets those tensors to NaN (``_read_newest`` then
+        A failure once the bytes began to arrive sets those tensors to NaN (``read_newest`` then
         restores another checkpoint into them, or says so in its error).
 
         Raises:
@@ -356,6 +369,9 @@ class CheckpointReader:
             ManifestError: the manifest lists no tensor file.
             StateMismatchError: the tree does not fit ``into`` (nothing was read into it).
         """
+        return self._read_tree(info, into, _Filled())
+
+    def _read_tree(self, info: CheckpointInfo, into: LiveTarget | None, filled: _Filled) -> Any:
         # torch (tensors, the codec, RNG checks) only here: listing and verifying a root, as the
         # CLI does, never pays its import.
         import torch
@@ -453,11 +469,18 @@ class CheckpointReader:
                 complete()
                 if isinstance(tree, Mapping) and isinstance(tree.get("rng"), Mapping):
                     check_rng(tree["rng"])  # an impossible RNG state is damage: fall back, not fail later
-            except BaseException as exc:
+            except BaseException:
                 if live:  # part of a file that failed (or a storage error) is in the live tensors
-                    exc.poisoned = _poison(live)  # type: ignore[attr-defined]  # read by _read_newest
+                    filled.spoiled = _poison(live)
                 raise
         return tree
+
+
+@dataclass
+class _Filled:
+    """One read into live tensors: whether a failure left them NaN (``read_newest`` says so)."""
+
+    spoiled: bool = False
 
 
 _POISONED = (

@@ -6,7 +6,7 @@ must reach the writer's decision, never a default of its own: a default ``keep_l
 delete the best checkpoints a ``keep_best`` rule keeps. What cannot be judged here (a predicate,
 recorded by name only; a root written before the rules were recorded) lets nothing go. The
 wording of the CLI's notes is cli/admin.py's; the rules themselves are retention.py's. Here too:
-:class:`KeepDecisions`, ``CheckpointManager``'s ``gc()``, ``kept()`` and ``rules()``.
+:class:`KeepDecisions`, behind ``CheckpointManager``'s ``gc()``, ``kept()`` and ``rules()``.
 """
 
 from __future__ import annotations
@@ -93,12 +93,20 @@ def judge_rules(
 
 class KeepDecisions:
     """``CheckpointManager``'s keep decisions: by the rules given to a call, else the writer's own
-    (a writer), else the writer's as the root records them (a reader opened with no rules)."""
+    (a writer), else the writer's as the root records them (a reader opened with no rules).
 
-    url: str
-    _rotation: Rotation
-    _by_record: bool  # read_only, and no keep rule given to the manager
-    _scan: Callable[[], Catalog]  # CheckpointReader's (the manager's, which settles its saves first)
+    Args:
+        url: the root (for messages).
+        rotation: the manager's rotation (its rules, gc).
+        scan: lists the root (the manager's, which lets its own save finish first).
+        by_record: judge by the rules the root records (a read-only manager given no keep rule).
+    """
+
+    def __init__(self, url: str, rotation: Rotation, scan: Callable[[], Catalog], *, by_record: bool) -> None:
+        self.url = url
+        self._rotation = rotation
+        self._scan = scan
+        self._by_record = by_record
 
     def gc(
         self,

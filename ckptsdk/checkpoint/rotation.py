@@ -20,10 +20,10 @@ from ckptsdk.checkpoint.lineage import superseded_by
 from ckptsdk.checkpoint.retention import Rule
 from ckptsdk.checkpoint.shared_files import loose_files, release
 from ckptsdk.checkpoint.usage import record_trash
+from ckptsdk.checkpoint.writer import WriterSession
 from ckptsdk.errors import ConfigError, LeaseLostError, ObjectNotFound
 from ckptsdk.format.layout import MANIFEST, Rank, folder_rank, outranks, shared_rank
 from ckptsdk.format.manifest import KeepRecord
-from ckptsdk.lease.acquire import Lease
 
 logger = logging.getLogger(__name__)
 
@@ -127,10 +127,8 @@ class Rotation:
         """Whether rotated-out checkpoints are recycled rather than deleted on this store."""
         return self.mode == "recycle" and rewriter(self.backend) is not None
 
-    def rotate(
-        self, lease: Lease, rank: Rank, cat: Catalog, resumed_from: CheckpointInfo | None, *, tidy: bool = True
-    ) -> set[str]:
-        """Delete what retention allows, of this lineage only, unless fenced; the folders deleted.
+    def rotate(self, writer: WriterSession, cat: Catalog, *, tidy: bool = True) -> set[str]:
+        """Delete what retention allows, of ``writer``'s lineage only, unless fenced; the folders deleted.
 
         Runs after a commit, on the writer's own catalog ``cat`` (kept in memory from its
         commits, relisted now and then): the renewal right before the commit was the fence, the
@@ -140,6 +138,7 @@ class Rotation:
         save and after a failure) also removes leftovers of saves that can never commit and
         sweeps temp files of killed saves, which only a listing can see.
         """
+        lease, rank = writer.lease, writer.rank
         try:
             lease.check()
         except LeaseLostError:
@@ -151,10 +150,10 @@ class Rotation:
                 "a newer writer (epoch %d) exists under %s: rotation deletes nothing", cat.max_epoch, self.url
             )
             return set()
-        mine = _lineage(cat, rank, resumed_from)
+        mine = _lineage(cat, rank, writer.resumed_from)
         # Drive: a rotation's small deletes can reach the cloud before the new checkpoint's tensor
         # file does: rotate one save late (the newest has a save interval to upload).
-        protected = self._protected(mine, rank, resumed_from)
+        protected = self._protected(mine, writer)
         self._ledger_rank = rank
         doomed = self.beyond_retention(mine, protected=protected)
         # Deletes need no fsync: a power cut only undoes removals (an old checkpoint back whole, or
@@ -164,9 +163,9 @@ class Rotation:
                 lease.check()
                 self.delete(c, by_manifest=True)
             gone = {c.key for c in doomed}
-            gone |= self.drop_copies(lease, rank, [c for c in mine if c.key not in gone])
+            gone |= self.drop_copies(writer, [c for c in mine if c.key not in gone])
             if tidy:
-                gone |= self._tidy(lease, rank, cat)
+                gone |= self._tidy(writer, cat)
             # Then the shared files no checkpoint left refers to (with a listing of them when tidying).
             exclusive, grace = self.backend.capabilities.compare_and_swap, self.leftover_grace
             loose = loose_files(self.backend, cat, gone, rank=rank, grace=grace, exclusive=exclusive, listing=tidy)
@@ -174,9 +173,10 @@ class Rotation:
         self._flush_ledger()
         return gone
 
-    def _tidy(self, lease: Lease, rank: Rank, cat: Catalog) -> set[str]:
+    def _tidy(self, writer: WriterSession, cat: Catalog) -> set[str]:
         """Leftovers of saves that can never commit, and temp files of killed saves; never of a step
         above this writer's newest commit: the next save, in flight (other ranks write into it)."""
+        lease, rank = writer.lease, writer.rank
         gone, top = set(), cat.newest_step(rank)
         # Under compare-and-swap no lower writer can still commit (its renewal would fail): at once.
         exclusive = self.backend.capabilities.compare_and_swap
@@ -198,7 +198,7 @@ class Rotation:
             logger.info("removed %s/%s: temp file of a killed save", self.url, key)
         return gone
 
-    def drop_copies(self, lease: Lease, rank: Rank, kept: list[CheckpointInfo]) -> set[str]:
+    def drop_copies(self, writer: WriterSession, kept: list[CheckpointInfo]) -> set[str]:
         """Keep one folder per step: a takeover's anchor replaces the folders it re-committed.
 
         Only where the store is immediately consistent (local disk, GCS): there an anchor is
@@ -212,6 +212,7 @@ class Rotation:
         """
         if not self.backend.capabilities.immediately_consistent:
             return set()
+        lease, rank = writer.lease, writer.rank
         own = [c.step for c in kept if c.rank == rank]
         if not own:
             return set()
@@ -231,16 +232,15 @@ class Rotation:
                     gone.add(c.key)
         return gone
 
-    def _protected(self, mine: list[CheckpointInfo], rank: Rank, resumed_from: CheckpointInfo | None) -> list[int]:
+    def _protected(self, mine: list[CheckpointInfo], writer: WriterSession) -> list[int]:
         """The resume point stays until this writer has committed a newer step."""
+        resumed_from = writer.resumed_from
         if resumed_from is None:
             return []
-        newer_own = any(c.rank == rank and c.step > resumed_from.step for c in mine)
+        newer_own = any(c.rank == writer.rank and c.step > resumed_from.step for c in mine)
         return [] if newer_own else [resumed_from.step]
 
-    def recycle_source(
-        self, lease: Lease, rank: Rank, cat: Catalog, step: int, resumed_from: CheckpointInfo | None
-    ) -> CheckpointInfo | None:
+    def recycle_source(self, writer: WriterSession, cat: Catalog, step: int) -> CheckpointInfo | None:
         """Make room for the save of ``step`` by recycling: which own checkpoint gives its file.
 
         Retention is applied as if ``step`` were committed already (one save late on Drive, so
@@ -251,15 +251,16 @@ class Rotation:
         delete of that file (by its Drive identity) would then hit our new checkpoint.
         Returns None when nothing is due (the caller writes a new file).
         """
+        rank = writer.rank
         if not self.recycles or outranks(cat.max_rank, rank):
             return None
-        lease.check()
-        mine = _lineage(cat, rank, resumed_from)
+        writer.lease.check()
+        mine = _lineage(cat, rank, writer.resumed_from)
         probe = CheckpointInfo(step=step, epoch=rank[0], tag=rank[1], key="", size=0, committed=True, valid=True)
         # The probe has no manifest yet (no metrics, no time): judged without them, the rules keep
         # a superset of the other steps (a new score can only push one out of the best k), so a
         # recycle never takes a file the rules keep once this save commits.
-        doomed = self.beyond_retention(mine + [probe], protected=self._protected(mine, rank, resumed_from))
+        doomed = self.beyond_retention(mine + [probe], protected=self._protected(mine, writer))
         own = sorted((c for c in doomed if c.rank == rank and c.step != step), key=lambda c: c.step)
         if not own:
             return None

@@ -2,7 +2,10 @@
 
 It orders the writes so that every crash window leaves the previous committed checkpoint intact,
 and fences a writer that lost the lease before it commits or deletes anything. Configuration, the
-read API and restore belong to the manager; which checkpoints go is ``rotation``'s, when saves run ``scheduling``'s.
+read API and restore belong to the manager; which checkpoints go is ``rotation``'s, when saves run
+``scheduling``'s. What the write path shares (lease, rank, resume point, catalog) is the
+:class:`~ckptsdk.checkpoint.writer.WriterSession` it is given; what follows a commit is
+:class:`~ckptsdk.checkpoint.aftercommit.AfterCommit`'s, the takeover's anchor ``anchoring``'s.
 
 Ordering that matters (each is a crash window or a zombie window):
   - tensors first, manifest last: a checkpoint exists only once its manifest is published;
@@ -14,7 +17,7 @@ Ordering that matters (each is a crash window or a zombie window):
 The lean commit: a steady-state save on a store with compare-and-swap makes three round trips
 in sequence (tensor upload, renewal, manifest). The writer's catalog lives in memory, updated
 by its own commits; it is relisted at the first save, after a failed or fenced save, and every
-``RELIST_S`` seconds (to see what ``gc`` or a takeover changed).
+``RELIST_S`` seconds (to see what ``gc`` or a takeover changed; see ``writer``).
 """
 
 from __future__ import annotations
@@ -23,7 +26,6 @@ import logging
 import os
 import socket
 import threading
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -32,16 +34,15 @@ import torch
 
 from ckptsdk.backends.base import Backend, Writable, durable_batch
 from ckptsdk.backends.deadline import SAVE_RATE_BPS, bounded
-from ckptsdk.checkpoint.aftercommit import RELIST_S, AfterCommit
-from ckptsdk.checkpoint.anchoring import Anchoring
-from ckptsdk.checkpoint.catalog import Catalog, CheckpointInfo
-from ckptsdk.checkpoint.lineage import LineageWriter
+from ckptsdk.checkpoint.aftercommit import AfterCommit
+from ckptsdk.checkpoint.catalog import CheckpointInfo
 from ckptsdk.checkpoint.pacing import Paced
 from ckptsdk.checkpoint.recycling import take_file
 from ckptsdk.checkpoint.rotation import Rotation
-from ckptsdk.checkpoint.scheduling import SaveSlots, SaveStats, _Job
+from ckptsdk.checkpoint.scheduling import Job, SaveSlots, SaveStats
 from ckptsdk.checkpoint.sharing import Hints, Plan, Sharing, content_name
 from ckptsdk.checkpoint.staging import SnapshotMode
+from ckptsdk.checkpoint.writer import RELIST_S, WriterSession
 from ckptsdk.errors import CheckpointError, DeadlineExceeded
 from ckptsdk.format.digest import DEFAULT as DIGEST_ALGORITHM
 from ckptsdk.format.environment import Environment, device_of
@@ -55,12 +56,13 @@ from ckptsdk.runlog.writer import RunLog
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RELIST_S", "SavePipeline"]
+__all__ = ["RELIST_S", "SavePipeline", "SaveRecord"]
 
 
 @dataclass(frozen=True)
-class _Save:
-    """What a save commits besides its tensors (captured at ``save()``)."""
+class SaveRecord:
+    """What a save commits besides its tensors (captured at ``save()``; an anchor's from the
+    manifest it re-commits), passed whole down the write path."""
 
     folder: str
     step: int
@@ -74,65 +76,58 @@ class _Save:
     pace: threading.Event | None = None  # background saves: set while no optimizer step runs
 
 
-class SavePipeline(AfterCommit, Anchoring):
+class SavePipeline:
     """Saves of one lease holder: foreground snapshot, background write, commit, rotation.
 
     Args:
-        backend: the checkpoint root.
-        lease: the acquired writer lease (its epoch and nonce name this writer).
-        runlog: the attempt's step log, flushed after each commit (off the critical path).
+        writer: the writer's session (lease, rank, resume point, its catalog of the root).
         rotation: applies retention after each commit.
-        scan: lists the root (the manager's memoised catalog scan).
-        memo: the scan's memo, fed with each manifest just written.
+        runlog: the attempt's step log, flushed after each commit (off the critical path).
         max_staging_bytes: the most host memory two staging buffers may hold; a save due while
             one is writing and another would exceed it is skipped and counted. None: no bound
             (at most two snapshots of the state).
-        clock: monotonic time of the relist period (the lease's clock).
+        save_deadline: seconds the storage half of one save may take (None: the lease's ttl).
+        incremental: keep unchanged tensors in shared files (``SaveOptions.incremental``).
     """
-
-    save_deadline: float | None = None  # SaveOptions.save_deadline (None: the lease's ttl), set by the manager
 
     def __init__(
         self,
-        backend: Backend,
-        lease: Lease,
+        writer: WriterSession,
         *,
-        runlog: RunLog | None,
         rotation: Rotation,
-        scan: Callable[[], Catalog],
-        memo: dict[tuple[str, str], object],
+        runlog: RunLog | None,
         max_staging_bytes: int | None = None,
-        clock: Callable[[], float] = time.monotonic,
+        save_deadline: float | None = None,
+        incremental: bool = True,
     ) -> None:
-        self.backend = backend
-        self.url = backend.url
-        self.lease = lease
-        self.runlog = runlog
+        self.writer = writer
         self.rotation = rotation
-        self._scan = scan
-        self._memo = memo
-        self._clock = clock
-        record = lease.record
-        assert record is not None
-        self.writer = LineageWriter.of(
-            epoch=lease.epoch, nonce=record.holder.nonce, compare_and_swap=backend.capabilities.compare_and_swap
-        )
-        self._resumed_from: CheckpointInfo | None = None
+        self.save_deadline = save_deadline
         self._slots = SaveSlots(max_staging_bytes=max_staging_bytes)
+        self.after = AfterCommit(writer, rotation, runlog, self._slots)
         self._encoding = EncodingCache()
-        self.sharing = Sharing()  # the manager sets ``enabled`` (SaveOptions.incremental)
-        self._lineage_written = False
+        self.sharing = Sharing()
+        self.sharing.enabled = incremental
         self._abandoned = threading.Event()
         self._committed: dict[str, CheckpointInfo] = {}
-        # The writer's own view of the root: None until listed; relisted after a failure.
-        self._catalog: Catalog | None = None
-        self._listed_at = 0.0
-        self._tidy_due = True  # leftovers and the sweep: at the first listing and after a failure
         self._sync_caller = False  # a blocking save is committing on the caller's thread
         self._pacing = threading.local()  # .idle: the running background save's (see pacing.py)
         # Drive's recycle mode: (the checkpoint retired for the save being stored, or None),
         # chosen beside the listing before its upload; None: not chosen yet (see _write).
         self._retired: tuple[CheckpointInfo | None] | None = None
+
+    @property
+    def backend(self) -> Backend:
+        """The root's storage (the writer's: tests swap it for a fault injector)."""
+        return self.writer.backend
+
+    @property
+    def url(self) -> str:
+        return self.writer.url
+
+    @property
+    def lease(self) -> Lease:
+        return self.writer.lease
 
     @property
     def tag(self) -> str:
@@ -143,16 +138,6 @@ class SavePipeline(AfterCommit, Anchoring):
     def rank(self) -> Rank:
         """This writer's (lease epoch, tag)."""
         return self.writer.rank
-
-    @property
-    def resumed_from(self) -> CheckpointInfo | None:
-        """The checkpoint this writer resumed from (None: a fresh start, or not restored yet)."""
-        return self._resumed_from
-
-    @resumed_from.setter
-    def resumed_from(self, info: CheckpointInfo | None) -> None:
-        self._resumed_from = info
-        self.writer = replace(self.writer, resumed_from=None if info is None else info.step)
 
     @property
     def busy(self) -> bool:
@@ -201,7 +186,7 @@ class SavePipeline(AfterCommit, Anchoring):
         if blocking:
             self._slots.wait()
         self.lease.check()
-        folder = self.writer.folder(step)
+        folder = self.writer.lineage.folder(step)
         done = self._committed.get(folder)
         if done is not None:
             logger.debug("step %d already committed as %s; not saving it twice", step, folder)
@@ -216,7 +201,7 @@ class SavePipeline(AfterCommit, Anchoring):
         hints = self.sharing.hints(
             captured.names, captured.tensors, state.step_only_flags(captured.tensors) if stepped else ()
         )
-        job = _Save(
+        job = SaveRecord(
             folder, step, position, dict(metrics or {}), dict(tags or {}), "cpu", tuple(extra_files), hints=hints
         )
         if blocking:
@@ -231,7 +216,7 @@ class SavePipeline(AfterCommit, Anchoring):
             self._slots.committed += 1
             return info
         pending_info = CheckpointInfo(
-            step=step, epoch=self.writer.epoch, tag=self.tag, key=folder, size=0, committed=False, valid=False
+            step=step, epoch=self.writer.lineage.epoch, tag=self.tag, key=folder, size=0, committed=False, valid=False
         )
         pipelined = snapshot == "pipelined" and trained and state.optimizers()
         defer = state.step_only_flags(captured.tensors) if pipelined else [False] * len(captured.names)
@@ -251,7 +236,7 @@ class SavePipeline(AfterCommit, Anchoring):
                 job_now = replace(job, device=pending.device, verify=pending.verify, pace=idle)
                 self._store(job_now, pending.tensors, captured.skeleton())
 
-            self._slots.submit(_Job(run=work, buffer=buffer, step=step, settle=pending.settle))
+            self._slots.submit(Job(run=work, buffer=buffer, step=step, settle=pending.settle))
             submitted = True
             return replace(pending_info, reason="save in progress")
         finally:
@@ -272,7 +257,7 @@ class SavePipeline(AfterCommit, Anchoring):
         """
         self._abandoned.set()
 
-    def _store(self, job: _Save, tensors: Mapping[str, torch.Tensor], skeleton: Any) -> CheckpointInfo:
+    def _store(self, job: SaveRecord, tensors: Mapping[str, torch.Tensor], skeleton: Any) -> CheckpointInfo:
         """The storage half of a save (tensors, renewal: the fence, commit; then rotate), within one
         deadline (``save_deadline``). Without compare-and-swap (Drive) a listing comes first: a fence too."""
         what, nbytes = f"the save of step {job.step} under {self.url}", sum(t.nbytes for t in tensors.values())
@@ -284,102 +269,69 @@ class SavePipeline(AfterCommit, Anchoring):
                     # Drive: the listing is a fence (a newer writer's folders and lineage record), and
                     # before the upload, so a zombie stops before it sends a full-size file that could
                     # only end in the trash.
-                    self._relist_and_retire(job.step)
-                cat = self.catalog()
+                    self._retired = self.after.relist_and_retire(job.step)
+                cat = self.writer.catalog()
                 existing = next((c for c in cat.checkpoints if c.key == job.folder and c.committed), None)
                 if existing is not None:
                     logger.debug("step %d already committed as %s; not saving it twice", job.step, job.folder)
                     self._retired = None  # (its folder, now uncommitted, goes as a leftover)
                     return existing
-                self.write_lineage(None, None)  # once: a no-op after this writer's first commit or restore
+                self.writer.write_lineage(None, None)  # once: a no-op after this writer's first commit or restore
                 self._pacing.idle = job.pace
                 try:
-                    return self.commit(
-                        job.folder,
-                        job.step,
-                        dict(tensors),
-                        skeleton,
-                        job.position,
-                        job.metrics,
-                        job.tags,
-                        job.device,
-                        job.extra_files,
-                        verify=job.verify,
-                        hints=job.hints,
-                    )
+                    return self.commit(job, dict(tensors), skeleton)
                 finally:
                     self._pacing.idle = None
             except BaseException as exc:
-                self._catalog = None  # whatever failed, the next save lists the root again
+                self.writer.drop_catalog()  # whatever failed, the next save lists the root again
                 self._retired = None
                 if isinstance(exc, DeadlineExceeded) and job.folder in self._committed:
                     logger.warning("step %d is committed under %s; rotation waits: %s", job.step, self.url, exc)
                     return self._committed[job.folder]
                 raise
 
-    def commit(
-        self,
-        folder: str,
-        step: int,
-        tensors: dict[str, torch.Tensor],
-        skeleton: Any,
-        position: Position,
-        metrics: Mapping[str, Any] | None,
-        tags: Mapping[str, str] | None,
-        device: str,
-        extra_files: Sequence[FileEntry] = (),
-        verify: Callable[[], None] | None = None,
-        hints: Hints | None = None,
-    ) -> CheckpointInfo:
+    def commit(self, job: SaveRecord, tensors: dict[str, torch.Tensor], skeleton: Any) -> CheckpointInfo:
         """Write the tensor files, renew the lease, publish the manifest (the commit), rotate.
 
-        ``extra_files``: written into ``folder`` by other ranks beforehand; ``verify``: run before
-        the commit; ``hints``: what ``save()`` saw of the live tensors (None: write every tensor)."""
+        ``job.extra_files``: written into its folder by other ranks beforehand; ``job.verify``: run
+        before the commit; ``job.hints``: what ``save()`` saw of the live tensors (None: write every
+        tensor)."""
         self.lease.check()
-        plan = self.sharing.plan(tensors, hints)
+        plan = self.sharing.plan(tensors, job.hints)
         self.sharing.drop_lost(plan, tensors, self.backend, self.url)  # one stat per shared file it refers to
         with durable_batch(self.backend):  # one fsync per folder, once the manifest is in place
-            shared = self._write_shared(step, plan)
-            info = self._write(
-                folder, step, plan.own, skeleton, position, metrics, tags, device, extra_files, verify, shared
-            )
+            shared = self._write_shared(job.step, plan)
+            info = self._write(job, plan.own, skeleton, shared)
         assert info.manifest is not None
-        self.sharing.committed(info.manifest, hints)
-        self._after_commit(info)
+        self.sharing.committed(info.manifest, job.hints)
+        self.after_commit(info)
         return info
 
+    def after_commit(self, info: CheckpointInfo) -> None:
+        """Rotation and the step log after ``info`` committed (on the worker after a blocking save)."""
+        self.after.run(info, on_worker=self._sync_caller)
+
     def _write(
-        self,
-        folder: str,
-        step: int,
-        tensors: dict[str, torch.Tensor],
-        skeleton: Any,
-        position: Position,
-        metrics: Mapping[str, Any] | None,
-        tags: Mapping[str, str] | None,
-        device: str,
-        extra_files: Sequence[FileEntry],
-        verify: Callable[[], None] | None,
-        shared: list[SharedFile],
+        self, job: SaveRecord, tensors: dict[str, torch.Tensor], skeleton: Any, shared: list[SharedFile]
     ) -> CheckpointInfo:
-        key = f"{folder}/{TENSORS}"
+        key = f"{job.folder}/{TENSORS}"
         chosen, self._retired = self._retired, None
         if chosen is not None:  # retired beside the listing before the upload
             source = chosen[0]
         else:
-            source = self._retire(self.catalog(), step) if self.rotation.recycles else None
+            source = self.after.retire(self.writer.catalog(), job.step) if self.rotation.recycles else None
         if source is not None:
-            self._forget({source.key})  # its manifest is gone: it is no checkpoint any more
+            self.writer.forget({source.key})  # its manifest is gone: it is no checkpoint any more
         in_place = take_file(self.backend, f"{source.key}/{TENSORS}", key) if source is not None else None
         if source is not None and in_place is not None:
             # The file this checkpoint reuses is rewritten in place (not atomic: no manifest
             # refers to it now, and a reader holding a stale one fails its digest check).
             size, digest = self._write_tensors(in_place, key, tensors)
-            self.rotation.recycled(source, folder, size)
+            self.rotation.recycled(source, job.folder, size)
         else:
             size, digest = self._write_tensors(self.backend, key, tensors)
-        files = [FileEntry(name=TENSORS, size=size, digest=digest, algorithm=DIGEST_ALGORITHM), *extra_files]
-        return self._publish(folder, step, files, skeleton, position, metrics, tags, device, verify, shared=shared)
+        files = [FileEntry(name=TENSORS, size=size, digest=digest, algorithm=DIGEST_ALGORITHM), *job.extra_files]
+        return self.publish(job, files, skeleton, shared)
 
     def _write_tensors(self, backend: Writable, key: str, tensors: Mapping[str, torch.Tensor]) -> tuple[int, str]:
         """``write_tensorfile``; on the worker paced around optimizer steps, the writes and the hash."""
@@ -415,21 +367,10 @@ class SavePipeline(AfterCommit, Anchoring):
             )
         return self.sharing.entries(plan, new)
 
-    def _publish(
-        self,
-        folder: str,
-        step: int,
-        files: list[FileEntry],
-        skeleton: Any,
-        position: Position,
-        metrics: Mapping[str, Any] | None,
-        tags: Mapping[str, str] | None,
-        device: str,
-        verify: Callable[[], None] | None = None,
-        *,
-        shared: Sequence[SharedFile] = (),
+    def publish(
+        self, job: SaveRecord, files: list[FileEntry], skeleton: Any, shared: Sequence[SharedFile] = ()
     ) -> CheckpointInfo:
-        """Publish the manifest of ``folder`` (the commit; its files are in place).
+        """Publish the manifest of ``job.folder`` (the commit; its files are in place).
 
         Inside the caller's ``durable_batch`` block with the files' writes: the tensor file's
         and the manifest's renames share one fsync of their folder (the tensor file's own, 6 ->
@@ -439,21 +380,21 @@ class SavePipeline(AfterCommit, Anchoring):
         means a durable tensor file, else the reader's size check rejects it and falls back.
         """
         manifest = Manifest.built(  # the skeleton is the codec's own: not validated again
-            step=step,
-            position=position,
+            step=job.step,
+            position=job.position,
             writer=WriterRecord(
                 run_id=self.lease.run_id,
                 attempt=self.lease.attempt,
                 lease_epoch=self.lease.epoch,
                 host=socket.gethostname(),
                 pid=os.getpid(),
-                resumed_from_step=self.writer.resumed_from,
+                resumed_from_step=self.writer.lineage.resumed_from,
             ),
             files=files,
             tree=skeleton,
-            metrics=dict(metrics or {}),  # checked and converted by userfield.user_fields at save()
-            environment=Environment.current(device=device),
-            tags=dict(tags or {}),
+            metrics=dict(job.metrics),  # checked and converted by userfield.user_fields at save()
+            environment=Environment.current(device=job.device),
+            tags=dict(job.tags),
             keep=self.rotation.keep_record(),
             shared=list(shared),
         )
@@ -461,22 +402,22 @@ class SavePipeline(AfterCommit, Anchoring):
         # renew (compare-and-swap, not just check) so a takeover during the write is seen here.
         # Where the store has no compare-and-swap (Drive) the renewal reads what LEASE.json shows
         # and the listing before the write (see ``_store``) looked for a newer writer's names.
-        if verify is not None:
-            verify()
+        if job.verify is not None:
+            job.verify()
         self.lease.renew()
         if self._abandoned.is_set():
             raise CheckpointError(
-                f"the save of step {step} under {self.url} was abandoned before its commit (its "
+                f"the save of step {job.step} under {self.url} was abandoned before its commit (its "
                 "deadline passed); the previous committed checkpoint is intact",
                 url=self.url,
-                step=step,
-                key=folder,
+                step=job.step,
+                key=job.folder,
             )
-        published = self.backend.write(f"{folder}/{MANIFEST}", manifest.to_json())
-        self._memo[(published.key, published.version)] = manifest  # the next scan need not re-read it
+        published = self.backend.write(f"{job.folder}/{MANIFEST}", manifest.to_json())
+        self.writer.memo[(published.key, published.version)] = manifest  # the next scan need not re-read it
         size = sum(f.size for f in files)
-        logger.info("committed %s/%s (%d bytes)", self.url, folder, size)
+        logger.info("committed %s/%s (%d bytes)", self.url, job.folder, size)
         epoch, tag = self.lease.epoch, self.tag  # the full rank: rotation tells this writer's newest by it
-        info = CheckpointInfo(step, epoch, folder, size, committed=True, valid=True, manifest=manifest, tag=tag)
-        self._committed = {folder: info}  # the newest only: an older one may have been rotated out
+        info = CheckpointInfo(job.step, epoch, job.folder, size, committed=True, valid=True, manifest=manifest, tag=tag)
+        self._committed = {job.folder: info}  # the newest only: an older one may have been rotated out
         return info

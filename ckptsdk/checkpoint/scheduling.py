@@ -26,7 +26,7 @@ from ckptsdk.format.template import Captured
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SaveSlots", "SaveStats"]
+__all__ = ["Job", "SaveSlots", "SaveStats"]
 
 #: Background saves whose durations and intervals the keep-up judgement looks at.
 _WINDOW = 16
@@ -59,7 +59,9 @@ class SaveStats:
 
 
 @dataclass
-class _Job:
+class Job:
+    """One background save on the worker: its storage half, the staging buffer it holds."""
+
     run: Callable[[], None]
     buffer: Stager | None
     step: int
@@ -81,8 +83,8 @@ class SaveSlots:
         # Real time, whatever clock the lease runs on: these are the waits and durations of real threads.
         self._clock = time.monotonic
         self._cond = threading.Condition()
-        self._running: _Job | None = None
-        self._waiting: _Job | None = None
+        self._running: Job | None = None
+        self._waiting: Job | None = None
         # After-commit work of blocking saves: never replaced, run before the waiting save.
         self._tails: deque[Callable[[], None]] = deque()
         self._tail_running = False
@@ -117,7 +119,7 @@ class SaveSlots:
         if error is not None:
             raise error
 
-    def claim(self, step: int, need_bytes: int) -> tuple[Stager | None, _Job | None]:
+    def claim(self, step: int, need_bytes: int) -> tuple[Stager | None, Job | None]:
         """A staging buffer for the save of ``step`` now due, or None when it must be skipped.
 
         Returns (buffer, replaced): ``replaced`` is the waiting save this one replaces (its
@@ -187,7 +189,7 @@ class SaveSlots:
             copier = self._copier
         copier.submit(_finish_quietly, pending)
 
-    def submit(self, job: _Job) -> None:
+    def submit(self, job: Job) -> None:
         """Put ``job`` in the waiting slot; the worker runs it once the running save is done."""
         job.run = carried(job.run)  # in this context: a deadline set around save() bounds the worker too
         with self._cond:
@@ -279,7 +281,7 @@ class SaveSlots:
                     if self._thread is not me:
                         return
                     self._cond.wait()
-                job: _Job | None = None
+                job: Job | None = None
                 tail: Callable[[], None] | None = None
                 if self._tails:
                     tail = self._tails.popleft()

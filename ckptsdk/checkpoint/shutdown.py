@@ -1,8 +1,8 @@
 """How a checkpoint writer ends: the last save after a stop signal, ``close``, interpreter exit.
 
-``WriterShutdown`` is a base of ``ckptsdk.manager.CheckpointManager`` holding those steps (wait
-for the save in flight, stop the pipeline, close the step log, release the lease, let the signal
-act). Opening, restoring and saving belong to the manager; the save pipeline to ``saving.py``.
+:class:`Shutdown` is a collaborator of ``ckptsdk.manager.CheckpointManager`` holding those steps
+(wait for the save in flight, stop the pipeline, close the step log, release the lease, let the
+signal act). Opening, restoring and saving belong to the manager; the save pipeline to ``saving.py``.
 """
 
 from __future__ import annotations
@@ -26,36 +26,50 @@ from ckptsdk.runlog.writer import RunLog
 # The manager's logger, as before these steps moved here: their records keep their logger name.
 logger = logging.getLogger("ckptsdk.manager")
 
-__all__ = ["WriterShutdown"]
+__all__ = ["Shutdown", "close_at_exit"]
 
 
-class WriterShutdown:
-    """The ending half of a writer: what ``CheckpointManager`` sets up, this stops."""
+class Shutdown:
+    """The ending of one manager: what ``CheckpointManager`` set up, this stops.
 
-    url: str
-    lease: Lease | None
-    runlog: RunLog | None
-    _saving: SavePipeline | None
-    _preemption: Preemption | None
-    _lock: threading.RLock
-    _closed: bool
+    Args:
+        url: the root (for messages).
+        lease: the writer lease (None: a read-only manager).
+        runlog: the attempt's step log (None: a read-only manager).
+        saving: the save pipeline (None: a read-only manager).
+        preemption: the installed stop-signal handler, if any.
+        lock: the manager's save lock (the last save after a signal takes it).
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        lease: Lease | None,
+        runlog: RunLog | None,
+        saving: SavePipeline | None,
+        preemption: Preemption | None,
+        lock: threading.RLock,
+    ) -> None:
+        self.url = url
+        self.lease = lease
+        self.runlog = runlog
+        self._saving = saving
+        self._preemption = preemption
+        self._lock = lock
+        self._closed = False
+
+    @property
+    def closed(self) -> bool:
+        """``close()`` was called (or the interpreter exit or a stop signal closed it)."""
+        return self._closed
 
     @property
     def stats(self) -> SaveStats:
-        """Saves committed, replaced (by a newer one while waiting), skipped, failed; save times.
-
-        Example:
-            >>> import torch
-            >>> from ckptsdk import CheckpointManager
-            >>> mgr = CheckpointManager("memory://stats", lease_ttl=5)
-            >>> _ = mgr.save({"w": torch.ones(2)}, step=1)
-            >>> mgr.stats.committed, mgr.stats.replaced, mgr.stats.skipped
-            (1, 0, 0)
-            >>> mgr.close()
-        """
+        """Saves committed, replaced, skipped, failed; save times (none for a reader)."""
         return SaveStats() if self._saving is None else self._saving.stats
 
-    def _save_and_stop(
+    def save_and_stop(
         self,
         state: Any,  # TrainState | Stateful | Mapping[str, Any] (ckptsdk.state is a layer above)
         *,
@@ -223,7 +237,7 @@ class WriterShutdown:
         logged = self.runlog.last_logged if self.runlog is not None else None
         if logged is None or self._saving is None:
             return
-        newest = self._saving.last_committed or self._saving.resumed_from
+        newest = self._saving.last_committed or self._saving.writer.resumed_from
         saved = newest.step if newest is not None else None
         if saved is not None and saved >= logged:
             return
@@ -241,9 +255,10 @@ class WriterShutdown:
         )
 
 
-def _close_at_exit(ref: weakref.ReferenceType[WriterShutdown]) -> None:
+def close_at_exit(ref: weakref.ReferenceType[Shutdown]) -> None:
+    """``atexit``'s: close a manager its job left open (``ref``: its shutdown, gone with it)."""
     mgr = ref()
-    if mgr is None or mgr._closed:
+    if mgr is None or mgr.closed:
         return
     if mgr._saving is not None and mgr._saving.busy:
         logger.warning("interpreter exit: waiting for the checkpoint save in flight under %s", mgr.url)

@@ -10,9 +10,10 @@ from __future__ import annotations
 import threading
 from collections import Counter
 from collections.abc import Iterator
+from contextlib import AbstractContextManager
 from typing import Any
 
-from ckptsdk.backends.base import Data, iter_chunks
+from ckptsdk.backends.base import Data, durable_batch, iter_chunks
 
 
 class CountingBackend:
@@ -63,6 +64,10 @@ class CountingBackend:
                 self.bytes_written += chunk.nbytes
                 self.by_key[key] += chunk.nbytes
             yield chunk
+
+    def durability(self, *, sync: bool = True) -> AbstractContextManager[None]:
+        """The wrapped store's durability block (no storage call: not counted)."""
+        return durable_batch(self.inner, sync=sync)
 
     def write(self, key: str, data: Data) -> Any:
         return self.inner.write(key, self._count("write", key, data))

@@ -11,9 +11,19 @@ import builtins
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager
 from typing import Any, BinaryIO, TypeVar
 
-from ckptsdk.backends.base import Backend, Browsable, Capabilities, Copyable, Data, ObjectInfo, Rewritable
+from ckptsdk.backends.base import (
+    Backend,
+    Browsable,
+    Capabilities,
+    Copyable,
+    Data,
+    ObjectInfo,
+    Rewritable,
+    durable_batch,
+)
 from ckptsdk.errors import BackendError
 
 _T = TypeVar("_T")
@@ -146,6 +156,10 @@ class FaultyBackend:
         if not isinstance(inner, Rewritable):
             raise _lacks(inner, "overwrite")
         return self._call("overwrite", key, lambda: inner.overwrite(key, data))
+
+    def durability(self, *, sync: bool = True) -> AbstractContextManager[None]:
+        """The wrapped store's durability block (no storage call: not counted)."""
+        return durable_batch(self.inner, sync=sync)
 
     def __getattr__(self, name: str) -> Any:
         # ``list_folders`` only where the wrapped store has it (``browser`` then finds it here),

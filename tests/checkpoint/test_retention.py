@@ -185,7 +185,7 @@ def test_a_zombies_checkpoint_is_never_best(tmp_path):
         zombie.backend = FaultyBackend(zombie.backend, fail_on=take_over_before_the_commit)
         zombie.save(state, step=6, metrics={"val_loss": -100.0})  # commits, then rotation sees epoch 2
         mgr = newcomer[0]
-        orphan = next(c for c in mgr._scan().checkpoints if c.step == 6)
+        orphan = next(c for c in mgr.reader.scan().checkpoints if c.step == 6)
         assert orphan.committed and orphan.orphan and not orphan.valid
         mgr.save(state, step=7, metrics={"val_loss": 0.7})
         assert mgr.best("val_loss").step == 4  # type: ignore[union-attr]

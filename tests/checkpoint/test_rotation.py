@@ -181,8 +181,8 @@ def test_rotate_deletes_only_beyond_retention_of_its_own_lineage(url: str) -> No
     for step in (10, 20, 30, 40):
         mgr.save(state, step=step)
     backend = open_backend(url)
-    assert mgr.lease is not None
-    Rotation(backend, keep_last=2, keep_every=None).rotate(mgr.lease, (1, ""), scan(backend), None)
+    assert mgr._writer is not None and mgr._writer.rank == (1, "")
+    Rotation(backend, keep_last=2, keep_every=None).rotate(mgr._writer, scan(backend))
     assert [c.step for c in scan(backend).checkpoints] == [30, 40]
     mgr.close()
 
@@ -198,7 +198,8 @@ def test_a_fenced_writer_rotates_nothing(url: str) -> None:
         zombie.lease.renew()
     backend = open_backend(url)
     before = _keys(backend)
-    Rotation(backend, keep_last=1, keep_every=None).rotate(zombie.lease, (1, ""), scan(backend), None)
+    assert zombie._writer is not None and zombie._writer.rank == (1, "")
+    Rotation(backend, keep_last=1, keep_every=None).rotate(zombie._writer, scan(backend))
     assert _keys(backend) == before
     taker.close()
 
@@ -216,7 +217,8 @@ def test_a_writer_that_sees_a_newer_one_fences_itself_and_rotates_nothing(url: s
     backend = open_backend(url)
     before = _keys(backend)
     assert zombie.lease is not None and not zombie.lease.fenced  # its heartbeat is off: it has not noticed
-    Rotation(backend, keep_last=1, keep_every=None).rotate(zombie.lease, (1, ""), scan(backend), None)
+    assert zombie._writer is not None and zombie._writer.rank == (1, "")
+    Rotation(backend, keep_last=1, keep_every=None).rotate(zombie._writer, scan(backend))
     assert _keys(backend) == before
     assert zombie.lease.fenced
     with pytest.raises(LeaseLostError):

@@ -53,7 +53,9 @@ def test_a_takeover_anchor_copies_the_extra_files(tmp_path: pytest.TempPathFacto
     url = str(tmp_path / "root")
     dead = CheckpointManager(url, lease_options=LeaseOptions(ttl=5), _simulation=Simulation(heartbeat=False))
     first = _save_with_extra(dead, 3)
-    dead._closed = True  # dies without releasing its lease: the next writer anchors (a clean close needs no anchor)
+    dead._shutdown._closed = (
+        True  # dies without releasing its lease: the next writer anchors (a clean close needs no anchor)
+    )
     with CheckpointManager(url, lease_options=LeaseOptions(ttl=5, force=True)) as mgr:
         assert mgr.restore(type("S", (), {"load_state_dict": lambda self, tree: None})()).step == 3  # type: ignore[union-attr]
         anchored = mgr.latest()

@@ -132,7 +132,7 @@ def test_fail_or_crash_at_every_backend_call_of_a_save(base, tmp_path, blocking)
             assert raised is None or n <= total, (mode, n, raised)
             faulty.fail_on = faulty.fail_after = None  # the save is over: close() is not under test
             if mode == "crash" and raised is not None:
-                mgr._closed = True  # the process is "dead": no close(), no release, no atexit work
+                mgr._shutdown._closed = True  # the process is "dead": no close(), no release, no atexit work
             else:
                 try:
                     mgr.close()

@@ -46,7 +46,7 @@ def _unclean_takeover(url: str) -> None:
     )
     first.save(state, step=1)
     first.save(state, step=2)
-    first._closed = True  # dies: never closes, never releases its lease
+    first._shutdown._closed = True  # dies: never closes, never releases its lease
     second = CheckpointManager(url, keep_last=3, lease_options=LeaseOptions(ttl=5, force=True))
     assert second.restore(state).step == 2
     second.close()

@@ -196,7 +196,7 @@ def test_a_takeover_rehomes_the_shared_files_and_a_zombie_deleting_its_own_hurts
     for key in held:
         if shared_rank(key)[1] == zombie_rank:
             b.delete(key)
-    zombie._closed = True  # it never comes back
+    zombie._shutdown._closed = True  # it never comes back
     new.close()
     want, _, _ = _job(1)
     fresh, _, fs = _job(0)

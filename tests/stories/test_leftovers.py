@@ -178,7 +178,7 @@ def test_unclean_takeover_anchors_by_cheap_copy(kind, make_backend_target):
         storage_options=target.options,
     )
     dead.save(state, step=10)
-    dead._closed = True  # dies: never releases
+    dead._shutdown._closed = True  # dies: never releases
     counting = CountingBackend(target.open())
     with CheckpointManager(counting, keep_last=3, lease_options=LeaseOptions(ttl=5, force=True)) as mgr:
         assert mgr.restore(_state()).step == 10
@@ -235,4 +235,4 @@ def test_zombie_late_rotation_cannot_take_the_resume_point_on_drive(tmp_path):
         assert reader.latest().step == 3 and reader.latest().rank == b._saving.rank
         assert reader.load() is not None  # digests verified
         b.close()
-        a._closed = True  # the zombie never learns; nothing more to do
+        a._shutdown._closed = True  # the zombie never learns; nothing more to do

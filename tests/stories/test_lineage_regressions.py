@@ -145,7 +145,7 @@ def test_two_newcomers_sharing_an_epoch_on_late_drive_are_ordered_by_rank(
         _the_higher_rank_wins(sim, w2, w3, step=20, gap=1000.0)
     finally:
         for m in managers:  # a dead VM closes nothing (and runs no exit handler)
-            m._closed = True
+            m._shutdown._closed = True
 
 
 def test_restore_after_being_taken_over_commits_nothing() -> None:
@@ -174,7 +174,7 @@ def test_restore_after_being_taken_over_commits_nothing() -> None:
         w1 = open_writer()
         w1.restore(Weights(1, 0))
         w1.save(Weights(1, 10), step=10)
-        w1._closed = True  # dies
+        w1._shutdown._closed = True  # dies
         clock.now += 61.0
         w2 = open_writer()  # epoch 2 (takes over after a ttl of silence), does not restore yet
         w3 = open_writer(force=True)  # epoch 3 takes over from W2
@@ -190,7 +190,7 @@ def test_restore_after_being_taken_over_commits_nothing() -> None:
         assert rp is not None and rp.key == "step-0000000010.e3" and state.payload == (1, 10)
     finally:
         for m in managers:
-            m._closed = True
+            m._shutdown._closed = True
         MemoryBackend.discard_store(name)
 
 
@@ -214,7 +214,7 @@ def test_gc_on_another_vm_spares_a_checkpoint_still_uploading() -> None:
         rp = CheckpointManager(sim.backend("vm2"), read_only=True).restore(state)
         assert rp is not None and rp.key == key and state.payload == (1, 10)
     finally:
-        w1._closed = True
+        w1._shutdown._closed = True
 
 
 def test_rotation_on_drive_keeps_a_checkpoint_when_the_vm_vanishes_mid_upload() -> None:
@@ -230,7 +230,7 @@ def test_rotation_on_drive_keeps_a_checkpoint_when_the_vm_vanishes_mid_upload() 
         sim.advance_to(sim.now + 10)  # small changes reached Drive; step 20's tensors still uploading
         assert sim.lose_vm("vm1") > 0
     finally:
-        w1._closed = True
+        w1._shutdown._closed = True
     sim.add_vm("vm2")
     sim.advance_to(sim.now + 1000)
     state = Weights(0, 0)
@@ -286,7 +286,7 @@ def test_a_renewal_during_the_settle_cannot_make_two_writers_collide(
         _the_higher_rank_wins(sim, w4, w5, step=10, gap=200.0, low_fenced_early=higher == "second")
     finally:
         for m in managers:
-            m._closed = True
+            m._shutdown._closed = True
 
 
 @pytest.mark.parametrize("kind", ["local", "drive"])

@@ -34,10 +34,10 @@ def test_the_machine_catches_restoring_orphans(monkeypatch: pytest.MonkeyPatch) 
 def test_the_machine_catches_a_writer_that_ignores_newer_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
     """Sabotage: a writer never fences itself on seeing a newer lease, lineage record or folder
     (``fence_if_newer`` gets a rank tuple and does nothing)."""
-    from ckptsdk.checkpoint.saving import SavePipeline
+    from ckptsdk.checkpoint.writer import WriterSession
     from ckptsdk.lease.acquire import Lease
 
-    monkeypatch.setattr(SavePipeline, "fence_if_newer", lambda self, seen: None)
+    monkeypatch.setattr(WriterSession, "fence_if_newer", lambda self, seen: None)
     monkeypatch.setattr(Lease, "_judge", lambda self, data, ours: None)
     monkeypatch.setattr(Lease, "fence", lambda self, reason, newer_epoch=None: None)
     _expect_story_failure(DriveLateLineage, r"\[[234]\]")

@@ -1054,7 +1054,7 @@ class LineageMachine(RuleBasedStateMachine):
             if w.mgr is not None:
                 # A dead VM runs no exit handlers: keep the manager's atexit close from releasing
                 # leases of this finished simulation.
-                w.mgr._closed = True
+                w.mgr._shutdown._closed = True
                 w.mgr = None
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
