@@ -44,7 +44,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from ckptsdk import LeaseOptions, SaveOptions, open_backend  # noqa: E402
-from ckptsdk.checkpoint.staging import Stager  # noqa: E402
+from ckptsdk.checkpoint.writing.staging import Stager  # noqa: E402
 from ckptsdk.format.tensorfile import read_tensorfile, write_tensorfile  # noqa: E402
 
 try:  # the manager rows need the lead's CheckpointManager and C's TrainState

@@ -54,7 +54,7 @@ if str(REPO) not in sys.path:
 
 from benchmarks.bench_checkpoint import drop_cache, loadavg  # noqa: E402
 from ckptsdk import CheckpointManager, LeaseOptions, SaveOptions, TrainState, open_backend  # noqa: E402
-from ckptsdk.checkpoint.usage import usage  # noqa: E402
+from ckptsdk.checkpoint.pruning.usage import usage  # noqa: E402
 from ckptsdk.testing.counting import CountingBackend  # noqa: E402
 
 #: Whether this ckptsdk has the feature: the option, not a version number, decides.

@@ -25,7 +25,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from ckptsdk import TrainState  # noqa: E402
-from ckptsdk.checkpoint.sharing import Sharing  # noqa: E402
+from ckptsdk.checkpoint.writing.sharing import Sharing  # noqa: E402
 from ckptsdk.format.template import EncodingCache  # noqa: E402
 
 

@@ -32,7 +32,7 @@ import torch  # noqa: E402
 from ckptsdk import CheckpointManager, LeaseOptions, SaveOptions, TrainState  # noqa: E402
 from ckptsdk.backends.memory import MemoryBackend  # noqa: E402
 from ckptsdk.checkpoint import retention  # noqa: E402
-from ckptsdk.checkpoint.rotation import Rotation  # noqa: E402
+from ckptsdk.checkpoint.pruning.rotation import Rotation  # noqa: E402
 from ckptsdk.manager import Simulation  # noqa: E402
 
 

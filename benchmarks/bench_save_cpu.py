@@ -25,7 +25,7 @@ import torch
 
 from benchmarks.gpu_like import GPU_STEP_S, SleepJob
 from ckptsdk import CheckpointManager, LeaseOptions, SaveOptions, TrainState
-from ckptsdk.checkpoint.scheduling import SaveSlots
+from ckptsdk.checkpoint.writing.scheduling import SaveSlots
 from ckptsdk.format.template import EncodingCache
 
 #: The parts timed: (owner, attribute, label), in the order ``save()`` runs them.

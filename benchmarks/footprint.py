@@ -33,7 +33,7 @@ from benchmarks.footprint_child import read_line as _line  # noqa: E402
 from benchmarks.footprint_child import state  # noqa: E402
 from ckptsdk import CheckpointManager, LeaseOptions, Retention  # noqa: E402
 from ckptsdk.backends import open_backend  # noqa: E402
-from ckptsdk.checkpoint.usage import usage  # noqa: E402
+from ckptsdk.checkpoint.pruning.usage import usage  # noqa: E402
 from ckptsdk.format.layout import TENSORS  # noqa: E402
 from ckptsdk.manager import Simulation  # noqa: E402
 from ckptsdk.testing.drive_sim import DriveSim  # noqa: E402

@@ -80,8 +80,8 @@ _LAZY_MODULES = ("keep",)
 
 if TYPE_CHECKING:
     from ckptsdk import keep
-    from ckptsdk.checkpoint.catalog import CheckpointInfo
-    from ckptsdk.checkpoint.reader import ResumePoint
+    from ckptsdk.checkpoint.reading.catalog import CheckpointInfo
+    from ckptsdk.checkpoint.reading.reader import ResumePoint
     from ckptsdk.data.cache import DataCache
     from ckptsdk.loader import DataLoader
     from ckptsdk.manager import CheckpointManager, GcReport

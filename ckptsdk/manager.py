@@ -2,11 +2,11 @@
 
 It holds the configuration, acquires the writer lease, restores (recording where this writer's
 lineage starts, and anchoring the resume point after a takeover) and fronts the step log. Reading
-(listing, picking, verified reads, verify) is :mod:`ckptsdk.checkpoint.reader`'s; the save pipeline
+(listing, picking, verified reads, verify) is :mod:`ckptsdk.checkpoint.reading.reader`'s; the save pipeline
 (snapshot, write, the lease renewals before the write and right before the commit, fencing,
-lineage) is :mod:`ckptsdk.checkpoint.saving`'s; rotation and gc, which delete only after a commit and only
-while the lease still checks out, are :mod:`ckptsdk.checkpoint.rotation`'s; ending (the last save after a
-stop signal, close, interpreter exit) is :mod:`ckptsdk.checkpoint.shutdown`'s. This module wires them together.
+lineage) is :mod:`ckptsdk.checkpoint.writing.saving`'s; rotation and gc, which delete only after a commit and only
+while the lease still checks out, are :mod:`ckptsdk.checkpoint.pruning.rotation`'s; ending (the last save after a
+stop signal, close, interpreter exit) is :mod:`ckptsdk.checkpoint.writing.shutdown`'s. This module wires them together.
 """
 
 from __future__ import annotations
@@ -29,18 +29,18 @@ import torch
 from ckptsdk.backends import open_backend
 from ckptsdk.backends.base import Backend
 from ckptsdk.backends.probe import prove_preconditions
-from ckptsdk.checkpoint.anchoring import Anchor
-from ckptsdk.checkpoint.catalog import CheckpointInfo, Judge
-from ckptsdk.checkpoint.opening import take_lease
-from ckptsdk.checkpoint.outline import Outline
-from ckptsdk.checkpoint.reader import CheckpointReader, LiveTarget, ResumePoint, Verdict, resume_point
-from ckptsdk.checkpoint.recorded import KeepDecisions
+from ckptsdk.checkpoint.pruning.recorded import KeepDecisions
+from ckptsdk.checkpoint.pruning.rotation import GcReport, Rotation
+from ckptsdk.checkpoint.reading.catalog import CheckpointInfo, Judge
+from ckptsdk.checkpoint.reading.outline import Outline
+from ckptsdk.checkpoint.reading.reader import CheckpointReader, LiveTarget, ResumePoint, Verdict, resume_point
 from ckptsdk.checkpoint.retention import Mode, Rule, warn_if_changed
-from ckptsdk.checkpoint.rotation import GcReport, Rotation
-from ckptsdk.checkpoint.saving import SavePipeline
-from ckptsdk.checkpoint.scheduling import SaveStats
-from ckptsdk.checkpoint.shutdown import Shutdown, close_at_exit
-from ckptsdk.checkpoint.writer import WriterSession
+from ckptsdk.checkpoint.writing.anchoring import Anchor
+from ckptsdk.checkpoint.writing.opening import take_lease
+from ckptsdk.checkpoint.writing.saving import SavePipeline
+from ckptsdk.checkpoint.writing.scheduling import SaveStats
+from ckptsdk.checkpoint.writing.shutdown import Shutdown, close_at_exit
+from ckptsdk.checkpoint.writing.writer import WriterSession
 from ckptsdk.errors import ConfigError, NoValidCheckpointError
 from ckptsdk.format.layout import writer_tag
 from ckptsdk.format.manifest import FileEntry, Manifest, Position
@@ -99,7 +99,7 @@ class CheckpointManager:
     Opening a manager for writing acquires the root's writer lease (waiting for, or taking over
     from, a previous writer as the lease rules say); ``read_only=True`` never touches the lease.
     The read API (``list``, ``latest``, ``load``, ``load_manifest``, ``verify``) is
-    :class:`~ckptsdk.checkpoint.reader.CheckpointReader`'s.
+    :class:`~ckptsdk.checkpoint.reading.reader.CheckpointReader`'s.
 
     Options come in three groups (:mod:`ckptsdk.options`); the four options of the README's first
     loop also have a flat keyword (``keep_last``, ``keep``, ``save_every``, ``async_save``), and

@@ -16,9 +16,9 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, SupportsIndex, TypeVar
 
+from ckptsdk.checkpoint.pruning.rotation import LEFTOVER_GRACE_S, RETENTION_MODES, RetentionMode
 from ckptsdk.checkpoint.retention import Rule
-from ckptsdk.checkpoint.rotation import LEFTOVER_GRACE_S, RETENTION_MODES, RetentionMode
-from ckptsdk.checkpoint.staging import SNAPSHOT_MODES, SnapshotMode
+from ckptsdk.checkpoint.writing.staging import SNAPSHOT_MODES, SnapshotMode
 from ckptsdk.errors import ConfigError
 from ckptsdk.preemption import DEFAULT_DEADLINE
 
@@ -192,7 +192,7 @@ class SaveOptions:
             commit is not written again: the new manifest refers to the shared file that holds
             it (a frozen fine-tuning base is written once). Unchanged is decided by the tensor's
             digest (dtype, shape, bytes), never by a flag; a tensor whose version counter moved
-            is written without hashing (see :mod:`ckptsdk.checkpoint.sharing`). False: every
+            is written without hashing (see :mod:`ckptsdk.checkpoint.writing.sharing`). False: every
             save writes every tensor into its own folder, readable by a 1.2 reader.
     """
 

@@ -15,7 +15,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from ckptsdk.checkpoint.deferral import Deferral, step_only_keys
+from ckptsdk.checkpoint.writing.deferral import Deferral, step_only_keys
 from ckptsdk.errors import ConfigError, StateMismatchError
 from ckptsdk.format import codec
 from ckptsdk.loader import DataLoader, check_loader
@@ -130,7 +130,7 @@ class TrainState:
         # backward run; each optimizer's next step() first waits for that copy (see hold_steps).
         self._hold: Callable[[], None] | None = None
         #: Set while no optimizer's ``step()`` runs: a background save's tensor writes wait on it
-        #: (briefly) so as not to take a core from the step's threads (``checkpoint/pacing.py``).
+        #: (briefly) so as not to take a core from the step's threads (``checkpoint/writing/pacing.py``).
         self.steps_idle = threading.Event()
         self.steps_idle.set()
         self._deferral = Deferral()  # which tensors a pipelined save defers, kept between saves
@@ -348,7 +348,7 @@ def _copied_in(module: torch.nn.Module, saved: Mapping[str, Any]) -> Mapping[str
     wait on each other (twice the time of the read itself for ResNet-18). Entries whose dtype,
     shape, device or layout differ go through ``load_state_dict`` unchanged.
     """
-    from ckptsdk.checkpoint.staging import memcpy
+    from ckptsdk.checkpoint.writing.staging import memcpy
 
     out: OrderedDict[str, Any] = OrderedDict(saved)
     with torch.no_grad():

@@ -31,7 +31,7 @@ from ckptsdk.cli.common import (
 from ckptsdk.errors import LeaseError
 
 if TYPE_CHECKING:
-    from ckptsdk.checkpoint.catalog import Catalog
+    from ckptsdk.checkpoint.reading.catalog import Catalog
     from ckptsdk.checkpoint.retention import Rule
     from ckptsdk.lease.acquire import LeaseRecord
 
@@ -148,7 +148,7 @@ def rules_in_force(args: argparse.Namespace, cat: Catalog, *, force: bool = Fals
     """The keep rules ``gc`` / ``ls`` judge ``cat`` by: the flags if any, else the writer's.
 
     The writer's are those the governing checkpoint's manifest records
-    (:func:`ckptsdk.checkpoint.recorded.governing`). What cannot be judged here never lets
+    (:func:`ckptsdk.checkpoint.pruning.recorded.governing`). What cannot be judged here never lets
     anything go: a custom rule (a predicate) keeps every checkpoint, and so does a root whose
     manifests record no rules (written before they were recorded), unless ``force``: then the
     custom rules are left out, or the manager's default ``keep_last=3`` applies.
@@ -157,7 +157,7 @@ def rules_in_force(args: argparse.Namespace, cat: Catalog, *, force: bool = Fals
         UsageError: the flags are inconsistent (:func:`rules_from_args`).
     """
     from ckptsdk.checkpoint import retention
-    from ckptsdk.checkpoint.recorded import UNRECORDED, split_keep_last, writer_rules
+    from ckptsdk.checkpoint.pruning.recorded import UNRECORDED, split_keep_last, writer_rules
 
     keep_last, flagged = rules_from_args(args)
     source, writer = writer_rules(cat)
@@ -284,9 +284,9 @@ def _say(notes: list[str]) -> None:
 def cmd_gc(args: argparse.Namespace) -> int:
     rules_from_args(args)  # a bad flag is a usage error before anything is read
     from ckptsdk.checkpoint import retention
-    from ckptsdk.checkpoint.catalog import scan
-    from ckptsdk.checkpoint.recorded import split_keep_last
-    from ckptsdk.checkpoint.rotation import Rotation, kept
+    from ckptsdk.checkpoint.pruning.recorded import split_keep_last
+    from ckptsdk.checkpoint.pruning.rotation import Rotation, kept
+    from ckptsdk.checkpoint.reading.catalog import scan
 
     mgr = reader(args)
     require_root(mgr.backend, args.url)
@@ -339,7 +339,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
     print(f"\n{verb} {len(deleted)} item(s) under {args.url}" + (" (dry run: nothing deleted)" if args.dry_run else ""))
     print(judged)
     if report.trash_bytes is not None:
-        from ckptsdk.checkpoint import usage
+        from ckptsdk.checkpoint.pruning import usage
 
         print(usage.trash_note(report.trash_bytes, mgr.backend))
     return EXIT_OK

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 from ckptsdk.cli.common import EXIT_OK, Failed, UsageError, backend, emit_json, fmt_float, require_root, table
 
-logger = logging.getLogger("ckptsdk.cli")
+logger = logging.getLogger(__name__)
 
 __all__ = ["cmd_audit", "register"]
 

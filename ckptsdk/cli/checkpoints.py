@@ -2,7 +2,7 @@
 
 Each prints a human table, or one JSON document with ``--json``; none takes the writer lease.
 Which checkpoint is valid, why it is kept, the best one and the re-hash of its files are the
-library's (:class:`ckptsdk.checkpoint.reader.CheckpointReader`, the keep rules); this module only
+library's (:class:`ckptsdk.checkpoint.reading.reader.CheckpointReader`, the keep rules); this module only
 formats them, and resolves a ``URL@STEP`` / ``URL@best:METRIC`` selector to a step.
 """
 
@@ -30,7 +30,7 @@ from ckptsdk.cli.common import (
 from ckptsdk.errors import CorruptCheckpointError, NoValidCheckpointError, ObjectNotFound
 
 if TYPE_CHECKING:
-    from ckptsdk.checkpoint.catalog import CheckpointInfo
+    from ckptsdk.checkpoint.reading.catalog import CheckpointInfo
 
 __all__ = ["cmd_du", "cmd_ls", "cmd_show", "cmd_verify", "register", "resolve_selector"]
 
@@ -145,9 +145,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
     require_root(mgr.backend, args.url)
     infos = mgr.list()
     # What CheckpointManager.kept/rules answer, without the manager's torch import.
-    from ckptsdk.checkpoint.catalog import scan
-    from ckptsdk.checkpoint.rotation import Rotation
-    from ckptsdk.checkpoint.rotation import kept as kept_steps
+    from ckptsdk.checkpoint.pruning.rotation import Rotation
+    from ckptsdk.checkpoint.pruning.rotation import kept as kept_steps
+    from ckptsdk.checkpoint.reading.catalog import scan
 
     cat = scan(mgr.backend)
     in_force = rules_in_force(args, cat)
@@ -343,7 +343,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_du(args: argparse.Namespace) -> int:
-    from ckptsdk.checkpoint import usage
+    from ckptsdk.checkpoint.pruning import usage
     from ckptsdk.cli.common import backend
 
     u = usage.usage(backend(args))

@@ -21,7 +21,7 @@ from ckptsdk.format.document import parse_utc
 
 if TYPE_CHECKING:  # a backend may import fsspec: commands import them when they run
     from ckptsdk.backends.base import Backend
-    from ckptsdk.checkpoint.reader import CheckpointReader
+    from ckptsdk.checkpoint.reading.reader import CheckpointReader
 
 __all__ = [
     "EXIT_BROKEN_PIPE",
@@ -84,7 +84,7 @@ def reader(args: argparse.Namespace) -> CheckpointReader:
     :class:`~ckptsdk.CheckpointManager` would import torch for its saving half: seconds at
     every ``ckptsdk ls`` after a reconnect, for nothing a read-only command uses.
     """
-    from ckptsdk.checkpoint.reader import CheckpointReader
+    from ckptsdk.checkpoint.reading.reader import CheckpointReader
 
     out = CheckpointReader(backend(args))
     out.url = args.url  # messages name the root as the user typed it, as the manager's do

@@ -14,8 +14,7 @@ import time
 from ckptsdk.data.entry import CacheEntry, parse_entry
 from ckptsdk.errors import DataError
 
-# The cache's logger, as before these helpers moved here: its records keep their logger name.
-logger = logging.getLogger("ckptsdk.data.cache")
+logger = logging.getLogger(__name__)
 
 __all__ = ["TMP_MARK", "read_sidecar", "sidecar_path", "write_sidecar"]
 

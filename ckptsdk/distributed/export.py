@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ckptsdk.backends import open_backend
 from ckptsdk.backends.base import Backend
-from ckptsdk.checkpoint.catalog import CheckpointInfo
+from ckptsdk.checkpoint.reading.catalog import CheckpointInfo
 from ckptsdk.distributed.metadata import metadata_from_json
 from ckptsdk.distributed.payload import file_table, read_payload
 from ckptsdk.distributed.restoring import load_quietly

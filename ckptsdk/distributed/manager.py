@@ -28,8 +28,8 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from ckptsdk.backends import open_backend
 from ckptsdk.backends.base import Backend
-from ckptsdk.checkpoint import catalog as _catalog
-from ckptsdk.checkpoint.catalog import CheckpointInfo
+from ckptsdk.checkpoint.reading import catalog as _catalog
+from ckptsdk.checkpoint.reading.catalog import CheckpointInfo
 from ckptsdk.checkpoint.retention import Rule
 from ckptsdk.distributed import restoring
 from ckptsdk.distributed.collective import broadcast_json, describe_error, gather_json, rebuild_error

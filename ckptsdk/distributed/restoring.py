@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from torch.distributed.checkpoint import state_dict_loader
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ckptsdk.checkpoint.catalog import CheckpointInfo
+from ckptsdk.checkpoint.reading.catalog import CheckpointInfo
 from ckptsdk.distributed.collective import all_min, describe_error, gather_json, rebuild_error
 from ckptsdk.distributed.metadata import metadata_from_json
 from ckptsdk.distributed.payload import file_table, local_file, read_payload

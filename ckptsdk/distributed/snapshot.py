@@ -1,7 +1,7 @@
 """The training thread's pause in a non-blocking distributed save: what is copied when.
 
 At ``save()`` the DCP state dict is frozen: its containers and non-tensor values are copied, and
-every tensor's bytes go to a reusable host buffer (:class:`ckptsdk.checkpoint.staging.Stager`).
+every tensor's bytes go to a reusable host buffer (:class:`ckptsdk.checkpoint.writing.staging.Stager`).
 Parameters and optimizer state, which only ``optimizer.step()`` changes, are copied later by the
 save's worker while training goes on; those optimizers' next ``step()`` waits for that copy.
 Writing, the DCP planner and the commit are storage.py's and the manager's, not this module's.
@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from ckptsdk.checkpoint.staging import PendingSnapshot, SnapshotMode, Stager
+from ckptsdk.checkpoint.writing.staging import PendingSnapshot, SnapshotMode, Stager
 from ckptsdk.errors import CheckpointError
 
 logger = logging.getLogger(__name__)

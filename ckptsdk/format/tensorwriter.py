@@ -194,7 +194,7 @@ def write_tensorfile(
     loads the file. CPU contiguous tensors are written from their own memory without a copy, and
     the digest is computed from that memory while the backend syncs; GPU or non-contiguous
     tensors are copied one at a time. The tensors must not change until this returns (stage
-    them with :class:`ckptsdk.checkpoint.staging.Stager` to keep training meanwhile).
+    them with :class:`ckptsdk.checkpoint.writing.staging.Stager` to keep training meanwhile).
 
     Args:
         backend: where to write (a backend, or anything with its ``write`` and ``url``); a

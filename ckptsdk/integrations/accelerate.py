@@ -21,7 +21,7 @@ from ckptsdk.integrations import require
 require("accelerate", "accelerate")
 from accelerate.data_loader import SeedableRandomSampler  # noqa: E402
 
-from ckptsdk.checkpoint.catalog import CheckpointInfo  # noqa: E402
+from ckptsdk.checkpoint.reading.catalog import CheckpointInfo  # noqa: E402
 from ckptsdk.checkpoint.retention import Rule  # noqa: E402
 from ckptsdk.errors import ConfigError  # noqa: E402
 from ckptsdk.manager import CheckpointManager, ResumePoint  # noqa: E402

@@ -15,8 +15,7 @@ from ckptsdk.errors import BackendError, LeaseLostError
 if TYPE_CHECKING:
     from ckptsdk.lease.acquire import Lease
 
-# One logger for the whole lease protocol, whichever module a message comes from.
-logger = logging.getLogger("ckptsdk.lease.acquire")
+logger = logging.getLogger(__name__)
 
 __all__ = ["Heartbeat"]
 

@@ -91,7 +91,7 @@ def test_running_out_of_time_after_the_commit_only_leaves_rotation(caplog) -> No
     mgr.backend = FaultyBackend(inner, fail_on=late)
     mgr.save({"w": torch.ones(2)}, step=1)
     out_of_time[0] = True
-    with caplog.at_level(logging.WARNING, logger="ckptsdk.checkpoint.saving"):
+    with caplog.at_level(logging.WARNING, logger="ckptsdk.checkpoint.writing"):
         info = mgr.save({"w": torch.full((2,), 2.0)}, step=2)
         mgr.wait()  # a sync save's rotation runs on the worker, after the commit
     assert info.committed and info.step == 2

@@ -18,7 +18,7 @@ from ckptsdk import CheckpointManager, TrainState
 from ckptsdk.backends import open_backend
 from ckptsdk.backends.base import Backend
 from ckptsdk.backends.memory import MemoryBackend
-from ckptsdk.checkpoint.catalog import scan
+from ckptsdk.checkpoint.reading.catalog import scan
 from ckptsdk.format.manifest import parse_lineage, parse_manifest
 from ckptsdk.manager import Simulation
 from ckptsdk.testing.counting import CountingBackend
@@ -160,7 +160,7 @@ def test_a_stray_lineage_record_cannot_erase_a_runs_progress(url: str, caplog: p
     # A record for an epoch nobody holds, claiming a fresh start: believed, it would orphan all.
     stray = real.model_copy(update={"epoch": 999, "resumed_from_step": None, "resumed_from_epoch": None})
     backend.write("lineage/epoch-000999.json", stray.to_json())
-    with caplog.at_level("WARNING", logger="ckptsdk.checkpoint.catalog"):
+    with caplog.at_level("WARNING", logger="ckptsdk.checkpoint.reading"):
         cat = scan(backend)
     assert (999, "") in cat.ignored_lineage and "cannot erase a run's progress" in cat.ignored_lineage[(999, "")]
     assert [c.step for c in cat.restorable()] == [20, 10]

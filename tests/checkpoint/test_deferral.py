@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from ckptsdk import TrainState
-from ckptsdk.checkpoint.deferral import Deferral, step_only_keys
+from ckptsdk.checkpoint.writing.deferral import Deferral, step_only_keys
 
 
 class _Job:
@@ -145,7 +145,7 @@ def test_a_save_of_the_same_objects_looks_nothing_up_again(monkeypatch):
     tensors = job.tensors()
     want = job.state.step_only_flags(tensors)
     looked: list[torch.Tensor] = []
-    from ckptsdk.checkpoint import deferral
+    from ckptsdk.checkpoint.writing import deferral
 
     real = deferral._Held.flag
 

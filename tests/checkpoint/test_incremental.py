@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from ckptsdk import CheckpointManager, LeaseOptions, SaveOptions, TrainState, open_backend
-from ckptsdk.checkpoint.catalog import scan
-from ckptsdk.checkpoint.sharing import SHARE_MIN_BYTES, tensor_digest
+from ckptsdk.checkpoint.reading.catalog import scan
+from ckptsdk.checkpoint.writing.sharing import SHARE_MIN_BYTES, tensor_digest
 from ckptsdk.errors import BackendError
 from ckptsdk.format.layout import SHARED_PREFIX, shared_rank
 from ckptsdk.testing import FaultyBackend
@@ -197,7 +197,7 @@ def test_requires_grad_flipped_then_trained_is_written_again(tmp_path):
 
 def test_full_training_hashes_and_shares_nothing(tmp_path, monkeypatch):
     """Everything an optimizer steps moves every step: no tensor is hashed, none shared."""
-    import ckptsdk.checkpoint.sharing as sharing
+    import ckptsdk.checkpoint.writing.sharing as sharing
 
     hashed: list[int] = []
     real = sharing.tensor_digest

@@ -17,8 +17,8 @@ import torch
 
 from ckptsdk import CheckpointManager, LeaseOptions, Retention, SaveOptions, TrainState
 from ckptsdk.backends.posix import TMP_PREFIX
-from ckptsdk.checkpoint.catalog import scan
-from ckptsdk.checkpoint.saving import RELIST_S
+from ckptsdk.checkpoint.reading.catalog import scan
+from ckptsdk.checkpoint.writing.saving import RELIST_S
 from ckptsdk.errors import LeaseLostError
 from ckptsdk.format.layout import MANIFEST, TENSORS, checkpoint_dir
 from ckptsdk.lease.record import LEASE_KEY
@@ -211,7 +211,7 @@ def test_a_save_past_the_staging_budget_is_skipped_and_counted(
     gate.open.clear()
     mgr.save(state, step=2, blocking=False)
     assert gate.writing.wait(60)
-    with caplog.at_level(logging.WARNING, logger="ckptsdk.checkpoint.scheduling"):
+    with caplog.at_level(logging.WARNING, logger="ckptsdk.checkpoint.writing.scheduling"):
         for step in (3, 4):
             _train(state)
             info = mgr.save(state, step=step, blocking=False)

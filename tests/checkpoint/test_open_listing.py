@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from ckptsdk import CheckpointManager, LeaseOptions, TrainState
-from ckptsdk.checkpoint.catalog import scan
+from ckptsdk.checkpoint.reading.catalog import scan
 from ckptsdk.errors import LeaseError, LeaseLostError
 from ckptsdk.format.layout import LINEAGE_PREFIX, checkpoint_dir
 from ckptsdk.lease.acquire import Lease

@@ -1,4 +1,4 @@
-"""Restore's view of a root (:class:`~ckptsdk.checkpoint.outline.Outline`): one listing, then
+"""Restore's view of a root (:class:`~ckptsdk.checkpoint.reading.outline.Outline`): one listing, then
 manifests read only as the walk reaches them.
 
 Two claims. First, what it says of each folder is what ``scan`` (which reads every manifest)
@@ -24,8 +24,8 @@ from ckptsdk.backends import open_backend
 from ckptsdk.backends.base import Backend
 from ckptsdk.backends.local import TMP_PREFIX, LocalBackend
 from ckptsdk.backends.memory import MemoryBackend
-from ckptsdk.checkpoint.catalog import CheckpointInfo, scan
-from ckptsdk.checkpoint.outline import Outline
+from ckptsdk.checkpoint.reading.catalog import CheckpointInfo, scan
+from ckptsdk.checkpoint.reading.outline import Outline
 from ckptsdk.format.manifest import parse_lineage, parse_manifest
 from ckptsdk.manager import Simulation
 from ckptsdk.testing.counting import CountingBackend
@@ -235,7 +235,7 @@ def test_a_corrupt_newest_falls_back_reading_two_manifests(tmp_path: Path, caplo
     root = tmp_path / "root"
     _saved(str(root), list(range(1, 51)))
     _flip_a_byte(open_backend(str(root)), "step-0000000050.e1/tensors.safetensors")
-    with caplog.at_level(logging.WARNING, logger="ckptsdk.checkpoint.reader"):
+    with caplog.at_level(logging.WARNING, logger="ckptsdk.checkpoint.reading.reader"):
         store, restored, _ops = _open_and_restore(root)
     assert restored == 49.0  # the previous valid one, whole
     assert _manifest_reads(store) == ["step-0000000050.e1/manifest.json", "step-0000000049.e1/manifest.json"]
@@ -273,7 +273,7 @@ def test_the_memo_keeps_only_what_the_root_holds(url: str) -> None:
 def test_a_listing_keeps_the_direct_files_of_checkpoint_folders_only(tmp_path: Path) -> None:
     """Stray folders, files beside the folders and files nested deeper inside a checkpoint folder
     stay out of a listing, whatever order they come in (``parse_folder`` is memoised)."""
-    from ckptsdk.checkpoint.listing import list_root
+    from ckptsdk.checkpoint.reading.listing import list_root
     from ckptsdk.format.layout import checkpoint_dir, parse_folder
 
     backend = open_backend(str(tmp_path))

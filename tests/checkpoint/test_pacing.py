@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from ckptsdk import CheckpointManager, LeaseOptions, TrainState, open_backend
-from ckptsdk.checkpoint import pacing, saving
-from ckptsdk.checkpoint.pacing import Paced
+from ckptsdk.checkpoint.writing import pacing, saving
+from ckptsdk.checkpoint.writing.pacing import Paced
 from ckptsdk.format import tensorwriter
 from ckptsdk.format.layout import TENSORS
 from ckptsdk.format.tensorfile import read_tensorfile, write_tensorfile

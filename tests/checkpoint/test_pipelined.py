@@ -17,7 +17,7 @@ import torch
 from adapters.cifar10.model import build_model
 from ckptsdk import CheckpointManager, LeaseOptions, SaveOptions, TrainState
 from ckptsdk.backends.memory import MemoryBackend
-from ckptsdk.checkpoint import staging
+from ckptsdk.checkpoint.writing import staging
 from ckptsdk.errors import CheckpointError
 from ckptsdk.format.layout import TENSORS
 

@@ -21,7 +21,7 @@ import torch
 
 from ckptsdk import CheckpointManager, LeaseOptions, SaveOptions, TrainState
 from ckptsdk.backends.memory import MemoryBackend
-from ckptsdk.checkpoint import staging
+from ckptsdk.checkpoint.writing import staging
 from ckptsdk.errors import CheckpointError
 from ckptsdk.testing import FaultyBackend
 

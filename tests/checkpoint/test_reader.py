@@ -17,8 +17,8 @@ from ckptsdk import CheckpointManager, TrainState
 from ckptsdk.backends import open_backend
 from ckptsdk.backends.base import Backend
 from ckptsdk.backends.memory import MemoryBackend
-from ckptsdk.checkpoint.catalog import scan
-from ckptsdk.checkpoint.reader import CheckpointReader, resume_point
+from ckptsdk.checkpoint.reading.catalog import scan
+from ckptsdk.checkpoint.reading.reader import CheckpointReader, resume_point
 from ckptsdk.errors import CorruptCheckpointError, ManifestError, NoValidCheckpointError
 from ckptsdk.format.manifest import parse_manifest
 from ckptsdk.manager import Simulation
@@ -96,7 +96,7 @@ def test_load_falls_back_past_a_checkpoint_that_fails_its_digest(url: str, caplo
     _flip_a_byte(backend, "step-0000000020.e1/tensors.safetensors")
     reader = CheckpointReader(backend)
     assert reader.latest() is not None and reader.latest().step == 20  # type: ignore[union-attr]  # sizes agree
-    with caplog.at_level("WARNING", logger="ckptsdk.checkpoint.reader"):
+    with caplog.at_level("WARNING", logger="ckptsdk.checkpoint.reading.reader"):
         assert _step_of(reader.load()) == 10
     assert any("step-0000000020.e1" in r.getMessage() for r in caplog.records)
     # Asked for by step, the damaged one fails loudly; nothing of it is returned.

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from ckptsdk import CheckpointManager, LeaseOptions, SaveOptions, TrainState
-from ckptsdk.checkpoint.reader import CheckpointReader
+from ckptsdk.checkpoint.reading.reader import CheckpointReader
 from ckptsdk.errors import NoValidCheckpointError, StateMismatchError
 from ckptsdk.format.codec import encode
 from ckptsdk.format.decoding import decode_before_values

@@ -12,7 +12,7 @@ import torch
 from ckptsdk import CheckpointManager, LeaseOptions, Retention, TrainState
 from ckptsdk.backends import open_backend
 from ckptsdk.checkpoint import retention
-from ckptsdk.checkpoint.usage import usage
+from ckptsdk.checkpoint.pruning.usage import usage
 
 LOSSES = {1: 0.9, 2: 0.1, 3: 0.5, 4: 0.6, 5: 0.7, 6: 0.8}
 

@@ -21,10 +21,10 @@ from hypothesis import strategies as st
 from ckptsdk import CheckpointManager, LeaseOptions, Retention, SaveOptions, TrainState
 from ckptsdk.backends.memory import MemoryBackend
 from ckptsdk.checkpoint import retention
-from ckptsdk.checkpoint.catalog import scan
-from ckptsdk.checkpoint.reader import ResumePoint
+from ckptsdk.checkpoint.pruning.rotation import Rotation, kept
+from ckptsdk.checkpoint.reading.catalog import scan
+from ckptsdk.checkpoint.reading.reader import ResumePoint
 from ckptsdk.checkpoint.retention import Candidate
-from ckptsdk.checkpoint.rotation import Rotation, kept
 from ckptsdk.cli.admin import rules_in_force
 from ckptsdk.errors import LeaseLostError
 from ckptsdk.manager import Simulation

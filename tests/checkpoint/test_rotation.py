@@ -18,9 +18,9 @@ from ckptsdk import CheckpointManager, LeaseOptions, TrainState
 from ckptsdk.backends import open_backend
 from ckptsdk.backends.base import Backend
 from ckptsdk.backends.memory import MemoryBackend
-from ckptsdk.checkpoint.catalog import CheckpointInfo, scan
-from ckptsdk.checkpoint.reader import CheckpointReader
-from ckptsdk.checkpoint.rotation import Rotation
+from ckptsdk.checkpoint.pruning.rotation import Rotation
+from ckptsdk.checkpoint.reading.catalog import CheckpointInfo, scan
+from ckptsdk.checkpoint.reading.reader import CheckpointReader
 from ckptsdk.errors import LeaseLostError
 from ckptsdk.manager import Simulation
 from ckptsdk.testing import FaultyBackend, SimulatedCrash, fail_nth

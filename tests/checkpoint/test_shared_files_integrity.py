@@ -73,7 +73,7 @@ def test_a_shared_file_lost_under_a_live_writer_is_written_again(
         mgr.wait()
         (lost_name,) = [f["name"] for f in _manifest(root, 1)["shared"]]
         _lose(root / lost_name, how)  # a hand-made cleanup, a sync tool: the base stays unchanged
-        with caplog.at_level(logging.WARNING, logger="ckptsdk.checkpoint.saving"):
+        with caplog.at_level(logging.WARNING, logger="ckptsdk.checkpoint.writing"):
             for step in (2, 3):
                 _step(model, opt)
                 mgr.save(state, step=step, blocking=blocking)

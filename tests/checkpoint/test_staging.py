@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ckptsdk import open_backend
-from ckptsdk.checkpoint.staging import Stager
+from ckptsdk.checkpoint.writing.staging import Stager
 from ckptsdk.errors import CheckpointError, ConfigError
 from ckptsdk.format.tensorfile import read_tensorfile, write_tensorfile
 

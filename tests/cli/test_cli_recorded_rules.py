@@ -23,8 +23,8 @@ import torch
 
 from ckptsdk import LeaseOptions, SaveOptions, cli
 from ckptsdk.checkpoint import retention
-from ckptsdk.checkpoint.catalog import scan
-from ckptsdk.checkpoint.rotation import kept
+from ckptsdk.checkpoint.pruning.rotation import kept
+from ckptsdk.checkpoint.reading.catalog import scan
 from ckptsdk.errors import LeaseLostError
 from ckptsdk.format.document import seal
 from ckptsdk.manager import CheckpointManager, Simulation
@@ -294,7 +294,7 @@ def test_a_read_only_manager_given_no_rules_judges_by_the_recorded_ones(tmp_path
     # A root that records no rules (ckptsdk 0.1.0's): nothing is let go, and a warning says so.
     _unrecord(root)
     before = _digests(root)
-    with caplog.at_level(logging.WARNING, logger="ckptsdk.checkpoint.recorded"):
+    with caplog.at_level(logging.WARNING, logger="ckptsdk.checkpoint.pruning.recorded"):
         report = CheckpointManager(str(root), read_only=True).gc(grace=0)
     assert list(report.deleted) == [] and _digests(root) == before
     assert "keep rules are not recorded under" in caplog.text and "no checkpoint is let go" in caplog.text

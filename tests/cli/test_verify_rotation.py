@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from ckptsdk import CheckpointManager, LeaseOptions, SaveOptions, TrainState, open_backend
-from ckptsdk.checkpoint.reader import CheckpointReader
+from ckptsdk.checkpoint.reading.reader import CheckpointReader
 from ckptsdk.cli import main
 
 
@@ -54,7 +54,7 @@ def test_a_checkpoint_rotated_away_during_verify_is_gone_not_corrupt(
 
         monkeypatch.setattr(CheckpointReader, "check", rotated_first)
     else:  # listed, then its manifest and tensor file go before the manifest is read
-        from ckptsdk.checkpoint import listing
+        from ckptsdk.checkpoint.reading import listing
 
         read = listing.read_json_object
 

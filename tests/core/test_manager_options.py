@@ -17,7 +17,7 @@ import ckptsdk
 from ckptsdk import CheckpointManager, LeaseOptions, Retention, SaveOptions, TrainState
 from ckptsdk._version import __version__
 from ckptsdk.backends import open_backend
-from ckptsdk.checkpoint.rotation import LEFTOVER_GRACE_S
+from ckptsdk.checkpoint.pruning.rotation import LEFTOVER_GRACE_S
 from ckptsdk.errors import ConfigError
 from ckptsdk.options import DEPRECATED, FLAT, REMOVED_IN
 from ckptsdk.preemption import DEFAULT_DEADLINE

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from ckptsdk import CheckpointManager
 from ckptsdk.backends import open_backend
-from ckptsdk.checkpoint.reader import CheckpointReader
+from ckptsdk.checkpoint.reading.reader import CheckpointReader
 from ckptsdk.errors import CkptError, ConfigError, UnsupportedStateError
 from ckptsdk.format import limits
 from ckptsdk.format.manifest import Manifest

@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from ckptsdk import LeaseOptions, SaveOptions
 from ckptsdk.backends import open_backend
-from ckptsdk.checkpoint import staging
+from ckptsdk.checkpoint.writing import staging
 from ckptsdk.distributed import AppState, DistributedCheckpointManager
 from ckptsdk.errors import CkptError
 

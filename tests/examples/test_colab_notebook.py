@@ -32,7 +32,7 @@ import pytest
 
 from adapters.cifar10.kill_resume import compare_states, final_state
 from ckptsdk.backends import open_backend
-from ckptsdk.checkpoint.reader import CheckpointReader
+from ckptsdk.checkpoint.reading.reader import CheckpointReader
 from ckptsdk.testing.http_server import FileServer
 from tests.support.cifar_fixtures import cifar_files, serve_cifar, small_cifar  # noqa: F401 (fixtures)
 from tests.support.story_child import elsewhere

@@ -357,7 +357,7 @@ def test_reading_manifests_needs_no_torch():
     # The catalog (ckptsdk ls, lease, gc) parses manifests; the dtype names and skeleton rules
     # they check come from torch-free modules, so listing a root never pays for importing torch.
     code = (
-        "import sys, ckptsdk.format.manifest, ckptsdk.checkpoint.catalog, ckptsdk.format.skeleton, "
+        "import sys, ckptsdk.format.manifest, ckptsdk.checkpoint.reading.catalog, ckptsdk.format.skeleton, "
         "ckptsdk.format.dtype, ckptsdk.format.digest; "
         "print(sorted(m for m in ('torch', 'safetensors') if m in sys.modules))"
     )

@@ -9,7 +9,7 @@ import re
 import pytest
 import torch
 
-from ckptsdk.checkpoint.sharing import tensor_digest
+from ckptsdk.checkpoint.writing.sharing import tensor_digest
 from ckptsdk.errors import ConfigError, StateMismatchError
 from ckptsdk.format import reference
 from ckptsdk.format.manifest import ReferencedBase, ReferencedTensor

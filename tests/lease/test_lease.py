@@ -239,7 +239,7 @@ def test_takeover_after_a_whole_unchanged_ttl(backend: Any) -> None:
 
 
 def test_live_holder_is_never_taken_over(backend: Any, caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO, logger="ckptsdk.lease.acquire")
+    caplog.set_level(logging.INFO, logger="ckptsdk.lease")
     ft = FakeTime()
     holder = fake_lease(backend, ft, ttl=10, run_id="run-h")
     mine = holder.acquire()
@@ -280,7 +280,7 @@ def test_wait_timeout_zero_fails_at_once(backend: Any) -> None:
 
 
 def test_force_takes_over_at_once(backend: Any, caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO, logger="ckptsdk.lease.acquire")
+    caplog.set_level(logging.INFO, logger="ckptsdk.lease")
     ft = FakeTime()
     holder = fake_lease(backend, ft, ttl=10)
     holder.acquire()

@@ -14,8 +14,8 @@ import torch
 
 from ckptsdk import CheckpointManager, LeaseOptions, Retention, TrainState
 from ckptsdk.backends import open_backend
-from ckptsdk.checkpoint.catalog import scan
-from ckptsdk.checkpoint.usage import record_trash, usage
+from ckptsdk.checkpoint.pruning.usage import record_trash, usage
+from ckptsdk.checkpoint.reading.catalog import scan
 from ckptsdk.format.layout import TENSORS, checkpoint_dir
 from ckptsdk.manager import Simulation
 

@@ -19,7 +19,7 @@ import torch
 
 from ckptsdk import CheckpointManager, LeaseOptions, SaveOptions, TrainState, open_backend
 from ckptsdk.backends.local import LocalBackend
-from ckptsdk.checkpoint.catalog import scan
+from ckptsdk.checkpoint.reading.catalog import scan
 from ckptsdk.errors import LeaseLostError
 from ckptsdk.format.layout import SHARED_PREFIX, shared_rank
 from ckptsdk.manager import Simulation

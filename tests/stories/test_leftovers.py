@@ -22,7 +22,7 @@ import torch
 from benchmarks.footprint_child import read_line as _line
 from ckptsdk import CheckpointManager, LeaseOptions, TrainState
 from ckptsdk.backends.local import TMP_PREFIX
-from ckptsdk.checkpoint.catalog import scan
+from ckptsdk.checkpoint.reading.catalog import scan
 from ckptsdk.format.layout import TENSORS
 from ckptsdk.manager import Simulation
 from ckptsdk.testing.counting import CountingBackend

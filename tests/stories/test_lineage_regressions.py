@@ -331,7 +331,7 @@ def test_a_fresh_start_after_a_longer_run_keeps_its_own_first_checkpoint(kind, t
     for name, value in back.objects["model"].state_dict().items():
         assert torch.equal(value, expected[name]), name
     from ckptsdk import open_backend
-    from ckptsdk.checkpoint.catalog import scan
+    from ckptsdk.checkpoint.reading.catalog import scan
 
     cat = scan(open_backend(url))
     assert [(c.step, c.epoch) for c in cat.restorable()] == [(10, epoch)]

@@ -25,7 +25,7 @@ def _expect_story_failure(machine: type[LineageMachine], pattern: str) -> None:
 
 def test_the_machine_catches_restoring_orphans(monkeypatch: pytest.MonkeyPatch) -> None:
     """Sabotage: the catalog never marks a superseded writer's checkpoints as orphans."""
-    from ckptsdk.checkpoint import catalog
+    from ckptsdk.checkpoint.reading import catalog
 
     monkeypatch.setattr(catalog, "superseded_by", lambda step, rank, points: None)
     _expect_story_failure(DriveLateLineage, r"\[[14]\]")
@@ -34,7 +34,7 @@ def test_the_machine_catches_restoring_orphans(monkeypatch: pytest.MonkeyPatch) 
 def test_the_machine_catches_a_writer_that_ignores_newer_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
     """Sabotage: a writer never fences itself on seeing a newer lease, lineage record or folder
     (``fence_if_newer`` gets a rank tuple and does nothing)."""
-    from ckptsdk.checkpoint.writer import WriterSession
+    from ckptsdk.checkpoint.writing.writer import WriterSession
     from ckptsdk.lease.acquire import Lease
 
     monkeypatch.setattr(WriterSession, "fence_if_newer", lambda self, seen: None)

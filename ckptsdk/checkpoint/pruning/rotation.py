@@ -11,19 +11,21 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal, get_args
+from typing import TYPE_CHECKING, Literal, get_args
 
 from ckptsdk.backends.base import Backend, durable_batch, rewriter
 from ckptsdk.checkpoint import retention
-from ckptsdk.checkpoint.catalog import Catalog, CheckpointInfo
-from ckptsdk.checkpoint.lineage import superseded_by
+from ckptsdk.checkpoint.pruning.shared_files import loose_files, release
+from ckptsdk.checkpoint.pruning.usage import record_trash
+from ckptsdk.checkpoint.reading.catalog import Catalog, CheckpointInfo
+from ckptsdk.checkpoint.reading.lineage import superseded_by
 from ckptsdk.checkpoint.retention import Rule
-from ckptsdk.checkpoint.shared_files import loose_files, release
-from ckptsdk.checkpoint.usage import record_trash
-from ckptsdk.checkpoint.writer import WriterSession
 from ckptsdk.errors import ConfigError, LeaseLostError, ObjectNotFound
 from ckptsdk.format.layout import MANIFEST, Rank, folder_rank, outranks, shared_rank
 from ckptsdk.format.manifest import KeepRecord
+
+if TYPE_CHECKING:  # the session is the writing room's; rotation only reads its lease, rank and resume point
+    from ckptsdk.checkpoint.writing.writer import WriterSession
 
 logger = logging.getLogger(__name__)
 

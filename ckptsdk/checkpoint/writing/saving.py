@@ -4,8 +4,8 @@ It orders the writes so that every crash window leaves the previous committed ch
 and fences a writer that lost the lease before it commits or deletes anything. Configuration, the
 read API and restore belong to the manager; which checkpoints go is ``rotation``'s, when saves run
 ``scheduling``'s. What the write path shares (lease, rank, resume point, catalog) is the
-:class:`~ckptsdk.checkpoint.writer.WriterSession` it is given; what follows a commit is
-:class:`~ckptsdk.checkpoint.aftercommit.AfterCommit`'s, the takeover's anchor ``anchoring``'s.
+:class:`~ckptsdk.checkpoint.writing.writer.WriterSession` it is given; what follows a commit is
+:class:`~ckptsdk.checkpoint.writing.aftercommit.AfterCommit`'s, the takeover's anchor ``anchoring``'s.
 
 Ordering that matters (each is a crash window or a zombie window):
   - tensors first, manifest last: a checkpoint exists only once its manifest is published;
@@ -34,15 +34,15 @@ import torch
 
 from ckptsdk.backends.base import Backend, Writable, durable_batch
 from ckptsdk.backends.deadline import SAVE_RATE_BPS, bounded
-from ckptsdk.checkpoint.aftercommit import AfterCommit
-from ckptsdk.checkpoint.catalog import CheckpointInfo
-from ckptsdk.checkpoint.pacing import Paced
-from ckptsdk.checkpoint.recycling import take_file
-from ckptsdk.checkpoint.rotation import Rotation
-from ckptsdk.checkpoint.scheduling import Job, SaveSlots, SaveStats
-from ckptsdk.checkpoint.sharing import Hints, Plan, Sharing, content_name
-from ckptsdk.checkpoint.staging import SnapshotMode
-from ckptsdk.checkpoint.writer import RELIST_S, WriterSession
+from ckptsdk.checkpoint.pruning.recycling import take_file
+from ckptsdk.checkpoint.pruning.rotation import Rotation
+from ckptsdk.checkpoint.reading.catalog import CheckpointInfo
+from ckptsdk.checkpoint.writing.aftercommit import AfterCommit
+from ckptsdk.checkpoint.writing.pacing import Paced
+from ckptsdk.checkpoint.writing.scheduling import Job, SaveSlots, SaveStats
+from ckptsdk.checkpoint.writing.sharing import Hints, Plan, Sharing, content_name
+from ckptsdk.checkpoint.writing.staging import SnapshotMode
+from ckptsdk.checkpoint.writing.writer import RELIST_S, WriterSession
 from ckptsdk.errors import CheckpointError, DeadlineExceeded
 from ckptsdk.format.digest import DEFAULT as DIGEST_ALGORITHM
 from ckptsdk.format.environment import Environment, device_of
@@ -343,7 +343,7 @@ class SavePipeline:
 
     def _write_shared(self, step: int, plan: Plan) -> list[SharedFile]:
         """The manifest's ``shared`` list: a new shared file for ``plan.new`` (written here, once),
-        and the files already written that ``plan`` refers to (see :mod:`ckptsdk.checkpoint.sharing`)."""
+        and the files already written that ``plan`` refers to (see :mod:`ckptsdk.checkpoint.writing.sharing`)."""
         new = None
         if plan.new:
             epoch, tag = self.rank

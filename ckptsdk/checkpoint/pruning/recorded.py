@@ -15,10 +15,10 @@ import logging
 from collections.abc import Callable, Sequence
 
 from ckptsdk.checkpoint import retention
-from ckptsdk.checkpoint.catalog import Catalog, CheckpointInfo
+from ckptsdk.checkpoint.pruning.rotation import GcReport, Rotation
+from ckptsdk.checkpoint.pruning.rotation import kept as _kept
+from ckptsdk.checkpoint.reading.catalog import Catalog, CheckpointInfo
 from ckptsdk.checkpoint.retention import Rule, describe_rules
-from ckptsdk.checkpoint.rotation import GcReport, Rotation
-from ckptsdk.checkpoint.rotation import kept as _kept
 
 __all__ = ["KeepDecisions", "governing", "judge_rules", "split_keep_last", "writer_rules"]
 
@@ -118,7 +118,7 @@ class KeepDecisions:
     ) -> GcReport:
         """Remove orphans of superseded writers, torn checkpoints and rotated-out checkpoints.
 
-        See :meth:`ckptsdk.checkpoint.rotation.Rotation.gc`: works without the lease, keeps what
+        See :meth:`ckptsdk.checkpoint.pruning.rotation.Rotation.gc`: works without the lease, keeps what
         the rules keep (this manager's, or ``keep_last`` / ``keep`` instead), sweeps temp files
         older than ``grace`` seconds.
         """

@@ -14,17 +14,16 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ckptsdk.backends.deadline import Deadline, bounded, carried
-from ckptsdk.checkpoint.catalog import CheckpointInfo
-from ckptsdk.checkpoint.saving import SavePipeline
-from ckptsdk.checkpoint.scheduling import SaveStats
+from ckptsdk.checkpoint.reading.catalog import CheckpointInfo
+from ckptsdk.checkpoint.writing.saving import SavePipeline
+from ckptsdk.checkpoint.writing.scheduling import SaveStats
 from ckptsdk.errors import BackendError, CheckpointError, CkptError, LeaseLostError
 from ckptsdk.format.manifest import FileEntry, Position
 from ckptsdk.lease.acquire import Lease
 from ckptsdk.preemption import Preemption, release_reserve
 from ckptsdk.runlog.writer import RunLog
 
-# The manager's logger, as before these steps moved here: their records keep their logger name.
-logger = logging.getLogger("ckptsdk.manager")
+logger = logging.getLogger(__name__)
 
 __all__ = ["Shutdown", "close_at_exit"]
 

@@ -18,9 +18,9 @@ from ckptsdk.backends.deadline import carried
 from ckptsdk.errors import ObjectNotFound, PreconditionFailed
 
 if TYPE_CHECKING:
-    from ckptsdk.checkpoint.catalog import CheckpointInfo
+    from ckptsdk.checkpoint.reading.catalog import CheckpointInfo
 
-logger = logging.getLogger("ckptsdk.checkpoint.rotation")
+logger = logging.getLogger(__name__)
 
 __all__ = ["InPlace", "retire_while_listing", "take_file"]
 

@@ -12,8 +12,8 @@ from collections.abc import Callable, Iterable, Mapping, MutableMapping
 from dataclasses import dataclass, field, replace
 
 from ckptsdk.backends.base import Backend
-from ckptsdk.checkpoint.lineage import superseded_by
-from ckptsdk.checkpoint.listing import NEWER, Folder, Listing, list_root, prune_memo, read_folder
+from ckptsdk.checkpoint.reading.lineage import superseded_by
+from ckptsdk.checkpoint.reading.listing import NEWER, Folder, Listing, list_root, prune_memo, read_folder
 from ckptsdk.errors import BackendError, LeaseError, ObjectNotFound
 from ckptsdk.format.layout import (
     MANIFEST,
@@ -290,7 +290,7 @@ def scan(
     judge: Judge | None = None,
 ) -> Catalog:
     """List the root and classify every checkpoint folder (every manifest is read: ``ls``, gc,
-    rotation; restore reads only what it restores, see :mod:`ckptsdk.checkpoint.outline`).
+    rotation; restore reads only what it restores, see :mod:`ckptsdk.checkpoint.reading.outline`).
 
     Args:
         backend: the checkpoint root.

@@ -21,15 +21,15 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from ckptsdk.backends.base import Backend
-from ckptsdk.checkpoint.catalog import Catalog, CheckpointInfo
-from ckptsdk.checkpoint.lineage import LineageWriter
-from ckptsdk.checkpoint.outline import Outline
+from ckptsdk.checkpoint.reading.catalog import Catalog, CheckpointInfo
+from ckptsdk.checkpoint.reading.lineage import LineageWriter
+from ckptsdk.checkpoint.reading.outline import Outline
 from ckptsdk.errors import LeaseLostError, PreconditionFailed
 from ckptsdk.format.layout import Rank
 from ckptsdk.format.manifest import LineageRecord
 from ckptsdk.lease.acquire import Lease
 
-logger = logging.getLogger("ckptsdk.checkpoint.saving")  # one logger for the save path
+logger = logging.getLogger(__name__)
 
 __all__ = ["RELIST_S", "WriterSession"]
 

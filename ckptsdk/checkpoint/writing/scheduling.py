@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from ckptsdk.backends.deadline import carried
-from ckptsdk.checkpoint.staging import PendingSnapshot, Stager
+from ckptsdk.checkpoint.writing.staging import PendingSnapshot, Stager
 from ckptsdk.format.template import Captured
 
 logger = logging.getLogger(__name__)

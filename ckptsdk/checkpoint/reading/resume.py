@@ -1,5 +1,5 @@
 """What ``restore()`` returns: where a restored run continues (:class:`ResumePoint`), from a
-checkpoint's manifest. Reading the checkpoint is :mod:`ckptsdk.checkpoint.reader`'s.
+checkpoint's manifest. Reading the checkpoint is :mod:`ckptsdk.checkpoint.reading.reader`'s.
 """
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from pydantic import JsonValue
 
-from ckptsdk.checkpoint.catalog import CheckpointInfo
+from ckptsdk.checkpoint.reading.catalog import CheckpointInfo
 
 __all__ = ["MetricValue", "ResumePoint", "resume_point"]
 

@@ -24,7 +24,7 @@ from ckptsdk.format.layout import (
 )
 from ckptsdk.format.manifest import LineageRecord, Manifest, parse_lineage, parse_manifest
 
-logger = logging.getLogger("ckptsdk.checkpoint.catalog")
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "NEWER",

@@ -17,11 +17,11 @@ from dataclasses import dataclass
 from typing import Any, BinaryIO, Literal, Protocol
 
 from ckptsdk.backends.base import Backend
-from ckptsdk.checkpoint import catalog as _catalog
-from ckptsdk.checkpoint.catalog import CheckpointInfo
-from ckptsdk.checkpoint.listing import VANISHED
-from ckptsdk.checkpoint.outline import Outline
-from ckptsdk.checkpoint.resume import MetricValue, ResumePoint, resume_point
+from ckptsdk.checkpoint.reading import catalog as _catalog
+from ckptsdk.checkpoint.reading.catalog import CheckpointInfo
+from ckptsdk.checkpoint.reading.listing import VANISHED
+from ckptsdk.checkpoint.reading.outline import Outline
+from ckptsdk.checkpoint.reading.resume import MetricValue, ResumePoint, resume_point
 from ckptsdk.checkpoint.retention import Candidate, Mode, best_order, default_mode
 from ckptsdk.errors import (
     ConfigError,

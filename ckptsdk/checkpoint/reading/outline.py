@@ -1,6 +1,6 @@
 """Restore's view of a root: one listing, then its checkpoints judged one at a time, newest first.
 
-:func:`~ckptsdk.checkpoint.catalog.scan` reads every manifest (``ls``, gc and rotation show or
+:func:`~ckptsdk.checkpoint.reading.catalog.scan` reads every manifest (``ls``, gc and rotation show or
 judge them all). Opening a writer needs only who writes the root, and a restore only the newest
 checkpoint that reads back whole, so :class:`Outline` reads a manifest when it reaches its folder.
 The rules are the catalog's, not copies of them: each checkpoint is judged by the same functions.
@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Iterator, MutableMapping
 
 from ckptsdk.backends.base import Backend
-from ckptsdk.checkpoint.catalog import CheckpointInfo, Judge, classify, witness, writer_points, writer_ranks
-from ckptsdk.checkpoint.listing import Folder, list_root, prune_memo, read_folder
+from ckptsdk.checkpoint.reading.catalog import CheckpointInfo, Judge, classify, witness, writer_points, writer_ranks
+from ckptsdk.checkpoint.reading.listing import Folder, list_root, prune_memo, read_folder
 from ckptsdk.format.layout import Rank, outranks, parse_folder
 from ckptsdk.lease.record import LeaseRecord
 
@@ -25,13 +25,13 @@ class Outline:
     Args:
         backend: the checkpoint root.
         cache: the memo of parsed manifests and lineage records by (key, version) that
-            :func:`~ckptsdk.checkpoint.catalog.scan` shares (a reader's).
-        judge: a writer's (:class:`~ckptsdk.checkpoint.catalog.Judge`); None for a reader.
+            :func:`~ckptsdk.checkpoint.reading.catalog.scan` shares (a reader's).
+        judge: a writer's (:class:`~ckptsdk.checkpoint.reading.catalog.Judge`); None for a reader.
 
     Attributes:
         max_rank: the highest writer a full scan would report (folder names and believed
             lineage records).
-        fencing_rank: what fences a writer (see :func:`~ckptsdk.checkpoint.catalog.writer_ranks`).
+        fencing_rank: what fences a writer (see :func:`~ckptsdk.checkpoint.reading.catalog.writer_ranks`).
         epoch_floor: the highest epoch any name uses; a new writer takes one above it.
         ignored_lineage: lineage records not believed, and why (as the scan says).
 
@@ -90,7 +90,7 @@ class Outline:
 
     def newest_first(self) -> Iterator[CheckpointInfo]:
         """Every checkpoint folder, newest first (higher step, then higher writer rank), judged
-        as :func:`~ckptsdk.checkpoint.catalog.scan` judges it: committed, manifest readable,
+        as :func:`~ckptsdk.checkpoint.reading.catalog.scan` judges it: committed, manifest readable,
         files of the sizes it lists, not an orphan.
 
         A folder's manifest is read when the iteration reaches it. Whether it is an orphan

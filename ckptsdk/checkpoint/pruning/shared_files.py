@@ -1,7 +1,7 @@
 """When a shared tensor file may go: no checkpoint left refers to it (rotation and gc).
 
 Torch-free (``ckptsdk ls``/``gc`` never import torch). What goes into a shared file, and when a
-save refers to one, is :mod:`ckptsdk.checkpoint.sharing`'s; their names are
+save refers to one, is :mod:`ckptsdk.checkpoint.writing.sharing`'s; their names are
 :mod:`ckptsdk.format.layout`'s.
 """
 
@@ -11,12 +11,12 @@ import logging
 from collections.abc import Callable, Iterable, Mapping
 
 from ckptsdk.backends.base import Backend
-from ckptsdk.checkpoint.catalog import Catalog
+from ckptsdk.checkpoint.reading.catalog import Catalog
 from ckptsdk.errors import ObjectNotFound
 from ckptsdk.format.layout import SHARED_PREFIX, Rank, outranks, shared_rank
 from ckptsdk.format.manifest import Manifest
 
-logger = logging.getLogger("ckptsdk.checkpoint.rotation")
+logger = logging.getLogger(__name__)
 
 __all__ = ["loose_files", "referenced_files", "release"]
 

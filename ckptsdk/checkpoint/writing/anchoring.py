@@ -14,15 +14,15 @@ from dataclasses import replace
 from typing import Any
 
 from ckptsdk.backends.base import copier, durable_batch
-from ckptsdk.checkpoint.catalog import CheckpointInfo
-from ckptsdk.checkpoint.saving import SavePipeline, SaveRecord
-from ckptsdk.checkpoint.sharing import Hints
-from ckptsdk.checkpoint.writer import WriterSession
+from ckptsdk.checkpoint.reading.catalog import CheckpointInfo
+from ckptsdk.checkpoint.writing.saving import SavePipeline, SaveRecord
+from ckptsdk.checkpoint.writing.sharing import Hints
+from ckptsdk.checkpoint.writing.writer import WriterSession
 from ckptsdk.format import codec
 from ckptsdk.format.layout import TENSORS, shared_key_for
 from ckptsdk.format.manifest import SharedFile
 
-logger = logging.getLogger("ckptsdk.checkpoint.saving")  # one logger for the save path
+logger = logging.getLogger(__name__)
 
 __all__ = ["Anchor"]
 

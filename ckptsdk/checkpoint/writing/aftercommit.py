@@ -11,15 +11,15 @@ from __future__ import annotations
 import logging
 from dataclasses import replace
 
-from ckptsdk.checkpoint.catalog import Catalog, CheckpointInfo
-from ckptsdk.checkpoint.recycling import retire_while_listing
-from ckptsdk.checkpoint.rotation import Rotation
-from ckptsdk.checkpoint.scheduling import SaveSlots
-from ckptsdk.checkpoint.writer import WriterSession
+from ckptsdk.checkpoint.pruning.recycling import retire_while_listing
+from ckptsdk.checkpoint.pruning.rotation import Rotation
+from ckptsdk.checkpoint.reading.catalog import Catalog, CheckpointInfo
+from ckptsdk.checkpoint.writing.scheduling import SaveSlots
+from ckptsdk.checkpoint.writing.writer import WriterSession
 from ckptsdk.errors import BackendError, DeadlineExceeded, LeaseLostError
 from ckptsdk.runlog.writer import RunLog
 
-logger = logging.getLogger("ckptsdk.checkpoint.saving")  # one logger for the save path
+logger = logging.getLogger(__name__)
 
 __all__ = ["AfterCommit"]
 
@@ -45,7 +45,7 @@ class AfterCommit:
         in recycle mode when chosen here, else None (chosen later, beside the write).
 
         In recycle mode the checkpoint whose file this save reuses loses its manifest meanwhile
-        (:func:`~ckptsdk.checkpoint.recycling.retire_while_listing`), chosen from the catalog kept
+        (:func:`~ckptsdk.checkpoint.pruning.recycling.retire_while_listing`), chosen from the catalog kept
         since the last listing; at the first save and after a failure (no catalog kept) the choice
         waits for this listing, as the anchor's does."""
         known = self.writer.known

@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 from pydantic import Field
 
 from ckptsdk.backends.base import Backend
-from ckptsdk.checkpoint.catalog import Catalog, scan
+from ckptsdk.checkpoint.reading.catalog import Catalog, scan
 from ckptsdk.errors import BackendError, CkptError, DataError, ObjectNotFound
 from ckptsdk.format.document import Document, UtcTime, parse_document, utc_now
 from ckptsdk.format.layout import SHARED_PREFIX, Rank, shared_rank
@@ -109,7 +109,7 @@ class Usage:
         invalid: committed but torn or unreadable.
         shared: bytes counted above that the store holds only once (hard-linked copies).
         shared_files: bytes of the files under ``shared/`` (tensors several checkpoints refer
-            to, see :mod:`ckptsdk.checkpoint.sharing`), each counted once.
+            to, see :mod:`ckptsdk.checkpoint.writing.sharing`), each counted once.
         folders: per kind, the folder keys.
         trash_bytes: on stores with a trash: what ckptsdk's writers recorded sending there within
             the last ``TRASH_DAYS`` days (estimated: a trash emptied by hand is not seen). None

@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from ckptsdk.checkpoint.staging import NO_STORAGE, tensor_key
+from ckptsdk.checkpoint.writing.staging import NO_STORAGE, tensor_key
 
 __all__ = ["Deferral", "held_tensors", "step_only_keys"]
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ckptsdk.backends.base import Backend
-from ckptsdk.checkpoint.listing import lineage_floor
-from ckptsdk.checkpoint.outline import Outline
+from ckptsdk.checkpoint.reading.listing import lineage_floor
+from ckptsdk.checkpoint.reading.outline import Outline
 from ckptsdk.lease.acquire import Lease
 
 __all__ = ["take_lease"]

@@ -18,7 +18,7 @@ each tensor's digest. Whether a tensor is unchanged is decided by its content, n
     interval (whatever its bytes are then: they are what is written).
 
 Tensors under ``SHARE_MIN_BYTES`` always go to the checkpoint's own file. When a shared file may
-go is :mod:`ckptsdk.checkpoint.shared_files`' (rotation and gc); the reader verifies every
+go is :mod:`ckptsdk.checkpoint.pruning.shared_files`' (rotation and gc); the reader verifies every
 shared file it uses as it does the folder's own.
 """
 
