@@ -64,7 +64,7 @@ from ckptsdk.errors import (
 # `lease` command, child processes, storage-only users) does not pay torch's start-up.
 _LAZY = {
     "AuditReport": "runlog.audit",
-    "CheckpointInfo": "checkpoint.catalog",
+    "CheckpointInfo": "checkpoint.reading.catalog",
     "CheckpointManager": "manager",
     "DataCache": "data.cache",
     "DataLoader": "loader",
@@ -72,7 +72,7 @@ _LAZY = {
     "LeaseOptions": "options",
     "Retention": "options",
     "SaveOptions": "options",
-    "ResumePoint": "checkpoint.reader",
+    "ResumePoint": "checkpoint.reading.reader",
     "TrainState": "state",
 }
 #: Public submodules loaded on first use as ``ckptsdk.NAME`` (``from ckptsdk import keep`` works anyway).
