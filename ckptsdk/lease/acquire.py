@@ -353,7 +353,7 @@ class Lease:
                     f"{f' ({why})' if why else ''}; its lease kept changing while we watched for "
                     f"{waited:.1f} s. Stop that "
                     "runtime (or wait until it stops renewing), open read-only, or pass "
-                    "force=True if you are sure it is dead",
+                    "lease_options=LeaseOptions(force=True) if you are sure it is dead",
                     url=self.url,
                     holder=seen.model_dump(mode="json"),
                 )
@@ -378,7 +378,7 @@ class Lease:
                         f"held by {seen.describe()}{f'; {why}' if why else ''}; it is taken over "
                         f"after {window:.0f} s without a change (giving up after "
                         f"{wait_timeout:.0f} s of renewals). "
-                        "If that writer is surely dead, skip the wait: force=True (the "
+                        "If that writer is surely dead, skip the wait: lease_options=LeaseOptions(force=True) (the "
                         f"examples' --force) or `ckptsdk lease {self.url} --break "
                         "--yes-i-am-sure`"
                     ),
@@ -453,7 +453,8 @@ class Lease:
                 return None
             raise LeaseHeldError(
                 f"another newcomer took the lease on {self.url} at the same moment: "
-                f"{now_seen.describe()}; it is the writer now. Stop it first, or pass force=True",
+                f"{now_seen.describe()}; it is the writer now. Stop it first, or pass "
+                "lease_options=LeaseOptions(force=True)",
                 url=self.url,
                 holder=now_seen.model_dump(mode="json"),
             ) from None

@@ -44,7 +44,10 @@ LEASE_FORMAT: Final = "ckptsdk.lease/1.1"
 #: The longest ttl (and settle) a lease may have, ours or one read from LEASE.json: a newcomer
 #: waits up to five ttl windows, so this bounds every wait (an infinite ttl would be forever).
 MAX_TTL: Final = 3600.0
-_BREAK_HINT = "if no writer is running, break it with force=True or `ckptsdk lease URL --break --yes-i-am-sure`"
+_BREAK_HINT = (
+    "if no writer is running, break it with lease_options=LeaseOptions(force=True) or "
+    "`ckptsdk lease URL --break --yes-i-am-sure`"
+)
 
 
 class LeaseHolder(Strict):

@@ -445,7 +445,7 @@ def test_drive_rotation_reports_the_trash_cost(tmp_path, monkeypatch, caplog, mo
     recycled = [r for r in caplog.records if r.getMessage().startswith("recycled")]
     if mode == "delete":
         assert trash[0].levelno == logging.WARNING and len(trash) == 2 and not recycled
-        assert "retention_mode='recycle'" in trash[0].getMessage()
+        assert "Retention(mode='recycle')" in trash[0].getMessage()
         assert mgr._rotation.trashed_bytes >= 2 * size
     else:  # steps 1 and 2 gave their tensor files to 3 and 4: only their manifests went to the trash
         assert not trash and len(recycled) == 2

@@ -363,7 +363,7 @@ class Rotation:
             hint = (
                 ""
                 if self.recycles
-                else " Use retention_mode='recycle' (see docs/DRIVE.md), empty the "
+                else " Use retention=Retention(mode='recycle') (see docs/DRIVE.md), empty the "
                 "Drive trash, or raise save_every / lower keep_last"
             )
             log(

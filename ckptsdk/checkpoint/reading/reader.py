@@ -144,7 +144,7 @@ class CheckpointReader:
         Example:
             >>> from ckptsdk import CheckpointManager, TrainState
             >>> import torch
-            >>> with CheckpointManager("memory://best-doc", lease_ttl=5) as mgr:
+            >>> with CheckpointManager("memory://best-doc") as mgr:
             ...     state = TrainState(model=torch.nn.Linear(1, 1))
             ...     for step, loss in ((10, 0.5), (20, 0.2), (30, float("nan"))):
             ...         _ = mgr.save(state, step=step, metrics={"val_loss": loss})

@@ -144,7 +144,7 @@ class SaveSlots:
             self.skipped += 1
             self._cannot_keep_up(
                 f"skipped: a second staging buffer ({need_bytes / 1e6:.0f} MB) would exceed "
-                f"max_staging_bytes={self.max_staging_bytes}"
+                f"SaveOptions(max_staging_bytes={self.max_staging_bytes})"
             )
             return None, None
 
