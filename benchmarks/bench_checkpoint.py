@@ -45,7 +45,7 @@ if str(REPO) not in sys.path:
 
 from ckptsdk import LeaseOptions, SaveOptions, open_backend  # noqa: E402
 from ckptsdk.checkpoint.writing.staging import Stager  # noqa: E402
-from ckptsdk.format.tensorfile import read_tensorfile, write_tensorfile  # noqa: E402
+from ckptsdk.format.files.tensorfile import read_tensorfile, write_tensorfile  # noqa: E402
 
 try:  # the manager rows need the lead's CheckpointManager and C's TrainState
     from ckptsdk.manager import CheckpointManager

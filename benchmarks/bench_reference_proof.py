@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from ckptsdk.format.reference import hash_tensor  # noqa: E402
+from ckptsdk.format.files.reference import hash_tensor  # noqa: E402
 
 
 def _median_seconds(fn: Callable[[], object], reps: int) -> float:

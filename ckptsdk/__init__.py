@@ -1,7 +1,7 @@
 """ckptsdk: checkpoints for PyTorch training on runtimes that disappear.
 
 The curated public surface (``__all__``, locked by tests/project/test_public_api.py); everything else
-lives in submodules users do not need (``ckptsdk.format.codec``, ``ckptsdk.format.tensorfile``...).
+lives in submodules users do not need (``ckptsdk.format.codec``, ``ckptsdk.format.files.tensorfile``...).
 
 Keep rules for ``CheckpointManager(keep=[...])`` are ``ckptsdk.keep``'s (``keep.best("val_loss", 2)``).
 

@@ -26,8 +26,8 @@ _REGISTRY: dict[str, tuple[str, str, str | None]] = {
     "file": ("ckptsdk.backends.local", "LocalBackend", None),
     "drive": ("ckptsdk.backends.drive", "DriveBackend", None),
     "memory": ("ckptsdk.backends.memory", "MemoryBackend", None),
-    "gs": ("ckptsdk.backends.gcs", "GCSBackend", "gcs"),
-    "s3": ("ckptsdk.backends.s3", "S3Backend", "s3"),
+    "gs": ("ckptsdk.backends.cloud.gcs", "GCSBackend", "gcs"),
+    "s3": ("ckptsdk.backends.cloud.s3", "S3Backend", "s3"),
 }
 
 

@@ -202,7 +202,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 def _tensor_rows(mgr: Any, key: str) -> list[dict[str, Any]]:
     """Tensor name, dtype, shape and byte size from a tensor file's header (bounded, checked)."""
-    from ckptsdk.format.tensorfile import read_header  # the one header parser; no torch
+    from ckptsdk.format.files.tensorfile import read_header  # the one header parser; no torch
 
     rows = [
         {"name": e.name, "dtype": e.code, "shape": e.shape, "bytes": e.nbytes} for e in read_header(mgr.backend, key)

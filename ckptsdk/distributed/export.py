@@ -25,7 +25,7 @@ from ckptsdk.distributed.restoring import load_quietly
 from ckptsdk.distributed.storage import CkptStorageReader
 from ckptsdk.errors import NoValidCheckpointError
 from ckptsdk.format import codec
-from ckptsdk.format.tensorfile import write_tensorfile
+from ckptsdk.format.files.tensorfile import write_tensorfile
 from ckptsdk.manager import CheckpointManager
 
 __all__ = ["export_consolidated", "load_consolidated"]

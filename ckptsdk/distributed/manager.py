@@ -39,9 +39,9 @@ from ckptsdk.distributed.storage import CkptStorageWriter, JsonSavePlanner, unwr
 from ckptsdk.errors import CkptError, ConfigError, CorruptCheckpointError
 from ckptsdk.format import codec
 from ckptsdk.format.digest import DEFAULT as DIGEST_ALGORITHM
+from ckptsdk.format.files.tensorfile import write_tensorfile
 from ckptsdk.format.layout import checkpoint_dir, writer_tag
 from ckptsdk.format.manifest import FileEntry
-from ckptsdk.format.tensorfile import write_tensorfile
 from ckptsdk.manager import CheckpointManager, ResumePoint, Simulation, save_due
 from ckptsdk.options import DEPRECATED, LeaseOptions, Retention, SaveOptions, deprecated_shorthand, grouped
 from ckptsdk.rng import capture_rng

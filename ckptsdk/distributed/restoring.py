@@ -23,7 +23,7 @@ from ckptsdk.distributed.payload import file_table, local_file, read_payload
 from ckptsdk.distributed.storage import CkptStorageReader, JsonLoadPlanner, unwrap
 from ckptsdk.errors import CkptError, CorruptCheckpointError, StateMismatchError
 from ckptsdk.format import codec
-from ckptsdk.format.tensorfile import read_tensorfile
+from ckptsdk.format.files.tensorfile import read_tensorfile
 from ckptsdk.manager import ResumePoint
 from ckptsdk.rng import restore_rng
 

@@ -40,7 +40,7 @@ from ckptsdk.distributed.metadata import metadata_to_json
 from ckptsdk.errors import CkptError, CorruptCheckpointError, UnsupportedStateError
 from ckptsdk.format import codec
 from ckptsdk.format.digest import DEFAULT as DIGEST_ALGORITHM
-from ckptsdk.format.tensorfile import read_tensorfile, write_tensorfile
+from ckptsdk.format.files.tensorfile import read_tensorfile, write_tensorfile
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """The one table of digest algorithms ckptsdk computes and checks (tensor files, data cache).
 
 Also which of them a checkpoint's files may name. What a digest covers, and when it is checked,
-belongs to the caller (``format/tensorfile.py``, ``data/cache.py``).
+belongs to the caller (``format/files/tensorfile.py``, ``data/cache.py``).
 """
 
 from __future__ import annotations

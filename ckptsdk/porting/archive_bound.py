@@ -12,7 +12,7 @@ import os
 import zipfile
 
 from ckptsdk.errors import ConfigError
-from ckptsdk.format.memory import available_memory, describe_size
+from ckptsdk.format.files.memory import available_memory, describe_size
 
 __all__ = ["MAX_EXPANSION", "MAX_RATIO", "check_torch_archive"]
 

@@ -13,8 +13,8 @@ import torch
 
 from ckptsdk import CheckpointManager, SaveOptions
 from ckptsdk.backends import open_backend
+from ckptsdk.backends.cloud.gcs import GCSBackend
 from ckptsdk.backends.deadline import Retries, bounded, carried, current, socket_timeout
-from ckptsdk.backends.gcs import GCSBackend
 from ckptsdk.errors import DeadlineExceeded
 from ckptsdk.manager import Simulation
 from ckptsdk.testing import FaultyBackend

@@ -31,9 +31,10 @@ import xxhash
 from gcsfs.core import GCSFileSystem
 
 import ckptsdk.backends
-from ckptsdk.backends import gcs_transport, open_backend
+from ckptsdk.backends import open_backend
 from ckptsdk.backends.base import Backend, Capabilities
-from ckptsdk.backends.gcs import GCSBackend
+from ckptsdk.backends.cloud import gcs_transport
+from ckptsdk.backends.cloud.gcs import GCSBackend
 from ckptsdk.errors import (
     BackendError,
     MissingDependencyError,

@@ -19,7 +19,7 @@ pytest.importorskip("gcsfs")
 
 from google.auth.credentials import AnonymousCredentials  # noqa: E402
 
-from ckptsdk.backends.gcs import GCSBackend  # noqa: E402
+from ckptsdk.backends.cloud.gcs import GCSBackend  # noqa: E402
 
 
 @pytest.fixture
@@ -44,7 +44,7 @@ def warnings_said():
     handler = Keep(level=logging.WARNING)
     logger = logging.getLogger("ckptsdk")
     logger.addHandler(handler)
-    logging.getLogger("ckptsdk.backends.gcs").warning("canary")  # the handler does hear them
+    logging.getLogger("ckptsdk.backends.cloud.gcs").warning("canary")  # the handler does hear them
     assert said == ["canary"]
     said.clear()
     yield said

@@ -86,7 +86,7 @@ def test_memory_url_shares_one_store_per_name():
 
 @pytest.mark.gcs
 def test_gs_url_is_gcs(gcs_emulator):
-    from ckptsdk.backends.gcs import GCSBackend
+    from ckptsdk.backends.cloud.gcs import GCSBackend
 
     gcs_emulator.make_bucket("open-backend-test")
     b = open_backend("gs://open-backend-test/runs/a", **gcs_emulator.storage_options)
@@ -189,7 +189,7 @@ def test_preconditions_advisory_is_the_users_word_and_anything_else_is_refused(m
 
 @pytest.mark.s3
 def test_s3_url_opens_the_s3_backend(s3_server):
-    from ckptsdk.backends.s3 import S3Backend
+    from ckptsdk.backends.cloud.s3 import S3Backend
 
     s3_server.make_bucket("open-backend-s3")
     b = open_backend("s3://open-backend-s3/runs/a", **s3_server.storage_options)
@@ -209,7 +209,7 @@ _FAKE_GCSFS = {
 _ENV_CHILD = """
 import json, os, sys
 before = dict(os.environ)
-import ckptsdk.backends.gcs_transport as transport
+import ckptsdk.backends.cloud.gcs_transport as transport
 imported = dict(os.environ)
 assert "gcsfs" not in sys.modules  # imported when a GCS backend is opened, not before
 core = transport._gcsfs_core()

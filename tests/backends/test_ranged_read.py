@@ -1,4 +1,4 @@
-"""Streaming reads through ``open()`` on the object stores (``ckptsdk.backends.ranged``): a ranged
+"""Streaming reads through ``open()`` on the object stores (``ckptsdk.backends.cloud.ranged``): a ranged
 answer shorter than asked, in the middle of an object, fails the read loudly on both GCS (the
 emulator, behind a proxy that cuts one reply) and S3 (the patched moto server cutting one reply),
 instead of reading as an early end of file. The reader's own rule is checked without a server too.
@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import pytest
 
-from ckptsdk.backends.ranged import RangedReader
+from ckptsdk.backends.cloud.ranged import RangedReader
 from ckptsdk.errors import BackendError
 from tests.support.gcs_proxy import LoopbackProxy
 
@@ -74,7 +74,7 @@ def _read_cut_mid_object(f: io.BufferedReader, data: bytes, cut: Callable[[], ob
 @pytest.mark.gcs
 @pytest.mark.timeout(120)
 def test_gcs_reply_cut_short_mid_object_fails_the_read(gcs_emulator) -> None:
-    from ckptsdk.backends.gcs import GCSBackend
+    from ckptsdk.backends.cloud.gcs import GCSBackend
 
     bucket = f"ckpt-{uuid.uuid4().hex[:16]}"
     gcs_emulator.make_bucket(bucket)

@@ -24,8 +24,8 @@ import xxhash
 
 from ckptsdk import LeaseOptions
 from ckptsdk.backends import open_backend
+from ckptsdk.backends.cloud.s3 import S3Backend
 from ckptsdk.backends.probe import prove_preconditions
-from ckptsdk.backends.s3 import S3Backend
 from ckptsdk.errors import (
     BackendError,
     ConfigError,

@@ -503,7 +503,7 @@ def _two_bases_root(url: str) -> tuple[TwoBases, torch.optim.Optimizer, dict[str
 
 
 def test_a_shared_files_tensors_the_checkpoint_no_longer_uses_are_hashed_not_kept(tmp_path, monkeypatch):
-    from ckptsdk.format.tensorfile import TensorFile
+    from ckptsdk.format.files.tensorfile import TensorFile
 
     url = str(tmp_path / "r")
     _, _, expected = _two_bases_root(url)
@@ -531,7 +531,7 @@ def test_a_shared_files_tensors_the_checkpoint_no_longer_uses_are_hashed_not_kep
 
 def test_a_stale_tensor_in_a_shared_file_is_still_verified(tmp_path):
     """Hashed, not kept, but hashed: a flipped byte in the stale part fails the file's digest."""
-    from ckptsdk.format.tensorfile import read_header
+    from ckptsdk.format.files.tensorfile import read_header
 
     url = str(tmp_path / "r")
     _two_bases_root(url)
@@ -555,7 +555,7 @@ def test_a_stale_tensor_in_a_shared_file_is_still_verified(tmp_path):
 def test_the_memory_check_is_of_the_whole_read_not_of_each_file(tmp_path, monkeypatch):
     """Room for the folder's file and for the shared file, each alone, but not for both: the
     restore says so before allocating anything, and the checkpoint is still there."""
-    import ckptsdk.format.tensorfile as tensorfile
+    import ckptsdk.format.files.tensorfile as tensorfile
     from ckptsdk.errors import CheckpointTooLargeError
 
     url = str(tmp_path / "r")

@@ -16,9 +16,9 @@ import torch
 from ckptsdk import CheckpointManager, LeaseOptions, TrainState, open_backend
 from ckptsdk.checkpoint.writing import pacing, saving
 from ckptsdk.checkpoint.writing.pacing import Paced
-from ckptsdk.format import tensorwriter
+from ckptsdk.format.files import tensorwriter
+from ckptsdk.format.files.tensorfile import read_tensorfile, write_tensorfile
 from ckptsdk.format.layout import TENSORS
-from ckptsdk.format.tensorfile import read_tensorfile, write_tensorfile
 from ckptsdk.testing import FaultyBackend
 
 

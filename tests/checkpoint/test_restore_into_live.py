@@ -239,7 +239,7 @@ def test_restore_reads_its_tensor_files_ahead_in_the_order_it_fills_them(
 ) -> None:
     """The folder's own file, then the shared ones (unchanged tensors since the first save), each
     handed to the read-ahead before its header is read; the restored state is the saved one."""
-    from ckptsdk.format import readahead
+    from ckptsdk.format.files import readahead
 
     model, opt, state = _job(0, width=1 << 16)  # the first weight and its momentum: 1 MiB each
     with CheckpointManager(

@@ -10,7 +10,7 @@ import torch
 from ckptsdk import open_backend
 from ckptsdk.checkpoint.writing.staging import Stager
 from ckptsdk.errors import CheckpointError, ConfigError
-from ckptsdk.format.tensorfile import read_tensorfile, write_tensorfile
+from ckptsdk.format.files.tensorfile import read_tensorfile, write_tensorfile
 
 
 def _state() -> dict[str, torch.Tensor]:

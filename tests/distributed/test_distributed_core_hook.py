@@ -13,9 +13,9 @@ import torch
 from ckptsdk import CheckpointManager, LeaseOptions
 from ckptsdk.errors import CorruptCheckpointError
 from ckptsdk.format.digest import DEFAULT as DIGEST_ALGORITHM
+from ckptsdk.format.files.tensorfile import write_tensorfile
 from ckptsdk.format.layout import checkpoint_dir
 from ckptsdk.format.manifest import FileEntry
-from ckptsdk.format.tensorfile import write_tensorfile
 from ckptsdk.manager import Simulation
 
 

@@ -20,8 +20,8 @@ from ckptsdk import open_backend
 from ckptsdk.errors import CorruptCheckpointError, ManifestError, UnsupportedStateError
 from ckptsdk.format.codec import decode, encode
 from ckptsdk.format.dtype import TABLE, DType, to_torch
+from ckptsdk.format.files.tensorfile import read_tensorfile, write_tensorfile
 from ckptsdk.format.skeleton import tensor_paths
-from ckptsdk.format.tensorfile import read_tensorfile, write_tensorfile
 from ckptsdk.state import TrainState
 
 

@@ -569,8 +569,8 @@ def test_a_built_manifest_still_validates_every_other_field_and_refuses_a_bare_n
 def test_format_md_reader_lists_references_and_proves_the_base_it_is_given(tmp_path):
     """A 3.0 checkpoint (issue 48): the frozen base is in no file; the reader lists it, takes it
     from the base it is given after checking its digest, and refuses a missing or different one."""
+    from ckptsdk.format.files.reference import hash_tensor
     from ckptsdk.format.manifest import ReferencedBase, ReferencedTensor
-    from ckptsdk.format.reference import hash_tensor
 
     torch.manual_seed(4)
     frozen = {"base.weight": torch.randn(3, 4), "base.half": torch.randn(5).to(torch.bfloat16)}

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from ckptsdk.format import readahead
-from ckptsdk.format.readahead import read_ahead
+from ckptsdk.format.files import readahead
+from ckptsdk.format.files.readahead import read_ahead
 
 
 def _threads() -> list[str]:
@@ -105,7 +105,7 @@ def test_a_failing_read_ahead_is_logged_and_changes_nothing(
     monkeypatch.setattr(readahead.os, "sendfile", refuse)
     p = tmp_path / "t"
     p.write_bytes(b"z" * 10)
-    with caplog.at_level(logging.DEBUG, logger="ckptsdk.format.readahead"), open(p, "rb") as f:
+    with caplog.at_level(logging.DEBUG, logger="ckptsdk.format.files.readahead"), open(p, "rb") as f:
         with read_ahead([f]) as warmed:
             assert warmed.wait(30)
         assert f.read() == b"z" * 10

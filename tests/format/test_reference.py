@@ -11,9 +11,9 @@ import torch
 
 from ckptsdk.checkpoint.writing.sharing import tensor_digest
 from ckptsdk.errors import ConfigError, StateMismatchError
-from ckptsdk.format import reference
+from ckptsdk.format.files import reference
+from ckptsdk.format.files.reference import first_difference, hash_tensor, prove
 from ckptsdk.format.manifest import ReferencedBase, ReferencedTensor
-from ckptsdk.format.reference import first_difference, hash_tensor, prove
 
 
 def _layouts() -> list[torch.Tensor]:

@@ -9,9 +9,9 @@ import threading
 import pytest
 import torch
 
-from ckptsdk.format import rehash
-from ckptsdk.format.reference import hash_tensor
-from ckptsdk.format.rehash import Rehasher
+from ckptsdk.format.files import rehash
+from ckptsdk.format.files.reference import hash_tensor
+from ckptsdk.format.files.rehash import Rehasher
 
 
 def _frozen() -> dict[str, torch.Tensor]:

@@ -22,7 +22,7 @@ from ckptsdk import open_backend
 from ckptsdk.errors import ConfigError, CorruptCheckpointError
 from ckptsdk.format.digest import DEFAULT as DIGEST_ALGORITHM
 from ckptsdk.format.dtype import TABLE, byte_view, to_torch
-from ckptsdk.format.tensorfile import (
+from ckptsdk.format.files.tensorfile import (
     open_tensorfile,
     read_header,
     read_tensorfile,
@@ -326,7 +326,7 @@ def test_failing_write_leaves_previous_object(local, monkeypatch):
         raise OSError(28, "No space left on device")
 
     # Fail inside the backend's write loop, after the temp file was opened.
-    import ckptsdk.format.tensorwriter as tw
+    import ckptsdk.format.files.tensorwriter as tw
 
     monkeypatch.setattr(tw, "byte_view", explode)
     with pytest.raises(OSError, match="No space left"):
@@ -396,7 +396,7 @@ def test_reads_spanning_many_chunks_round_trip_and_catch_damage_in_a_late_chunk(
     pieces; both shrunk here so that tensors, the small-tensor batches and the skipped (unwanted)
     tensors all cross chunk boundaries. Every byte lands where it belongs, and a flipped byte in
     the last chunk is caught."""
-    from ckptsdk.format import hashedread
+    from ckptsdk.format.files import hashedread
 
     monkeypatch.setattr(hashedread, "LOCAL_CHUNK", 4096)
     monkeypatch.setattr(hashedread, "READ_CHUNK", 4096)
@@ -426,7 +426,7 @@ def test_reads_spanning_many_chunks_round_trip_and_catch_damage_in_a_late_chunk(
 
 
 def test_a_local_file_is_read_in_cache_sized_chunks_an_object_store_in_large_ones(local):
-    from ckptsdk.format import hashedread
+    from ckptsdk.format.files import hashedread
 
     backend, _ = local
     size, digest = write_tensorfile(backend, KEY, {"w": torch.ones(4)})

@@ -104,7 +104,7 @@ def _imports(path: Path, module: str | None = None) -> list[Import]:
         ):
             found.append(Import(path, node.lineno, node.args[0].value))
         elif isinstance(node, ast.Dict | ast.Tuple | ast.List | ast.Set):
-            # A lazy table (scheme -> "ckptsdk.backends.gcs") imports by name later: count it.
+            # A lazy table (scheme -> "ckptsdk.backends.cloud.gcs") imports by name later: count it.
             items = [*node.keys, *node.values] if isinstance(node, ast.Dict) else node.elts
             found += [
                 Import(path, item.lineno, item.value)

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import pytest
 
 from ckptsdk import CheckpointManager
-from ckptsdk.backends.gcs import GCSBackend
+from ckptsdk.backends.cloud.gcs import GCSBackend
 from ckptsdk.errors import BackendError, CkptError
 from ckptsdk.manager import Simulation
 from ckptsdk.testing.gcs_emulator import Emulator, start_emulator

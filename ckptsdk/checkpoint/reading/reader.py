@@ -31,7 +31,7 @@ from ckptsdk.errors import (
     NoValidCheckpointError,
     StateMismatchError,
 )
-from ckptsdk.format.hashedread import verify_file
+from ckptsdk.format.files.hashedread import verify_file
 from ckptsdk.format.layout import MANIFEST, TENSORS
 from ckptsdk.format.manifest import FileEntry, Manifest, SharedFile
 
@@ -377,9 +377,9 @@ class CheckpointReader:
         import torch
 
         from ckptsdk.format.decoding import decode_before_values
-        from ckptsdk.format.hashedread import open_file
-        from ckptsdk.format.readahead import read_ahead
-        from ckptsdk.format.tensorfile import open_tensorfile
+        from ckptsdk.format.files.hashedread import open_file
+        from ckptsdk.format.files.readahead import read_ahead
+        from ckptsdk.format.files.tensorfile import open_tensorfile
         from ckptsdk.rng import check_rng
 
         manifest = info.manifest

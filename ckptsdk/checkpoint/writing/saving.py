@@ -46,11 +46,11 @@ from ckptsdk.checkpoint.writing.writer import RELIST_S, WriterSession
 from ckptsdk.errors import CheckpointError, DeadlineExceeded
 from ckptsdk.format.digest import DEFAULT as DIGEST_ALGORITHM
 from ckptsdk.format.environment import Environment, device_of
+from ckptsdk.format.files.tensorfile import write_tensorfile
 from ckptsdk.format.layout import MANIFEST, TENSORS, Rank, shared_key
 from ckptsdk.format.manifest import FileEntry, Manifest, Position, SharedFile
 from ckptsdk.format.manifest import Writer as WriterRecord
 from ckptsdk.format.template import EncodingCache
-from ckptsdk.format.tensorfile import write_tensorfile
 from ckptsdk.lease.acquire import Lease
 from ckptsdk.runlog.writer import RunLog
 

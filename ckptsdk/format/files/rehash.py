@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from ckptsdk.format.reference import CHUNK_BYTES, hash_tensor
+from ckptsdk.format.files.reference import CHUNK_BYTES, hash_tensor
 
 __all__ = ["Rehasher"]
 

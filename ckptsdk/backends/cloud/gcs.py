@@ -23,11 +23,11 @@ from typing import Any, BinaryIO
 from urllib.parse import quote
 
 from ckptsdk.backends.base import Capabilities, Data, ObjectInfo, check_prefix
-from ckptsdk.backends.bucket import BucketRoot
-from ckptsdk.backends.gcs_payload import b64crc, chain, crc32c, rechunk, rfc3339, slices
-from ckptsdk.backends.gcs_transport import Reply, endpoint_of
-from ckptsdk.backends.gcs_upload import ChunkedUploads
-from ckptsdk.backends.ranged import RangedReader
+from ckptsdk.backends.cloud.bucket import BucketRoot
+from ckptsdk.backends.cloud.gcs_payload import b64crc, chain, crc32c, rechunk, rfc3339, slices
+from ckptsdk.backends.cloud.gcs_transport import Reply, endpoint_of
+from ckptsdk.backends.cloud.gcs_upload import ChunkedUploads
+from ckptsdk.backends.cloud.ranged import RangedReader
 from ckptsdk.errors import (
     BackendError,
     DeadlineExceeded,

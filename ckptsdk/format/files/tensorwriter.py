@@ -217,7 +217,7 @@ def write_tensorfile(
     Example:
         >>> import torch
         >>> from ckptsdk import open_backend
-        >>> from ckptsdk.format.tensorfile import read_tensorfile
+        >>> from ckptsdk.format.files.tensorfile import read_tensorfile
         >>> b = open_backend("memory://demo")
         >>> size, digest = write_tensorfile(b, "t.safetensors", {"w": torch.ones(2)})
         >>> read_tensorfile(b, "t.safetensors", size=size, digest=digest)["w"]

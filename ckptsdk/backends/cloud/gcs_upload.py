@@ -8,8 +8,8 @@ to ``gcs_transport.py``.
 
 from __future__ import annotations
 
-from ckptsdk.backends.gcs_payload import b64crc, persisted
-from ckptsdk.backends.gcs_transport import JsonApiTransport, Reply
+from ckptsdk.backends.cloud.gcs_payload import b64crc, persisted
+from ckptsdk.backends.cloud.gcs_transport import JsonApiTransport, Reply
 from ckptsdk.errors import BackendError, DeadlineExceeded
 
 __all__ = ["ChunkedUploads"]

@@ -1,7 +1,7 @@
 """Tensor files: reading a safetensors file back verified, and the one parser of its header.
 
 A checkpoint's tensors are one safetensors file (written by tensorwriter.py; ``write_tensorfile``
-is also importable from here, loaded on first use, so that ``ckptsdk.format.tensorfile`` is the
+is also importable from here, loaded on first use, so that ``ckptsdk.format.files.tensorfile`` is the
 whole API without importing torch at import time), plus a content digest of the whole file that every
 read checks (through hashedread.py). Nothing here knows about manifests, state trees or leases;
 the dtype table is dtype.py's and the digest table digest.py's. torch is imported only to make tensors (reading,
@@ -24,13 +24,13 @@ from ckptsdk.backends.base import Backend
 from ckptsdk.errors import CheckpointTooLargeError, CkptError, ConfigError, CorruptCheckpointError
 from ckptsdk.format.digest import CHECKPOINT_ALGORITHMS, DEFAULT, new_hasher
 from ckptsdk.format.dtype import BY_CODE, byte_view, to_torch
-from ckptsdk.format.hashedread import HashedReader, corrupt, open_file, verify_file
-from ckptsdk.format.memory import advise_huge_pages, available_memory, describe_size
+from ckptsdk.format.files.hashedread import HashedReader, corrupt, open_file, verify_file
+from ckptsdk.format.files.memory import advise_huge_pages, available_memory, describe_size
 
 if TYPE_CHECKING:
     import torch
 
-    from ckptsdk.format.tensorwriter import write_tensorfile as write_tensorfile  # for type checkers
+    from ckptsdk.format.files.tensorwriter import write_tensorfile as write_tensorfile  # for type checkers
 
 # write_tensorfile is not listed: it resolves lazily (__getattr__ below), which pdoc cannot follow.
 __all__ = ["HeaderEntry", "TensorFile", "open_tensorfile", "read_header", "read_tensorfile", "verify_file"]
@@ -344,7 +344,7 @@ def read_tensorfile(
     Example:
         >>> import torch
         >>> from ckptsdk import open_backend
-        >>> from ckptsdk.format.tensorfile import write_tensorfile
+        >>> from ckptsdk.format.files.tensorfile import write_tensorfile
         >>> b = open_backend("memory://read-demo")
         >>> size, digest = write_tensorfile(b, "t.safetensors", {"w": torch.arange(3)})
         >>> read_tensorfile(b, "t.safetensors", size=size, digest=digest)
@@ -403,7 +403,7 @@ def open_tensorfile(
 def __getattr__(name: str) -> Any:
     # write_tensorfile is part of this module's API but imports torch: loaded on first use.
     if name == "write_tensorfile":
-        from ckptsdk.format.tensorwriter import write_tensorfile
+        from ckptsdk.format.files.tensorwriter import write_tensorfile
 
         return write_tensorfile
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

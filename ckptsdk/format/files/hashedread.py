@@ -135,7 +135,7 @@ def verify_file(backend: Backend, key: str, *, size: int, digest: str, algorithm
     Example:
         >>> import torch
         >>> from ckptsdk import open_backend
-        >>> from ckptsdk.format.tensorfile import write_tensorfile
+        >>> from ckptsdk.format.files.tensorfile import write_tensorfile
         >>> b = open_backend("memory://verify-demo")
         >>> size, digest = write_tensorfile(b, "t.safetensors", {"w": torch.ones(2)})
         >>> verify_file(b, "t.safetensors", size=size, digest=digest)

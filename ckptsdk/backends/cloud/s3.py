@@ -19,10 +19,10 @@ from collections.abc import Callable, Iterator
 from typing import Any, BinaryIO
 
 from ckptsdk.backends.base import Capabilities, Data, ObjectInfo, check_prefix, iter_chunks
-from ckptsdk.backends.bucket import BucketRoot
-from ckptsdk.backends.ranged import RangedReader
-from ckptsdk.backends.s3_payload import crc_b64, etag_of, http_date, store_time
-from ckptsdk.backends.s3_transport import Answer, S3Transport
+from ckptsdk.backends.cloud.bucket import BucketRoot
+from ckptsdk.backends.cloud.ranged import RangedReader
+from ckptsdk.backends.cloud.s3_payload import crc_b64, etag_of, http_date, store_time
+from ckptsdk.backends.cloud.s3_transport import Answer, S3Transport
 from ckptsdk.errors import BackendError, DeadlineExceeded, ObjectNotFound, PreconditionFailed
 
 logger = logging.getLogger(__name__)
