@@ -253,6 +253,8 @@ class CheckpointManager:
             # are cheap), and a save's budget is not about the lease: it keeps the old minute.
             save_deadline=saves.save_deadline or (leasing.ttl if leasing.ttl is not None else DEFAULT_SAVE_DEADLINE),
             incremental=saves.incremental,
+            frozen=saves.frozen,
+            frozen_source=saves.frozen_source,
         )
         self._anchor = Anchor(self._writer, self._saving)
         if saves.on_signal or (saves.on_signal is None and main):
@@ -414,7 +416,11 @@ class CheckpointManager:
     # ------------------------------------------------------------------ restoring
 
     def restore(
-        self, state: TrainState | Restorable, *, _accept: Callable[[Any, CheckpointInfo], None] | None = None
+        self,
+        state: TrainState | Restorable,
+        *,
+        strict: bool = True,
+        _accept: Callable[[Any, CheckpointInfo], None] | None = None,
     ) -> ResumePoint | None:
         """Load the newest valid checkpoint into ``state`` (objects and RNGs).
 
@@ -429,8 +435,17 @@ class CheckpointManager:
         into ``state``: the lineage, ``resumed_from`` and the step log stay as they were, so this
         writer's manifests go on agreeing with its lineage record.
 
+        A checkpoint that records its frozen base by reference (``SaveOptions(frozen="reference")``)
+        is restored only once the live tensors are proven to hold that base (hashed, before
+        anything is loaded); another base raises ``StateMismatchError`` with every live object
+        untouched.
+
         Args:
             state: a :class:`~ckptsdk.TrainState` (or anything with ``load_state_dict``).
+            strict: False restores the objects ``state`` holds and leaves out what the checkpoint
+                holds besides (an optimizer, for evaluation), named in the result's
+                ``unrestored`` and logged; module keys on one side only are left out too (a
+                TrainState's ``load_state_dict(strict=False)``). The RNG states are restored.
 
         Returns:
             The :class:`ResumePoint`, or ``None`` when the root holds no checkpoint.
@@ -460,7 +475,7 @@ class CheckpointManager:
             # The listing taken at open, unless something was saved or scanned since (then a
             # listing of its own): one listing for opening and restoring a writer.
             opened, self._opened = self._opened, None
-            tree, info = self.reader.read_newest(_accept, into, opened)  # type: ignore[arg-type]
+            tree, info = self.reader.read_newest(_accept, into, opened, strict=strict)  # type: ignore[arg-type]
         except NoValidCheckpointError as exc:
             if not exc.tried:
                 if writer is not None:
@@ -472,7 +487,13 @@ class CheckpointManager:
             raise
         # read_tree checked a TrainState's fit (check_fit, check_rng): its load need not check again
         fitted = into is not None and type(state).load_state_dict is TrainState.load_state_dict
-        (state._load_fitted if fitted else state.load_state_dict)(tree)  # type: ignore[union-attr]
+        if strict:
+            (state._load_fitted if fitted else state.load_state_dict)(tree)  # type: ignore[union-attr]
+        elif fitted:
+            state._load_fitted(tree, strict=False)  # type: ignore[union-attr]
+        else:
+            state.load_state_dict(tree, strict=False)  # type: ignore[call-arg]
+        unrestored = _unrestored(state, tree) if not strict else ()
         if writer is None:
             self._read_from = info
         else:
@@ -480,7 +501,13 @@ class CheckpointManager:
             if not fixed:  # this restore is where the writer's lineage starts
                 self._start_lineage(writer, tree, info)
         logger.info("restored %s (step %d) from %s", info.key, info.step, self.url)
-        return resume_point(info)
+        if unrestored:
+            logger.info(
+                "restore(strict=False) of %s left out what the state does not hold: %s",
+                info.key,
+                ", ".join(unrestored),
+            )
+        return dataclasses.replace(resume_point(info), unrestored=unrestored)
 
     def _start_lineage(self, writer: WriterSession, tree: Any, info: CheckpointInfo) -> None:
         """Record that this writer resumes from ``info`` (lineage, step log) and anchor it."""
@@ -613,3 +640,12 @@ class CheckpointManager:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _unrestored(state: Any, tree: Any) -> tuple[str, ...]:
+    """The objects of a restored tree ``state`` does not hold (a partial restore's report)."""
+    saved = tree.get("objects") if isinstance(tree, Mapping) else None
+    objects = getattr(state, "objects", None)
+    if not isinstance(saved, Mapping) or not isinstance(objects, Mapping):
+        return ()
+    return tuple(sorted(str(name) for name in saved if name not in objects))

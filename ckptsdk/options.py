@@ -18,6 +18,7 @@ from typing import Any, ClassVar, SupportsIndex, TypeVar
 
 from ckptsdk.checkpoint.pruning.rotation import LEFTOVER_GRACE_S, RETENTION_MODES, RetentionMode
 from ckptsdk.checkpoint.retention import Rule
+from ckptsdk.checkpoint.writing.sharing import FROZEN_MODES, FrozenMode
 from ckptsdk.checkpoint.writing.staging import SNAPSHOT_MODES, SnapshotMode
 from ckptsdk.errors import ConfigError
 from ckptsdk.preemption import DEFAULT_DEADLINE
@@ -194,6 +195,18 @@ class SaveOptions:
             digest (dtype, shape, bytes), never by a flag; a tensor whose version counter moved
             is written without hashing (see :mod:`ckptsdk.checkpoint.writing.sharing`). False: every
             save writes every tensor into its own folder, readable by a 1.2 reader.
+        frozen: what a save does with a frozen weight (an ``nn.Parameter`` with
+            ``requires_grad=False`` of 4 KiB or more that no optimizer steps: a fine-tune's
+            base). ``"store"`` (default): its bytes are stored (once, with ``incremental``).
+            ``"reference"``: it is recorded by dtype, shape and digest and never written nor
+            copied at ``save()`` (format 3.0); ``restore`` first proves that the live tensors
+            hold exactly those bytes, and refuses another base with ``StateMismatchError``
+            before loading anything. Its digest is computed off the training thread, and the
+            tensors are re-hashed in the background and before each commit: one whose bytes
+            changed by any route (``.data``, numpy) is stored in full from then on, with a
+            warning (see :mod:`ckptsdk.checkpoint.writing.sharing`).
+        frozen_source: a label of where the referenced base comes from (``"hf:gpt2@607a30d"``),
+            recorded with it and named when a restore finds another base; never fetched.
     """
 
     #: The manager's flat keywords for these fields (flat keyword -> field), deprecated ones too.
@@ -207,6 +220,9 @@ class SaveOptions:
         "save_deadline": "save_deadline",
         "incremental": "incremental",
     }
+    #: Fields with no flat keyword: new options go in the group only (the flat words are shorthand
+    #: kept for what existed before the groups).
+    GROUP_ONLY: ClassVar[frozenset[str]] = frozenset({"frozen", "frozen_source"})
 
     every: int | None = None
     asynchronous: bool = False
@@ -216,6 +232,8 @@ class SaveOptions:
     max_staging_bytes: int | None = None
     save_deadline: float | None = None
     incremental: bool = True
+    frozen: FrozenMode = "store"
+    frozen_source: str | None = None
 
     def __post_init__(self) -> None:
         _check_count("save_every (SaveOptions.every)", self.every, optional=True)
@@ -229,6 +247,10 @@ class SaveOptions:
         _check_choice("snapshot", self.snapshot, SNAPSHOT_MODES)
         if not isinstance(self.incremental, bool):
             raise ConfigError(f"incremental must be True or False, got {self.incremental!r}")
+        _check_choice("frozen (SaveOptions.frozen)", self.frozen, FROZEN_MODES)
+        source = self.frozen_source
+        if source is not None and (not isinstance(source, str) or len(source) > 1000):
+            raise ConfigError(f"frozen_source must be a str of at most 1000 characters, got {self.frozen_source!r}")
 
 
 def grouped(keyword: str, group: _Group | None, cls: type[_Group], flat: Mapping[str, Any]) -> _Group:

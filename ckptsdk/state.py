@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -155,6 +155,18 @@ class TrainState:
         :meth:`step_only_tensors`), so a pipelined save may copy it in the background."""
         return self._deferral.flags(self.optimizers(), tensors)
 
+    def frozen_flags(self, tensors: Sequence[torch.Tensor]) -> list[bool]:
+        """Per tensor of a saved tree: whether it is a frozen weight (a module's parameter with
+        ``requires_grad=False``), which ``frozen="reference"`` may record by digest."""
+        frozen = {
+            p.data_ptr()
+            for obj in self.objects.values()
+            if isinstance(obj, torch.nn.Module)
+            for p in obj.parameters()
+            if not p.requires_grad and p.numel()
+        }
+        return [t.numel() > 0 and t.data_ptr() in frozen for t in tensors]
+
     def hold_steps(self, wait: Callable[[], None] | None) -> None:
         """Make every held optimizer's next ``step()`` call ``wait()`` first (None: stop).
 
@@ -225,11 +237,19 @@ class TrainState:
                     out[prefix + codec.path_component(key)] = t.detach()
         return out
 
-    def check_fit(self, tree: Any) -> None:
+    def tensors_at(self, paths: Collection[str]) -> dict[str, torch.Tensor]:
+        """Path (as the codec names it) -> the live tensor there, of any device and dtype, for
+        the ``paths`` the live state holds (restore proves a checkpoint's referenced base on
+        them, then loads each onto itself). Nothing is copied or written."""
+        wanted = set(paths)
+        tensors, _ = codec.encode({"objects": {name: obj.state_dict() for name, obj in self.objects.items()}})
+        return {p: t for p, t in tensors.items() if p in wanted}
+
+    def check_fit(self, tree: Any, *, strict: bool = True) -> None:
         """Raise ``StateMismatchError`` unless ``tree`` fits the live objects, looking at its
         structure only: restore calls it on a tree whose tensors' bytes are not read yet (their
-        values, the RNG states', are checked once they are)."""
-        _refuse_unfit(self.mismatches(tree, values=False))
+        values, the RNG states', are checked once they are). ``strict``: see :meth:`mismatches`."""
+        _refuse_unfit(self.mismatches(tree, strict=strict, values=False))
 
     def mismatches(self, tree: Any, *, strict: bool = True, values: bool = True) -> list[str]:
         """Every way ``tree`` does not fit the live objects (empty when it fits).

@@ -307,6 +307,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
                 "status": verdict.status,
                 "rehashed": verdict.rehashed,
                 "reason": verdict.reason,
+                "unchecked": verdict.unchecked,
             }
         )
     bad = [r for r in results if r["status"] == "CORRUPT"]
@@ -318,7 +319,13 @@ def cmd_verify(args: argparse.Namespace) -> int:
         print(
             table(
                 [
-                    [r["step"], r["key"], r["status"], "yes" if r["rehashed"] else "no", r["reason"] or ""]
+                    [
+                        r["step"],
+                        r["key"],
+                        r["status"],
+                        "yes" if r["rehashed"] else "no",
+                        "; ".join(str(x) for x in (r["reason"], r["unchecked"]) if x),
+                    ]
                     for r in results
                 ],
                 ["STEP", "FOLDER", "STATUS", "REHASHED", "DETAIL"],

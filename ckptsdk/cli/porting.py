@@ -78,6 +78,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         tied=tied,
         storage_options=storage_options(args.storage_option),
         force=args.force,
+        base=args.base,
     )
     if args.json:
         emit_json({"command": "export", "url": url, **report})
@@ -137,6 +138,12 @@ def register(sub: Any) -> None:
         action="append",
         metavar="REMOVED=KEPT",
         help="declare a tied weight: written once, recorded in the metadata as save_model does",
+    )
+    sp.add_argument(
+        "--base",
+        metavar="FILE.safetensors",
+        help="the frozen base a checkpoint records by reference (its state dict's names): proven by digest, "
+        "then written with the trained weights",
     )
     sp.add_argument("--force", action="store_true", help="replace OUT if it exists (never inside a checkpoint root)")
     sp.set_defaults(fn=cmd_export)

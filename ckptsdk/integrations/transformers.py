@@ -14,7 +14,7 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 from ckptsdk.integrations import require
@@ -25,9 +25,10 @@ from transformers.trainer_callback import ExportableState  # noqa: E402
 from transformers.trainer_utils import TrainOutput  # noqa: E402
 
 from ckptsdk.checkpoint.retention import KeepBest, keep_best  # noqa: E402
+from ckptsdk.checkpoint.writing.sharing import FrozenMode  # noqa: E402
 from ckptsdk.errors import ConfigError, StateMismatchError  # noqa: E402
 from ckptsdk.manager import CheckpointManager  # noqa: E402
-from ckptsdk.options import LeaseOptions, Retention  # noqa: E402
+from ckptsdk.options import LeaseOptions, Retention, SaveOptions  # noqa: E402
 from ckptsdk.rng import restore_rng  # noqa: E402
 from ckptsdk.state import TrainState, with_tied  # noqa: E402
 
@@ -81,6 +82,10 @@ class CkptsdkTrainer(Trainer):
             a zombie runtime from writing or rotating there while this one trains.
         keep_last: checkpoints kept (None: ``args.save_total_limit``, else 3).
         keep_every, lease_ttl, force, storage_options: as for :class:`~ckptsdk.CheckpointManager`.
+        frozen: ``SaveOptions.frozen``. None: ``"reference"`` for a peft model (its frozen base
+            is recorded by digest, with source ``hf:{base_model_name_or_path}@{revision}``, and
+            proven at resume: a checkpoint holds the adapters, the optimizer and the rest, as
+            the Trainer's own ``checkpoint-N``), else ``"store"``.
 
     Retention maps onto ckptsdk's keep rules, by union: ``save_total_limit`` is ``keep_last``;
     ``metric_for_best_model`` (``eval_`` prefixed as the Trainer does, ``greater_is_better``
@@ -107,6 +112,7 @@ class CkptsdkTrainer(Trainer):
         lease_ttl: float | None = None,
         force: bool = False,
         storage_options: Mapping[str, object] | None = None,
+        frozen: FrozenMode | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
@@ -125,6 +131,7 @@ class CkptsdkTrainer(Trainer):
             ),
             lease_options=LeaseOptions(ttl=lease_ttl, force=force),
             storage_options=dict(storage_options or {}),
+            save_options=_save_options(self.model, frozen),
         )
         self._ckpt_mgr: CheckpointManager | None = None
         self._resume: dict[str, Any] | None = None
@@ -298,11 +305,38 @@ def _metrics_at(history: list[dict[str, Any]], step: int) -> dict[str, float]:
     return out
 
 
+def _save_options(model: Any, frozen: FrozenMode | None) -> SaveOptions:
+    """Reference mode for a peft model (unless ``frozen`` says otherwise), its source from its config."""
+    config = getattr(model, "peft_config", None)
+    if frozen is None:
+        frozen = "reference" if isinstance(config, Mapping) and config else "store"
+    source = None
+    if frozen == "reference" and isinstance(config, Mapping) and config:
+        first = next(iter(config.values()))
+        name = getattr(first, "base_model_name_or_path", None)
+        revision = getattr(first, "revision", None)
+        if name:
+            source = f"hf:{name}" + (f"@{revision}" if revision else "")
+    return SaveOptions(frozen=frozen, frozen_source=source)
+
+
 class _Capture:
-    """Restores the model at once and keeps the rest until the Trainer asks for it."""
+    """Restores the model at once and keeps the rest until the Trainer asks for it.
+
+    A live target for restore's proof of a referenced base (its model's tensors), never read
+    straight into (``live_tensors`` is empty: ``load_state_dict`` loads)."""
 
     def __init__(self, parts: dict[str, Any]) -> None:
         self.parts = parts
+
+    def tensors_at(self, paths: Collection[str]) -> dict[str, Any]:
+        return TrainState(model=self.parts["model"]).tensors_at(paths)
+
+    def live_tensors(self) -> dict[str, Any]:
+        return {}
+
+    def check_fit(self, tree: Any, *, strict: bool = True) -> None:
+        """Checked whole by :meth:`load_state_dict` (the Trainer's objects are built later)."""
 
     def load_state_dict(self, tree: Mapping[str, Any]) -> None:
         state = TrainState(**self.parts)

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from typing import Any, TypedDict
 
 import torch
 
 from ckptsdk.distributed.payload import is_payload
 from ckptsdk.errors import BackendError, ConfigError
+from ckptsdk.format.codec import path_component
 from ckptsdk.porting.guard import check_output_path, publish
 
 logger = logging.getLogger(__name__)
@@ -64,6 +65,45 @@ def _storage_groups(model: torch.nn.Module) -> list[list[str]]:
     return [sorted(g) for g in groups.values() if len(g) > 1]
 
 
+class _Base:
+    """The frozen base a referenced checkpoint's export is given, as a restore's live target: its
+    tensors under every model path of the tree (the proof takes those the checkpoint references)."""
+
+    def __init__(self, base: torch.nn.Module | str | os.PathLike[str], prefixes: Iterable[str]) -> None:
+        if isinstance(base, torch.nn.Module):
+            tensors = {k: v.detach() for k, v in base.state_dict().items()}
+        else:
+            import safetensors.torch
+
+            tensors = safetensors.torch.load_file(os.fspath(base))
+        self._tensors = {f"{p}/{path_component(k)}": t for p in prefixes for k, t in tensors.items()}
+
+    def tensors_at(self, paths: Collection[str]) -> dict[str, torch.Tensor]:
+        return {p: self._tensors[p] for p in paths if p in self._tensors}
+
+    def live_tensors(self) -> dict[str, torch.Tensor]:
+        return {}  # never read into: the export writes what it read
+
+    def check_fit(self, tree: Any, *, strict: bool = True) -> None:
+        """Nothing to fit: the base supplies referenced tensors only."""
+
+
+def _referenced_read(mgr: Any, info: Any, base: Any, where: tuple[str, ...], url: str) -> Any:
+    """The tree of a checkpoint that references a base, proven on ``base`` (or refused, naming
+    the source and the count: never partial weights)."""
+    manifest = info.manifest
+    count = sum(len(g.tensors) for g in manifest.referenced)
+    sources = ", ".join(sorted({g.source or "an unnamed source" for g in manifest.referenced}))
+    if base is None:
+        raise ConfigError(
+            f"checkpoint step {info.step} of {url} records {count} tensor(s) of its frozen base by reference "
+            f"(from {sources}), not their bytes: pass the base (base=a live model holding it, or a .safetensors "
+            "file of its state dict; `ckptsdk export --base FILE`) and it is proven and written with the rest. "
+            "Nothing was written"
+        )
+    return mgr.read_tree(info, into=_Base(base, where))
+
+
 def export_safetensors(
     url: str,
     out: str | os.PathLike[str],
@@ -74,6 +114,7 @@ def export_safetensors(
     tied: Iterable[tuple[str, str]] = (),
     storage_options: Mapping[str, object] | None = None,
     force: bool = False,
+    base: torch.nn.Module | str | os.PathLike[str] | None = None,
 ) -> ExportReport:
     """Write one checkpoint's model weights to a standard safetensors file.
 
@@ -96,13 +137,20 @@ def export_safetensors(
         tied: ``(removed, kept)`` name pairs declared tied.
         storage_options: fsspec options for ``gs://``.
         force: replace ``out`` if it exists (an ordinary file outside every checkpoint root).
+        base: for a checkpoint that records its frozen base by reference
+            (``SaveOptions(frozen="reference")``): a live model holding that base, or a
+            ``.safetensors`` file of its state dict (names as the model's ``state_dict()``). It
+            is proven (digests) before anything is written; another base raises
+            ``StateMismatchError``. Ignored for a checkpoint that stores every byte.
 
     Returns:
         ``{"step", "object", "tensors", "removed": {removed: kept}, "out"}`` (``tensors`` is None
         for a distributed checkpoint: all of them).
 
     Raises:
-        ConfigError: no state dict at ``object_path``, "tied" weights whose values differ,
+        StateMismatchError: ``base`` is not the base the checkpoint references.
+        ConfigError: a checkpoint referencing a base and no ``base`` given (nothing is written),
+            no state dict at ``object_path``, "tied" weights whose values differ,
             ``object_path``/``model``/``tied`` given for a distributed checkpoint, or an ``out``
             inside a checkpoint root, in a missing folder, or existing without ``force``.
         BackendError: writing ``out`` failed (disk full, permissions); nothing was left there.
@@ -149,8 +197,11 @@ def export_safetensors(
                 "removed": {},
                 "out": out,
             }
-        tree = mgr.read_tree(info)
-    paths = (object_path,) if object_path else MODEL_PATHS
+        paths = (object_path,) if object_path else MODEL_PATHS
+        if info.manifest.referenced:
+            tree = _referenced_read(mgr, info, base, paths, url)
+        else:
+            tree = mgr.read_tree(info)
     where = next((p for p in paths if isinstance(_at(tree, p), Mapping)), None)
     if where is None:
         raise ConfigError(

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import builtins
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any, BinaryIO, Literal, Protocol
@@ -50,8 +50,14 @@ class LiveTarget(Protocol):
         """Tensor path -> a live CPU tensor (detached, floating point) to fill in place."""
         ...
 
-    def check_fit(self, tree: Any) -> None:
-        """Raise ``StateMismatchError`` unless ``tree`` (its structure; no value read yet) fits."""
+    def tensors_at(self, paths: Collection[str]) -> Mapping[str, Any]:
+        """Path -> the live tensor there (any device and dtype, never copied), for the ``paths``
+        the live state holds: a checkpoint's referenced base is proven on these."""
+        ...
+
+    def check_fit(self, tree: Any, *, strict: bool = True) -> None:
+        """Raise ``StateMismatchError`` unless ``tree`` (its structure; no value read yet) fits
+        (``strict=False``: objects and module keys on one side only are left out)."""
         ...
 
 
@@ -67,11 +73,14 @@ class Verdict:
             a file failing its digest).
         reason: why it is not ``"ok"`` (None when it is).
         rehashed: whether its bytes were read and hashed (a torn folder is judged by its listing).
+        unchecked: what the re-hash could not check (tensors recorded by reference, whose bytes
+            only a live base has), or None.
     """
 
     status: Status
     reason: str | None
     rehashed: bool
+    unchecked: str | None = None
 
 
 class CheckpointReader:
@@ -204,9 +213,10 @@ class CheckpointReader:
             self._rehash(info)
         except (CorruptCheckpointError, ManifestError) as exc:
             return self._unless_gone(info, Verdict("CORRUPT", str(exc), rehashed=True))
+        unchecked = _unchecked(info.manifest)
         if info.orphan:
-            return Verdict("orphan", info.reason, rehashed=True)
-        return Verdict("ok", None, rehashed=True)
+            return Verdict("orphan", info.reason, rehashed=True, unchecked=unchecked)
+        return Verdict("ok", None, rehashed=True, unchecked=unchecked)
 
     def _unless_gone(self, info: CheckpointInfo, verdict: Verdict) -> Verdict:
         """``verdict``, unless the checkpoint's manifest is gone now: deletion removes the manifest
@@ -278,6 +288,8 @@ class CheckpointReader:
         accept: Callable[[Any, CheckpointInfo], None] | None = None,
         into: LiveTarget | None = None,
         outline: Outline | None = None,
+        *,
+        strict: bool = True,
     ) -> tuple[Any, CheckpointInfo]:
         """The newest checkpoint that reads back whole, skipping (and naming) damaged ones.
 
@@ -291,6 +303,9 @@ class CheckpointReader:
 
         ``outline``: a listing of the root to walk instead of a new one (a writer's, taken at open
         once its lease was held).
+
+        ``strict``: False fits ``into`` leaving out what one side holds only (see
+        :meth:`read_tree`).
 
         Raises:
             NoValidCheckpointError: with ``tried`` empty when the root holds no committed
@@ -326,7 +341,7 @@ class CheckpointReader:
             tree = None
             filled = _Filled()
             try:
-                tree = self._read_tree(info, into, filled)
+                tree = self._read_tree(info, into, filled, strict=strict)
                 if accept is not None:
                     accept(tree, info)
                 return tree, info
@@ -354,7 +369,7 @@ class CheckpointReader:
             tried=tried,
         )
 
-    def read_tree(self, info: CheckpointInfo, into: LiveTarget | None = None) -> Any:
+    def read_tree(self, info: CheckpointInfo, into: LiveTarget | None = None, *, strict: bool = True) -> Any:
         """The state tree of one checkpoint (from :meth:`pick` or :meth:`list`), its tensor files
         verified; never a part of it.
 
@@ -364,14 +379,65 @@ class CheckpointReader:
         A failure once the bytes began to arrive sets those tensors to NaN (``read_newest`` then
         restores another checkpoint into them, or says so in its error).
 
+        A checkpoint that records tensors by reference (format 3.0's ``referenced``: a frozen
+        base) is read only into an ``into`` that holds them: before any file is opened, the live
+        tensors at those paths are proven to hold the recorded bytes (hashed; nothing written),
+        and the tree then holds those live tensors themselves (a load copies each onto itself).
+        With ``strict=False``, referenced paths the live state does not hold are neither proven
+        nor loaded (their tree leaves are meta tensors).
+
         Raises:
             CorruptCheckpointError: a file fails its check, or the tree does not match the tensors.
             ManifestError: the manifest lists no tensor file.
-            StateMismatchError: the tree does not fit ``into`` (nothing was read into it).
+            StateMismatchError: the tree does not fit ``into`` (nothing was read into it), or
+                the live base is not the one the checkpoint references (nothing was read; never
+                a fallback: another base fails every checkpoint of the run).
         """
-        return self._read_tree(info, into, _Filled())
+        return self._read_tree(info, into, _Filled(), strict=strict)
 
-    def _read_tree(self, info: CheckpointInfo, into: LiveTarget | None, filled: _Filled) -> Any:
+    def _base(self, info: CheckpointInfo, into: LiveTarget | None, *, strict: bool) -> dict[str, Any]:
+        """The live tensors a checkpoint references, proven (see :meth:`read_tree`); their paths
+        the live state lacks (``strict=False`` only) as meta tensors."""
+        import torch
+
+        from ckptsdk.format.dtype import BY_NAME, to_torch
+        from ckptsdk.format.files.reference import prove
+
+        manifest = info.manifest
+        assert manifest is not None
+        refs = manifest.referenced_tensors()
+        if not refs:
+            return {}
+        count = len(refs)
+        sources = ", ".join(sorted({g.source or "an unnamed source" for g in manifest.referenced}))
+        if into is None:
+            raise StateMismatchError(
+                f"checkpoint {self.url}/{info.key} records {count} tensor(s) by reference (from {sources}), not "
+                "their bytes: restore it into a state holding that base (mgr.restore(TrainState(model=...))), "
+                "or export it with the base (`ckptsdk export --base`)",
+                url=self.url,
+                step=info.step,
+                mismatches=sorted(refs)[:10],
+            )
+        live = dict(into.tensors_at(list(refs)))
+        groups = manifest.referenced
+        if not strict:
+            groups = [
+                g.model_copy(update={"tensors": {p: e for p, e in g.tensors.items() if p in live}})
+                for g in manifest.referenced
+            ]
+            groups = [g for g in groups if g.tensors]
+            skipped = count - sum(len(g.tensors) for g in groups)
+            if skipped:
+                logger.info("not proving %d referenced tensor(s) the live state does not hold (strict=False)", skipped)
+        prove(live, groups, url=f"{self.url}/{info.key}", step=info.step)
+        base = {p: t.detach() for p, t in live.items() if p in refs}
+        for path, (_group, entry) in refs.items():
+            if path not in base:
+                base[path] = torch.empty(entry.shape, dtype=to_torch(BY_NAME[entry.dtype]), device="meta")
+        return base
+
+    def _read_tree(self, info: CheckpointInfo, into: LiveTarget | None, filled: _Filled, *, strict: bool = True) -> Any:
         # torch (tensors, the codec, RNG checks) only here: listing and verifying a root, as the
         # CLI does, never pays its import.
         import torch
@@ -387,7 +453,9 @@ class CheckpointReader:
         entry = next((f for f in manifest.files if f.name == TENSORS), None)
         if entry is None:
             raise ManifestError(f"{info.key}/{MANIFEST} lists no {TENSORS}", url=self.url, step=info.step)
-        live = into.live_tensors() if into is not None else {}
+        base = self._base(info, into, strict=strict)  # before any file is opened: another base touches nothing
+        # The base is never filled nor poisoned: a fallback to an older checkpoint proves it again.
+        live = {p: t for p, t in (into.live_tensors() if into is not None else {}).items() if p not in base}
         files: list[tuple[str, FileEntry | SharedFile]] = [(f"{info.key}/{TENSORS}", entry)]
         files += [(s.name, s) for s in manifest.shared]
         with ExitStack() as stack:
@@ -422,6 +490,16 @@ class CheckpointReader:
                 for tf, (mine, wanted), own in zip(opened, plans, fresh, strict=True)
             ]
             tensors = allocated[0]
+            for path, t in base.items():
+                if path in tensors:
+                    raise CorruptCheckpointError(
+                        f"checkpoint {self.url}/{info.key}: tensor {path!r} is both stored and referenced; "
+                        "it cannot be restored (restore falls back to an earlier checkpoint)",
+                        url=self.url,
+                        step=info.step,
+                        key=info.key,
+                    )
+                tensors[path] = t
             copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (an alias's own tensor, what it copies)
             for shared, held in zip(manifest.shared, allocated[1:], strict=True):
                 # tensors unchanged since an earlier save: verified the same way
@@ -460,7 +538,7 @@ class CheckpointReader:
                     key=info.key,
                 ) from exc
             if into is not None:
-                into.check_fit(tree)  # before any byte lands in a live tensor
+                into.check_fit(tree, strict=strict)  # before any byte lands in a live tensor
             try:
                 for tf in opened:
                     tf.fill()
@@ -474,6 +552,15 @@ class CheckpointReader:
                     filled.spoiled = _poison(live)
                 raise
         return tree
+
+
+def _unchecked(manifest: Manifest) -> str | None:
+    """What a files-only check leaves out: the tensors a checkpoint records by reference."""
+    if not manifest.referenced:
+        return None
+    count = sum(len(g.tensors) for g in manifest.referenced)
+    sources = ", ".join(sorted({g.source or "unnamed" for g in manifest.referenced}))
+    return f"{count} referenced tensor(s) (source {sources}) not checked: no base given"
 
 
 @dataclass

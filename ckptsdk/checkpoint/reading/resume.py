@@ -30,6 +30,8 @@ class ResumePoint:
         tags: string tags saved with the checkpoint (e.g. a dataset hash).
         key: the checkpoint folder restored from.
         lease_epoch: the lease epoch that wrote it.
+        unrestored: the objects the checkpoint holds that the state given to
+            ``restore(state, strict=False)`` did not (left as they were); empty for a strict restore.
     """
 
     step: int
@@ -40,6 +42,7 @@ class ResumePoint:
     tags: dict[str, str]
     key: str
     lease_epoch: int
+    unrestored: tuple[str, ...] = ()
 
 
 def resume_point(info: CheckpointInfo) -> ResumePoint:

@@ -69,7 +69,7 @@ class Anchor:
                 for old, new in zip(manifest.shared, shared, strict=True):
                     if new.name != old.name:
                         copying.copy(old.name, new.name)
-                info = self.pipeline.publish(job, list(manifest.files), manifest.tree, shared)
+                info = self.pipeline.publish(job, list(manifest.files), manifest.tree, shared, manifest.referenced)
             assert info.manifest is not None
             self.pipeline.sharing.adopt(info.manifest)
             self.pipeline.after_commit(info)
@@ -81,8 +81,10 @@ class Anchor:
             backend.write(f"{job.folder}/{entry.name}", backend.read(f"{source.key}/{entry.name}"))
         tensors, skeleton = codec.encode(tree)
         kept_shared = {p for f in manifest.shared for p in f.tensors}
+        referenced = frozenset(p for g in manifest.referenced for p in g.tensors)
+        self.pipeline.sharing.seed(manifest)  # the restore proved these: recorded again, never written
         # As a first save: what the source shared goes to one new shared file, the rest with the folder.
-        hints = Hints({}, frozenset(p for p in tensors if p not in kept_shared))
+        hints = Hints({}, frozenset(p for p in tensors if p not in kept_shared), referenced)
         self.pipeline.commit(replace(job, extra_files=tuple(extra), hints=hints), tensors, skeleton)
 
     def _rehomed(self, entry: SharedFile) -> SharedFile:

@@ -40,7 +40,7 @@ from ckptsdk.checkpoint.reading.catalog import CheckpointInfo
 from ckptsdk.checkpoint.writing.aftercommit import AfterCommit
 from ckptsdk.checkpoint.writing.pacing import Paced
 from ckptsdk.checkpoint.writing.scheduling import Job, SaveSlots, SaveStats
-from ckptsdk.checkpoint.writing.sharing import Hints, Plan, Sharing, content_name
+from ckptsdk.checkpoint.writing.sharing import FrozenMode, Hints, Plan, Sharing, content_name
 from ckptsdk.checkpoint.writing.staging import SnapshotMode
 from ckptsdk.checkpoint.writing.writer import RELIST_S, WriterSession
 from ckptsdk.errors import CheckpointError, DeadlineExceeded
@@ -48,9 +48,9 @@ from ckptsdk.format.digest import DEFAULT as DIGEST_ALGORITHM
 from ckptsdk.format.environment import Environment, device_of
 from ckptsdk.format.files.tensorfile import write_tensorfile
 from ckptsdk.format.layout import MANIFEST, TENSORS, Rank, shared_key
-from ckptsdk.format.manifest import FileEntry, Manifest, Position, SharedFile
+from ckptsdk.format.manifest import FileEntry, Manifest, Position, ReferencedBase, SharedFile
 from ckptsdk.format.manifest import Writer as WriterRecord
-from ckptsdk.format.template import EncodingCache
+from ckptsdk.format.template import Captured, EncodingCache
 from ckptsdk.lease.acquire import Lease
 from ckptsdk.runlog.writer import RunLog
 
@@ -88,6 +88,8 @@ class SavePipeline:
             (at most two snapshots of the state).
         save_deadline: seconds the storage half of one save may take (None: the lease's ttl).
         incremental: keep unchanged tensors in shared files (``SaveOptions.incremental``).
+        frozen: ``"reference"`` records frozen weights by digest (``SaveOptions.frozen``).
+        frozen_source: the label recorded with them (``SaveOptions.frozen_source``).
     """
 
     def __init__(
@@ -99,6 +101,8 @@ class SavePipeline:
         max_staging_bytes: int | None = None,
         save_deadline: float | None = None,
         incremental: bool = True,
+        frozen: FrozenMode = "store",
+        frozen_source: str | None = None,
     ) -> None:
         self.writer = writer
         self.rotation = rotation
@@ -106,8 +110,10 @@ class SavePipeline:
         self._slots = SaveSlots(max_staging_bytes=max_staging_bytes)
         self.after = AfterCommit(writer, rotation, runlog, self._slots)
         self._encoding = EncodingCache()
-        self.sharing = Sharing()
-        self.sharing.enabled = incremental
+        self.sharing = Sharing(enabled=incremental, mode=frozen, source=frozen_source)
+        # (the names tuple of a template, the referenced paths) -> the names staged: the same
+        # tuple at every save while both hold, so staging keeps trusting its buffers' layout
+        self._staged_names: tuple[tuple[str, ...] | None, frozenset[str], tuple[str, ...]] = (None, frozenset(), ())
         self._abandoned = threading.Event()
         self._committed: dict[str, CheckpointInfo] = {}
         self._sync_caller = False  # a blocking save is committing on the caller's thread
@@ -199,7 +205,10 @@ class SavePipeline:
         captured = self._encoding.encode(tree)  # the tree's structure is cached between saves
         stepped = self.sharing.fresh and trained
         hints = self.sharing.hints(
-            captured.names, captured.tensors, state.step_only_flags(captured.tensors) if stepped else ()
+            captured.names,
+            captured.tensors,
+            state.step_only_flags(captured.tensors) if stepped else (),
+            state.frozen_flags(captured.tensors) if stepped and self.sharing.referencing else (),
         )
         job = SaveRecord(
             folder, step, position, dict(metrics or {}), dict(tags or {}), "cpu", tuple(extra_files), hints=hints
@@ -218,6 +227,7 @@ class SavePipeline:
         pending_info = CheckpointInfo(
             step=step, epoch=self.writer.lineage.epoch, tag=self.tag, key=folder, size=0, committed=False, valid=False
         )
+        whole, (captured, live_refs) = captured, self._unreferenced(captured, hints)
         pipelined = snapshot == "pipelined" and trained and state.optimizers()
         defer = state.step_only_flags(captured.tensors) if pipelined else [False] * len(captured.names)
         staged = self._slots.stage(step, captured, defer, where=f"the save of step {step} under {self.url}: ")
@@ -234,7 +244,7 @@ class SavePipeline:
             def work() -> None:  # the skeleton is built here, from leaves copied at capture
                 pending.wait_finished()
                 job_now = replace(job, device=pending.device, verify=pending.verify, pace=idle)
-                self._store(job_now, pending.tensors, captured.skeleton())
+                self._store(job_now, {**pending.tensors, **live_refs}, whole.skeleton())
 
             self._slots.submit(Job(run=work, buffer=buffer, step=step, settle=pending.settle))
             submitted = True
@@ -244,6 +254,31 @@ class SavePipeline:
             if not submitted:  # the buffer is free again once the copies into it are done
                 pending.settle()
                 self._slots.release(buffer)
+
+    def _unreferenced(self, captured: Captured, hints: Hints | None) -> tuple[Captured, dict[str, torch.Tensor]]:
+        """``captured`` without the tensors ``hints`` records by digest (never staged: the pause and
+        the staging memory do not grow with a frozen base), and those live tensors by path."""
+        refs = frozenset() if hints is None else hints.referenced
+        if not refs:
+            return captured, {}
+        seen, was, names = self._staged_names
+        if seen is not captured.names or was != refs:
+            names = tuple(n for n in captured.names if n not in refs)
+            self._staged_names = (captured.names, refs, names)
+        live: dict[str, torch.Tensor] = {}
+        kept: list[torch.Tensor] = []
+        for name, t in zip(captured.names, captured.tensors, strict=True):
+            if name in refs:
+                live[name] = t.detach()
+            else:
+                kept.append(t)
+        nbytes = captured.nbytes - sum(t.nbytes for t in live.values())
+        staged = Captured(names, kept, [], None, nbytes=nbytes, sized=captured.sized)
+        return staged, live
+
+    def close(self) -> None:
+        """At the writer's close, after its last save: stop re-hashing the referenced tensors."""
+        self.sharing.close()
 
     @property
     def last_committed(self) -> CheckpointInfo | None:
@@ -301,7 +336,7 @@ class SavePipeline:
         self.sharing.drop_lost(plan, tensors, self.backend, self.url)  # one stat per shared file it refers to
         with durable_batch(self.backend):  # one fsync per folder, once the manifest is in place
             shared = self._write_shared(job.step, plan)
-            info = self._write(job, plan.own, skeleton, shared)
+            info = self._write(job, plan.own, skeleton, shared, self.sharing.referenced_entries(plan))
         assert info.manifest is not None
         self.sharing.committed(info.manifest, job.hints)
         self.after_commit(info)
@@ -312,7 +347,12 @@ class SavePipeline:
         self.after.run(info, on_worker=self._sync_caller)
 
     def _write(
-        self, job: SaveRecord, tensors: dict[str, torch.Tensor], skeleton: Any, shared: list[SharedFile]
+        self,
+        job: SaveRecord,
+        tensors: dict[str, torch.Tensor],
+        skeleton: Any,
+        shared: list[SharedFile],
+        referenced: list[ReferencedBase],
     ) -> CheckpointInfo:
         key = f"{job.folder}/{TENSORS}"
         chosen, self._retired = self._retired, None
@@ -331,7 +371,7 @@ class SavePipeline:
         else:
             size, digest = self._write_tensors(self.backend, key, tensors)
         files = [FileEntry(name=TENSORS, size=size, digest=digest, algorithm=DIGEST_ALGORITHM), *job.extra_files]
-        return self.publish(job, files, skeleton, shared)
+        return self.publish(job, files, skeleton, shared, referenced)
 
     def _write_tensors(self, backend: Writable, key: str, tensors: Mapping[str, torch.Tensor]) -> tuple[int, str]:
         """``write_tensorfile``; on the worker paced around optimizer steps, the writes and the hash."""
@@ -368,7 +408,12 @@ class SavePipeline:
         return self.sharing.entries(plan, new)
 
     def publish(
-        self, job: SaveRecord, files: list[FileEntry], skeleton: Any, shared: Sequence[SharedFile] = ()
+        self,
+        job: SaveRecord,
+        files: list[FileEntry],
+        skeleton: Any,
+        shared: Sequence[SharedFile] = (),
+        referenced: Sequence[ReferencedBase] = (),
     ) -> CheckpointInfo:
         """Publish the manifest of ``job.folder`` (the commit; its files are in place).
 
@@ -397,6 +442,7 @@ class SavePipeline:
             tags=dict(job.tags),
             keep=self.rotation.keep_record(),
             shared=list(shared),
+            referenced=list(referenced),
         )
         # The fence. A zombie that lost the lease while writing the tensors must not commit them:
         # renew (compare-and-swap, not just check) so a takeover during the write is seen here.

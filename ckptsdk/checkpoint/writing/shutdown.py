@@ -222,6 +222,8 @@ class Shutdown:
                     self._saving.wait()
                     self._say_unsaved()
         finally:
+            if self._saving is not None and wait:  # (a stop signal's deadline has no time for it)
+                self._saving.close()  # the referenced base's last re-hash (a warning, never a failure)
             try:
                 if self.runlog is not None:
                     self.runlog.close()

@@ -36,6 +36,8 @@ class Rehasher:
         interval: seconds between background passes (0: passes only on demand).
         chunk_bytes: see ``hash_tensor``.
         clock: a monotonic clock (tests pass their own).
+        checked_at: when the pass that computed ``digests`` from these very tensors began (by
+            ``clock``), which then counts as this rehasher's first; None: no pass yet.
 
     Example:
         >>> w = torch.zeros(4)
@@ -55,6 +57,7 @@ class Rehasher:
         interval: float = 60.0,
         chunk_bytes: int = CHUNK_BYTES,
         clock: Callable[[], float] = time.monotonic,
+        checked_at: float | None = None,
     ) -> None:
         missing = sorted(set(tensors) ^ set(digests))
         if missing:
@@ -66,7 +69,7 @@ class Rehasher:
         self._clock = clock
         self._changed: dict[str, str] = {}
         self._cond = threading.Condition()
-        self._passed_since: float | None = None  # when the newest finished pass began
+        self._passed_since: float | None = checked_at  # when the newest finished pass began
         self._wanted = False
         self._closing = False
         self._error: BaseException | None = None
