@@ -30,7 +30,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from ckptsdk import CheckpointManager, TrainState  # noqa: E402
-from ckptsdk.format.reference import hash_tensor  # noqa: E402
+from ckptsdk.format.files.reference import hash_tensor  # noqa: E402
 from ckptsdk.options import Retention, SaveOptions  # noqa: E402
 
 WIDTH = 1024
