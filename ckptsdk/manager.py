@@ -477,23 +477,11 @@ class CheckpointManager:
             opened, self._opened = self._opened, None
             tree, info = self.reader.read_newest(_accept, into, opened, strict=strict)  # type: ignore[arg-type]
         except NoValidCheckpointError as exc:
-            if not exc.tried:
-                if writer is not None:
-                    writer.confirm(self.reader.outline)
-                    writer.write_lineage(None, None)  # nothing once the lineage is fixed
-                if self.runlog is not None:
-                    self.runlog.start()
-                return None
-            raise
-        # read_tree checked a TrainState's fit (check_fit, check_rng): its load need not check again
-        fitted = into is not None and type(state).load_state_dict is TrainState.load_state_dict
-        if strict:
-            (state._load_fitted if fitted else state.load_state_dict)(tree)  # type: ignore[union-attr]
-        elif fitted:
-            state._load_fitted(tree, strict=False)  # type: ignore[union-attr]
-        else:
-            state.load_state_dict(tree, strict=False)  # type: ignore[call-arg]
-        unrestored = _unrestored(state, tree) if not strict else ()
+            if exc.tried:
+                raise
+            self._start_fresh(writer)
+            return None
+        unrestored = self._load(state, tree, fitted=into is not None, strict=strict)
         if writer is None:
             self._read_from = info
         else:
@@ -508,6 +496,28 @@ class CheckpointManager:
                 ", ".join(unrestored),
             )
         return dataclasses.replace(resume_point(info), unrestored=unrestored)
+
+    def _start_fresh(self, writer: WriterSession | None) -> None:
+        """No checkpoint to resume from: this writer's lineage starts from nothing."""
+        if writer is not None:
+            writer.confirm(self.reader.outline)
+            writer.write_lineage(None, None)  # nothing once the lineage is fixed
+        if self.runlog is not None:
+            self.runlog.start()
+
+    @staticmethod
+    def _load(state: TrainState | Restorable, tree: Any, *, fitted: bool, strict: bool) -> tuple[str, ...]:
+        """Load ``tree`` into ``state``; the objects a partial restore left out (none when strict)."""
+        # read_tree checked a TrainState's fit (check_fit, check_rng): its load need not check again
+        fitted = fitted and type(state).load_state_dict is TrainState.load_state_dict
+        if strict:
+            (state._load_fitted if fitted else state.load_state_dict)(tree)  # type: ignore[union-attr]
+            return ()
+        if fitted:
+            state._load_fitted(tree, strict=False)  # type: ignore[union-attr]
+        else:
+            state.load_state_dict(tree, strict=False)  # type: ignore[call-arg]
+        return _unrestored(state, tree)
 
     def _start_lineage(self, writer: WriterSession, tree: Any, info: CheckpointInfo) -> None:
         """Record that this writer resumes from ``info`` (lineage, step log) and anchor it."""

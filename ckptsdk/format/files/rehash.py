@@ -34,7 +34,6 @@ class Rehasher:
         tensors: path -> the live tensor (held by reference, read only).
         digests: path -> its recorded tensor digest (``reference.hash_tensor``).
         interval: seconds between background passes (0: passes only on demand).
-        chunk_bytes: see ``hash_tensor``.
         clock: a monotonic clock (tests pass their own).
         checked_at: when the pass that computed ``digests`` from these very tensors began (by
             ``clock``), which then counts as this rehasher's first; None: no pass yet.
@@ -55,7 +54,6 @@ class Rehasher:
         digests: Mapping[str, str],
         *,
         interval: float = 60.0,
-        chunk_bytes: int = CHUNK_BYTES,
         clock: Callable[[], float] = time.monotonic,
         checked_at: float | None = None,
     ) -> None:
@@ -65,7 +63,6 @@ class Rehasher:
         self._tensors = dict(tensors)
         self._digests = dict(digests)
         self._interval = interval
-        self._chunk_bytes = chunk_bytes
         self._clock = clock
         self._changed: dict[str, str] = {}
         self._cond = threading.Condition()
@@ -147,7 +144,7 @@ class Rehasher:
         began = self._clock()
         found = {}
         for path, t in self._tensors.items():
-            digest = hash_tensor(t, chunk_bytes=self._chunk_bytes)
+            digest = hash_tensor(t, chunk_bytes=CHUNK_BYTES)  # the host buffer bound of a CUDA pass
             if digest != self._digests[path]:
                 found[path] = digest
         with self._cond:
