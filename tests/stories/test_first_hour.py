@@ -310,7 +310,7 @@ def test_a_rerun_after_a_crash_elsewhere_says_it_waits_who_holds_and_how_to_skip
     for words in (
         "epoch 1, attempt 1, acquired",
         "taken over after 2 s without a change",
-        "skip the wait: force=True (the examples' --force)",
+        "skip the wait: lease_options=LeaseOptions(force=True) (the examples' --force)",
         f"`ckptsdk lease {url} --break --yes-i-am-sure`",
         "s to take over if it stays silent",
     ):
