@@ -168,7 +168,7 @@ def test_imports_point_down_the_layers() -> None:
     assert not upward, "upward imports (move the import, or the thing imported, down a layer):\n" + "\n".join(upward)
 
 
-def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     """The strongly connected components of more than one node (Tarjan), each sorted."""
     index: dict[str, int] = {}
     low: dict[str, int] = {}
@@ -209,7 +209,7 @@ def test_no_import_cycle_between_subpackages() -> None:
     for src, dst in edges:
         graph[src].add(dst)
     report = []
-    for component in _cycles(graph):
+    for component in import_cycles(graph):
         inside = [
             f"  {imp.where()}: {src} imports {imp.target} ({dst})"
             for (src, dst), imps in sorted(edges.items())
@@ -241,8 +241,8 @@ def test_the_checker_sees_lazy_relative_and_dynamic_imports(tmp_path: Path) -> N
 
 
 def test_cycle_finder_finds_a_cycle() -> None:
-    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
-    assert _cycles({"a": {"b"}, "b": set()}) == []
+    assert import_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert import_cycles({"a": {"b"}, "b": set()}) == []
 
 
 def test_root_holds_at_most_ten_modules() -> None:

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.project.test_layers import import_cycles
+
 REPO = Path(__file__).resolve().parents[2]
 CODE = ("ckptsdk", "adapters", "benchmarks")
 
@@ -95,48 +97,6 @@ def _graph() -> dict[str, set[str]]:
     return graph
 
 
-def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """The strongly connected components of more than one module (Tarjan, iteratively)."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    on_stack: set[str] = set()
-    found: list[list[str]] = []
-    for root in sorted(graph):
-        if root in index:
-            continue
-        work = [(root, iter(sorted(graph[root])))]
-        index[root] = low[root] = len(index)
-        stack.append(root)
-        on_stack.add(root)
-        while work:
-            node, children = work[-1]
-            child = next(children, None)
-            if child is not None:
-                if child not in index:
-                    index[child] = low[child] = len(index)
-                    stack.append(child)
-                    on_stack.add(child)
-                    work.append((child, iter(sorted(graph[child]))))
-                elif child in on_stack:
-                    low[node] = min(low[node], index[child])
-                continue
-            work.pop()
-            if work:
-                low[work[-1][0]] = min(low[work[-1][0]], low[node])
-            if low[node] == index[node]:
-                component = []
-                while True:
-                    top = stack.pop()
-                    on_stack.discard(top)
-                    component.append(top)
-                    if top == node:
-                        break
-                if len(component) > 1:
-                    found.append(sorted(component))
-    return found
-
-
 def test_no_room_holds_more_than_fourteen_modules() -> None:
     crowded = {}
     for folder in sorted({p.parent for p in (REPO / "ckptsdk").rglob("*.py")}):
@@ -147,12 +107,12 @@ def test_no_room_holds_more_than_fourteen_modules() -> None:
 
 
 def test_no_two_modules_import_each_other_in_a_circle() -> None:
-    assert _cycles(_graph()) == []
+    assert import_cycles(_graph()) == []
 
 
 def test_the_cycle_finder_finds_a_circle() -> None:
-    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
-    assert _cycles({"a": {"b"}, "b": set()}) == []
+    assert import_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert import_cycles({"a": {"b"}, "b": set()}) == []
 
 
 def test_no_module_imports_another_modules_private_name() -> None:
