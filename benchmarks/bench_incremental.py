@@ -15,6 +15,7 @@ feature) only the full mode runs, and the report says so.
     python -m benchmarks.bench_incremental                      # GPT-2 small: ~10-20 min on 2 cores
     python -m benchmarks.bench_incremental --layers 4 --embd 256 --cases lora --stores local
     python -m benchmarks.bench_incremental --smoke              # seconds: a tiny model (the test runs this)
+    python -m benchmarks.bench_incremental --reference [ARGS]   # reference mode: bench_reference.py
 
 Per case x store x mode: bytes written per save after the first (every byte streamed through
 ``write``/``create``/``replace``/``overwrite`` of a ``CountingBackend`` around the store: tensors,
@@ -24,6 +25,11 @@ root's footprint after the last save with ``keep_last`` (every distinct file und
 hard links once, as ``du`` counts; and ``ckptsdk du``'s total), and the restore time into a fresh
 model and optimizer by a new read-only manager (page cache of the root dropped first), checked
 bit-exact tensor by tensor with ``torch.equal``.
+
+``--reference`` runs the fine-tune comparison of issue 48 instead (``benchmarks/bench_reference.py``,
+the rest of the arguments are its own): a 1 GiB frozen base with LoRA adapters and AdamW on the
+gpu-like step, ``frozen="reference"`` against ``frozen="store"`` (this benchmark's incremental
+mode) and against the Hugging Face Trainer's ``checkpoint-N`` files.
 """
 
 from __future__ import annotations
@@ -471,6 +477,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--reference" in argv:
+        from benchmarks import bench_reference
+
+        return bench_reference.main([a for a in argv if a != "--reference"])
     args = parse_args(argv)
     warnings.filterwarnings("ignore")  # peft's fan_in_fan_out notice, transformers' config notices
     logging.basicConfig(level=logging.WARNING)
