@@ -70,9 +70,18 @@ def _run(root: str, *, kill_at: int | None = None, hashing: bool = False) -> tor
     return model
 
 
-@pytest.mark.parametrize(("kill_at", "hashing"), [(2, True), (6, False), (8, False)])
-def test_sigkill_mid_run_then_resume_on_the_base_rebuilt_from_its_source(tmp_path, kill_at, hashing) -> None:
-    root = str(tmp_path / "root")
+@pytest.mark.parametrize(
+    ("kill_at", "hashing", "store"), [(2, True, "local"), (6, False, "local"), (8, False, "local"), (6, False, "drive")]
+)
+def test_sigkill_mid_run_then_resume_on_the_base_rebuilt_from_its_source(
+    tmp_path, monkeypatch, kill_at, hashing, store
+) -> None:
+    # drive: the Colab mount's rules (DriveBackend on a folder); the same machine takes its dead
+    # process's lease over at once there too, and the base is no more written than on a disk.
+    folder = tmp_path / "drive" / "root" if store == "drive" else tmp_path / "root"
+    root = "drive://root" if store == "drive" else str(folder)
+    (tmp_path / "drive").mkdir()  # the mount
+    monkeypatch.setenv("CKPTSDK_DRIVE_ROOT", str(tmp_path / "drive"))
     child = subprocess.run(
         [sys.executable, __file__, root, str(kill_at), "1" if hashing else "0"],
         cwd=REPO,
@@ -89,7 +98,8 @@ def test_sigkill_mid_run_then_resume_on_the_base_rebuilt_from_its_source(tmp_pat
     with CheckpointManager(root, read_only=True) as mgr:
         manifest = mgr.load_manifest()
     assert manifest.referenced[0].source == SOURCE
-    assert not list((tmp_path / "root").glob("shared/*"))  # the base was never written
+    assert not list(folder.glob("shared/*"))  # the base was never written
+    assert folder.is_dir()
 
 
 if __name__ == "__main__":  # the child: ROOT KILL_AT HASHING

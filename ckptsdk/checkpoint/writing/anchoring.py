@@ -84,7 +84,10 @@ class Anchor:
         referenced = frozenset(p for g in manifest.referenced for p in g.tensors)
         self.pipeline.sharing.seed(manifest)  # the restore proved these: recorded again, never written
         # As a first save: what the source shared goes to one new shared file, the rest with the folder.
-        hints = Hints({}, frozenset(p for p in tensors if p not in kept_shared), referenced)
+        # The referenced tensors' keys as the restore left them: the next save compares against these
+        # (no keys would read as "changed in place" there, and store the base in full from then on).
+        keys = {p: (tensors[p].data_ptr(), tensors[p]._version) for p in referenced if p in tensors}
+        hints = Hints(keys, frozenset(p for p in tensors if p not in kept_shared), referenced)
         self.pipeline.commit(replace(job, extra_files=tuple(extra), hints=hints), tensors, skeleton)
 
     def _rehomed(self, entry: SharedFile) -> SharedFile:
