@@ -48,6 +48,7 @@ from ckptsdk.errors import (
     LeaseLostError,
     NoValidCheckpointError,
 )
+from ckptsdk.format.layout import SHARED_PREFIX
 from ckptsdk.lease import acquire as lease_module
 from ckptsdk.manager import CheckpointManager, Simulation
 from tests.support.drive_deterministic_sim import FakeClock, FrozenBackend, SimDrive
@@ -560,6 +561,8 @@ class LineageMachine(RuleBasedStateMachine):
                     payload = self._restoring.get(actor.name, actor.weights).payload
                     self.committed[(step, rank)] = payload
                     self.committer.setdefault((step, rank), actor.name)
+        if key.startswith(SHARED_PREFIX):  # the frozen base's shared files: the schedules must reach them
+            self.stats["shared files deleted" if op == "delete" else "shared files written"] += 1
         lr = _lineage_rank(key)
         if lr is not None and op != "delete" and data is not None:
             rec = json.loads(data)
