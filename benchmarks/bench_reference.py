@@ -2,7 +2,8 @@
 """Reference mode (issue 48): a fine-tune's frozen base recorded by digest, never stored. Not a test.
 
 The job: a frozen base of ``--base-mib`` MiB (1 GiB by default: 1024x1024 float32 Linear layers,
-``requires_grad=False``), LoRA adapters (r=8) on one base layer in ``--lora-every`` (16), AdamW and
+``requires_grad=False``), ``--adapters`` LoRA adapters (r=8; 16, spread over the base's layers:
+the same trained state whatever the base's size, so the rows differ by the base alone), AdamW and
 a linear schedule. The step is ``gpu_like``'s: the GPU's forward and backward as a sleep of
 ``GPU_STEP_S`` (the base never enters a CPU graph), then the adapters' gradients and the optimizer
 step on the CPU. A non-blocking ``save()`` every ``--every`` (10) steps, ``keep_last=3``.
@@ -71,7 +72,7 @@ FOOTPRINT_MAX = 0.10  # reference mode's root, keep_last=3, against the base's b
 PAUSE_RATIO_MAX = 2.0  # pause with a 256 MiB base against a 32 MiB base
 PROOF_RATIO_MAX = 1.5  # the digest proof against a plain read of the base's bytes
 
-SMOKE = dict(base_mib=8, sizes=[8, 4], saves=3, every=2, reps=1, lora_every=2, step_s=0.0)
+SMOKE = dict(base_mib=8, sizes=[8, 4], saves=3, every=2, reps=1, adapters=2, step_s=0.0)
 
 
 # ------------------------------------------------------------------------------ the job
@@ -80,7 +81,7 @@ SMOKE = dict(base_mib=8, sizes=[8, 4], saves=3, every=2, reps=1, lora_every=2, s
 class Job:
     """A frozen base with LoRA adapters on some of its layers, AdamW, a linear schedule."""
 
-    def __init__(self, base_mib: int, lora_every: int, seed: int = 0) -> None:
+    def __init__(self, base_mib: int, adapters: int, seed: int = 0) -> None:
         torch.manual_seed(seed)  # the base's "source": rebuilt from it on resume
         layers = max(1, base_mib * (1 << 20) // (WIDTH * WIDTH * 4))
         self.base = torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(layers)])
@@ -88,7 +89,7 @@ class Job:
             p.requires_grad_(False)
         torch.manual_seed(seed + 1)
         self.lora = torch.nn.ModuleList()
-        for _ in range(0, layers, lora_every):
+        for _ in range(adapters):
             a = torch.nn.Linear(WIDTH, RANK, bias=False)
             b = torch.nn.Linear(RANK, WIDTH, bias=False)
             torch.nn.init.zeros_(b.weight)  # LoRA's B starts at zero
@@ -120,7 +121,12 @@ def folder_bytes(root: Path) -> int:
 
 
 def peak_rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    """This process's peak resident set (VmHWM). Not ``ru_maxrss``: Linux carries that over an
+    exec from the parent's memory at fork, so a child would report its parent's peak."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB (no /proc: not Linux)
 
 
 def _p99(xs: list[float]) -> float:
@@ -155,7 +161,7 @@ def run_ckptsdk(mode: str, job: Job, root: Path, cfg: dict[str, Any]) -> dict[st
 
 
 def restore_ckptsdk(root: Path, cfg: dict[str, Any]) -> tuple[float, Job]:
-    fresh = Job(cfg["base_mib"], cfg["lora_every"])  # the base rebuilt from its source
+    fresh = Job(cfg["base_mib"], cfg["adapters"])  # the base rebuilt from its source
     for p in fresh.lora.parameters():
         torch.nn.init.normal_(p)  # the adapters must come from the checkpoint
     t0 = time.perf_counter()
@@ -192,7 +198,7 @@ def run_trainer(job: Job, root: Path, cfg: dict[str, Any]) -> dict[str, Any]:
 def restore_trainer(root: Path, cfg: dict[str, Any]) -> tuple[float, Job]:
     from safetensors.torch import load_file
 
-    fresh = Job(cfg["base_mib"], cfg["lora_every"])
+    fresh = Job(cfg["base_mib"], cfg["adapters"])
     for p in fresh.lora.parameters():
         torch.nn.init.normal_(p)
     last = max(root.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
@@ -208,7 +214,7 @@ def child(cfg: dict[str, Any]) -> dict[str, Any]:
     """One configuration in this process: train and save, then restore into a fresh job."""
     torch.set_num_threads(cfg["threads"])
     root = Path(cfg["root"])
-    job = Job(cfg["base_mib"], cfg["lora_every"])
+    job = Job(cfg["base_mib"], cfg["adapters"])
     job_rss = peak_rss_mib()  # model + adapters; the optimizer's moments are small beside them
     if cfg["mode"] == "trainer":
         out = run_trainer(job, root, cfg)
@@ -255,7 +261,7 @@ def spawn(cfg: dict[str, Any]) -> dict[str, Any]:
 
 def proof_vs_read(base_mib: int, tmp: Path) -> dict[str, float]:
     """The digest proof of the base's tensors against plain reads of the same bytes from a file."""
-    job = Job(base_mib, 16)
+    job = Job(base_mib, 1)
     tensors = list(job.base.parameters())
     path = tmp / "base.bin"
     with open(path, "wb") as f:
@@ -290,8 +296,12 @@ def _timed(fn: Any) -> float:
 # ------------------------------------------------------------------------------ the report
 
 
+def _num(x: float) -> str:
+    return f"{x:.0f}" if abs(x) >= 100 else f"{x:.1f}" if abs(x) >= 10 else f"{x:.2f}" if abs(x) >= 0.1 else f"{x:.3f}"
+
+
 def _med(xs: list[float]) -> str:
-    return f"{statistics.median(xs):.3g} ({min(xs):.3g}-{max(xs):.3g})" if len(xs) > 1 else f"{xs[0]:.3g}"
+    return f"{_num(statistics.median(xs))} ({_num(min(xs))}-{_num(max(xs))})" if len(xs) > 1 else _num(xs[0])
 
 
 def report(rows: dict[tuple[str, int], list[dict[str, Any]]], proofs: list[dict[str, float]], base_mib: int) -> None:
@@ -353,7 +363,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--sizes", type=int, nargs="+", default=[256, 32], help="more bases, both modes (pause target)")
     ap.add_argument("--saves", type=int, default=12, help="saves per configuration (default 12)")
     ap.add_argument("--every", type=int, default=10, help="steps between saves (default 10)")
-    ap.add_argument("--lora-every", type=int, default=16, help="a LoRA adapter on one base layer in this many")
+    ap.add_argument("--adapters", type=int, default=16, help="LoRA adapters (r=8), whatever the base's size")
     ap.add_argument("--reps", type=int, default=2, help="rounds, the order reversed each round (default 2)")
     ap.add_argument("--threads", type=int, default=2, help="torch threads per configuration")
     ap.add_argument("--dir", default=None, help="where the roots go (default: a temp folder on disk)")
