@@ -336,3 +336,54 @@ def test_a_fresh_start_after_a_longer_run_keeps_its_own_first_checkpoint(kind, t
     cat = scan(open_backend(url))
     assert [(c.step, c.epoch) for c in cat.restorable()] == [(10, epoch)]
     assert {c.step for c in cat.checkpoints if c.orphan} >= {40, 50}  # orphans, left to gc: nothing deleted
+
+
+@pytest.mark.parametrize("kind", ["memory", "local"])
+def test_a_writer_fenced_before_its_first_save_records_no_fresh_start(kind, tmp_path) -> None:
+    """Found by the deep lineage profile (2026-12-06): W1 commits step 10 and closes; W2 opens and
+    does not restore; W3 opens with force (epoch 3); W2 saves. Its first save recorded W2's lineage
+    ("epoch 2 started fresh") after a check that does no I/O, and only the commit's renewal found
+    epoch 3: a record of a writer already superseded, saying the run started over, beside a
+    takeover that resumed step 10. Now the record is written only after the lease is confirmed."""
+    clock = FakeClock()
+    name = f"lineage-fenced-fresh-{id(clock)}"
+    backend: Any = MemoryBackend(name) if kind == "memory" else str(tmp_path / "run")
+    managers: list[CheckpointManager] = []
+    try:
+
+        def open_writer(force: bool = False) -> CheckpointManager:
+            m = CheckpointManager(
+                backend,
+                keep_last=1,
+                lease_options=LeaseOptions(ttl=60.0, force=force),
+                _simulation=Simulation(
+                    heartbeat=False, clock=clock, sleep=lambda dt: setattr(clock, "now", clock.now + dt)
+                ),
+                run_id="run",
+            )
+            managers.append(m)
+            return m
+
+        w1 = open_writer()
+        assert w1.restore(Weights(1, 0)) is None
+        w1.save(Weights(1, 10), step=10, blocking=True)
+        w1.close()
+        w2 = open_writer()  # takes the released lease (epoch 2), restores nothing
+        w3 = open_writer(force=True)  # epoch 3
+        with pytest.raises(LeaseLostError):
+            w2.save(Weights(2, 10), step=10, blocking=True)
+        store = w3._writer.backend
+        assert not store.exists("lineage/epoch-000002.json"), "the superseded writer recorded a fresh start"
+        assert not store.exists("step-0000000010.e2/manifest.json")
+        state = Weights(0, 0)
+        rp = w3.restore(state)
+        assert rp is not None and rp.step == 10 and state.payload == (1, 10)
+        w3.close()
+        state = Weights(0, 0)
+        rp = CheckpointManager(backend, read_only=True).restore(state)
+        assert rp is not None and rp.step == 10 and state.payload == (1, 10)  # nothing lost
+    finally:
+        for m in managers:
+            m._shutdown._closed = True
+        if kind == "memory":
+            MemoryBackend.discard_store(name)

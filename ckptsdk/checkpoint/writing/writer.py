@@ -116,7 +116,10 @@ class WriterSession:
             host=socket.gethostname(),
             pid=os.getpid(),
         )
-        lease.check()
+        # Confirmed, not just checked (no I/O): a record says where the run goes on from (a fresh
+        # start orphans every lower rank), so a writer superseded since its last renewal must not
+        # leave one. One stat on stores with compare-and-swap, once per writer.
+        lease.confirm()
         try:
             self.backend.create(self.lineage.lineage_key, record.to_json())
         except PreconditionFailed as exc:
