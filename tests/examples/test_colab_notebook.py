@@ -304,7 +304,10 @@ def test_notebook_killed_mid_training_resumes_bit_exact_in_a_new_runtime(tmp_pat
     assert "resumed" in text.lower(), text
     audit_cell = next(c for first, c in cells.items() if first == "import ckptsdk")
     audit_text = "".join(o.get("text", "") for o in audit_cell.outputs)
-    assert "bit-exact" in audit_text and "2 attempts" in audit_text, audit_text
+    # A kill that lands right after a save's commit leaves no step to run twice: the audit then
+    # names that case (issue 47, item 14) instead of comparing; anything else (a lost log) fails.
+    handoff = "handoff at a save: no step ran twice" in audit_text
+    assert ("bit-exact" in audit_text or handoff) and "2 attempts" in audit_text, audit_text
     assert any("image/png" in o.get("data", {}) for o in audit_cell.outputs)  # the loss plot
     assert "checkpoint(s) intact" in text and "restorable by their manifest" in text, text  # the last cell
 
