@@ -233,8 +233,12 @@ def main(argv: list[str] | None = None) -> int:
                 run_block(job, args.block, every, mgr, counters[key], runs[key])
                 counters[key] += args.block
         report["runs"] = runs
-        for per in mgrs.values():
-            for m in per.values():
+        for s, per in mgrs.items():
+            for e, m in per.items():
+                # Untimed: save each manager's last step, so close() has no unsaved steps to warn of.
+                last, newest = counters[f"{s}/{e}"], m.latest()
+                if newest is None or newest.step < last:
+                    m.save(job.state, step=last)
                 m.close()
         report["state_mb"] = state_mb
         if not args.no_sigterm:

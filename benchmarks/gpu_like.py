@@ -155,7 +155,8 @@ def main(args: argparse.Namespace) -> int:
             drain[lat] = time.perf_counter() - t
         stats = {lat: m.stats for lat, m in mgrs.items()}
         sizes = {lat: statistics.median([c.size for c in m.list()] or [0]) for lat, m in mgrs.items()}
-        for m in mgrs.values():
+        for lat, m in mgrs.items():
+            m.save(job.state, step=at[lat])  # untimed, after the figures: close() has no unsaved steps to warn of
             m.close()
     load1 = os.getloadavg()
     base = sum(res[None]["runs"])
