@@ -29,7 +29,7 @@ MAX_MODULES_PER_ROOM = 14
 #: Findings of ``ruff check --select C901,PLR0913`` (thresholds: pyproject's [tool.ruff.lint.mccabe]
 #: and [tool.ruff.lint.pylint]) over the shipped code. Ceilings only go down: when you simplify a
 #: function below the threshold, lower its number here in the same commit.
-CEILINGS = {"C901": 19, "PLR0913": 49}
+CEILINGS = {"C901": 18, "PLR0913": 49}
 
 
 def _module_name(path: Path) -> str:

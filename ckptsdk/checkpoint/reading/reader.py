@@ -440,9 +440,6 @@ class CheckpointReader:
     def _read_tree(self, info: CheckpointInfo, into: LiveTarget | None, filled: _Filled, *, strict: bool = True) -> Any:
         # torch (tensors, the codec, RNG checks) only here: listing and verifying a root, as the
         # CLI does, never pays its import.
-        import torch
-
-        from ckptsdk.format.decoding import decode_before_values
         from ckptsdk.format.files.hashedread import open_file
         from ckptsdk.format.files.readahead import read_ahead
         from ckptsdk.format.files.tensorfile import open_tensorfile
@@ -490,53 +487,9 @@ class CheckpointReader:
                 for tf, (mine, wanted), own in zip(opened, plans, fresh, strict=True)
             ]
             tensors = allocated[0]
-            for path, t in base.items():
-                if path in tensors:
-                    raise CorruptCheckpointError(
-                        f"checkpoint {self.url}/{info.key}: tensor {path!r} is both stored and referenced; "
-                        "it cannot be restored (restore falls back to an earlier checkpoint)",
-                        url=self.url,
-                        step=info.step,
-                        key=info.key,
-                    )
-                tensors[path] = t
-            copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (an alias's own tensor, what it copies)
-            for shared, held in zip(manifest.shared, allocated[1:], strict=True):
-                # tensors unchanged since an earlier save: verified the same way
-                handed: set[str] = set()
-                for path in shared.tensors:
-                    key = shared.aliases.get(path, path)  # equal bytes (tied weights): stored once, under one key
-                    if key not in held or path in tensors:
-                        why = "does not hold" if key not in held else "repeats the folder's"
-                        raise CorruptCheckpointError(
-                            f"checkpoint {self.url}/{info.key}: shared file {shared.name} {why} tensor {path!r}; "
-                            "it cannot be restored (restore falls back to an earlier checkpoint)",
-                            url=self.url,
-                            step=info.step,
-                            key=info.key,
-                        )
-                    # An alias means equal bytes, not one storage: two zero momentum buffers share a
-                    # key, and handing both paths one tensor would make the optimizer update it twice
-                    # per step after the resume. Every path after the first gets its own copy.
-                    if key in handed:
-                        copies.append((torch.empty_like(held[key]), held[key]))
-                        tensors[path] = copies[-1][0]
-                    else:
-                        tensors[path] = held[key]
-                        handed.add(key)
-            try:
-                tree, complete = decode_before_values(manifest.tree, tensors)
-                unused = set(tensors) - manifest.tensor_path_set()
-                if unused:  # the tree lost a leaf (a momentum buffer): never restore part of a state
-                    raise ValueError(f"the tensor file holds {sorted(unused)[:3]} that the tree never uses")
-            except (KeyError, ValueError, TypeError) as exc:
-                raise CorruptCheckpointError(
-                    f"checkpoint {self.url}/{info.key}: its manifest tree does not match its tensors "
-                    f"({exc}); it cannot be restored",
-                    url=self.url,
-                    step=info.step,
-                    key=info.key,
-                ) from exc
+            self._place_base(info, tensors, base)
+            copies = self._place_shared(info, tensors, allocated[1:])
+            tree, complete = self._decode(info, tensors)
             if into is not None:
                 into.check_fit(tree, strict=strict)  # before any byte lands in a live tensor
             try:
@@ -552,6 +505,75 @@ class CheckpointReader:
                     filled.spoiled = _poison(live)
                 raise
         return tree
+
+    def _place_base(self, info: CheckpointInfo, tensors: dict[str, Any], base: dict[str, Any]) -> None:
+        """Add the proven live base to the folder's tensors (a path both stored and referenced is damage)."""
+        for path, t in base.items():
+            if path in tensors:
+                raise CorruptCheckpointError(
+                    f"checkpoint {self.url}/{info.key}: tensor {path!r} is both stored and referenced; "
+                    "it cannot be restored (restore falls back to an earlier checkpoint)",
+                    url=self.url,
+                    step=info.step,
+                    key=info.key,
+                )
+            tensors[path] = t
+
+    def _place_shared(
+        self, info: CheckpointInfo, tensors: dict[str, Any], allocated: builtins.list[dict[str, Any]]
+    ) -> builtins.list[tuple[Any, Any]]:
+        """Add each shared file's tensors (unchanged since an earlier save, verified the same way)
+        to ``tensors``; return the copies still to make once filled: (an alias's own tensor, its source)."""
+        import torch
+
+        manifest = info.manifest
+        assert manifest is not None
+        copies: builtins.list[tuple[torch.Tensor, torch.Tensor]] = []
+        for shared, held in zip(manifest.shared, allocated, strict=True):
+            handed: set[str] = set()
+            for path in shared.tensors:
+                key = shared.aliases.get(path, path)  # equal bytes (tied weights): stored once, under one key
+                if key not in held or path in tensors:
+                    why = "does not hold" if key not in held else "repeats the folder's"
+                    raise CorruptCheckpointError(
+                        f"checkpoint {self.url}/{info.key}: shared file {shared.name} {why} tensor {path!r}; "
+                        "it cannot be restored (restore falls back to an earlier checkpoint)",
+                        url=self.url,
+                        step=info.step,
+                        key=info.key,
+                    )
+                # An alias means equal bytes, not one storage: two zero momentum buffers share a
+                # key, and handing both paths one tensor would make the optimizer update it twice
+                # per step after the resume. Every path after the first gets its own copy.
+                if key in handed:
+                    copies.append((torch.empty_like(held[key]), held[key]))
+                    tensors[path] = copies[-1][0]
+                else:
+                    tensors[path] = held[key]
+                    handed.add(key)
+        return copies
+
+    def _decode(self, info: CheckpointInfo, tensors: dict[str, Any]) -> tuple[Any, Callable[[], None]]:
+        """The manifest's tree over ``tensors`` (values still unfilled) and what completes it once
+        they are; a tree that does not match the tensors is damage."""
+        from ckptsdk.format.decoding import decode_before_values
+
+        manifest = info.manifest
+        assert manifest is not None
+        try:
+            tree, complete = decode_before_values(manifest.tree, tensors)
+            unused = set(tensors) - manifest.tensor_path_set()
+            if unused:  # the tree lost a leaf (a momentum buffer): never restore part of a state
+                raise ValueError(f"the tensor file holds {sorted(unused)[:3]} that the tree never uses")
+        except (KeyError, ValueError, TypeError) as exc:
+            raise CorruptCheckpointError(
+                f"checkpoint {self.url}/{info.key}: its manifest tree does not match its tensors "
+                f"({exc}); it cannot be restored",
+                url=self.url,
+                step=info.step,
+                key=info.key,
+            ) from exc
+        return tree, complete
 
 
 def _unchecked(manifest: Manifest) -> str | None:
