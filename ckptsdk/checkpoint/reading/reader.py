@@ -510,13 +510,7 @@ class CheckpointReader:
         """Add the proven live base to the folder's tensors (a path both stored and referenced is damage)."""
         for path, t in base.items():
             if path in tensors:
-                raise CorruptCheckpointError(
-                    f"checkpoint {self.url}/{info.key}: tensor {path!r} is both stored and referenced; "
-                    "it cannot be restored (restore falls back to an earlier checkpoint)",
-                    url=self.url,
-                    step=info.step,
-                    key=info.key,
-                )
+                raise self._damage(info, f"tensor {path!r} is both stored and referenced")
             tensors[path] = t
 
     def _place_shared(
@@ -535,13 +529,7 @@ class CheckpointReader:
                 key = shared.aliases.get(path, path)  # equal bytes (tied weights): stored once, under one key
                 if key not in held or path in tensors:
                     why = "does not hold" if key not in held else "repeats the folder's"
-                    raise CorruptCheckpointError(
-                        f"checkpoint {self.url}/{info.key}: shared file {shared.name} {why} tensor {path!r}; "
-                        "it cannot be restored (restore falls back to an earlier checkpoint)",
-                        url=self.url,
-                        step=info.step,
-                        key=info.key,
-                    )
+                    raise self._damage(info, f"shared file {shared.name} {why} tensor {path!r}")
                 # An alias means equal bytes, not one storage: two zero momentum buffers share a
                 # key, and handing both paths one tensor would make the optimizer update it twice
                 # per step after the resume. Every path after the first gets its own copy.
@@ -566,14 +554,18 @@ class CheckpointReader:
             if unused:  # the tree lost a leaf (a momentum buffer): never restore part of a state
                 raise ValueError(f"the tensor file holds {sorted(unused)[:3]} that the tree never uses")
         except (KeyError, ValueError, TypeError) as exc:
-            raise CorruptCheckpointError(
-                f"checkpoint {self.url}/{info.key}: its manifest tree does not match its tensors "
-                f"({exc}); it cannot be restored",
-                url=self.url,
-                step=info.step,
-                key=info.key,
-            ) from exc
+            raise self._damage(info, f"its manifest tree does not match its tensors ({exc})") from exc
         return tree, complete
+
+    def _damage(self, info: CheckpointInfo, what: str) -> CorruptCheckpointError:
+        """The error for a checkpoint whose parts do not fit together: ``restore`` falls back past it."""
+        return CorruptCheckpointError(
+            f"checkpoint {self.url}/{info.key}: {what}; it cannot be restored (restore falls back to an "
+            "earlier checkpoint)",
+            url=self.url,
+            step=info.step,
+            key=info.key,
+        )
 
 
 def _unchecked(manifest: Manifest) -> str | None:
