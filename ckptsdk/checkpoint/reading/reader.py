@@ -438,8 +438,8 @@ class CheckpointReader:
         return base
 
     def _read_tree(self, info: CheckpointInfo, into: LiveTarget | None, filled: _Filled, *, strict: bool = True) -> Any:
-        # torch (tensors, the codec, RNG checks) only here: listing and verifying a root, as the
-        # CLI does, never pays its import.
+        # torch (tensors, the codec, RNG checks) only on this path (here and the steps it calls):
+        # listing and verifying a root, as the CLI does, never pays its import.
         from ckptsdk.format.files.hashedread import open_file
         from ckptsdk.format.files.readahead import read_ahead
         from ckptsdk.format.files.tensorfile import open_tensorfile
